@@ -1,0 +1,84 @@
+"""The `weightsync` command line. Each command parses input, calls one function, renders the result."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from weightsync.errors import WeightsyncError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Store and replicate model weights as exact compressed deltas.")
+
+
+def fail(message: str, code: int = 1) -> None:
+    """Print a one-line error to stderr and exit non-zero (no traceback)."""
+    typer.echo(f"weightsync: error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+@app.command()
+def diff(
+    base: Annotated[Path, typer.Argument(help="Base version: a safetensors file or a directory.")],
+    new: Annotated[Path, typer.Argument(help="New version, of the same shape (file or directory).")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Delta file to write.")],
+    threads: Annotated[int, typer.Option(help="Encoder threads (0 = all cores).")] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Write the delta that turns BASE into NEW (like bsdiff, for checkpoints)."""
+    from weightsync.codec import Encoder
+    from weightsync.codec import diff as run_diff
+
+    try:
+        stats = run_diff(base, new, output, encoder=Encoder(threads=threads or None))
+    except (WeightsyncError, OSError, ValueError) as exc:
+        fail(_describe(exc))
+    ratio = stats.raw_bytes / max(stats.delta_bytes, 1)
+    if as_json:
+        typer.echo(json.dumps({"raw_bytes": stats.raw_bytes, "bytes": stats.delta_bytes, "ratio": ratio,
+                               "frames": stats.frames, "delta_frames": stats.delta_frames}))
+    else:
+        typer.echo(f"{output}: {_human(stats.delta_bytes)} for {_human(stats.raw_bytes)} ({ratio:.1f}x)")
+
+
+@app.command()
+def patch(
+    base: Annotated[Path, typer.Argument(help="The base the delta was made against.")],
+    delta: Annotated[Path, typer.Argument(help="Delta file written by `weightsync diff`.")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Where to write the result.")],
+    threads: Annotated[int, typer.Option(help="Decoder threads (0 = all cores).")] = 0,
+) -> None:
+    """Apply DELTA to BASE; OUT is byte-identical to the diffed NEW, or nothing is written."""
+    from weightsync.codec import Decoder
+    from weightsync.codec import patch as run_patch
+
+    try:
+        run_patch(base, delta, output, decoder=Decoder(threads=threads or None))
+    except (WeightsyncError, OSError, ValueError) as exc:
+        fail(_describe(exc))
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.filename}: {exc.strerror}" if exc.filename else exc.strerror
+    return f"{type(exc).__name__}: {exc}" if isinstance(exc, WeightsyncError) else str(exc)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.exit(130)

@@ -1,0 +1,153 @@
+"""Checkpoints as the codec sees them: files cut into typed segments (docs/FORMAT.md §2).
+
+Every file is a sequence of segments that together cover it exactly. A
+safetensors file is its header (kind "header", U8) followed by its tensors
+(kind "tensor", their own dtype); any other file is one "blob" segment of U8.
+Concatenating a file's segments gives the file back byte for byte, so the
+safetensors header and ``__metadata__`` survive unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from weightsync.codec import safetensors
+from weightsync.codec.dtypes import U8, DType
+from weightsync.errors import InvalidName, SafetensorsError
+
+STATE_DIR = ".weightsync"
+"""Directory inside a checkout that holds client state; never part of a version."""
+
+MAX_PATH = 1024
+_BAD_COMPONENT = re.compile(r"^\.{1,2}$|[\x00-\x1f\\]")
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A typed byte range of a file: a safetensors header, a tensor or a whole blob."""
+
+    kind: str  # "header" | "tensor" | "blob"
+    name: str
+    dtype: DType
+    shape: tuple[int, ...]
+    offset: int
+    length: int
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """Identity used to pair a segment with its counterpart in the base version."""
+        return (self.kind, self.name)
+
+
+@dataclass(frozen=True)
+class FileLayout:
+    """A file's relative path, size and segments (in order, covering the file)."""
+
+    path: str
+    size: int
+    segments: tuple[Segment, ...]
+
+
+@dataclass
+class CheckpointFile:
+    """A file's layout plus its bytes (a read-only memory map or an in-memory array)."""
+
+    layout: FileLayout
+    data: np.ndarray
+
+    def segment_bytes(self, seg: Segment) -> np.ndarray:
+        return self.data[seg.offset : seg.offset + seg.length]
+
+
+def check_path(path: str) -> str:
+    """Validate a relative POSIX file path from a manifest or a directory walk; InvalidName if unsafe."""
+    if not isinstance(path, str) or not path or len(path) > MAX_PATH:
+        raise InvalidName(f"bad file path {path!r}")
+    parts = path.split("/")
+    if path.startswith("/") or any(not p or _BAD_COMPONENT.search(p) for p in parts):
+        raise InvalidName(f"unsafe file path {path!r}")
+    if parts[0] == STATE_DIR:
+        raise InvalidName(f"file path {path!r} is inside the reserved {STATE_DIR}/ directory")
+    return path
+
+
+def layout_of(path: str, data: np.ndarray) -> FileLayout:
+    """Cut `data` (a file's bytes) into segments: safetensors when it parses as one, else a blob."""
+    size = len(data)
+    if path.endswith(".safetensors") and size >= 8:
+        try:
+            total = safetensors.header_length(data[:8].tobytes(), size)
+            parsed = safetensors.parse(data[:total].tobytes(), size)
+        except SafetensorsError:
+            parsed = None  # not a valid safetensors file: still carried exactly, as a blob
+        if parsed is not None:
+            segs = [Segment("header", "", U8, (parsed.header_len,), 0, parsed.header_len)]
+            segs += [Segment("tensor", t.name, t.dtype, t.shape, t.start, t.end - t.start)
+                     for t in parsed.tensors]
+            return FileLayout(path, size, tuple(segs))
+    return FileLayout(path, size, (Segment("blob", "", U8, (size,), 0, size),))
+
+
+def _map(path: Path) -> np.ndarray:
+    if path.stat().st_size == 0:
+        return np.zeros(0, dtype=np.uint8)
+    return np.memmap(path, dtype=np.uint8, mode="r")
+
+
+def list_files(root: Path) -> list[str]:
+    """Relative paths of the regular files under directory `root`, sorted, state dir excluded."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel_dir = Path(dirpath).relative_to(root)
+        if rel_dir == Path("."):
+            dirnames[:] = [d for d in dirnames if d != STATE_DIR]
+        dirnames.sort()
+        for name in filenames:
+            full = Path(dirpath) / name
+            if full.is_symlink() or not full.is_file():
+                continue
+            out.append(check_path((rel_dir / name).as_posix()))
+    return sorted(out)
+
+
+class Checkpoint:
+    """A version's files, in order. Either a single file or a directory tree."""
+
+    def __init__(self, files: list[CheckpointFile], *, single_file: bool = False) -> None:
+        self.files = files
+        self.single_file = single_file
+
+    @classmethod
+    def open(cls, path: str | os.PathLike) -> Checkpoint:
+        """Map a safetensors file or a directory of files; FileNotFoundError if absent."""
+        root = Path(path)
+        if root.is_dir():
+            files = [CheckpointFile(layout_of(rel, data := _map(root / rel)), data)
+                     for rel in list_files(root)]
+            return cls(files)
+        if not root.exists():
+            raise FileNotFoundError(f"{root}: no such file or directory")
+        data = _map(root)
+        return cls([CheckpointFile(layout_of(check_path(root.name), data), data)], single_file=True)
+
+    @classmethod
+    def from_bytes(cls, files: dict[str, bytes | bytearray | np.ndarray]) -> Checkpoint:
+        """A checkpoint from in-memory file contents keyed by relative path."""
+        out = []
+        for rel in sorted(files):
+            data = np.frombuffer(files[rel], dtype=np.uint8) if not isinstance(files[rel], np.ndarray) \
+                else files[rel].view(np.uint8).reshape(-1)
+            out.append(CheckpointFile(layout_of(check_path(rel), data), data))
+        return cls(out)
+
+    def by_path(self) -> dict[str, CheckpointFile]:
+        return {f.layout.path: f for f in self.files}
+
+    @property
+    def raw_bytes(self) -> int:
+        return sum(f.layout.size for f in self.files)

@@ -1,0 +1,296 @@
+"""Encode a checkpoint against a base into frames and a manifest, and decode it back.
+
+Chunking (docs/FORMAT.md §5.3): a tensor larger than ``chunk_bytes`` is cut into
+independently decodable frames; smaller segments of one dtype are grouped into a
+frame so thousands of tiny tensors do not make thousands of frames. Frames are
+encoded and decoded on a thread pool: zstd, xxhash and large numpy operations
+release the GIL, so this scales with cores.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from weightsync.codec.checkpoint import Checkpoint, CheckpointFile
+from weightsync.codec.dtypes import DType
+from weightsync.codec.frame import DEFAULT_LEVEL, apply_frame, encode_delta, encode_key, xxh3_128
+from weightsync.codec.manifest import FileEntry, FrameRef, Manifest, Piece, SegmentEntry
+from weightsync.errors import BaseMismatch, ChecksumMismatch, LimitExceeded
+
+DEFAULT_CHUNK = 16 << 20
+
+
+def default_threads() -> int:
+    return os.cpu_count() or 1
+
+
+@dataclass
+class EncodedFrame:
+    """A frame's bytes plus what it decodes into (the manifest entry lacks only its location)."""
+
+    data: bytes
+    delta: bool
+    dtype: str
+    raw_len: int
+    pieces: tuple[Piece, ...]
+
+
+@dataclass
+class Encoded:
+    """The result of encoding: a manifest whose frame refs point into `frames` by index."""
+
+    manifest: Manifest
+    frames: list[EncodedFrame]
+
+    def with_locations(self, locate: Callable[[int, EncodedFrame], tuple[str | None, int]]) -> Manifest:
+        """The manifest with each frame's (object, offset) set by `locate(index, frame)`."""
+        refs = []
+        for i, fr in enumerate(self.frames):
+            obj, off = locate(i, fr)
+            refs.append(FrameRef(obj, off, len(fr.data), fr.delta, fr.dtype, fr.raw_len, fr.pieces))
+        m = self.manifest
+        return Manifest(kind=m.kind, single_file=m.single_file, files=m.files, frames=refs, model=m.model,
+                        number=m.number, parent=m.parent, step=m.step, metadata=m.metadata)
+
+
+@dataclass
+class _Plan:
+    delta: bool
+    dtype: DType
+    pieces: list[Piece]
+
+    @property
+    def raw_len(self) -> int:
+        return sum(p.length for p in self.pieces)
+
+
+def _gather(files: list[np.ndarray], pieces: list[Piece] | tuple[Piece, ...],
+            offset_of: Callable[[Piece], int]) -> np.ndarray:
+    """The bytes of `pieces`, contiguous: a view for one piece, a copy for several."""
+    parts = [files[p.file][offset_of(p) : offset_of(p) + p.length] for p in pieces]
+    if len(parts) == 1:
+        return parts[0]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint8)
+
+
+def _plan(entries: list[list[tuple[SegmentEntry, bool]]], chunk_bytes: int) -> list[_Plan]:
+    plans: list[_Plan] = []
+    open_groups: dict[tuple[bool, str], _Plan] = {}
+    for fi, segs in enumerate(entries):
+        for si, (entry, delta) in enumerate(segs):
+            seg = entry.segment
+            if seg.length == 0:
+                continue
+            step = max(seg.dtype.width, chunk_bytes - chunk_bytes % seg.dtype.width)
+            if seg.length >= chunk_bytes:
+                for off in range(0, seg.length, step):
+                    plans.append(_Plan(delta, seg.dtype, [Piece(fi, si, off, min(step, seg.length - off))]))
+                continue
+            key = (delta, seg.dtype.name)
+            group = open_groups.get(key)
+            if group is not None and group.raw_len + seg.length > chunk_bytes:
+                plans.append(group)
+                group = None
+            if group is None:
+                group = open_groups[key] = _Plan(delta, seg.dtype, [])
+            group.pieces.append(Piece(fi, si, 0, seg.length))
+    plans.extend(g for g in open_groups.values() if g.pieces)
+    return plans
+
+
+class Encoder:
+    """Reusable encoder. Thread-safe: one instance may serve concurrent `encode` calls.
+
+    ``threads`` sets the pool size (default: all cores), ``level`` the zstd level,
+    ``chunk_bytes`` the frame size target.
+    """
+
+    def __init__(self, *, threads: int | None = None, level: int = DEFAULT_LEVEL,
+                 chunk_bytes: int = DEFAULT_CHUNK) -> None:
+        if chunk_bytes < 1024:
+            raise ValueError("chunk_bytes must be at least 1024")
+        self.threads = threads or default_threads()
+        self.level = level
+        self.chunk_bytes = chunk_bytes
+
+    def encode(self, new: Checkpoint, base: Checkpoint | None = None, *,
+               base_hashes: dict[tuple[str, str, str], str] | None = None,
+               keyframe: bool = False) -> Encoded:
+        """Encode `new`, as XOR deltas against `base` wherever a segment has a counterpart.
+
+        A counterpart is the segment of the same kind and name, dtype and shape in
+        the base file of the same path (the only base file in single-file mode).
+        Segments without one are coded whole. ``keyframe=True`` ignores `base`.
+        ``base_hashes`` maps (path, kind, name) to known xxh3 hex of base segments
+        (skips hashing the base again).
+        """
+        if keyframe:
+            base = None
+        base_files = self._match_files(new, base)
+        with ThreadPoolExecutor(self.threads) as pool:
+            hashes = self._hash_segments(pool, new.files)
+            entries: list[list[tuple[SegmentEntry, bool]]] = []
+            base_arrays: list[np.ndarray] = []
+            base_jobs = []
+            for fi, f in enumerate(new.files):
+                b = base_files[fi]
+                base_arrays.append(b.data if b is not None else np.zeros(0, dtype=np.uint8))
+                counterpart = {s.key: s for s in b.layout.segments} if b is not None else {}
+                row = []
+                for si, seg in enumerate(f.layout.segments):
+                    other = counterpart.get(seg.key)
+                    usable = (other is not None and other.dtype is seg.dtype and other.shape == seg.shape
+                              and other.length == seg.length)
+                    if usable:
+                        known = (base_hashes or {}).get((b.layout.path, other.kind, other.name))
+                        if known is None:
+                            base_jobs.append((fi, si, pool.submit(xxh3_128, b.segment_bytes(other))))
+                        row.append([seg, hashes[fi][si], other.offset, known])
+                    else:
+                        row.append([seg, hashes[fi][si], None, None])
+                entries.append(row)
+            for fi, si, fut in base_jobs:
+                entries[fi][si][3] = fut.result().hex()
+            seg_entries = [[(SegmentEntry(seg, h, bo, bh), bo is not None) for seg, h, bo, bh in row]
+                           for row in entries]
+            new_arrays = [f.data for f in new.files]
+            plans = _plan(seg_entries, self.chunk_bytes)
+            flat = [[e for e, _ in row] for row in seg_entries]
+
+            def run(plan: _Plan) -> EncodedFrame:
+                data = _gather(new_arrays, plan.pieces,
+                               lambda p: flat[p.file][p.seg].segment.offset + p.offset)
+                if plan.delta:
+                    old = _gather(base_arrays, plan.pieces,
+                                  lambda p: flat[p.file][p.seg].base_offset + p.offset)
+                    blob = encode_delta(np.asarray(old), np.asarray(data), plan.dtype, level=self.level)
+                else:
+                    blob = encode_key(np.asarray(data), plan.dtype, level=self.level)
+                return EncodedFrame(blob, plan.delta, plan.dtype.name, plan.raw_len, tuple(plan.pieces))
+
+            frames = list(pool.map(run, plans))
+        files = [FileEntry(f.layout.path, f.layout.size, tuple(row)) for f, row in zip(new.files, flat)]
+        kind = "delta" if any(e.base_offset is not None for row in flat for e in row) else "keyframe"
+        manifest = Manifest(kind=kind, single_file=new.single_file, files=files,
+                            frames=[FrameRef(None, 0, len(fr.data), fr.delta, fr.dtype, fr.raw_len, fr.pieces)
+                                    for fr in frames])
+        return Encoded(manifest, frames)
+
+    @staticmethod
+    def _match_files(new: Checkpoint, base: Checkpoint | None) -> list[CheckpointFile | None]:
+        if base is None:
+            return [None] * len(new.files)
+        if new.single_file and base.single_file and len(base.files) == 1:
+            return [base.files[0]]
+        by_path = base.by_path()
+        return [by_path.get(f.layout.path) for f in new.files]
+
+    @staticmethod
+    def _hash_segments(pool: ThreadPoolExecutor, files: list[CheckpointFile]) -> list[list[str]]:
+        futs = [[pool.submit(xxh3_128, f.segment_bytes(s)) for s in f.layout.segments] for f in files]
+        return [[fu.result().hex() for fu in row] for row in futs]
+
+
+class Decoder:
+    """Reusable decoder. Thread-safe; ``threads`` sets the pool size (default: all cores)."""
+
+    def __init__(self, *, threads: int | None = None) -> None:
+        self.threads = threads or default_threads()
+
+    def decode(self, manifest: Manifest, read_frame: Callable[[FrameRef], bytes | memoryview],
+               outputs: list[np.ndarray], base: Checkpoint | None = None, *, verify_base: bool = True) -> None:
+        """Write every file of `manifest` into `outputs` (writable uint8 arrays, one per file, in order).
+
+        `read_frame` returns a frame's bytes given its ref. For a delta manifest
+        `base` holds the parent version; every delta segment's base bytes are
+        hash-checked first (BaseMismatch naming the tensor, nothing written). Every
+        output segment is hash-checked at the end (ChecksumMismatch).
+        """
+        if len(outputs) != len(manifest.files):
+            raise LimitExceeded("one output buffer per file is required")
+        for f, out in zip(manifest.files, outputs):
+            if out.dtype != np.uint8 or out.ndim != 1 or len(out) != f.size:
+                raise LimitExceeded(f"{f.path}: output buffer must hold {f.size} bytes")
+        base_arrays = self._base_arrays(manifest, base)
+        with ThreadPoolExecutor(self.threads) as pool:
+            if verify_base:
+                self._check_base(pool, manifest, base_arrays)
+
+            def run(ref: FrameRef) -> None:
+                blob = read_frame(ref)
+                pieces = ref.pieces
+                if len(pieces) == 1:
+                    p = pieces[0]
+                    entry = manifest.files[p.file].segments[p.seg]
+                    start = entry.segment.offset + p.offset
+                    target = outputs[p.file][start : start + p.length]
+                    if ref.delta:
+                        b0 = entry.base_offset + p.offset
+                        target[:] = base_arrays[p.file][b0 : b0 + p.length]
+                    apply_frame(blob, target, verify_base=verify_base)
+                    return
+                if ref.delta:
+                    scratch = np.array(_gather(base_arrays, pieces,
+                                               lambda p: manifest.files[p.file].segments[p.seg].base_offset
+                                               + p.offset), copy=True)
+                else:
+                    scratch = np.empty(ref.raw_len, dtype=np.uint8)
+                apply_frame(blob, scratch, verify_base=verify_base)
+                pos = 0
+                for p in pieces:
+                    start = manifest.files[p.file].segments[p.seg].segment.offset + p.offset
+                    outputs[p.file][start : start + p.length] = scratch[pos : pos + p.length]
+                    pos += p.length
+
+            for _ in pool.map(run, manifest.frames):
+                pass
+            self._check_result(pool, manifest, outputs)
+
+    @staticmethod
+    def _base_arrays(manifest: Manifest, base: Checkpoint | None) -> list[np.ndarray]:
+        needs = [any(e.base_offset is not None for e in f.segments) for f in manifest.files]
+        if not any(needs):
+            return [np.zeros(0, dtype=np.uint8)] * len(manifest.files)
+        if base is None:
+            raise BaseMismatch("this delta needs a base version")
+        if manifest.single_file and len(base.files) == 1:
+            return [base.files[0].data]
+        by_path = base.by_path()
+        out = []
+        for f, need in zip(manifest.files, needs):
+            b = by_path.get(f.path)
+            if need and b is None:
+                raise BaseMismatch(f"base has no file {f.path!r}")
+            out.append(b.data if b is not None else np.zeros(0, dtype=np.uint8))
+        return out
+
+    @staticmethod
+    def _check_base(pool: ThreadPoolExecutor, manifest: Manifest, base_arrays: list[np.ndarray]) -> None:
+        jobs = []
+        for fi, f in enumerate(manifest.files):
+            for e in f.segments:
+                if e.base_offset is None:
+                    continue
+                end = e.base_offset + e.segment.length
+                if end > len(base_arrays[fi]):
+                    raise BaseMismatch(f"{f.path}: base is too short for {e.segment.kind} {e.segment.name!r}")
+                jobs.append((f.path, e, pool.submit(xxh3_128, base_arrays[fi][e.base_offset : end])))
+        for path, e, fut in jobs:
+            if fut.result().hex() != e.base_xxh3:
+                what = "header" if e.segment.kind == "header" else f"{e.segment.kind} {e.segment.name!r}"
+                raise BaseMismatch(f"{path}: base {what} is not the one this delta was made against")
+
+    @staticmethod
+    def _check_result(pool: ThreadPoolExecutor, manifest: Manifest, outputs: list[np.ndarray]) -> None:
+        jobs = [(f.path, e, pool.submit(xxh3_128, outputs[fi][e.segment.offset : e.segment.offset
+                                                               + e.segment.length]))
+                for fi, f in enumerate(manifest.files) for e in f.segments]
+        for path, e, fut in jobs:
+            if fut.result().hex() != e.xxh3:
+                raise ChecksumMismatch(f"{path}: decoded {e.segment.kind} {e.segment.name!r} fails its checksum")
+

@@ -1,0 +1,202 @@
+"""Frames: exact round trips for every dtype and density, and only named errors on bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from _ckpt import ALL_DTYPES, mutate
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from weightsync.codec import frame as fr
+from weightsync.codec.dtypes import by_name
+from weightsync.errors import (
+    BadMagic,
+    BaseMismatch,
+    ChecksumMismatch,
+    CorruptData,
+    LimitExceeded,
+    TruncatedInput,
+    UnsupportedVersion,
+    WeightsyncError,
+)
+
+DENSITIES = ["zero", "one", "1%", "50%", "100%"]
+
+
+def changed_count(density: str, n: int) -> int:
+    return {"zero": 0, "one": min(1, n), "1%": max(1, n // 100) if n else 0, "50%": n // 2, "100%": n}[density]
+
+
+@st.composite
+def tensor_bytes(draw):
+    dtype = by_name(draw(st.sampled_from(ALL_DTYPES)))
+    shape = draw(st.lists(st.integers(0, 40), min_size=0, max_size=3))
+    count = int(np.prod(shape)) if shape else 1
+    # Sub-byte dtypes must fill whole bytes: 2 F4 or 4 F6 elements per group.
+    group = 8 // np.gcd(dtype.bits, 8) if dtype.bits < 8 else 1
+    count -= count % group
+    nbytes = count * dtype.bits // 8
+    seed = draw(st.integers(0, 2**32 - 1))
+    smooth = draw(st.booleans())
+    rng = np.random.default_rng(seed)
+    if smooth:  # weights-like: little entropy in the high bytes
+        base = np.repeat(rng.integers(0, 4, max(1, nbytes // 7 + 1), dtype=np.uint8), 7)[:nbytes]
+    else:
+        base = rng.integers(0, 256, nbytes, dtype=np.uint8)
+    return dtype, base, rng
+
+
+@given(tensor_bytes(), st.sampled_from(DENSITIES), st.sampled_from([1, 3]))
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_delta_round_trip(case, density, level):
+    dtype, base, rng = case
+    n = len(base) // dtype.width
+    new = mutate(rng, base, dtype.width, changed_count(density, n))
+    frame = fr.encode_delta(base, new, dtype, level=level)
+    target = base.copy()
+    head = fr.apply_frame(frame, target)
+    assert head.delta and head.raw_len == len(new)
+    assert target.tobytes() == new.tobytes()
+    assert fr.decode_frame(frame, base).tobytes() == new.tobytes()
+
+
+@given(tensor_bytes(), st.sampled_from([1, 3]))
+@settings(max_examples=200, deadline=None)
+def test_keyframe_round_trip(case, level):
+    dtype, data, _ = case
+    frame = fr.encode_key(data, dtype, level=level)
+    assert fr.decode_frame(frame).tobytes() == data.tobytes()
+
+
+def test_density_selects_method():
+    dtype = by_name("BF16")
+    rng = np.random.default_rng(1)
+    base = rng.integers(0, 256, 20000, dtype=np.uint8)
+    sparse = fr.encode_delta(base, mutate(rng, base, 2, 100), dtype)
+    dense = fr.encode_delta(base, mutate(rng, base, 2, 6000), dtype)
+    assert fr.parse_header(sparse).method == fr.METHOD_SPARSE
+    assert fr.parse_header(dense).method in (fr.METHOD_PLANES, fr.METHOD_STORED)
+
+
+def test_incompressible_keyframe_is_stored_raw():
+    data = np.random.default_rng(2).integers(0, 256, 4096, dtype=np.uint8)
+    frame = fr.encode_key(data, by_name("U8"))
+    assert fr.parse_header(frame).method == fr.METHOD_STORED
+    assert len(frame) == fr.HEADER_SIZE + len(data)
+
+
+def _pair(seed=3, n=5000, changed=60, dtype="BF16"):
+    dt = by_name(dtype)
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, 256, n * dt.width, dtype=np.uint8)
+    new = mutate(rng, base, dt.width, changed)
+    return dt, base, new
+
+
+def test_wrong_base_is_refused_and_untouched():
+    dt, base, new = _pair()
+    frame = fr.encode_delta(base, new, dt)
+    other = mutate(np.random.default_rng(9), base, 2, 1)
+    before = other.copy()
+    with pytest.raises(BaseMismatch):
+        fr.apply_frame(frame, other)
+    assert other.tobytes() == before.tobytes()
+
+
+def test_result_mismatch_restores_base():
+    dt, base, new = _pair()
+    frame = bytearray(fr.encode_delta(base, new, dt))
+    # Forge a different result hash with a valid header checksum: decoding must
+    # notice, raise, and leave the target holding the base again.
+    head = bytes(frame[: fr.HEADER_SIZE - 8])
+    head = head[:40] + bytes(16)
+    import struct
+
+    import xxhash
+
+    frame[: fr.HEADER_SIZE] = head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head))
+    target = base.copy()
+    with pytest.raises(ChecksumMismatch):
+        fr.apply_frame(bytes(frame), target)
+    assert target.tobytes() == base.tobytes()
+
+
+@pytest.mark.parametrize("changed", [0, 60, 4000])
+@given(data=st.data())
+@settings(max_examples=150, deadline=None)
+def test_corrupted_or_truncated_frames_raise_named_errors(changed, data):
+    dt, base, new = _pair(changed=changed)
+    frame = bytearray(fr.encode_delta(base, new, dt))
+    action = data.draw(st.sampled_from(["flip", "truncate", "junk", "extend"]))
+    if action == "flip":
+        pos = data.draw(st.integers(0, len(frame) - 1))
+        frame[pos] ^= 1 << data.draw(st.integers(0, 7))
+    elif action == "truncate":
+        frame = frame[: data.draw(st.integers(0, len(frame) - 1))]
+    elif action == "junk":
+        frame = bytearray(data.draw(st.binary(min_size=0, max_size=300)))
+    else:
+        frame += data.draw(st.binary(min_size=1, max_size=20))
+    target = base.copy()
+    try:
+        fr.apply_frame(bytes(frame), target)
+    except WeightsyncError:
+        return
+    # A change that still decodes must have produced exactly `new` (e.g. a flip in
+    # trailing padding is impossible, so this means the frame was unchanged in effect).
+    assert target.tobytes() == new.tobytes()
+
+
+def _forge(frame: bytes, **fields) -> bytes:
+    import struct
+
+    import xxhash
+
+    names = ["magic", "version", "flags", "dtype", "method", "raw_len", "payload_len", "base", "result", "check"]
+    vals = dict(zip(names, fr._HEADER.unpack(frame[: fr.HEADER_SIZE])))
+    vals.update(fields)
+    head = fr._HEADER.pack(*[vals[n] for n in names])[: fr.HEADER_SIZE - 8]
+    return head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head)) + frame[fr.HEADER_SIZE :]
+
+
+@pytest.mark.parametrize(
+    "fields, error",
+    [
+        ({"magic": b"XXXX"}, BadMagic),
+        ({"version": 2}, UnsupportedVersion),
+        ({"flags": 0x81}, UnsupportedVersion),
+        ({"method": 9}, UnsupportedVersion),
+        ({"dtype": 200}, WeightsyncError),
+        ({"raw_len": fr.MAX_FRAME_RAW + 2}, LimitExceeded),
+        ({"raw_len": 10001}, CorruptData),
+        ({"payload_len": 1 << 40}, TruncatedInput),
+    ],
+)
+def test_header_validation(fields, error):
+    dt, base, new = _pair()
+    frame = _forge(fr.encode_delta(base, new, dt), **fields)
+    with pytest.raises(error):
+        fr.apply_frame(frame, base.copy())
+
+
+def test_decompression_bomb_is_refused_before_allocating():
+    # A zstd section that declares far more output than the frame allows.
+    import zstandard
+
+    dt = by_name("U8")
+    data = np.zeros(1000, dtype=np.uint8)
+    frame = bytearray(fr.encode_key(data, dt))
+    assert fr.parse_header(bytes(frame)).method == fr.METHOD_PLANES
+    bomb = zstandard.ZstdCompressor(level=1).compress(bytes(50_000_000))
+    section = fr._SECTION.pack(fr.CODING_ZSTD, len(bomb)) + bomb
+    forged = _forge(bytes(frame[: fr.HEADER_SIZE]) + section, payload_len=len(section))
+    with pytest.raises(LimitExceeded):
+        fr.apply_frame(forged, np.zeros(1000, dtype=np.uint8))
+
+
+def test_target_size_must_match():
+    dt, base, new = _pair()
+    frame = fr.encode_delta(base, new, dt)
+    with pytest.raises(LimitExceeded):
+        fr.apply_frame(frame, np.zeros(7, dtype=np.uint8))
