@@ -70,6 +70,30 @@ def patch(
         fail(_describe(exc))
 
 
+bench_app = typer.Typer(help="Benchmarks against baselines (needs a source checkout: benchmarks/).",
+                        no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+_PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
+
+
+def _benchmarks(module: str):
+    """Import benchmarks.<module> from the checkout this package is installed from (editable install)."""
+    import importlib
+
+    root = Path(__file__).resolve().parents[2]
+    if not (root / "benchmarks" / "__init__.py").exists():
+        fail("benchmarks need a source checkout of weightsync (pip install -e .)")
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    return importlib.import_module(f"benchmarks.{module}")
+
+
+@bench_app.command("codec", context_settings=_PASSTHROUGH)
+def bench_codec(ctx: typer.Context) -> None:
+    """Compression ratio and throughput vs XOR+zstd-1 and the entropy bound (--help for options)."""
+    raise typer.Exit(_benchmarks("codec_bench").main(list(ctx.args)))
+
+
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.strerror:
         return f"{exc.filename}: {exc.strerror}" if exc.filename else exc.strerror

@@ -202,3 +202,22 @@ def test_cli_diff_patch_and_one_line_errors(tmp_path):
         assert len(lines) == 1 and lines[0].startswith("weightsync: error:"), r.stderr
         assert "Traceback" not in r.stderr
         assert not (tmp_path / "x.safetensors").exists() and not (tmp_path / "x.wsd").exists()
+
+
+def test_decode_in_place_into_the_base_buffer():
+    from weightsync.codec import Checkpoint
+
+    rng = np.random.default_rng(12)
+    base = make_tensors(rng, ["BF16", "F32", "U8"], big=True)
+    new = step(rng, base, 0.02)
+    a = bytearray(safetensors_file(base))
+    b = safetensors_file(new)
+    base_ck = Checkpoint.from_bytes({"m.safetensors": a})
+    encoded = SMALL.encode(Checkpoint.from_bytes({"m.safetensors": b}), base_ck)
+    frames = [fr.data for fr in encoded.frames]
+    offsets = np.cumsum([0] + [len(x) for x in frames])
+    manifest = encoded.with_locations(lambda i, fr: (None, int(offsets[i])))
+    area = b"".join(frames)
+    buf = base_ck.files[0].data
+    Decoder(threads=2).decode(manifest, lambda r: area[r.offset : r.offset + r.length], [buf], base_ck)
+    assert bytes(a) == b

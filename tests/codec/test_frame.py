@@ -47,16 +47,17 @@ def tensor_bytes(draw):
     return dtype, base, rng
 
 
-@given(tensor_bytes(), st.sampled_from(DENSITIES), st.sampled_from([1, 3]))
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-def test_delta_round_trip(case, density, level):
+@given(tensor_bytes(), st.sampled_from(DENSITIES), st.sampled_from([1, 3]), st.sampled_from([None, True, False]))
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_delta_round_trip(case, density, level, add):
     dtype, base, rng = case
     n = len(base) // dtype.width
     new = mutate(rng, base, dtype.width, changed_count(density, n))
-    frame = fr.encode_delta(base, new, dtype, level=level)
+    frame = fr.encode_delta(base, new, dtype, level=level, add=add)
     target = base.copy()
     head = fr.apply_frame(frame, target)
     assert head.delta and head.raw_len == len(new)
+    assert head.add == (fr.uses_add(dtype) if add is None else add)
     assert target.tobytes() == new.tobytes()
     assert fr.decode_frame(frame, base).tobytes() == new.tobytes()
 
@@ -104,9 +105,11 @@ def test_wrong_base_is_refused_and_untouched():
     assert other.tobytes() == before.tobytes()
 
 
-def test_result_mismatch_restores_base():
-    dt, base, new = _pair()
-    frame = bytearray(fr.encode_delta(base, new, dt))
+@pytest.mark.parametrize("add", [True, False])
+@pytest.mark.parametrize("changed", [60, 9000])
+def test_result_mismatch_restores_base(add, changed):
+    dt, base, new = _pair(changed=changed)
+    frame = bytearray(fr.encode_delta(base, new, dt, add=add))
     # Forge a different result hash with a valid header checksum: decoding must
     # notice, raise, and leave the target holding the base again.
     head = bytes(frame[: fr.HEADER_SIZE - 8])
@@ -200,3 +203,11 @@ def test_target_size_must_match():
     frame = fr.encode_delta(base, new, dt)
     with pytest.raises(LimitExceeded):
         fr.apply_frame(frame, np.zeros(7, dtype=np.uint8))
+
+
+@given(st.lists(st.integers(-(2**15), 2**15 - 1), max_size=50))
+def test_zigzag_inverts(values):
+    d = np.array(values, dtype=np.int16).view(np.uint16)
+    z = fr.zigzag(d)
+    assert fr.unzigzag(z).tolist() == d.tolist()
+    assert all(int(a) == (2 * abs(v) - (v < 0)) for a, v in zip(z, values))

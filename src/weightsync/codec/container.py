@@ -179,7 +179,7 @@ def _decode_to(dec: Decoder, manifest: Manifest, read_frame, base: Checkpoint, p
         with open(path, "wb") as fh:
             fh.truncate(f.size)
         outputs.append(np.memmap(path, dtype=np.uint8, mode="r+") if f.size else np.zeros(0, dtype=np.uint8))
-    dec.decode(manifest, read_frame, outputs, base)
+    dec.decode(manifest, read_frame, outputs, base, verify_segments=True)
     for out, path in zip(outputs, paths):
         if isinstance(out, np.memmap):
             out.flush()

@@ -22,7 +22,7 @@ from weightsync.codec.frame import DEFAULT_LEVEL, apply_frame, encode_delta, enc
 from weightsync.codec.manifest import FileEntry, FrameRef, Manifest, Piece, SegmentEntry
 from weightsync.errors import BaseMismatch, ChecksumMismatch, LimitExceeded
 
-DEFAULT_CHUNK = 16 << 20
+DEFAULT_CHUNK = 4 << 20
 
 
 def default_threads() -> int:
@@ -203,13 +203,18 @@ class Decoder:
         self.threads = threads or default_threads()
 
     def decode(self, manifest: Manifest, read_frame: Callable[[FrameRef], bytes | memoryview],
-               outputs: list[np.ndarray], base: Checkpoint | None = None, *, verify_base: bool = True) -> None:
+               outputs: list[np.ndarray], base: Checkpoint | None = None, *, verify_base: bool = True,
+               verify_segments: bool = False) -> None:
         """Write every file of `manifest` into `outputs` (writable uint8 arrays, one per file, in order).
 
         `read_frame` returns a frame's bytes given its ref. For a delta manifest
         `base` holds the parent version; every delta segment's base bytes are
-        hash-checked first (BaseMismatch naming the tensor, nothing written). Every
-        output segment is hash-checked at the end (ChecksumMismatch).
+        hash-checked first (BaseMismatch naming the tensor, nothing written). Each
+        frame checks its result hash as it decodes, which covers every output byte;
+        ``verify_segments`` also re-hashes every output segment (ChecksumMismatch).
+
+        An output may be the base file's own buffer (apply in place, no copy) when
+        every delta segment of that file sits at its base offset.
         """
         if len(outputs) != len(manifest.files):
             raise LimitExceeded("one output buffer per file is required")
@@ -217,6 +222,13 @@ class Decoder:
             if out.dtype != np.uint8 or out.ndim != 1 or len(out) != f.size:
                 raise LimitExceeded(f"{f.path}: output buffer must hold {f.size} bytes")
         base_arrays = self._base_arrays(manifest, base)
+        in_place = []
+        for f, out, b in zip(manifest.files, outputs, base_arrays):
+            same = len(b) == len(out) and len(out) > 0 and \
+                b.__array_interface__["data"][0] == out.__array_interface__["data"][0]
+            if same and any(e.base_offset not in (None, e.segment.offset) for e in f.segments):
+                raise LimitExceeded(f"{f.path}: layout changed, cannot apply in place")
+            in_place.append(same)
         with ThreadPoolExecutor(self.threads) as pool:
             if verify_base:
                 self._check_base(pool, manifest, base_arrays)
@@ -229,10 +241,11 @@ class Decoder:
                     entry = manifest.files[p.file].segments[p.seg]
                     start = entry.segment.offset + p.offset
                     target = outputs[p.file][start : start + p.length]
-                    if ref.delta:
+                    if ref.delta and not in_place[p.file]:
                         b0 = entry.base_offset + p.offset
                         target[:] = base_arrays[p.file][b0 : b0 + p.length]
-                    apply_frame(blob, target, verify_base=verify_base)
+                    # The segment-level check above already covered these base bytes.
+                    apply_frame(blob, target, verify_base=False)
                     return
                 if ref.delta:
                     scratch = np.array(_gather(base_arrays, pieces,
@@ -240,7 +253,7 @@ class Decoder:
                                                + p.offset), copy=True)
                 else:
                     scratch = np.empty(ref.raw_len, dtype=np.uint8)
-                apply_frame(blob, scratch, verify_base=verify_base)
+                apply_frame(blob, scratch, verify_base=False)
                 pos = 0
                 for p in pieces:
                     start = manifest.files[p.file].segments[p.seg].segment.offset + p.offset
@@ -249,7 +262,8 @@ class Decoder:
 
             for _ in pool.map(run, manifest.frames):
                 pass
-            self._check_result(pool, manifest, outputs)
+            if verify_segments:
+                self._check_result(pool, manifest, outputs)
 
     @staticmethod
     def _base_arrays(manifest: Manifest, base: Checkpoint | None) -> list[np.ndarray]:

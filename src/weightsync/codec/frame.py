@@ -35,7 +35,8 @@ from weightsync.errors import (
 MAGIC = b"WSFR"
 VERSION = 1
 FLAG_DELTA = 0x01
-KNOWN_FLAGS = FLAG_DELTA
+FLAG_ADD = 0x02  # delta values are zigzag-coded wrapping differences instead of XOR (FORMAT §4.2)
+KNOWN_FLAGS = FLAG_DELTA | FLAG_ADD
 
 # FORMAT §4.1 header: magic, version, flags, dtype code, method, raw length,
 # payload length, base xxh3-128, result xxh3-128, xxh3-64 of the preceding 56 bytes.
@@ -60,7 +61,7 @@ SPARSE_MAX_DENSITY = 0.25
 """Above this fraction of changed elements, dense XOR planes beat gap coding (FORMAT §4.4)."""
 
 ZERO_HASH = bytes(16)
-DEFAULT_LEVEL = 3
+DEFAULT_LEVEL = 1  # measured: level 1 codes byte planes smaller than 3 (FORMAT §4.5)
 
 
 def xxh3_128(data) -> bytes:
@@ -73,6 +74,7 @@ class FrameHeader:
     """A parsed, validated frame header (FORMAT §4.1)."""
 
     delta: bool
+    add: bool
     dtype: DType
     method: int
     raw_len: int
@@ -190,9 +192,8 @@ def _join_planes(planes: list[np.ndarray], dtype: np.dtype) -> np.ndarray:
 # --- encode ----------------------------------------------------------------------------
 
 
-def _header(delta: bool, dtype: DType, method: int, raw_len: int, payload_len: int,
+def _header(flags: int, dtype: DType, method: int, raw_len: int, payload_len: int,
             base_hash: bytes, result_hash: bytes) -> bytes:
-    flags = FLAG_DELTA if delta else 0
     head = _HEADER.pack(MAGIC, VERSION, flags, dtype.code, method, raw_len, payload_len,
                         base_hash, result_hash, 0)[: HEADER_SIZE - 8]
     return head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head))
@@ -207,10 +208,33 @@ def _check_encodable(data: np.ndarray, dtype: DType) -> None:
         raise LimitExceeded(f"a frame holds at most {MAX_FRAME_RAW} bytes, got {len(data)}")
 
 
-def _finish(delta: bool, dtype: DType, method: int, raw_len: int, parts: list[bytes],
+def _finish(flags: int, dtype: DType, method: int, raw_len: int, parts: list[bytes],
             base_hash: bytes, result_hash: bytes) -> bytes:
     payload_len = sum(len(p) for p in parts)
-    return b"".join([_header(delta, dtype, method, raw_len, payload_len, base_hash, result_hash), *parts])
+    return b"".join([_header(flags, dtype, method, raw_len, payload_len, base_hash, result_hash), *parts])
+
+
+_SIGNED = {1: np.dtype("<i1"), 2: np.dtype("<i2"), 4: np.dtype("<i4"), 8: np.dtype("<i8")}
+
+
+def zigzag(d: np.ndarray) -> np.ndarray:
+    """Map wrapping differences to unsigned so small magnitudes of either sign are small: 0,-1,1,-2 → 0,1,2,3."""
+    signed = d.view(_SIGNED[d.itemsize])
+    return ((signed << 1) ^ (signed >> (8 * d.itemsize - 1))).view(d.dtype)
+
+
+def unzigzag(z: np.ndarray) -> np.ndarray:
+    """Inverse of `zigzag`, as wrapping unsigned differences."""
+    return (z >> 1) ^ (np.zeros_like(z) - (z & 1))
+
+
+def uses_add(dtype: DType) -> bool:
+    """Whether deltas of `dtype` code differences (FORMAT §4.2): every dtype but BOOL.
+
+    A one-ulp float change is ±1 as an integer but its XOR is 1, 3, 7, 15… depending
+    on the trailing bits, so differences carry ~30 % less entropy on real steps.
+    """
+    return dtype.name != "BOOL"
 
 
 def encode_key(data: np.ndarray, dtype: DType, *, level: int = DEFAULT_LEVEL) -> bytes:
@@ -226,17 +250,19 @@ def encode_key(data: np.ndarray, dtype: DType, *, level: int = DEFAULT_LEVEL) ->
     for plane in _split_planes(values, dtype.width):
         parts.extend(_section(plane, level))
     if sum(len(p) for p in parts) >= len(data):
-        return _finish(False, dtype, METHOD_STORED, len(data), [data.tobytes()], ZERO_HASH, result_hash)
-    return _finish(False, dtype, METHOD_PLANES, len(data), parts, ZERO_HASH, result_hash)
+        return _finish(0, dtype, METHOD_STORED, len(data), [data.tobytes()], ZERO_HASH, result_hash)
+    return _finish(0, dtype, METHOD_PLANES, len(data), parts, ZERO_HASH, result_hash)
 
 
 def encode_delta(base: np.ndarray, new: np.ndarray, dtype: DType, *, level: int = DEFAULT_LEVEL,
-                 base_hash: bytes | None = None, result_hash: bytes | None = None) -> bytes:
-    """Encode `new` as the element-wise XOR against `base` (same length, 1-D uint8).
+                 base_hash: bytes | None = None, result_hash: bytes | None = None,
+                 add: bool | None = None) -> bytes:
+    """Encode `new` element-wise against `base` (same length, 1-D uint8) as a delta frame.
 
-    The method follows the measured density of changed elements: gap-coded sparse
-    below SPARSE_MAX_DENSITY, dense XOR byte planes above it (FORMAT §4.4). Hashes
-    already known to the caller may be passed to avoid recomputing them.
+    Values are wrapping differences (zigzag) or XORs, per `uses_add` unless `add` is
+    given. The method follows the measured density of changed elements: gap-coded
+    sparse up to SPARSE_MAX_DENSITY, dense byte planes above it (FORMAT §4.4).
+    Hashes already known to the caller may be passed to avoid recomputing them.
     """
     _check_encodable(new, dtype)
     if base.shape != new.shape or base.dtype != np.uint8:
@@ -245,11 +271,13 @@ def encode_delta(base: np.ndarray, new: np.ndarray, dtype: DType, *, level: int 
         raise LimitExceeded("too many elements for one frame")
     bh = base_hash if base_hash is not None else xxh3_128(base)
     rh = result_hash if result_hash is not None else xxh3_128(new)
+    add = uses_add(dtype) if add is None else add
+    flags = FLAG_DELTA | (FLAG_ADD if add else 0)
     udt = dtype.numpy_uint
-    xor = np.bitwise_xor(base.view(udt), new.view(udt))
-    changed = xor != 0  # nonzero() over a bool mask is several times faster than over ints
+    old_v, new_v = base.view(udt), new.view(udt)
+    changed = old_v != new_v  # nonzero() over a bool mask is several times faster than over ints
     count = int(np.count_nonzero(changed))
-    n = len(xor)
+    n = len(new_v)
     parts: list[bytes] = []
     if count <= SPARSE_MAX_DENSITY * n:
         positions = np.flatnonzero(changed)
@@ -259,16 +287,40 @@ def encode_delta(base: np.ndarray, new: np.ndarray, dtype: DType, *, level: int 
         parts.append(_COUNT.pack(count))
         for plane in _split_planes(gaps, GAP_WIDTH):
             parts.extend(_section(plane, level))
-        for plane in _split_planes(xor[positions], dtype.width):
+        values = _delta_values(old_v[positions], new_v[positions], add)
+        for plane in _split_planes(values, dtype.width):
             parts.extend(_section(plane, level))
         method = METHOD_SPARSE
     else:
-        for plane in _split_planes(xor, dtype.width):
+        values = _delta_values(old_v, new_v, add)
+        for plane in _split_planes(values, dtype.width):
             parts.extend(_section(plane, level))
         method = METHOD_PLANES
     if sum(len(p) for p in parts) >= len(new):
-        return _finish(True, dtype, METHOD_STORED, len(new), [xor.view(np.uint8).tobytes()], bh, rh)
-    return _finish(True, dtype, method, len(new), parts, bh, rh)
+        values = _delta_values(old_v, new_v, add)
+        return _finish(flags, dtype, METHOD_STORED, len(new), [values.view(np.uint8).tobytes()], bh, rh)
+    return _finish(flags, dtype, method, len(new), parts, bh, rh)
+
+
+def _delta_values(old: np.ndarray, new: np.ndarray, add: bool) -> np.ndarray:
+    return zigzag(new - old) if add else np.bitwise_xor(old, new)
+
+
+def _apply_values(view: np.ndarray, values: np.ndarray, add: bool, positions: np.ndarray | None,
+                  *, undo: bool = False) -> None:
+    """view[positions] ∘= values, where ∘ is XOR or wrapping add (subtract when undoing)."""
+    if add:
+        diff = unzigzag(values)
+        if undo:
+            diff = np.zeros_like(diff) - diff
+        if positions is None:
+            np.add(view, diff, out=view)
+        else:
+            view[positions] += diff
+    elif positions is None:
+        np.bitwise_xor(view, values, out=view)
+    else:
+        view[positions] ^= values
 
 
 # --- decode ----------------------------------------------------------------------------
@@ -295,6 +347,9 @@ def parse_header(frame: bytes | memoryview) -> FrameHeader:
         raise UnsupportedVersion(f"unknown frame method {method}")
     dtype = by_code(code)
     delta = bool(flags & FLAG_DELTA)
+    add = bool(flags & FLAG_ADD)
+    if add and not delta:
+        raise CorruptData("ADD flag on a keyframe frame")
     if raw_len > MAX_FRAME_RAW:
         raise LimitExceeded(f"frame declares {raw_len} bytes, cap is {MAX_FRAME_RAW}")
     if raw_len % dtype.width:
@@ -307,7 +362,7 @@ def parse_header(frame: bytes | memoryview) -> FrameHeader:
         raise CorruptData("stored frame whose payload length differs from its raw length")
     if len(view) - HEADER_SIZE < payload_len:
         raise TruncatedInput(f"frame payload needs {payload_len} bytes, got {len(view) - HEADER_SIZE}")
-    return FrameHeader(delta, dtype, method, raw_len, payload_len, bh, rh)
+    return FrameHeader(delta, add, dtype, method, raw_len, payload_len, bh, rh)
 
 
 def apply_frame(frame: bytes | memoryview, target: np.ndarray, *, verify_base: bool = True) -> FrameHeader:
@@ -328,26 +383,17 @@ def apply_frame(frame: bytes | memoryview, target: np.ndarray, *, verify_base: b
     width = head.dtype.width
     udt = head.dtype.numpy_uint
     n = head.raw_len // width
-    undo = None
+    view = target.view(udt)
+    positions = None
+    values = None
     try:
         if head.method == METHOD_STORED:
-            body = np.frombuffer(reader.take(head.raw_len), dtype=np.uint8)
+            values = np.frombuffer(reader.take(head.raw_len), dtype=udt)
             reader.done()
-            if head.delta:
-                np.bitwise_xor(target, body, out=target)
-                undo = lambda: np.bitwise_xor(target, body, out=target)  # noqa: E731
-            else:
-                target[:] = body
         elif head.method == METHOD_PLANES:
             planes = [reader.section(n) for _ in range(width)]
             reader.done()
             values = _join_planes(planes, udt) if width > 1 else planes[0]
-            if head.delta:
-                view = target.view(udt)
-                np.bitwise_xor(view, values, out=view)
-                undo = lambda: np.bitwise_xor(view, values, out=view)  # noqa: E731
-            else:
-                target.view(udt)[:] = values
         else:
             (count,) = _COUNT.unpack(reader.take(_COUNT.size))
             if count > n:
@@ -361,16 +407,17 @@ def apply_frame(frame: bytes | memoryview, target: np.ndarray, *, verify_base: b
             if count and positions[-1] >= n:
                 raise CorruptData("sparse frame position past the end of the chunk")
             values = _join_planes(planes, udt) if width > 1 else planes[0]
-            view = target.view(udt)
-            view[positions] ^= values
-            undo = lambda: view.__setitem__(positions, view[positions] ^ values)  # noqa: E731
     except FormatError:
         raise
     except (ValueError, OverflowError, IndexError) as exc:  # defensive: malformed shapes
         raise CorruptData(f"frame does not decode: {exc}") from None
+    if head.delta:
+        _apply_values(view, values, head.add, positions)
+    else:
+        view[:] = values
     if xxh3_128(target) != head.result_hash:
-        if undo is not None:
-            undo()
+        if head.delta:
+            _apply_values(view, values, head.add, positions, undo=True)
         raise ChecksumMismatch("decoded frame does not match its result checksum")
     return head
 

