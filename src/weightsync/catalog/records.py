@@ -1,0 +1,105 @@
+"""Plain, immutable records the catalog returns (never ORM objects bound to a session)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Model:
+    """A model: its head and its chain and retention settings."""
+
+    name: str
+    created_at: datetime
+    head: int | None
+    keyframe_interval: int
+    max_chain_ratio: float
+    keep_last: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Version:
+    """A version row. ``number`` is None while the version is pending (numbers are given at commit)."""
+
+    model: str
+    number: int | None
+    parent: int | None
+    kind: str
+    chain_base: int | None
+    state: str
+    step: int | None
+    metadata: dict[str, Any]
+    raw_bytes: int | None
+    stored_bytes: int | None
+    manifest_digest: str | None
+    publish_id: str
+    idempotency_key: str | None
+    created_at: datetime
+    committed_at: datetime | None
+    expires_at: datetime | None
+    deleted_at: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    """An object the catalog knows of."""
+
+    digest: str
+    size: int
+    first_seen: datetime
+    unreferenced_since: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """A reader's hold on the chain ending at ``number``."""
+
+    model: str
+    number: int
+    holder: str
+    acquired_at: datetime
+    expires_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class Replica:
+    """One replica-ledger entry: ``subscriber`` applied version ``number``."""
+
+    model: str
+    subscriber: str
+    number: int
+    applied_at: datetime
+    pause_ms: float | None
+    bytes_received: int | None
+    site: str | None
+    host: str | None
+    extra: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class ChainInfo:
+    """The chain a version belongs to, as the publisher's keyframe policy needs it."""
+
+    base: int
+    length: int  # versions in the chain up to and including the asked one, keyframe included
+    keyframe_bytes: int  # stored bytes of the keyframe
+    delta_bytes: int  # stored bytes of the deltas after the keyframe, cumulative
+
+
+@dataclass(frozen=True, slots=True)
+class ImportedVersion:
+    """A committed version as recorded in its manifest, for rebuilding a lost catalog."""
+
+    number: int
+    parent: int | None
+    kind: str
+    chain_base: int
+    manifest_digest: str
+    raw_bytes: int
+    stored_bytes: int
+    objects: list[tuple[str, int]] = field(default_factory=list)
+    step: int | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    committed_at: datetime | None = None

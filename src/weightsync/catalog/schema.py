@@ -1,0 +1,211 @@
+"""The catalog's tables as typed SQLAlchemy 2.0 declarative models (docs/CATALOG.md).
+
+These models are the reference the migrations are reviewed against: a test runs
+``alembic upgrade head`` on an empty database and compares the result with this
+``metadata`` (``alembic.autogenerate.compare_metadata``), expecting no differences.
+Change a table here and in a new migration under ``migrations/versions/`` together.
+
+Only the catalog package imports this module; other layers see plain records
+(:mod:`weightsync.catalog.records`), never ORM objects.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    CheckConstraint,
+    Dialect,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    UniqueConstraint,
+)
+from sqlalchemy import DateTime as _DateTime
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
+
+# Every constraint and index gets a deterministic name, so migrations can drop or alter
+# it by name on every backend (SQLite batch mode needs names to recreate tables).
+NAMING_CONVENTION: dict[str, str] = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+#: Allowed values of ``versions.kind`` and ``versions.state``.
+KINDS = ("keyframe", "delta")
+STATES = ("pending", "committed", "deleted")
+
+#: Column type for free-form JSON: JSONB on PostgreSQL (indexable, compact), JSON text elsewhere.
+JSONType = JSON().with_variant(postgresql.JSONB(), "postgresql")
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """A timestamp that is always timezone-aware UTC in Python.
+
+    PostgreSQL stores ``timestamptz``. SQLite has no time zone support, so values are
+    stored as naive UTC text (which then sorts and compares correctly) and given back
+    their UTC zone on the way out.
+    """
+
+    impl = _DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("catalog timestamps must be timezone-aware")
+        value = value.astimezone(timezone.utc)
+        if dialect.name == "sqlite":
+            return value.replace(tzinfo=None)
+        return value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            return value.replace(tzinfo=timezone.utc)
+        return value.astimezone(timezone.utc)
+
+
+def _in(column: str, values: tuple[str, ...]) -> str:
+    return f"{column} IN ({', '.join(repr(v) for v in values)})"
+
+
+class Base(DeclarativeBase):
+    metadata = metadata
+    type_annotation_map = {datetime: UTCDateTime(), dict[str, Any]: JSONType}
+
+
+class ModelRow(Base):
+    """A named stream of versions, its head and its chain and retention settings."""
+
+    __tablename__ = "models"
+    __table_args__ = (
+        CheckConstraint("keyframe_interval >= 1", name="keyframe_interval_positive"),
+        CheckConstraint("max_chain_ratio > 0", name="max_chain_ratio_positive"),
+        CheckConstraint("keep_last IS NULL OR keep_last >= 1", name="keep_last_positive"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    created_at: Mapped[datetime]
+    # Number of the committed head version; NULL until the first commit.
+    head: Mapped[int | None] = mapped_column(Integer)
+    keyframe_interval: Mapped[int] = mapped_column(Integer)
+    # Cumulative delta bytes of a chain / its keyframe's bytes; above it, start a new keyframe.
+    max_chain_ratio: Mapped[float] = mapped_column(Float)
+    # Committed versions to keep; NULL keeps all.
+    keep_last: Mapped[int | None] = mapped_column(Integer)
+
+
+class VersionRow(Base):
+    """One version of a model: pending (reserved by a publish), committed, or deleted."""
+
+    __tablename__ = "versions"
+    __table_args__ = (
+        UniqueConstraint("model_id", "number"),
+        UniqueConstraint("model_id", "idempotency_key"),
+        CheckConstraint(_in("kind", KINDS), name="kind"),
+        CheckConstraint(_in("state", STATES), name="state"),
+        # A committed version is complete: number, chain, sizes and manifest are known.
+        CheckConstraint(
+            "state <> 'committed' OR (number IS NOT NULL AND chain_base IS NOT NULL"
+            " AND manifest_digest IS NOT NULL AND raw_bytes IS NOT NULL"
+            " AND stored_bytes IS NOT NULL AND committed_at IS NOT NULL)",
+            name="committed_complete",
+        ),
+        CheckConstraint("state <> 'pending' OR expires_at IS NOT NULL", name="pending_expires"),
+        CheckConstraint("kind <> 'delta' OR state = 'pending' OR parent IS NOT NULL", name="delta_parent"),
+        Index(None, "state", "expires_at"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    model_id: Mapped[int] = mapped_column(ForeignKey("models.id"))
+    # Assigned at commit (docs/CATALOG.md "Numbers"); NULL while pending.
+    number: Mapped[int | None] = mapped_column(Integer)
+    parent: Mapped[int | None] = mapped_column(Integer)
+    kind: Mapped[str] = mapped_column(String(16))
+    chain_base: Mapped[int | None] = mapped_column(Integer)
+    state: Mapped[str] = mapped_column(String(16))
+    step: Mapped[int | None] = mapped_column(BigInteger)
+    # "metadata" is reserved on declarative classes, hence the attribute name.
+    metadata_: Mapped[dict[str, Any]] = mapped_column("metadata")
+    raw_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    stored_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    manifest_digest: Mapped[str | None] = mapped_column(String(64), index=True)
+    publish_id: Mapped[str] = mapped_column(String(128), unique=True)
+    idempotency_key: Mapped[str | None] = mapped_column(String(128))
+    created_at: Mapped[datetime]
+    committed_at: Mapped[datetime | None]
+    expires_at: Mapped[datetime | None]
+    deleted_at: Mapped[datetime | None]
+
+
+class ObjectRow(Base):
+    """An object the catalog knows of, with the bookkeeping GC's grace period needs."""
+
+    __tablename__ = "objects"
+    __table_args__ = (CheckConstraint("size >= 0", name="size_nonnegative"),)
+
+    digest: Mapped[str] = mapped_column(String(64), primary_key=True)
+    size: Mapped[int] = mapped_column(BigInteger)
+    first_seen: Mapped[datetime]
+    # When the object last became unreferenced by every non-deleted version (or was
+    # recorded without a reference yet); NULL while some non-deleted version refers to it.
+    unreferenced_since: Mapped[datetime | None] = mapped_column(index=True)
+
+
+class VersionObjectRow(Base):
+    """A version's reference to an object (a frame pack) it needs."""
+
+    __tablename__ = "version_objects"
+
+    version_id: Mapped[int] = mapped_column(ForeignKey("versions.id"), primary_key=True)
+    digest: Mapped[str] = mapped_column(ForeignKey("objects.digest"), primary_key=True, index=True)
+    size: Mapped[int] = mapped_column(BigInteger)
+
+
+class ReplicaRow(Base):
+    """One ledger entry: a subscriber applied a version."""
+
+    __tablename__ = "replicas"
+    __table_args__ = (Index(None, "model_id", "subscriber", "applied_at"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    model_id: Mapped[int] = mapped_column(ForeignKey("models.id"))
+    subscriber: Mapped[str] = mapped_column(String(255))
+    number: Mapped[int] = mapped_column(Integer)
+    applied_at: Mapped[datetime]
+    pause_ms: Mapped[float | None] = mapped_column(Float)
+    bytes_received: Mapped[int | None] = mapped_column(BigInteger)
+    site: Mapped[str | None] = mapped_column(String(255))
+    host: Mapped[str | None] = mapped_column(String(255))
+    extra: Mapped[dict[str, Any]]
+
+
+class LeaseRow(Base):
+    """A reader's hold on a version's chain; GC and retention leave held chains alone."""
+
+    __tablename__ = "leases"
+    __table_args__ = (UniqueConstraint("model_id", "number", "holder"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    model_id: Mapped[int] = mapped_column(ForeignKey("models.id"))
+    number: Mapped[int] = mapped_column(Integer)
+    holder: Mapped[str] = mapped_column(String(255))
+    acquired_at: Mapped[datetime]
+    expires_at: Mapped[datetime] = mapped_column(index=True)
