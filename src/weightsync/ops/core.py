@@ -1,0 +1,434 @@
+"""Use cases over codec, store and catalog: publish, commit, plan, materialize (docs/DESIGN.md).
+
+Publish order (invariant 2): the publisher uploads objects, then the manifest
+object; :meth:`Ops.commit_publish` checks that everything the manifest names is
+in the store and commits in one catalog transaction (compare-and-swap on the
+head, invariant 3), then writes the commit record. A crash anywhere before the
+commit leaves only unreferenced objects; fsck and GC reclaim them.
+
+The catalog is synchronous (SQLAlchemy); its calls run in worker threads so the
+event loop keeps serving transfers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from collections import OrderedDict
+from collections.abc import AsyncIterable, AsyncIterator, Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import numpy as np
+
+from weightsync import errors
+from weightsync.catalog import Catalog, Lease, Model, Replica, Version
+from weightsync.codec import Checkpoint, CheckpointFile, Decoder, FrameRef, Manifest
+from weightsync.ops.records import record_of
+from weightsync.store import ObjectStore, PutResult
+
+log = logging.getLogger("weightsync.ops")
+
+MAX_OBJECT_BYTES = 4 << 30
+MAX_MANIFEST_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class OpsSettings:
+    """Tunables of the use cases (the service fills them from its settings)."""
+
+    pending_ttl: timedelta = timedelta(hours=1)
+    gc_grace: timedelta = timedelta(hours=1)
+    lease_ttl: timedelta = timedelta(minutes=10)
+    max_object_bytes: int = MAX_OBJECT_BYTES
+    store_concurrency: int = 16
+    manifest_cache: int = 256
+
+
+@dataclass(frozen=True)
+class BeginResult:
+    """A pending publish: what to encode (keyframe or delta against `parent`) and its id."""
+
+    model: str
+    publish_id: str
+    kind: str
+    parent: int | None
+    parent_manifest: str | None
+    expires_at: datetime | None
+
+
+@dataclass(frozen=True)
+class PlanStep:
+    """One version to apply: its manifest and the objects its frames live in."""
+
+    number: int
+    kind: str
+    manifest: str
+    manifest_bytes: int
+    objects: dict[str, int]
+    stored_bytes: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The versions to apply, in order, to go from `have` to `target`; `bytes` is the download total."""
+
+    model: str
+    have: int | None
+    target: int
+    steps: list[PlanStep]
+    bytes: int
+    full_bytes: int
+    lease: Lease | None = None
+
+
+@dataclass
+class Materialized:
+    """A version's files rebuilt in memory, byte for byte."""
+
+    manifest: Manifest
+    files: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class Ops:
+    """The use cases. One instance per process (or per event loop); safe for concurrent tasks."""
+
+    def __init__(self, catalog: Catalog, store: ObjectStore, settings: OpsSettings | None = None, *,
+                 clock: Callable[[], datetime] = utcnow) -> None:
+        self.catalog = catalog
+        self.store = store
+        self.settings = settings or OpsSettings()
+        self.clock = clock
+        self._sem = asyncio.Semaphore(self.settings.store_concurrency)
+        self._manifests: OrderedDict[str, Manifest] = OrderedDict()
+
+    async def _db(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return await asyncio.to_thread(fn, *args, **kwargs)
+
+    # --- models ------------------------------------------------------------------------
+
+    async def create_model(self, name: str, **settings: Any) -> Model:
+        """Create model `name` (idempotent when the settings agree); InvalidName, Conflict."""
+        return await self._db(self.catalog.create_model, name, **settings)
+
+    async def get_model(self, name: str) -> Model:
+        return await self._db(self.catalog.get_model, name)
+
+    async def list_models(self) -> list[Model]:
+        return await self._db(self.catalog.list_models)
+
+    # --- publishing --------------------------------------------------------------------
+
+    async def begin_publish(self, model: str, *, parent: int | None, step: int | None = None,
+                            metadata: dict[str, Any] | None = None, keyframe: bool = False,
+                            create: bool = True, publish_id: str | None = None) -> BeginResult:
+        """Open a publish on top of `parent` (the head the publisher holds; None for the first version).
+
+        Decides keyframe or delta by the model's chain policy: a keyframe when forced,
+        when there is no parent, when the chain holds `keyframe_interval` versions, or
+        when its deltas add up to more than `max_chain_ratio` of its keyframe. A stale
+        parent fails here already (StaleParent) so no encoding work is wasted; the
+        binding check is the compare-and-swap at commit.
+        """
+        if create:
+            try:
+                await self._db(self.catalog.get_model, model)
+            except errors.ModelNotFound:
+                await self._db(self.catalog.create_model, model)
+        m = await self._db(self.catalog.get_model, model)
+        if parent != m.head:
+            raise errors.StaleParent(f"model {model!r}: parent {parent} is not the head ({m.head})",
+                                     current_head=m.head)
+        kind = "keyframe"
+        parent_manifest = None
+        if parent is not None:
+            pv = await self._db(self.catalog.get_version, model, parent)
+            parent_manifest = pv.manifest_digest
+            if not keyframe:
+                info = await self._db(self.catalog.chain_info, model, parent)
+                long_chain = info.length >= m.keyframe_interval
+                heavy = info.keyframe_bytes > 0 and info.delta_bytes > m.max_chain_ratio * info.keyframe_bytes
+                kind = "keyframe" if long_chain or heavy else "delta"
+        expires = self.clock() + self.settings.pending_ttl
+        v = await self._db(self.catalog.begin_version, model, parent=parent, kind=kind, publish_id=publish_id,
+                           step=step, metadata=metadata, expires_at=expires, now=self.clock())
+        return BeginResult(model, v.publish_id, kind, parent, parent_manifest, v.expires_at)
+
+    async def missing_objects(self, model: str, publish_id: str, objects: list[tuple[str, int]]) -> list[str]:
+        """Return which of `objects` [(digest, size)] the store lacks; all are held for the publish.
+
+        Holding them (a reference from the pending version) keeps GC away from
+        objects the publish reuses while it uploads the rest.
+        """
+        for digest, _ in objects:
+            if not isinstance(digest, str) or len(digest) != 64:
+                raise errors.InvalidDigest(f"not a sha-256 digest: {digest!r}")
+        await self._db(self.catalog.reference_objects, model, publish_id, objects, now=self.clock())
+
+        async def check(digest: str, size: int) -> str | None:
+            async with self._sem:
+                try:
+                    info = await self.store.stat(digest)
+                except errors.ObjectNotFound:
+                    return digest
+            if info.size != size:
+                raise errors.DigestMismatch(f"object {digest} has {info.size} bytes, not {size}")
+            await self._db(self.catalog.record_object, digest, size, now=self.clock())
+            return None
+
+        found = await asyncio.gather(*(check(d, s) for d, s in objects))
+        return [d for d in found if d is not None]
+
+    async def put_object(self, chunks: AsyncIterable[bytes], *, expected_digest: str | None = None,
+                         max_size: int | None = None) -> PutResult:
+        """Store streamed bytes under their SHA-256 (computed here, never trusted) and record them."""
+        limit = min(max_size or self.settings.max_object_bytes, self.settings.max_object_bytes)
+        result = await self.store.put_stream(chunks, expected_digest=expected_digest, max_size=limit)
+        await self._db(self.catalog.record_object, result.digest, result.size, now=self.clock())
+        return result
+
+    async def put_bytes(self, data: bytes, *, expected_digest: str | None = None) -> PutResult:
+        """`put_object` for bytes already in memory."""
+        if len(data) > self.settings.max_object_bytes:
+            raise errors.LimitExceeded(f"object of {len(data)} bytes exceeds {self.settings.max_object_bytes}")
+        result = await self.store.put(data, expected_digest=expected_digest)
+        await self._db(self.catalog.record_object, result.digest, result.size, now=self.clock())
+        return result
+
+    async def commit_publish(self, model: str, publish_id: str, *, manifest_digest: str,
+                             idempotency_key: str | None = None) -> Version:
+        """Make the publish visible: validate its manifest and objects, then compare-and-swap the head.
+
+        Raises IncompletePublish if the manifest or an object it names is not in
+        the store, a FormatError if the manifest is malformed, Conflict if it does
+        not fit the pending publish (other parent, a delta where a keyframe was
+        required, deltas against other bytes than the parent's), StaleParent if
+        another commit moved the head first, PublishNotFound if the publish expired.
+        A retry of a commit that succeeded returns the same version.
+        """
+        manifest = await self.load_manifest(manifest_digest, missing=errors.IncompletePublish)
+        if manifest.model not in (None, model):
+            raise errors.Conflict(f"manifest is for model {manifest.model!r}, not {model!r}")
+        try:
+            pending = await self._db(self.catalog.get_pending, model, publish_id, now=self.clock())
+        except errors.PublishNotFound:
+            pending = None  # maybe a retry of a commit that went through: the catalog replays it
+        if pending is not None:
+            if manifest.parent != pending.parent:
+                raise errors.Conflict(f"manifest parent {manifest.parent} differs from the publish's "
+                                      f"parent {pending.parent}")
+            if pending.kind == "keyframe" and manifest.kind == "delta":
+                raise errors.Conflict("the chain policy requires a keyframe for this publish")
+            if manifest.kind == "delta":
+                await self._check_bases(model, manifest)
+        objects = manifest.objects()
+
+        async def check(digest: str, extent: int) -> tuple[str, int]:
+            async with self._sem:
+                try:
+                    info = await self.store.stat(digest)
+                except errors.ObjectNotFound:
+                    raise errors.IncompletePublish(f"object {digest} is not in the store") from None
+            if info.size < extent:
+                raise errors.IncompletePublish(f"object {digest} has {info.size} bytes, frames need {extent}")
+            return digest, info.size
+
+        refs = await asyncio.gather(*(check(d, e) for d, e in objects.items()))
+        version = await self._db(
+            self.catalog.commit_version, model, publish_id, parent=manifest.parent,
+            manifest_digest=manifest_digest, objects=list(refs), raw_bytes=manifest.raw_bytes,
+            stored_bytes=manifest.stored_bytes, kind=manifest.kind, idempotency_key=idempotency_key,
+            now=self.clock())
+        try:
+            await self.write_commit_record(version)
+        except errors.WeightsyncError as exc:  # committed already; fsck --repair rewrites the record
+            log.warning("commit record for %s v%s not written: %s", model, version.number, exc)
+        return version
+
+    async def write_commit_record(self, version: Version) -> str:
+        """Store the commit record of a committed version (idempotent); returns its digest."""
+        data = record_of(version).encode()
+        result = await self.store.put(data)
+        await self._db(self.catalog.record_object, result.digest, result.size, now=self.clock())
+        return result.digest
+
+    async def abort_publish(self, model: str, publish_id: str) -> Version:
+        """Abandon a pending publish; its objects become unreferenced (GC reclaims them)."""
+        return await self._db(self.catalog.abort_pending, model, publish_id, now=self.clock())
+
+    async def _check_bases(self, model: str, manifest: Manifest) -> None:
+        """Every delta segment's base_xxh3 must be the parent version's bytes at that place (invariant 4)."""
+        assert manifest.parent is not None
+        pv = await self._db(self.catalog.get_version, model, manifest.parent)
+        parent = await self.load_manifest(pv.manifest_digest)
+        if manifest.single_file and len(parent.files) == 1:
+            by_path = {manifest.files[0].path: parent.files[0]}
+        else:
+            by_path = {f.path: f for f in parent.files}
+        for f in manifest.files:
+            base = by_path.get(f.path)
+            starts = {} if base is None else {e.segment.offset: e for e in base.segments}
+            for e in f.segments:
+                if e.base_offset is None:
+                    continue
+                b = starts.get(e.base_offset)
+                if b is None or b.segment.length != e.segment.length or b.xxh3 != e.base_xxh3:
+                    raise errors.BaseMismatch(
+                        f"{f.path}: {e.segment.kind} {e.segment.name!r} was diffed against bytes that are "
+                        f"not version {manifest.parent}'s")
+
+    # --- reading -----------------------------------------------------------------------
+
+    async def load_manifest(self, digest: str, *, missing: type[errors.WeightsyncError] = errors.ObjectNotFound
+                            ) -> Manifest:
+        """Fetch, hash-check and parse a manifest object (cached: manifests are immutable)."""
+        cached = self._manifests.get(digest)
+        if cached is not None:
+            self._manifests.move_to_end(digest)
+            return cached
+        data = await self.read_manifest_bytes(digest, missing=missing)
+        manifest = await asyncio.to_thread(Manifest.decode, data)
+        self._manifests[digest] = manifest
+        while len(self._manifests) > self.settings.manifest_cache:
+            self._manifests.popitem(last=False)
+        return manifest
+
+    async def read_manifest_bytes(self, digest: str, *,
+                                  missing: type[errors.WeightsyncError] = errors.ObjectNotFound) -> bytes:
+        try:
+            info = await self.store.stat(digest)
+            if info.size > MAX_MANIFEST_BYTES:
+                raise errors.LimitExceeded(f"manifest object of {info.size} bytes")
+            data = await self.store.get(digest)
+        except errors.ObjectNotFound:
+            raise missing(f"manifest {digest} is not in the store") from None
+        if hashlib.sha256(data).hexdigest() != digest:
+            raise errors.DigestMismatch(f"stored manifest {digest} does not hash to its name")
+        return data
+
+    async def list_versions(self, model: str, **kwargs: Any) -> list[Version]:
+        return await self._db(self.catalog.list_versions, model, **kwargs)
+
+    async def get_version(self, model: str, number: int | None = None) -> Version:
+        """Version `number`, or the head; VersionNotFound if the model has none."""
+        if number is None:
+            head = await self._db(self.catalog.head, model)
+            if head is None:
+                raise errors.VersionNotFound(f"model {model!r} has no committed version")
+            return head
+        return await self._db(self.catalog.get_version, model, number)
+
+    async def lineage(self, model: str, number: int) -> list[Version]:
+        return await self._db(self.catalog.lineage, model, number)
+
+    async def plan(self, model: str, *, have: int | None, want: int | None = None,
+                   holder: str | None = None) -> Plan:
+        """The cheapest versions to fetch to go from `have` (None: nothing) to `want` (None: head).
+
+        Either the deltas after `have` (when `have` is in the target's chain and
+        not after it) or the target's keyframe and every delta up to the target,
+        whichever moves fewer bytes. With `holder`, a lease on the target's chain
+        keeps GC from deleting it while the reader fetches.
+        """
+        target = await self.get_version(model, want)
+        chain = await self.lineage(model, target.number)
+        steps = [await self._step(v) for v in chain]
+        full = sum(s.manifest_bytes + s.stored_bytes for s in steps)
+        chosen = steps
+        numbers = [v.number for v in chain]
+        if have == target.number:
+            chosen = []
+        elif have is not None and have in numbers:
+            tail = steps[numbers.index(have) + 1 :]
+            if sum(s.manifest_bytes + s.stored_bytes for s in tail) <= full:
+                chosen = tail
+        lease = None
+        if holder:
+            lease = await self._db(self.catalog.acquire_lease, model, target.number, holder,
+                                   self.settings.lease_ttl, now=self.clock())
+        return Plan(model, have, target.number, chosen, sum(s.manifest_bytes + s.stored_bytes for s in chosen),
+                    full, lease)
+
+    async def _step(self, v: Version) -> PlanStep:
+        manifest = await self.load_manifest(v.manifest_digest)
+        info = await self.store.stat(v.manifest_digest)
+        return PlanStep(v.number, v.kind, v.manifest_digest, info.size, manifest.objects(), manifest.stored_bytes)
+
+    async def stat_object(self, digest: str):
+        return await self.store.stat(digest)
+
+    def read_object(self, digest: str, *, offset: int = 0, length: int | None = None) -> AsyncIterator[bytes]:
+        """Stream an object's bytes (or a range) without buffering it whole."""
+        return self.store.iter_range(digest, offset=offset, length=length)
+
+    async def fetch_verified(self, digest: str) -> bytes:
+        """A whole object, checked against its SHA-256 name (DigestMismatch if the store returns other bytes)."""
+        async with self._sem:
+            data = await self.store.get(digest)
+        if hashlib.sha256(data).hexdigest() != digest:
+            raise errors.DigestMismatch(f"object {digest} read back with other bytes")
+        return data
+
+    async def materialize(self, model: str, number: int | None = None) -> Materialized:
+        """Rebuild a committed version's files byte for byte from the store (keyframe, then each delta)."""
+        target = await self.get_version(model, number)
+        chain = await self.lineage(model, target.number)
+        decoder = Decoder()
+        current: Materialized | None = None
+        for v in chain:
+            manifest = await self.load_manifest(v.manifest_digest)
+            digests = list(manifest.objects())
+            blobs = dict(zip(digests, await asyncio.gather(*(self.fetch_verified(d) for d in digests))))
+            base = None
+            if current is not None:
+                base = Checkpoint([CheckpointFile(f.layout, current.files[f.path]) for f in current.manifest.files],
+                                  single_file=current.manifest.single_file)
+            outputs = [np.empty(f.size, dtype=np.uint8) for f in manifest.files]
+
+            def read(ref: FrameRef, blobs: dict[str, bytes] = blobs) -> memoryview:
+                return memoryview(blobs[ref.object])[ref.offset : ref.offset + ref.length]
+
+            await asyncio.to_thread(decoder.decode, manifest, read, outputs, base, verify_segments=True)
+            current = Materialized(manifest, {f.path: out for f, out in zip(manifest.files, outputs)})
+        assert current is not None
+        return current
+
+    # --- leases and the replica ledger ---------------------------------------------------
+
+    async def release_lease(self, model: str, number: int, holder: str) -> bool:
+        return await self._db(self.catalog.release_lease, model, number, holder)
+
+    async def record_replica(self, model: str, subscriber: str, number: int, **kwargs: Any) -> Replica:
+        """Record that `subscriber` applied version `number` (and release its lease on that chain)."""
+        await self.get_version(model, number)
+        rep = await self._db(self.catalog.record_replica, model, subscriber, number, **kwargs)
+        await self._db(self.catalog.release_lease, model, number, subscriber)
+        return rep
+
+    async def list_replicas(self, model: str, subscriber: str | None = None, *, latest_only: bool = True
+                            ) -> list[Replica]:
+        return await self._db(self.catalog.list_replicas, model, subscriber, latest_only=latest_only)
+
+    async def wait_for_version(self, model: str, *, after: int | None, timeout: float,
+                               poll: float = 0.25) -> Version | None:
+        """Wait until the model's head is newer than `after`; return it, or None on timeout.
+
+        Polls the catalog, so it sees commits made through any service replica
+        sharing the catalog.
+        """
+        await self.get_model(model)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            head = await self._db(self.catalog.head, model)
+            if head is not None and (after is None or head.number > after):
+                return head
+            if loop.time() >= deadline:
+                return None
+            await asyncio.sleep(min(poll, max(0.0, deadline - loop.time())))

@@ -1,0 +1,163 @@
+"""GC grace and retention (invariant 5), catalog rebuild from the store, crash in the commit transaction."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from _publish import Stopped, publish
+from test_publish import files_of, publish_all
+
+from weightsync import errors
+from weightsync.catalog import Catalog
+from weightsync.ops import fsck, gc, rebuild_catalog
+
+pytestmark = pytest.mark.anyio
+
+
+async def stored(ops) -> set[str]:
+    return {i.digest async for i in ops.store.list()}
+
+
+async def test_gc_waits_for_the_grace_period(ops, clock, versions):
+    await publish_all(ops, versions[:2])
+    with pytest.raises(Stopped) as stop:
+        await publish(ops, "m", versions[2], versions[1], 2, stop_after="manifest")
+    before = await stored(ops)
+    # Pending publishes hold their objects: GC deletes none of them, whatever the clock says.
+    report = await gc(ops, grace=__import__("datetime").timedelta(0))
+    assert report.objects_deleted <= 1  # at most the manifest object, which nothing references yet
+    await ops.abort_publish("m", stop.value.args[0])
+    report = await gc(ops)
+    assert report.objects_deleted == 0 and report.objects_kept_in_grace > 0
+    clock.advance(minutes=6)
+    report = await gc(ops)
+    assert report.objects_deleted > 0
+    after = await stored(ops)
+    assert after < before
+    for n in (1, 2):  # committed versions are untouched
+        got = await ops.materialize("m", n)
+        assert {p: a.tobytes() for p, a in got.files.items()} == files_of(versions[n - 1])
+
+
+async def test_retention_keeps_chains_and_leases(ops, clock, versions):
+    await ops.create_model("m", keep_last=1, keyframe_interval=3)
+    await publish_all(ops, versions)  # kinds: K D D K D
+    lease = (await ops.plan("m", have=None, want=2, holder="reader-a")).lease
+    assert lease is not None
+    report = await gc(ops)
+    # v5 needs v4 (its keyframe); the lease on v2 keeps v1..v2; v3 goes.
+    assert report.versions_deleted == {"m": [3]}
+    assert [v.number for v in await ops.list_versions("m")] == [1, 2, 4, 5]
+    await ops.release_lease("m", 2, "reader-a")
+    report = await gc(ops)
+    assert report.versions_deleted == {"m": [1, 2]}
+    clock.advance(minutes=10)
+    report = await gc(ops)
+    assert report.objects_deleted > 0
+    for n in (4, 5):
+        got = await ops.materialize("m", n)
+        assert {p: a.tobytes() for p, a in got.files.items()} == files_of(versions[n - 1])
+    assert (await fsck(ops, read_data=True)).problems == []
+
+
+async def test_catalog_rebuilt_from_the_store_equals_the_original(ops, backends, tmp_path, versions):
+    await ops.create_model("m", keyframe_interval=3)
+    await publish_all(ops, versions, model="m")
+    await publish_all(ops, versions[:2], model="other")
+    fresh = Catalog.open(f"sqlite:///{tmp_path / 'rebuilt.db'}")
+    try:
+        imported = await rebuild_catalog(ops.store, fresh)
+        assert imported == {"m": [1, 2, 3, 4, 5], "other": [1, 2]}
+        assert fresh.dump_committed() == ops.catalog.dump_committed()
+    finally:
+        fresh.close()
+
+
+async def test_rebuild_skips_versions_gc_deleted(ops, clock, tmp_path, versions):
+    await ops.create_model("m", keep_last=2, keyframe_interval=2)
+    await publish_all(ops, versions)  # K D K D K
+    await gc(ops)
+    fresh = Catalog.open(f"sqlite:///{tmp_path / 'rebuilt.db'}")
+    try:
+        await rebuild_catalog(ops.store, fresh)
+        assert fresh.dump_committed() == ops.catalog.dump_committed()
+    finally:
+        fresh.close()
+
+
+CRASHER = textwrap.dedent("""
+    import asyncio, os, sys
+    sys.path[:0] = [{tests!r}, {ops_tests!r}]
+    from sqlalchemy import event
+    from weightsync.catalog import Catalog
+    from weightsync.store.fs import FsStore
+    from weightsync.ops import Ops
+    from _versions import model_files, next_step, checkpoint
+    from _publish import publish
+
+    catalog = Catalog.open({url!r})
+    # Die inside the commit transaction: after the version row changed, before COMMIT.
+    armed = {{"on": False}}
+    @event.listens_for(catalog.engine, "commit")
+    def die(conn):
+        if armed["on"]:
+            os._exit(17)
+    ops = Ops(catalog, FsStore({store!r}))
+    orig = catalog.commit_version
+    def commit(*a, **k):
+        armed["on"] = True
+        return orig(*a, **k)
+    catalog.commit_version = commit
+    t0 = model_files()
+    asyncio.run(publish(ops, "m", checkpoint(next_step(t0, 1), 1), checkpoint(t0, 0), 1))
+""")
+
+
+@pytest.mark.parametrize("db", ["sqlite", pytest.param("pg", marks=pytest.mark.postgres)])
+async def test_crash_inside_the_commit_transaction_leaves_nothing_visible(db, tmp_path, clock):
+    from _pg import fresh_database
+    from _versions import checkpoint, model_files
+
+    from weightsync.ops import Ops, OpsSettings
+    from weightsync.store.fs import FsStore
+
+    ctx = fresh_database() if db == "pg" else None
+    url = ctx.__enter__() if ctx else f"sqlite:///{tmp_path / 'c.db'}"
+    try:
+        catalog = Catalog.open(url)
+        ops = Ops(catalog, FsStore(tmp_path / "store"), OpsSettings(), clock=clock)
+        await publish(ops, "m", checkpoint(model_files(), 0), None, None)
+        tests = str(Path(__file__).resolve().parents[1])
+        script = CRASHER.format(tests=tests, ops_tests=str(Path(__file__).parent), url=url,
+                                store=str(tmp_path / "store"))
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                              env={**os.environ})
+        assert proc.returncode == 17, proc.stderr
+        assert [v.number for v in await ops.list_versions("m")] == [1]
+        assert (await ops.get_version("m")).number == 1
+        clock.advance(hours=3)
+        await fsck(ops, repair=True)
+        clock.advance(hours=3)
+        report = await fsck(ops, repair=True)
+        assert report.ok
+        assert (await fsck(ops)).problems == []
+        await ops.store.close()
+        catalog.close()
+    finally:
+        if ctx:
+            ctx.__exit__(None, None, None)
+
+
+async def test_gc_never_deletes_what_a_version_references(ops, clock, versions):
+    await publish_all(ops, versions[:3])
+    clock.advance(days=30)
+    await gc(ops)
+    referenced = await ops._db(ops.catalog.referenced_digests)
+    assert referenced <= await stored(ops)
+    with pytest.raises(errors.VersionNotFound):
+        await ops.get_version("m", 9)
