@@ -1,6 +1,6 @@
 """Encode a checkpoint against a base into frames and a manifest, and decode it back.
 
-Chunking (docs/FORMAT.md §5.3): a tensor larger than ``chunk_bytes`` is cut into
+Chunking (docs/FORMAT.md §4.5): a tensor larger than ``chunk_bytes`` is cut into
 independently decodable frames; smaller segments of one dtype are grouped into a
 frame so thousands of tiny tensors do not make thousands of frames. Frames are
 encoded and decoded on a thread pool: zstd, xxhash and large numpy operations

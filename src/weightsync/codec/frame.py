@@ -54,14 +54,14 @@ CODING_STORED = 0
 CODING_ZSTD = 1
 
 GAP_WIDTH = 4  # gaps are u32: a frame holds at most MAX_FRAME_ELEMENTS elements
-MAX_FRAME_RAW = 1 << 30  # FORMAT §6 cap: 1 GiB of decoded bytes per frame
+MAX_FRAME_RAW = 1 << 30  # FORMAT §8 cap: 1 GiB of decoded bytes per frame
 MAX_FRAME_ELEMENTS = (1 << 32) - 1
 
 SPARSE_MAX_DENSITY = 0.25
 """Above this fraction of changed elements, dense XOR planes beat gap coding (FORMAT §4.4)."""
 
 ZERO_HASH = bytes(16)
-DEFAULT_LEVEL = 1  # measured: level 1 codes byte planes smaller than 3 (FORMAT §4.5)
+DEFAULT_LEVEL = 1  # measured: level 1 codes byte planes smaller than 3 (FORMAT §4.4)
 
 
 def xxh3_128(data) -> bytes:
@@ -152,7 +152,7 @@ class _Reader:
         if expected == 0:
             raise CorruptData("zstd section where an empty one is expected")
         # Check the declared size before decompressing: max_output_size alone does not
-        # stop a frame that declares its content size (FORMAT §6).
+        # stop a frame that declares its content size (FORMAT §4.3).
         try:
             declared = zstandard.frame_content_size(body)
         except zstandard.ZstdError as exc:

@@ -1,4 +1,4 @@
-"""Packing encoded frames into content-addressed objects (docs/FORMAT.md §7).
+"""Packing encoded frames into content-addressed objects (docs/FORMAT.md §7.1).
 
 A data object is a plain concatenation of frames; the manifest says where each
 frame lies. Packing keeps object counts low (one object per ~64 MiB, not one per
