@@ -9,10 +9,16 @@ from typing import Annotated
 
 import typer
 
+from weightsync.client.cli import register as register_client
 from weightsync.errors import WeightsyncError
+from weightsync.service.cli import register as register_service
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Store and replicate model weights as exact compressed deltas.")
+# Both modules import their heavy dependencies inside the commands, so the client-only
+# install (no server extra, no torch) can run every client command.
+register_service(app)
+register_client(app)
 
 
 def fail(message: str, code: int = 1) -> None:

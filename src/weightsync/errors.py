@@ -143,3 +143,11 @@ class ClientError(WeightsyncError):
 
 class AuthError(ClientError):
     """Missing, invalid or insufficient token (HTTP 401/403)."""
+
+
+class ServerUnavailable(ClientError):
+    """The server cannot be reached, or kept answering 5xx/503 after the client's retries: retry later."""
+
+
+class ReloadRequired(WeightsyncError):
+    """An update cannot be applied in place into the caller's tensors (a tensor added, or its dtype or shape changed): load the version afresh."""

@@ -1,0 +1,371 @@
+"""The HTTP edge of the client: one method per operation of docs/API.md, retries, errors, rate limit.
+
+Every call goes through :meth:`Api.request`, which retries connection errors,
+429 and 5xx with jittered exponential backoff (honouring ``Retry-After``) and
+maps ``application/problem+json`` answers to the named exceptions of
+:mod:`weightsync.errors`. Thread-safe: one :class:`Api` (one connection pool)
+serves the transfer threads of a publisher or subscriber.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from weightsync import __version__, errors
+
+log = logging.getLogger("weightsync.client")
+
+DEFAULT_SERVER = "http://127.0.0.1:8400"
+_RETRY_STATUS = {429, 500, 502, 503, 504}
+UPLOAD_CHUNK = 256 << 10
+
+
+class TokenBucket:
+    """A shared bandwidth cap: `acquire(n)` blocks until n bytes may pass at `rate` bytes/s. Thread-safe.
+
+    The bucket holds at most `burst` bytes (default a quarter second of traffic,
+    at least 64 KiB), so an idle period does not let a later burst exceed the cap.
+    """
+
+    def __init__(self, rate: float, *, burst: float | None = None) -> None:
+        if rate <= 0:
+            raise ValueError("rate must be positive (bytes per second)")
+        self.rate = float(rate)
+        self.burst = float(burst if burst is not None else max(rate / 4, 64 << 10))
+        self._tokens = self.burst
+        self._last = time.monotonic()
+        self._lock = threading.Lock()
+
+    def acquire(self, n: int) -> None:
+        with self._lock:
+            now = time.monotonic()
+            self._tokens = min(self.burst, self._tokens + (now - self._last) * self.rate)
+            self._last = now
+            self._tokens -= n  # may go negative: the debt is paid by waiting, so large chunks work too
+            wait = -self._tokens / self.rate if self._tokens < 0 else 0.0
+        if wait > 0:
+            time.sleep(wait)
+
+
+@dataclass(frozen=True)
+class Retry:
+    """Retry policy for transient failures: `attempts` tries in all, backoff from `base` s capped at `cap` s."""
+
+    attempts: int = 6
+    base: float = 0.2
+    cap: float = 10.0
+
+    def delay(self, attempt: int, retry_after: str | None = None) -> float:
+        if retry_after:
+            try:
+                return min(float(retry_after), self.cap * 3)
+            except ValueError:
+                pass
+        return random.uniform(0, min(self.cap, self.base * (2 ** attempt)))  # full jitter
+
+
+_PROBLEMS: dict[str, Callable[[str, dict], errors.WeightsyncError]] = {
+    "invalid-name": lambda m, p: errors.InvalidName(m),
+    "invalid-digest": lambda m, p: errors.InvalidDigest(m),
+    "bad-manifest": lambda m, p: errors.FormatError(m),
+    "stale-parent": lambda m, p: errors.StaleParent(m, current_head=p.get("current_head")),
+    "conflict": lambda m, p: errors.Conflict(m),
+    "incomplete-publish": lambda m, p: errors.IncompletePublish(m),
+    "base-mismatch": lambda m, p: errors.BaseMismatch(m),
+    "digest-mismatch": lambda m, p: errors.DigestMismatch(m),
+    "too-large": lambda m, p: errors.LimitExceeded(m),
+    "bad-range": lambda m, p: errors.InvalidRange(m),
+    "unauthorized": lambda m, p: errors.AuthError(m),
+    "forbidden": lambda m, p: errors.AuthError(m),
+    "unavailable": lambda m, p: errors.ServerUnavailable(m),
+}
+
+
+def _not_found(message: str, default: type[errors.WeightsyncError]) -> errors.WeightsyncError:
+    """404s share one problem type; the detail (or the endpoint's default) says which thing is missing."""
+    low = message.lower()
+    if "no model" in low or "unknown model" in low:
+        return errors.ModelNotFound(message)
+    if "publish" in low:
+        return errors.PublishNotFound(message)
+    if "version" in low:
+        return errors.VersionNotFound(message)
+    if "object" in low:
+        return errors.ObjectNotFound(message)
+    return default(message)
+
+
+def problem_error(resp: httpx.Response, *, not_found: type[errors.WeightsyncError]) -> errors.WeightsyncError:
+    """The named exception for an error response (problem+json when the server sent one)."""
+    problem: dict[str, Any] = {}
+    try:
+        if "json" in resp.headers.get("content-type", ""):
+            body = resp.json()
+            if isinstance(body, dict):
+                problem = body
+    except ValueError:
+        pass
+    code = str(problem.get("type", "")).rstrip("/").rsplit("/", 1)[-1]
+    detail = problem.get("detail") or problem.get("title") or resp.reason_phrase or "error"
+    if not isinstance(detail, str):
+        detail = str(detail)
+    message = f"{detail} (HTTP {resp.status_code})"
+    if code in _PROBLEMS:
+        exc = _PROBLEMS[code](message, problem)
+    elif resp.status_code in (401, 403):
+        exc = errors.AuthError(message)
+    elif resp.status_code == 404 or code == "not-found":
+        exc = _not_found(message, not_found)
+    elif resp.status_code == 409:
+        exc = errors.Conflict(message)
+    elif resp.status_code == 503:
+        exc = errors.ServerUnavailable(message)
+    else:
+        exc = errors.ClientError(message)
+    exc.status = resp.status_code  # type: ignore[attr-defined]
+    exc.problem = problem  # type: ignore[attr-defined]
+    return exc
+
+
+class Api:
+    """Typed calls for docs/API.md over one httpx connection pool. Thread-safe.
+
+    ``limiter`` (a :class:`TokenBucket`) caps object and manifest bytes both
+    ways; ``transport`` replaces httpx's (tests inject faults with it).
+    ``on_bytes`` is called with every body chunk moved (progress reporting).
+    """
+
+    def __init__(self, server: str, token: str | None = None, *, timeout: float = 60.0,
+                 concurrency: int = 8, retry: Retry | None = None, limiter: TokenBucket | None = None,
+                 transport: httpx.BaseTransport | None = None) -> None:
+        self.server = server.rstrip("/")
+        self.retry = retry or Retry()
+        self.limiter = limiter
+        self.on_bytes: Callable[[int], None] | None = None
+        headers = {"User-Agent": f"weightsync/{__version__}"}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        limits = httpx.Limits(max_connections=max(concurrency, 1) + 4,
+                              max_keepalive_connections=max(concurrency, 1) + 4)
+        t = httpx.Timeout(timeout, connect=min(timeout, 10.0))
+        self._http = httpx.Client(base_url=self.server, headers=headers, timeout=t, limits=limits,
+                                  transport=transport)
+        # Presigned URLs carry their own authorization: never send our token there.
+        self._bare = httpx.Client(timeout=t, limits=limits, transport=transport)
+
+    def close(self) -> None:
+        self._http.close()
+        self._bare.close()
+
+    # --- the one request loop -----------------------------------------------------------
+
+    def request(self, method: str, path: str, *, json: Any = None, params: dict | None = None,
+                headers: dict | None = None, content: Callable[[], Any] | None = None,
+                ok: tuple[int, ...] = (200, 201, 204), not_found: type[errors.WeightsyncError] = errors.ModelNotFound,
+                stream_to: Callable[[httpx.Response], Any] | None = None, bare: bool = False,
+                timeout: float | None = None) -> Any:
+        """Send with retries; return the response (or `stream_to(response)`'s result for streamed bodies).
+
+        `content` is a factory so every attempt gets a fresh body iterator.
+        Transient failures are retried; the last one raises ServerUnavailable.
+        Other errors raise their named exception at once.
+        """
+        client = self._bare if bare else self._http
+        last: str = ""
+        for attempt in range(self.retry.attempts):
+            if attempt:
+                time.sleep(self.retry.delay(attempt - 1, retry_after))
+            retry_after = None
+            try:
+                req = client.build_request(method, path, json=json, params=params, headers=headers,
+                                           content=content() if content is not None else None,
+                                           **({"timeout": timeout} if timeout is not None else {}))
+                resp = client.send(req, stream=stream_to is not None)
+                try:
+                    if resp.status_code in ok:
+                        if stream_to is not None:
+                            return stream_to(resp)
+                        return resp
+                    if stream_to is not None:
+                        resp.read()
+                finally:
+                    if stream_to is not None:
+                        resp.close()
+            except httpx.TransportError as exc:  # connection refused/reset, timeouts, protocol errors
+                last = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                log.debug("%s %s: %s (attempt %d)", method, path, last, attempt + 1)
+                continue
+            if resp.status_code in _RETRY_STATUS:
+                retry_after = resp.headers.get("retry-after")
+                last = str(problem_error(resp, not_found=not_found))
+                log.debug("%s %s: %s (attempt %d)", method, path, last, attempt + 1)
+                continue
+            raise problem_error(resp, not_found=not_found)
+        where = self.server if not bare else "object storage"
+        raise errors.ServerUnavailable(f"{where} unavailable after {self.retry.attempts} attempts: {last}")
+
+    def _json(self, method: str, path: str, **kwargs: Any) -> Any:
+        resp = self.request(method, path, **kwargs)
+        if resp.status_code == 204 or not resp.content:
+            return None
+        try:
+            return resp.json()
+        except ValueError:
+            raise errors.ClientError(f"{method} {path}: answer is not JSON") from None
+
+    # --- models and versions ------------------------------------------------------------
+
+    def health(self) -> dict:
+        return self._json("GET", "/healthz")
+
+    def list_models(self) -> list[dict]:
+        return self._json("GET", "/v1/models")["models"]
+
+    def get_model(self, model: str) -> dict:
+        return self._json("GET", f"/v1/models/{model}")
+
+    def list_versions(self, model: str, *, limit: int | None = None, before: int | None = None,
+                      after: int | None = None) -> list[dict]:
+        params = {k: v for k, v in (("limit", limit), ("before", before), ("after", after)) if v is not None}
+        return self._json("GET", f"/v1/models/{model}/versions", params=params)["versions"]
+
+    def get_version(self, model: str, number: int | str = "latest") -> dict:
+        return self._json("GET", f"/v1/models/{model}/versions/{number}", not_found=errors.VersionNotFound)
+
+    def head(self, model: str) -> dict | None:
+        """The head Version, or None when the model does not exist or has no version yet."""
+        try:
+            return self.get_version(model, "latest")
+        except (errors.ModelNotFound, errors.VersionNotFound):
+            return None
+
+    def get_plan(self, model: str, *, have: int | None, want: int | None = None,
+                 holder: str | None = None) -> dict:
+        params: dict[str, Any] = {}
+        if have is not None:
+            params["have"] = have
+        if want is not None:
+            params["want"] = want
+        if holder:
+            params["holder"] = holder
+        return self._json("GET", f"/v1/models/{model}/plan", params=params, not_found=errors.VersionNotFound)
+
+    def watch(self, model: str, *, after: int, timeout: float) -> dict | None:
+        resp = self.request("GET", f"/v1/models/{model}/watch", params={"after": after, "timeout": timeout},
+                            ok=(200, 204), timeout=timeout + 30.0)
+        return resp.json() if resp.status_code == 200 else None
+
+    def report_replica(self, model: str, body: dict) -> dict:
+        return self._json("POST", f"/v1/models/{model}/replicas", json=body)
+
+    def list_replicas(self, model: str, *, subscriber: str | None = None, all: bool = False) -> list[dict]:
+        params: dict[str, Any] = {"all": str(all).lower()}
+        if subscriber:
+            params["subscriber"] = subscriber
+        return self._json("GET", f"/v1/models/{model}/replicas", params=params)["replicas"]
+
+    # --- publishing ---------------------------------------------------------------------
+
+    def begin_publish(self, model: str, *, parent: int | None, step: int | None, metadata: dict | None,
+                      keyframe: bool) -> dict:
+        body: dict[str, Any] = {"parent": parent, "keyframe": keyframe}
+        if step is not None:
+            body["step"] = step
+        if metadata:
+            body["metadata"] = metadata
+        return self._json("POST", f"/v1/models/{model}/publishes", json=body)
+
+    def check_objects(self, model: str, publish_id: str, objects: list[tuple[str, int]]) -> dict:
+        body = {"objects": [{"digest": d, "size": s} for d, s in objects]}
+        return self._json("POST", f"/v1/models/{model}/publishes/{publish_id}/objects", json=body,
+                          not_found=errors.PublishNotFound)
+
+    def commit_publish(self, model: str, publish_id: str, *, manifest: str, idempotency_key: str) -> dict:
+        return self._json("POST", f"/v1/models/{model}/publishes/{publish_id}/commit",
+                          json={"manifest": manifest, "idempotency_key": idempotency_key},
+                          headers={"Idempotency-Key": idempotency_key}, not_found=errors.PublishNotFound)
+
+    def abort_publish(self, model: str, publish_id: str) -> None:
+        self.request("DELETE", f"/v1/models/{model}/publishes/{publish_id}", not_found=errors.PublishNotFound)
+
+    def _body(self, data: bytes | memoryview) -> Callable[[], Iterator[bytes]]:
+        view = memoryview(data)
+
+        def chunks() -> Iterator[bytes]:
+            for pos in range(0, len(view), UPLOAD_CHUNK):
+                piece = view[pos : pos + UPLOAD_CHUNK]
+                if self.limiter is not None:
+                    self.limiter.acquire(len(piece))
+                yield bytes(piece)
+                if self.on_bytes is not None:
+                    self.on_bytes(len(piece))
+
+        return chunks
+
+    def put_object(self, digest: str, data: bytes | memoryview, presigned: dict | None = None) -> None:
+        """Upload one object (the presigned request when given, else putObject)."""
+        if presigned:
+            headers = dict(presigned.get("headers") or {})
+            headers.setdefault("Content-Length", str(len(data)))
+            self.request(presigned.get("method", "PUT"), presigned["url"], headers=headers,
+                         content=self._body(data), ok=(200, 201, 204), bare=True,
+                         not_found=errors.ObjectNotFound)
+            return
+        self.request("PUT", f"/v1/objects/{digest}", headers={"Content-Length": str(len(data)),
+                                                               "Content-Type": "application/octet-stream"},
+                     content=self._body(data), ok=(200, 201), not_found=errors.ObjectNotFound)
+
+    # --- reading objects ----------------------------------------------------------------
+
+    def get_object(self, digest: str, sink: Callable[[bytes], None], *, start: int = 0,
+                   end: int | None = None) -> int:
+        """Stream object bytes [start, end) into `sink` (rate-limited); returns the bytes received.
+
+        A retried attempt restarts the range, so `sink` must accept a restart:
+        it is called with ``b""`` (meaning "discard what you have") before each attempt.
+        """
+        headers = {}
+        if start or end is not None:
+            headers["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
+
+        def consume(resp: httpx.Response) -> int:
+            sink(b"")
+            n = 0
+            for chunk in resp.iter_bytes(UPLOAD_CHUNK):
+                if self.limiter is not None:
+                    self.limiter.acquire(len(chunk))
+                sink(chunk)
+                n += len(chunk)
+                if self.on_bytes is not None:
+                    self.on_bytes(len(chunk))
+            return n
+
+        return self.request("GET", f"/v1/objects/{digest}", headers=headers, ok=(200, 206),
+                            stream_to=consume, not_found=errors.ObjectNotFound)
+
+    def head_object(self, digest: str) -> int:
+        resp = self.request("HEAD", f"/v1/objects/{digest}", not_found=errors.ObjectNotFound, ok=(200,))
+        return int(resp.headers.get("content-length", "0"))
+
+    def get_manifest(self, model: str, number: int) -> bytes:
+        return self.request("GET", f"/v1/models/{model}/versions/{number}/manifest",
+                            not_found=errors.VersionNotFound, ok=(200,)).content
+
+    # --- admin --------------------------------------------------------------------------
+
+    def fsck(self, *, read_data: bool, repair: bool) -> dict:
+        return self._json("POST", "/v1/admin/fsck", json={"read_data": read_data, "repair": repair})
+
+    def gc(self, *, dry_run: bool, grace_s: float | None = None) -> dict:
+        body: dict[str, Any] = {"dry_run": dry_run}
+        if grace_s is not None:
+            body["grace_s"] = grace_s
+        return self._json("POST", "/v1/admin/gc", json=body)

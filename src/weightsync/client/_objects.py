@@ -1,0 +1,318 @@
+"""A content-addressed object cache that downloads only what it lacks, in parallel ranges.
+
+On disk (``root`` given) an object lives at ``root/<digest>`` only once its
+SHA-256 has been checked. A large object is fetched as several HTTP ranges at
+once; each finished range is kept under ``root/<digest>.parts/`` so a download
+killed half way resumes with the ranges it lacks. Without a root the cache is
+a dict in memory (for `prepare`, which decodes straight from memory).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from weightsync import errors
+from weightsync.client._http import Api
+from weightsync.client._pool import run_all
+
+DEFAULT_RANGE_BYTES = 16 << 20
+
+
+@dataclass
+class FetchStats:
+    fetched: int = 0
+    """Objects downloaded (at least partly) by this call."""
+    cached: int = 0
+    """Objects the cache already held."""
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(4 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class _FileSink:
+    """Receives one range into `path`.tmp; a restart (b"") truncates it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.tmp = path.with_name(path.name + f".{os.getpid()}.{threading.get_ident()}.tmp")
+        self.f = open(self.tmp, "wb")
+
+    def __call__(self, chunk: bytes) -> None:
+        if not chunk:
+            self.f.seek(0)
+            self.f.truncate()
+            return
+        self.f.write(chunk)
+
+    def finish(self) -> None:
+        self.f.close()
+        os.replace(self.tmp, self.path)
+
+    def abandon(self) -> None:
+        self.f.close()
+        self.tmp.unlink(missing_ok=True)
+
+
+class ObjectCache:
+    """Verified objects by digest, on disk under `root` or in memory (root None). Thread-safe."""
+
+    def __init__(self, root: Path | None) -> None:
+        self.root = root
+        self._mem: dict[str, bytes] = {}
+        self._mem_parts: dict[tuple[str, int, int], bytes] = {}
+        self._verified: set[str] = set()
+        self._lock = threading.Lock()
+        if root is not None:
+            root.mkdir(parents=True, exist_ok=True)
+
+    def sweep(self) -> None:
+        """Remove partial files a killed process left (only safe while no one else uses this cache)."""
+        if self.root is None:
+            return
+        for p in self.root.glob("*.tmp"):
+            p.unlink(missing_ok=True)
+        for p in self.root.glob("*.parts/*.tmp"):
+            p.unlink(missing_ok=True)
+
+    def _path(self, digest: str) -> Path:
+        assert self.root is not None
+        return self.root / digest
+
+    def has(self, digest: str) -> bool:
+        if self.root is None:
+            return digest in self._mem
+        return self._path(digest).is_file()
+
+    def read(self, digest: str) -> memoryview | np.ndarray:
+        """The object's bytes (a read-only map on disk)."""
+        if self.root is None:
+            return memoryview(self._mem[digest])
+        path = self._path(digest)
+        if path.stat().st_size == 0:
+            return memoryview(b"")
+        return np.memmap(path, dtype=np.uint8, mode="r")
+
+    def put(self, digest: str, data: bytes) -> None:
+        """Add bytes the caller has verified (used for manifests fetched whole)."""
+        if hashlib.sha256(data).hexdigest() != digest:
+            raise errors.DigestMismatch(f"object {digest} was received with other bytes")
+        if self.root is None:
+            self._mem[digest] = data
+            return
+        sink = _FileSink(self._path(digest))
+        sink(data)
+        sink.finish()
+
+    def discard(self, digests: list[str]) -> None:
+        for d in digests:
+            self._mem.pop(d, None)
+            if self.root is not None:
+                self._path(d).unlink(missing_ok=True)
+                shutil.rmtree(self.root / f"{d}.parts", ignore_errors=True)
+
+    def _valid(self, digest: str) -> bool:
+        """A cached object from an earlier run is re-hashed once before it is trusted (disks rot)."""
+        if not self.has(digest):
+            return False
+        if self.root is None or digest in self._verified:
+            return True
+        path = self._path(digest)
+        if _sha256_file(path) == digest:
+            with self._lock:
+                self._verified.add(digest)
+            return True
+        path.unlink(missing_ok=True)
+        return False
+
+    def fetch(self, api: Api, objects: dict[str, int], pool: ThreadPoolExecutor, *,
+              range_bytes: int = DEFAULT_RANGE_BYTES) -> FetchStats:
+        """Make every object in `objects` (digest → extent to fetch) present and verified.
+
+        Ranges of all missing objects are fetched concurrently on `pool`; each
+        object is then assembled and checked against its SHA-256 name.
+        """
+        stats = FetchStats()
+        todo: list[tuple[str, int]] = []
+        for digest, extent in objects.items():
+            if self._valid(digest):
+                stats.cached += 1
+            else:
+                todo.append((digest, extent))
+        stats.fetched = len(todo)
+        if not todo:
+            return stats
+        jobs = []
+        for digest, extent in todo:
+            jobs.extend(self._ranges(digest, 0, extent, range_bytes))
+        run_all(pool, lambda job: self._fetch_range(api, *job), [j for j in jobs if j is not None])
+        run_all(pool, lambda t: self._assemble(api, t[0], t[1], range_bytes), todo)
+        return stats
+
+    # --- ranges -------------------------------------------------------------------------
+
+    def _parts_dir(self, digest: str) -> Path:
+        assert self.root is not None
+        return self.root / f"{digest}.parts"
+
+    def _ranges(self, digest: str, start: int, end: int, range_bytes: int) -> list[tuple[str, int, int] | None]:
+        """The ranges of [start, end) not yet held (whatever range size earlier runs used), as jobs."""
+        if end <= start:
+            return [(digest, start, end)] if end == start == 0 else []
+        gaps = []
+        cursor = start
+        for a, b in self._held_parts(digest):
+            if b <= cursor:
+                continue
+            if a > cursor:
+                gaps.append((cursor, min(a, end)))
+            cursor = max(cursor, b)
+            if cursor >= end:
+                break
+        if cursor < end:
+            gaps.append((cursor, end))
+        return [(digest, a, min(a + range_bytes, b)) for g0, b in gaps for a in range(g0, b, range_bytes)]
+
+    def _fetch_range(self, api: Api, digest: str, start: int, end: int) -> None:
+        if self.root is None:
+            buf = bytearray()
+
+            def sink(chunk: bytes) -> None:
+                if not chunk:
+                    buf.clear()
+                else:
+                    buf.extend(chunk)
+
+            api.get_object(digest, sink, start=start, end=end if end > start else None)
+            with self._lock:
+                self._mem_parts[(digest, start, end)] = bytes(buf)
+            return
+        parts = self._parts_dir(digest)
+        parts.mkdir(exist_ok=True)
+        fsink = _FileSink(parts / f"{start}-{end}")
+        try:
+            api.get_object(digest, fsink, start=start, end=end if end > start else None)
+        except BaseException:
+            fsink.abandon()
+            raise
+        fsink.finish()
+
+    def _held_parts(self, digest: str) -> list[tuple[int, int]]:
+        if self.root is None:
+            with self._lock:
+                return sorted((a, b) for (d, a, b) in self._mem_parts if d == digest)
+        out: list[tuple[int, int]] = []
+        if not self._parts_dir(digest).is_dir():
+            return out
+        for p in self._parts_dir(digest).iterdir():
+            if p.name.endswith(".tmp"):
+                continue
+            a, _, b = p.name.partition("-")
+            out.append((int(a), int(b)))
+        return sorted(out)
+
+    def _assemble(self, api: Api, digest: str, extent: int, range_bytes: int) -> None:
+        """Join the parts, check the digest; an object longer than the frames' extent gets its tail fetched."""
+        for attempt in range(2):
+            cursor = self._join(digest)
+            if cursor < 0:
+                return
+            if attempt:
+                break
+            size = api.head_object(digest)
+            if size <= cursor:
+                break
+            # The frames use only a prefix of this object: fetch the rest to check the digest.
+            for job in self._ranges(digest, cursor, size, range_bytes):
+                if job is not None:
+                    self._fetch_range(api, *job)
+        self._drop_parts(digest)
+        raise errors.DigestMismatch(f"object {digest} was received with other bytes")
+
+    def _chain(self, digest: str) -> list[tuple[int, int, int]]:
+        """Parts that tile [0, n) in order, as (start, end, skip): `skip` bytes of the part are already covered."""
+        parts = self._held_parts(digest)
+        chain = []
+        cursor = 0
+        while True:
+            best = max((p for p in parts if p[0] <= cursor < p[1]), key=lambda p: p[1], default=None)
+            if best is None:
+                return chain
+            chain.append((best[0], best[1], cursor - best[0]))
+            cursor = best[1]
+
+    def _join(self, digest: str) -> int:
+        """Concatenate the parts; store the object and return -1 if they hash to `digest`,
+        else return how many bytes they cover."""
+        h = hashlib.sha256()
+        cursor = 0
+        chain = self._chain(digest)
+        if self.root is None:
+            chunks = []
+            for a, b, skip in chain:
+                chunks.append(self._mem_parts[(digest, a, b)][skip:])
+                h.update(chunks[-1])
+                cursor = b
+            if h.hexdigest() != digest:
+                return cursor
+            self._mem[digest] = b"".join(chunks)
+        else:
+            sink = _FileSink(self._path(digest))
+            try:
+                for a, b, skip in chain:
+                    with open(self._parts_dir(digest) / f"{a}-{b}", "rb") as f:
+                        f.seek(skip)
+                        while chunk := f.read(4 << 20):
+                            h.update(chunk)
+                            sink(chunk)
+                    cursor = b
+            except BaseException:
+                sink.abandon()
+                raise
+            if h.hexdigest() != digest:
+                sink.abandon()
+                return cursor
+            sink.finish()
+        with self._lock:
+            self._verified.add(digest)
+        self._drop_parts(digest)
+        return -1
+
+    def _drop_parts(self, digest: str) -> None:
+        if self.root is None:
+            with self._lock:
+                for key in [k for k in self._mem_parts if k[0] == digest]:
+                    del self._mem_parts[key]
+        else:
+            shutil.rmtree(self._parts_dir(digest), ignore_errors=True)
+
+
+def object_reader(cache: ObjectCache) -> Callable:
+    """A `read_frame(ref)` for the decoder: frame bytes sliced out of cached objects (maps kept open)."""
+    opened: dict[str, memoryview | np.ndarray] = {}
+    lock = threading.Lock()
+
+    def read(ref) -> memoryview | np.ndarray:
+        with lock:
+            data = opened.get(ref.object)
+            if data is None:
+                data = opened[ref.object] = cache.read(ref.object)
+        if ref.offset + ref.length > len(data):
+            raise errors.TruncatedInput(f"frame at {ref.offset}+{ref.length} lies past the end of object "
+                                        f"{ref.object}")
+        return data[ref.offset : ref.offset + ref.length]
+
+    return read

@@ -1,0 +1,166 @@
+"""The client CLI (registered on a typer app as the lead wires it): JSON output, errors, exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import typer
+from _client_util import TinyTrainer, dir_size, free_port, tree_bytes, write_version
+from conftest import TOKENS
+from typer.testing import CliRunner
+
+from weightsync.client.cli import (EXIT_AUTH, EXIT_CONFLICT, EXIT_NOT_FOUND, EXIT_UNAVAILABLE, EXIT_USAGE,
+                                   register)
+
+app = typer.Typer(add_completion=False)
+register(app)
+
+
+@pytest.fixture
+def cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Run a command in-process with a clean WEIGHTSYNC_* environment; returns the click Result."""
+    for key in ("WEIGHTSYNC_SERVER", "WEIGHTSYNC_TOKEN", "WEIGHTSYNC_CACHE", "WEIGHTSYNC_RETRIES"):
+        monkeypatch.delenv(key, raising=False)
+    runner = CliRunner()
+    base_env = {"WEIGHTSYNC_CACHE": str(tmp_path / "push-cache")}
+
+    def run(*args: str, env: dict[str, str] | None = None):
+        return runner.invoke(app, [str(a) for a in args], env={**base_env, **(env or {})}, catch_exceptions=False)
+
+    return run
+
+
+def _one_json(result) -> dict:
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == 1, result.stdout
+    return json.loads(lines[0])
+
+
+def _one_error_line(result) -> str:
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("weightsync: error: "), result.stderr
+    assert "Traceback" not in result.stderr
+    return lines[0]
+
+
+def test_push_pull_json(server, model, cli, tmp_path: Path) -> None:
+    trainer = TinyTrainer(seed=31)
+    env = {"WEIGHTSYNC_SERVER": server.url}
+    follow = tmp_path / "follow"
+    for i in range(1, 4):
+        trainer.step()
+        src = write_version(tmp_path / f"src{i}", trainer.export())
+        r = cli("push", model, src, "--step", i, "--json", env=env)
+        assert r.exit_code == 0, r.stderr
+        pushed = _one_json(r)
+        assert pushed["version"] == i and isinstance(pushed["bytes"], int)
+        assert pushed["kind"] == ("keyframe" if i == 1 else "delta")
+        if i > 1:
+            assert pushed["bytes"] < dir_size(src) * 0.3
+        r = cli("pull", model, follow, "--json", env=env)
+        assert r.exit_code == 0, r.stderr
+        pulled = _one_json(r)
+        assert pulled["version"] == i and isinstance(pulled["bytes"], int)
+        assert tree_bytes(follow) == tree_bytes(src)
+        if i > 1:
+            assert pulled["mode"] == "delta" and 0 < pulled["bytes"] < dir_size(src) * 0.3
+        r = cli("pull", model, tmp_path / f"fresh{i}", "--server", server.url, "--json")
+        assert r.exit_code == 0 and _one_json(r)["mode"] == "full"
+        assert tree_bytes(tmp_path / f"fresh{i}") == tree_bytes(src)
+    r = cli("pull", model, tmp_path / "v2", "--version", 2, "--json", env=env)
+    assert _one_json(r)["version"] == 2 and tree_bytes(tmp_path / "v2") == tree_bytes(tmp_path / "src2")
+    # Human output: one line each, no JSON.
+    r = cli("pull", model, follow, env=env)
+    assert r.exit_code == 0 and "already at" in r.stdout
+    r = cli("log", model, "--json", env=env)
+    log = _one_json(r)
+    assert [v["number"] for v in log["versions"]] == [1, 2, 3]
+    assert [v["step"] for v in log["versions"]] == [1, 2, 3]
+    r = cli("log", model, "--limit", 1, env=env)
+    assert r.exit_code == 0 and r.stdout.startswith("v3")
+    r = cli("models", "--json", env=env)
+    assert model in {m["name"] for m in _one_json(r)["models"]}
+    r = cli("watch", model, "--after", 2, "--count", 1, "--json", env=env)
+    assert r.exit_code == 0 and _one_json(r)["number"] == 3
+
+
+def test_push_single_file(server, model, cli, tmp_path: Path) -> None:
+    trainer = TinyTrainer(seed=37)
+    trainer.step()
+    src = write_version(tmp_path / "src", trainer.export()) / "model.safetensors"
+    r = cli("push", model, src, "--json", "--no-cache", "--server", server.url)
+    assert r.exit_code == 0, r.stderr
+    r = cli("pull", model, tmp_path / "out", "--json", "--server", server.url)
+    assert r.exit_code == 0
+    assert tree_bytes(tmp_path / "out") == {"model.safetensors": src.read_bytes()}
+
+
+def test_errors_and_exit_codes(server, auth_server, model, cli, tmp_path: Path) -> None:
+    r = cli("pull", model + "-unknown", tmp_path / "x", "--server", server.url)
+    assert r.exit_code == EXIT_NOT_FOUND
+    assert "no model" in _one_error_line(r)
+    r = cli("watch", model + "-unknown", "--server", server.url)
+    assert r.exit_code == EXIT_NOT_FOUND
+    r = cli("log", model + "-unknown", "--server", server.url)
+    assert r.exit_code == EXIT_NOT_FOUND
+    _one_error_line(r)
+    dead = f"http://127.0.0.1:{free_port()}"
+    r = cli("pull", model, tmp_path / "x", "--server", dead, env={"WEIGHTSYNC_RETRIES": "1"})
+    assert r.exit_code == EXIT_UNAVAILABLE
+    assert "unavailable" in _one_error_line(r)
+    r = cli("models", "--server", auth_server.url, env={"WEIGHTSYNC_TOKEN": "not-a-valid-token-at-all"})
+    assert r.exit_code == EXIT_AUTH
+    _one_error_line(r)
+    r = cli("models", "--server", auth_server.url)  # no token at all
+    assert r.exit_code == EXIT_AUTH
+    src = tmp_path / "src.safetensors"
+    trainer = TinyTrainer(seed=41)
+    src.write_bytes(write_version(tmp_path / "s", trainer.export()).joinpath("model.safetensors").read_bytes())
+    r = cli("push", model, src, "--server", auth_server.url, env={"WEIGHTSYNC_TOKEN": TOKENS["reader"]})
+    assert r.exit_code == EXIT_AUTH  # a read-only token may not publish (403)
+    assert "publish" in _one_error_line(r)
+    r = cli("push", model, tmp_path / "missing.safetensors", "--server", server.url)
+    assert r.exit_code == 1
+    _one_error_line(r)
+    r = cli("pull", model, tmp_path / "x", "--version", "zero", "--server", server.url)
+    assert r.exit_code == EXIT_USAGE
+    # Admin endpoints: the admin token works, the reader's does not.
+    admin = {"WEIGHTSYNC_TOKEN": TOKENS["admin"]}
+    r = cli("push", model, src, "--json", "--server", auth_server.url, env=admin)
+    assert r.exit_code == 0 and _one_json(r)["version"] == 1
+    r = cli("fsck", "--json", "--server", auth_server.url, env=admin)
+    assert r.exit_code == 0 and _one_json(r)["ok"] is True
+    r = cli("gc", "--dry-run", "--json", "--server", auth_server.url, env=admin)
+    assert r.exit_code == 0 and "objects_deleted" in _one_json(r)
+    r = cli("fsck", "--server", auth_server.url, env={"WEIGHTSYNC_TOKEN": TOKENS["reader"]})
+    assert r.exit_code == EXIT_AUTH
+
+
+def test_directory_in_use_is_a_conflict(server, model, cli, tmp_path: Path) -> None:
+    from weightsync.client._checkout import locked
+
+    trainer = TinyTrainer(seed=43)
+    src = write_version(tmp_path / "src", trainer.export())
+    assert cli("push", model, src, "--server", server.url).exit_code == 0
+    dest = tmp_path / "dest"
+    with locked(dest):
+        r = cli("pull", model, dest, "--server", server.url)
+    assert r.exit_code == EXIT_CONFLICT
+    _one_error_line(r)
+
+
+def test_real_process_unreachable_server(tmp_path: Path) -> None:
+    """In a real process: one stderr line, exit status 5, no traceback."""
+    code = "import typer; from weightsync.client.cli import register; app = typer.Typer(); register(app); app()"
+    env = {"PATH": "/usr/bin:/bin", "WEIGHTSYNC_RETRIES": "2", "WEIGHTSYNC_CACHE": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", code, "pull", "some-model", str(tmp_path / "d"), "--json"],
+                          env={**env, "WEIGHTSYNC_SERVER": f"http://127.0.0.1:{free_port()}"},
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == EXIT_UNAVAILABLE
+    assert proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("weightsync: error: ") and "Traceback" not in proc.stderr

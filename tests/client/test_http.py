@@ -1,0 +1,113 @@
+"""The HTTP edge without a server: retries, problem+json mapping, the token bucket, import hygiene."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from weightsync import errors
+from weightsync.client import _http
+from weightsync.client._http import Api, Retry, TokenBucket
+
+FAST = Retry(attempts=4, base=0.0, cap=0.0)
+
+
+def _problem(status: int, code: str, detail: str, **extra) -> httpx.Response:
+    body = {"type": f"https://weightsync.dev/problems/{code}", "title": code, "status": status, "detail": detail}
+    body.update(extra)
+    return httpx.Response(status, json=body, headers={"content-type": "application/problem+json"})
+
+
+def _api(handler) -> Api:
+    return Api("http://weightsync.test", "secret-token", retry=FAST, transport=httpx.MockTransport(handler))
+
+
+def test_transient_failures_are_retried_then_succeed() -> None:
+    calls = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request)
+        if len(calls) == 1:
+            raise httpx.ConnectError("refused", request=request)
+        if len(calls) == 2:
+            return _problem(503, "unavailable", "store down")
+        return httpx.Response(200, json={"models": [{"name": "m"}]})
+
+    api = _api(handler)
+    assert api.list_models() == [{"name": "m"}]
+    assert len(calls) == 3
+    assert calls[0].headers["authorization"] == "Bearer secret-token"
+
+
+def test_retries_exhausted_raise_server_unavailable() -> None:
+    api = _api(lambda request: _problem(503, "unavailable", "store down"))
+    with pytest.raises(errors.ServerUnavailable):
+        api.list_models()
+
+
+@pytest.mark.parametrize("status,code,detail,exc", [
+    (409, "stale-parent", "parent 1 is not the head (3)", errors.StaleParent),
+    (409, "conflict", "idempotency key reused", errors.Conflict),
+    (404, "not-found", "no model named 'x'", errors.ModelNotFound),
+    (404, "not-found", "model 'x' has no committed version 9", errors.VersionNotFound),
+    (404, "not-found", "no publish 'p' for model 'x'", errors.PublishNotFound),
+    (401, "unauthorized", "unknown bearer token", errors.AuthError),
+    (403, "forbidden", "token 'r' lacks the 'publish' scope", errors.AuthError),
+    (422, "invalid-name", "bad model name", errors.InvalidName),
+    (422, "digest-mismatch", "bytes hash to something else", errors.DigestMismatch),
+    (409, "base-mismatch", "diffed against other bytes", errors.BaseMismatch),
+    (409, "incomplete-publish", "object missing", errors.IncompletePublish),
+    (413, "too-large", "over the cap", errors.LimitExceeded),
+    (422, "validation", "parent: not an int", errors.ClientError),
+])
+def test_problems_map_to_named_errors(status, code, detail, exc) -> None:
+    api = _api(lambda request: _problem(status, code, detail, current_head=3))
+    with pytest.raises(exc) as info:
+        api.get_model("x")
+    assert detail in str(info.value) and "\n" not in str(info.value)
+    assert info.value.status == status
+    if exc is errors.StaleParent:
+        assert info.value.current_head == 3
+
+
+def test_presigned_upload_sends_exactly_its_headers_and_no_token() -> None:
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200)
+
+    api = _api(handler)
+    api.put_object("a" * 64, b"x" * 1000, {"method": "PUT", "url": "http://s3.test/bucket/key?sig=1",
+                                             "headers": {"x-amz-checksum-sha256": "abc"}})
+    (req,) = seen
+    assert req.url.host == "s3.test" and "authorization" not in req.headers
+    assert req.headers["x-amz-checksum-sha256"] == "abc" and req.headers["content-length"] == "1000"
+    assert req.read() == b"x" * 1000
+
+
+def test_token_bucket_waits_for_the_debt(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [100.0]
+    sleeps: list[float] = []
+    monkeypatch.setattr(_http.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(_http.time, "sleep", lambda s: sleeps.append(s))
+    bucket = TokenBucket(1000, burst=1000)
+    bucket.acquire(1000)  # the burst
+    assert sleeps == []
+    bucket.acquire(500)  # 500 bytes of debt at 1000 B/s
+    assert sleeps == [pytest.approx(0.5)]
+    now[0] += 10  # a long idle period refills only up to the burst
+    bucket.acquire(1500)
+    assert len(sleeps) == 2 and sleeps[-1] == pytest.approx(0.5)  # 1500 - the 1000 burst
+
+
+def test_client_imports_no_server_layers_and_no_torch() -> None:
+    code = ("import sys, weightsync.client, weightsync.client.cli; "
+            "bad = [m for m in sys.modules if m.split('.')[:2] in (['weightsync','service'], ['weightsync','catalog'],"
+            " ['weightsync','store'], ['weightsync','ops'])] + [m for m in ('torch', 'fastapi', 'sqlalchemy') "
+            "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -1,0 +1,261 @@
+"""The SDK against a running server: push/pull byte-identical, deltas small, resume, repair, watch."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+from _client_util import FaultyTransport, Killed, TinyTrainer, dir_size, tree_bytes, write_version
+
+from weightsync import errors
+from weightsync.client import Publisher, Subscriber
+from weightsync.client._checkout import CheckoutState
+
+SMALL = {"chunk_bytes": 16 << 10, "object_bytes": 48 << 10}  # several frames per tensor, several objects
+
+
+def _versions(tmp: Path, n: int, *, seed: int = 0) -> list[Path]:
+    trainer = TinyTrainer(seed=seed)
+    out = []
+    for i in range(n):
+        trainer.step()
+        out.append(write_version(tmp / f"src{i + 1}", trainer.export()))
+    return out
+
+
+def test_push_pull_end_to_end(server, model, tmp_path: Path) -> None:
+    sources = _versions(tmp_path, 4)
+    full = dir_size(sources[0])
+    follow = tmp_path / "follow"
+    with Publisher(server.url, model, **SMALL) as pub, Subscriber(server.url, model, name="follower") as sub:
+        for i, src in enumerate(sources, start=1):
+            pushed = pub.publish(src, step=i, metadata={"run": "e2e"})
+            assert pushed.version == i
+            assert pushed.kind == ("keyframe" if i == 1 else "delta")
+            if i > 1:
+                assert pushed.bytes_sent < full * 0.3, "a delta push sends a small fraction"
+            pulled = sub.pull(follow)
+            assert pulled.version == i and sub.version == i
+            assert pulled.mode == ("full" if i == 1 else "delta")
+            assert tree_bytes(follow) == tree_bytes(src)
+            if i > 1:
+                assert 0 < pulled.bytes_received < full * 0.3, "a delta pull moves a small fraction"
+            with Subscriber(server.url, model, name=f"fresh{i}") as fresh:
+                got = fresh.pull(tmp_path / f"fresh{i}")
+            assert tree_bytes(tmp_path / f"fresh{i}") == tree_bytes(src)
+            assert got.mode == "full"
+            assert got.bytes_received > pulled.bytes_received or i == 1
+        again = sub.pull(follow)
+        assert again.mode == "current" and again.bytes_received == 0
+        replicas = {r["subscriber"]: r for r in _replicas(server.url, model)}
+        assert replicas["follower"]["version"] == 4 and replicas["follower"]["bytes"] > 0
+        # An older version on request, from a directory at a newer one: a full rebuild, byte-identical.
+        old = sub.pull(tmp_path / "old", version=2)
+        assert old.version == 2 and tree_bytes(tmp_path / "old") == tree_bytes(sources[1])
+        back = sub.pull(follow, version=3)  # back in the same directory: rebuilt from the chain's keyframe
+        assert back.mode == "full" and tree_bytes(follow) == tree_bytes(sources[2])
+
+
+def _replicas(url: str, model: str) -> list[dict]:
+    from weightsync.client._http import Api
+
+    api = Api(url)
+    try:
+        return api.list_replicas(model, all=True)
+    finally:
+        api.close()
+
+
+def test_publish_state_dict_async_in_order(server, model, tmp_path: Path) -> None:
+    trainer = TinyTrainer(seed=3)
+    futures = []
+    expected = []
+    with Publisher(server.url, model, **SMALL) as pub:
+        for step in range(1, 5):
+            trainer.step()
+            sd = trainer.export()
+            from weightsync.client.tensors import serialize_state_dict
+
+            expected.append(serialize_state_dict(sd).tobytes())
+            futures.append(pub.publish_async(sd, step=step))
+            trainer.step()  # the loop goes on while the publish runs: the snapshot was taken already
+        results = [f.result(timeout=60) for f in futures]
+    assert [r.version for r in results] == [1, 2, 3, 4]
+    assert [r.kind for r in results] == ["keyframe", "delta", "delta", "delta"]
+    with Subscriber(server.url, model) as sub:
+        for v in (4, 2):
+            sub.pull(tmp_path / f"v{v}", version=v)
+            assert (tmp_path / f"v{v}" / "model.safetensors").read_bytes() == expected[v - 1]
+
+
+def test_push_resumes_after_crash(server, model, tmp_path: Path) -> None:
+    sources = _versions(tmp_path, 2)
+    faulty = FaultyTransport("PUT", "/v1/objects/")
+    with Publisher(server.url, model, transport=faulty, concurrency=1, chunk_bytes=16 << 10,
+                   object_bytes=8 << 10) as pub:
+        pub.publish(sources[0])
+        faulty.limit, faulty.count = 2, 0
+        with pytest.raises(Killed):
+            pub.publish(sources[1], keyframe=True)  # a keyframe: many objects to upload
+        faulty.limit, faulty.count = None, 0
+        resumed = pub.publish(sources[1], keyframe=True)
+    assert resumed.version == 2
+    assert resumed.objects_uploaded == resumed.objects_total - 2, "only the objects the crash left out"
+    assert faulty.count == resumed.objects_uploaded
+    assert resumed.bytes_sent < resumed.stored_bytes
+    with Subscriber(server.url, model) as sub:
+        sub.pull(tmp_path / "out")
+    assert tree_bytes(tmp_path / "out") == tree_bytes(sources[1])
+
+
+def test_push_resumes_in_a_new_process_without_cache(server, model, tmp_path: Path) -> None:
+    """A restarted publisher (no base held) publishes a keyframe: deterministic, so the retry reuses uploads."""
+    sources = _versions(tmp_path, 2, seed=5)
+    with Publisher(server.url, model, **SMALL) as pub:
+        pub.publish(sources[0])
+    faulty = FaultyTransport("PUT", "/v1/objects/", limit=1)
+    with Publisher(server.url, model, transport=faulty, concurrency=1, **SMALL) as crashed:
+        with pytest.raises(Killed):
+            crashed.publish(sources[1])
+    with Publisher(server.url, model, **SMALL) as fresh:
+        r = fresh.publish(sources[1])
+    assert r.version == 2 and r.kind == "keyframe"
+    assert r.objects_uploaded == r.objects_total - 1
+
+
+def test_pull_resumes_after_crash_and_keeps_old_version(server, model, tmp_path: Path) -> None:
+    sources = _versions(tmp_path, 2, seed=7)
+    with Publisher(server.url, model, **SMALL) as pub:
+        pub.publish(sources[0])
+        pub.publish(sources[1], keyframe=True)  # v2 is a new chain: a full plan with many objects
+    dest = tmp_path / "dest"
+    with Subscriber(server.url, model) as sub:
+        sub.pull(dest, version=1)
+    before = tree_bytes(dest)
+    faulty = FaultyTransport("GET", "/v1/objects/", limit=3)
+    with Subscriber(server.url, model, transport=faulty, concurrency=2, range_bytes=8 << 10) as crashing:
+        with pytest.raises(Killed):
+            crashing.pull(dest, version=None)
+    assert tree_bytes(dest) == before, "a failed pull leaves the old version intact"
+    assert CheckoutState.load(dest).number == 1
+    cached = sum(p.stat().st_size for p in (dest / ".weightsync" / "objects").rglob("*") if p.is_file())
+    assert cached > 0
+    with Subscriber(server.url, model) as sub:
+        r = sub.pull(dest)
+    assert r.version == 2 and tree_bytes(dest) == tree_bytes(sources[1])
+    assert r.objects_cached > 0 or cached > 0
+    assert r.bytes_received == r.plan_bytes - cached, "only what the crash left out is fetched again"
+    assert not any((dest / ".weightsync" / "objects").iterdir()), "objects are dropped after success"
+
+
+def test_directory_changed_behind_state_is_repaired(server, model, tmp_path: Path) -> None:
+    sources = _versions(tmp_path, 3, seed=11)
+    dest = tmp_path / "dest"
+    with Publisher(server.url, model, **SMALL) as pub, Subscriber(server.url, model) as sub:
+        pub.publish(sources[0])
+        sub.pull(dest)
+        pub.publish(sources[1])
+        # Flip one byte in the middle of a tensor: same size, so only segment hashes notice.
+        f = dest / "model.safetensors"
+        data = bytearray(f.read_bytes())
+        data[len(data) // 2] ^= 0x40
+        f.write_bytes(bytes(data))
+        r = sub.pull(dest)
+        assert r.repaired and r.mode == "full" and r.version == 2
+        assert tree_bytes(dest) == tree_bytes(sources[1])
+        pub.publish(sources[2])
+        (dest / "config.json").unlink()  # a missing file is noticed by size alone
+        (dest / "notes.txt").write_text("not part of the model")
+        r = sub.pull(dest)
+        assert r.repaired and r.version == 3
+        assert (dest / "notes.txt").exists(), "files that are not the model's are left alone"
+        got = tree_bytes(dest)
+        del got["notes.txt"]
+        assert got == tree_bytes(sources[2])
+
+
+def test_publisher_cache_dir_survives_restart(server, model, tmp_path: Path) -> None:
+    sources = _versions(tmp_path, 4, seed=13)
+    cache = tmp_path / "cache"
+    with Publisher(server.url, model, cache_dir=cache, **SMALL) as pub:
+        assert pub.publish(sources[0]).kind == "keyframe"
+    with Publisher(server.url, model, cache_dir=cache, **SMALL) as pub:  # a restarted trainer
+        r = pub.publish(sources[1])
+        assert r.kind == "delta" and r.bytes_sent < dir_size(sources[1]) * 0.3
+    # Another cache that is behind the head catches up by an incremental pull, then sends a delta.
+    other = tmp_path / "other-cache"
+    with Publisher(server.url, model, cache_dir=other, **SMALL) as pub:
+        r = pub.publish(sources[2])
+        assert r.kind == "delta"
+    (cache / model / "model.safetensors").unlink()
+    with Publisher(server.url, model, cache_dir=cache, **SMALL) as pub:  # a damaged cache is rebuilt
+        r = pub.publish(sources[3])
+        assert r.version == 4
+    with Subscriber(server.url, model) as sub:
+        sub.pull(tmp_path / "out")
+    assert tree_bytes(tmp_path / "out") == tree_bytes(sources[3])
+
+
+def test_stale_parent_is_named(server, model, tmp_path: Path) -> None:
+    sources = _versions(tmp_path, 3, seed=17)
+    with Publisher(server.url, model, **SMALL) as a, Publisher(server.url, model, **SMALL) as b:
+        a.publish(sources[0])
+        b.publish(sources[1])  # b holds no base matching the head: a keyframe on top of v1
+        r = a.publish(sources[2])  # a's base (v1) is no longer the head: a keyframe on top of v2
+        assert r.version == 3 and r.kind == "keyframe" and r.parent == 2
+        from weightsync.client._http import Api
+
+        api = Api(server.url)
+        try:
+            with pytest.raises(errors.StaleParent) as info:
+                api.begin_publish(model, parent=1, step=None, metadata=None, keyframe=False)
+            assert info.value.current_head == 3
+            with pytest.raises(errors.VersionNotFound):
+                api.get_version(model, 99)
+            with pytest.raises(errors.ModelNotFound):
+                api.get_model(model + "-missing")
+        finally:
+            api.close()
+
+
+def test_watch_yields_new_versions(server, model, tmp_path: Path) -> None:
+    sources = _versions(tmp_path, 3, seed=19)
+    seen: list[int] = []
+    stop = threading.Event()
+    with Publisher(server.url, model, **SMALL) as pub:
+        pub.publish(sources[0])
+        sub = Subscriber(server.url, model)
+        got_two = threading.Event()
+
+        def consume() -> None:
+            for v in sub.watch(after=1, timeout=2.0, stop=stop):
+                seen.append(v.number)
+                if v.number >= 3:
+                    got_two.set()
+                    return
+
+        t = threading.Thread(target=consume)
+        t.start()
+        try:
+            pub.publish(sources[1])
+            pub.publish(sources[2])
+            assert got_two.wait(30)
+        finally:
+            stop.set()
+            t.join(30)
+            sub.close()
+    assert seen[-1] == 3 and seen == sorted(seen) and set(seen) <= {2, 3}
+
+
+def test_bandwidth_cap_and_unknown_model(server, model, tmp_path: Path) -> None:
+    sources = _versions(tmp_path, 1, seed=23)
+    with Publisher(server.url, model, bandwidth=8 << 20, **SMALL) as pub:
+        pub.publish(sources[0])
+    with Subscriber(server.url, model, bandwidth=8 << 20) as sub:
+        sub.pull(tmp_path / "out")
+    assert tree_bytes(tmp_path / "out") == tree_bytes(sources[0])
+    with Subscriber(server.url, model + "-nope") as sub, pytest.raises(errors.ModelNotFound):
+        sub.pull(tmp_path / "nope")
+    with Subscriber(server.url, model) as sub, pytest.raises(errors.VersionNotFound):
+        sub.pull(tmp_path / "nope", version=42)
