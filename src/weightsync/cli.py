@@ -100,6 +100,12 @@ def bench_codec(ctx: typer.Context) -> None:
     raise typer.Exit(_benchmarks("codec_bench").main(list(ctx.args)))
 
 
+@bench_app.command("sync", context_settings=_PASSTHROUGH)
+def bench_sync(ctx: typer.Context) -> None:
+    """Publish → all subscribers applied, deltas vs full snapshots over capped links (--help for options)."""
+    raise typer.Exit(_benchmarks("sync_bench").main(list(ctx.args)))
+
+
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.strerror:
         return f"{exc.filename}: {exc.strerror}" if exc.filename else exc.strerror

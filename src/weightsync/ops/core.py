@@ -107,6 +107,9 @@ class Ops:
         self.clock = clock
         self._sem = asyncio.Semaphore(self.settings.store_concurrency)
         self._manifests: OrderedDict[str, Manifest] = OrderedDict()
+        # Wakes watchers in this process at once on a local commit; commits made
+        # through other replicas are found by polling the catalog.
+        self._committed = asyncio.Event()
 
     async def _db(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return await asyncio.to_thread(fn, *args, **kwargs)
@@ -245,6 +248,8 @@ class Ops:
             manifest_digest=manifest_digest, objects=list(refs), raw_bytes=manifest.raw_bytes,
             stored_bytes=manifest.stored_bytes, kind=manifest.kind, idempotency_key=idempotency_key,
             now=self.clock())
+        self._committed.set()
+        self._committed = asyncio.Event()
         try:
             await self.write_commit_record(version)
         except errors.WeightsyncError as exc:  # committed already; fsck --repair rewrites the record
@@ -419,16 +424,21 @@ class Ops:
                                poll: float = 0.25) -> Version | None:
         """Wait until the model's head is newer than `after`; return it, or None on timeout.
 
-        Polls the catalog, so it sees commits made through any service replica
-        sharing the catalog.
+        Polls the catalog every `poll` seconds, so it sees commits made through any
+        service replica sharing the catalog; a commit made through this process
+        wakes it at once.
         """
         await self.get_model(model)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:
+            event = self._committed
             head = await self._db(self.catalog.head, model)
             if head is not None and (after is None or head.number > after):
                 return head
             if loop.time() >= deadline:
                 return None
-            await asyncio.sleep(min(poll, max(0.0, deadline - loop.time())))
+            try:
+                await asyncio.wait_for(event.wait(), min(poll, max(0.0, deadline - loop.time())))
+            except asyncio.TimeoutError:
+                pass

@@ -1,0 +1,181 @@
+"""The ``serve`` command (and ``migrate``, for a one-shot migration step), for the ``weightsync`` CLI.
+
+The client-only install imports this module (``weightsync.cli`` calls :func:`register`),
+so nothing here imports FastAPI, uvicorn or SQLAlchemy until a command runs.
+
+Start-up order: settings (flags over ``WEIGHTSYNC_*``) → tokens and bind address →
+catalog migration → store (bucket created if missing) → uvicorn with the import-string
+factory, so ``--workers N`` processes each build the app from the same environment.
+Any failure before uvicorn runs is one line on stderr and exit status 1.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import typer
+
+__all__ = ["main", "register"]
+
+APP_FACTORY = "weightsync.service.app:app_from_env"
+
+
+def _fail(message: str) -> NoReturn:
+    typer.echo(f"weightsync: error: {message}", err=True)
+    raise typer.Exit(1)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _settings(overrides: dict[str, Any]):  # -> Settings
+    from pydantic import ValidationError
+
+    from weightsync.service.settings import Settings, describe_validation_error
+
+    try:
+        return Settings(**{k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as exc:
+        _fail(describe_validation_error(exc))
+
+
+def _migrate(settings) -> str:  # -> the schema revision
+    from weightsync import errors
+    from weightsync.catalog.migrate import head_revision
+    from weightsync.service.app import open_catalog, redact_url
+
+    url = redact_url(settings.catalog_url())
+    try:
+        open_catalog(settings, migrate=True).close()
+        return head_revision()
+    except errors.SchemaVersionError as exc:
+        _fail(f"catalog {url}: {_first_line(exc)}")
+    except errors.CatalogUnavailable as exc:
+        _fail(f"catalog {url} is unreachable: {_first_line(exc)}")
+    except Exception as exc:  # noqa: BLE001 - bad URL, missing driver, permissions: one line, no traceback
+        _fail(f"catalog {url}: {_first_line(exc)}")
+
+
+def _check_store(settings) -> None:
+    import asyncio
+
+    from weightsync.service.app import open_service_store, open_store_now
+
+    async def probe() -> None:
+        store = open_service_store(settings)
+        try:
+            await open_store_now(store)
+            await store.exists("0" * 64)
+        finally:
+            await store.close()
+
+    try:
+        asyncio.run(probe())
+    except Exception as exc:  # noqa: BLE001
+        _fail(f"store {settings.store_url()}: {_first_line(exc)}")
+
+
+def _preflight(settings) -> None:
+    """Everything that can be wrong with the configuration, checked before the server starts."""
+    import logging
+
+    from weightsync.service.auth import TokenTable
+    from weightsync.service.settings import ConfigError, is_loopback
+
+    log = logging.getLogger("weightsync.service")
+    try:
+        tokens = TokenTable.from_settings(settings)
+    except ConfigError as exc:
+        _fail(str(exc))
+    if tokens.anonymous:
+        if not is_loopback(settings.host):
+            _fail(f"refusing to listen on {settings.host} without tokens: configure --tokens FILE or "
+                  "WEIGHTSYNC_TOKENS (docs/DEPLOY.md), or bind a loopback address")
+        log.warning("no tokens configured: anonymous development mode, listening on %s (loopback) only",
+                    settings.host)
+    revision = _migrate(settings)
+    log.info("catalog migrated to revision %s", revision)
+    _check_store(settings)
+
+
+def _export(overrides: dict[str, Any]) -> None:
+    """Hand the flags to the worker processes, which read their settings from the environment."""
+    for key, value in overrides.items():
+        if value is not None:
+            os.environ[f"WEIGHTSYNC_{key.upper()}"] = str(value)
+
+
+def serve(
+    data: Annotated[Path | None, typer.Option("--data", help="Data directory for the embedded SQLite catalog and "
+                                              "filesystem store.", show_default="./weightsync-data")] = None,
+    host: Annotated[str | None, typer.Option(help="Address to bind.", show_default="127.0.0.1")] = None,
+    port: Annotated[int | None, typer.Option(help="Port to bind.", show_default="8400")] = None,
+    catalog: Annotated[str | None, typer.Option(help="Catalog URL (sqlite:///… or postgresql://…).",
+                                                show_default="sqlite:///DATA/catalog.db")] = None,
+    store: Annotated[str | None, typer.Option(help="Store: a directory or s3://bucket/prefix.",
+                                              show_default="DATA/store")] = None,
+    s3_endpoint: Annotated[str | None, typer.Option("--s3-endpoint", help="S3 endpoint URL (MinIO, SeaweedFS, …).")
+                           ] = None,
+    workers: Annotated[int | None, typer.Option(help="Worker processes.", show_default="1")] = None,
+    tokens: Annotated[Path | None, typer.Option("--tokens", help="Token file (JSON or TOML); without tokens "
+                                                "the server is anonymous and loopback-only.")] = None,
+    log_level: Annotated[str | None, typer.Option("--log-level", help="debug, info, warning, error.",
+                                                  show_default="info")] = None,
+) -> None:
+    """Run the HTTP service (settings also from WEIGHTSYNC_* variables; flags win)."""
+    overrides = {"data": data, "host": host, "port": port, "catalog": catalog, "store": store,
+                 "s3_endpoint": s3_endpoint, "workers": workers, "token_file": tokens, "log_level": log_level}
+    settings = _settings(overrides)
+
+    import logging.config
+
+    import uvicorn
+
+    from weightsync.service.logs import logging_config
+
+    log_config = logging_config(settings.log_level)
+    logging.config.dictConfig(log_config)
+    _preflight(settings)
+    _export(overrides)
+    metrics_dir = None
+    if settings.workers > 1 and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        # Workers are separate processes: their metrics meet in files (metrics.py).
+        metrics_dir = tempfile.mkdtemp(prefix="weightsync-metrics-")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    try:
+        uvicorn.run(APP_FACTORY, factory=True, host=settings.host, port=settings.port, workers=settings.workers,
+                    log_config=log_config, access_log=False, lifespan="on", server_header=False,
+                    timeout_graceful_shutdown=settings.shutdown_grace_s)
+    finally:
+        if metrics_dir is not None:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def migrate(
+    data: Annotated[Path | None, typer.Option("--data", help="Data directory (for the default SQLite catalog).")
+                    ] = None,
+    catalog: Annotated[str | None, typer.Option(help="Catalog URL.")] = None,
+) -> None:
+    """Bring the catalog database to this release's schema and exit (a deployment's one-shot step)."""
+    settings = _settings({"data": data, "catalog": catalog})
+    revision = _migrate(settings)
+    typer.echo(f"catalog at schema revision {revision}")
+
+
+def register(app: typer.Typer) -> None:
+    """Add the ``serve`` command to ``app`` (the ``weightsync`` CLI)."""
+    app.command(name="serve")(serve)
+
+
+def main() -> None:
+    """``python -m weightsync.service serve|migrate …``."""
+    app = typer.Typer(add_completion=False, no_args_is_help=True, help="The weightsync HTTP service.")
+    register(app)
+    app.command(name="migrate")(migrate)
+    app()

@@ -1,0 +1,60 @@
+"""Prometheus metrics of one app: requests, latency, bytes, commits, open streams.
+
+Each app gets its own registry, so several apps in one process (tests) do not collide.
+With several worker processes (``PROMETHEUS_MULTIPROC_DIR`` set, which ``serve --workers
+N`` does), values live in files shared by the workers and ``/metrics`` aggregates them.
+"""
+
+from __future__ import annotations
+
+import os
+
+from prometheus_client import CONTENT_TYPE_LATEST, disable_created_metrics, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+__all__ = ["Metrics"]
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_PUBLISH_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200)
+
+
+def _multiprocess() -> bool:
+    return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.environ.get("prometheus_multiproc_dir"))
+
+
+class Metrics:
+    """The service's metrics; ``render()`` gives the exposition for ``GET /metrics``."""
+
+    def __init__(self) -> None:
+        disable_created_metrics()  # the *_created series only double the exposition
+        self.multiprocess = _multiprocess()
+        # In multiprocess mode the values are written to files; a registry is built per scrape.
+        reg = None if self.multiprocess else CollectorRegistry()
+        self.registry = reg
+        self.requests = Counter("weightsync_http_requests", "HTTP requests by route template and status.",
+                                ["method", "route", "status"], registry=reg)
+        self.latency = Histogram("weightsync_http_request_duration_seconds",
+                                 "HTTP request latency (to the last byte) by route template and status.",
+                                 ["method", "route", "status"], buckets=_LATENCY_BUCKETS, registry=reg)
+        self.bytes_in = Counter("weightsync_http_received_bytes", "Request body bytes received, by route.",
+                                ["route"], registry=reg)
+        self.bytes_out = Counter("weightsync_http_sent_bytes", "Response body bytes sent, by route.",
+                                 ["route"], registry=reg)
+        self.versions_committed = Counter("weightsync_versions_committed", "Versions committed (not replays).",
+                                          registry=reg)
+        self.publish_to_commit = Histogram("weightsync_publish_to_commit_seconds",
+                                           "Time from beginPublish to commit of committed versions.",
+                                           buckets=_PUBLISH_BUCKETS, registry=reg)
+        self.sse_streams = Gauge("weightsync_event_streams", "Open Server-Sent-Events streams.",
+                                 registry=reg, multiprocess_mode="livesum")
+        self.watchers = Gauge("weightsync_watch_waiting", "Long polls waiting for a new version.",
+                              registry=reg, multiprocess_mode="livesum")
+
+    def render(self) -> tuple[bytes, str]:
+        if self.multiprocess:
+            from prometheus_client import multiprocess
+
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+            return generate_latest(registry), CONTENT_TYPE_LATEST
+        assert self.registry is not None
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

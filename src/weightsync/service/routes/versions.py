@@ -1,0 +1,223 @@
+"""Versions of a model: listing, lineage, manifests, plans, the publish protocol, and watching for new ones."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Query, Response, status
+from fastapi.responses import StreamingResponse
+
+from weightsync import errors
+from weightsync.ops import Ops
+from weightsync.service.deps import MetricsDep, OpsDep, Publisher, Reader, SettingsDep
+from weightsync.service.metrics import Metrics
+from weightsync.service.problems import ApiProblem
+from weightsync.service.schemas import (
+    BeginIn,
+    BeginOut,
+    CheckIn,
+    CheckOut,
+    CommitIn,
+    PlanOut,
+    PresignedPut,
+    VersionList,
+    VersionOut,
+    begin_out,
+    plan_out,
+    version_out,
+)
+
+router = APIRouter(prefix="/v1/models/{model}", tags=["versions"])
+log = logging.getLogger("weightsync.service")
+
+MAX_WATCH_S = 60.0
+DEFAULT_LIST_LIMIT = 1000
+
+
+def _number(number: str) -> int | None:
+    """``latest`` → None (the head), else a positive int."""
+    if number == "latest":
+        return None
+    if not number.isascii() or not number.isdigit() or len(number) > 18:
+        raise ApiProblem(422, "validation", "Invalid request", "version number must be an integer or 'latest'")
+    return int(number)
+
+
+# --- reading -------------------------------------------------------------------------------
+
+
+@router.get("/versions", operation_id="listVersions", response_model=VersionList)
+async def list_versions(model: str, ops: OpsDep, who: Reader,
+                        limit: Annotated[int, Query(ge=1, le=10_000)] = DEFAULT_LIST_LIMIT,
+                        before: Annotated[int | None, Query()] = None,
+                        after: Annotated[int | None, Query()] = None) -> VersionList:
+    """Committed versions, ascending. With ``after``: the first ``limit`` above it; otherwise the
+    newest ``limit`` (below ``before`` if given), so paging works in both directions."""
+    if after is not None:
+        found = await ops.list_versions(model, after=after, before=before, limit=limit)
+    else:
+        found = (await ops.list_versions(model, before=before, limit=limit, descending=True))[::-1]
+    return VersionList(versions=[version_out(v) for v in found])
+
+
+@router.get("/versions/{number}", operation_id="getVersion", response_model=VersionOut)
+async def get_version(model: str, number: str, ops: OpsDep, who: Reader) -> VersionOut:
+    """One committed version; ``latest`` is the head."""
+    return version_out(await ops.get_version(model, _number(number)))
+
+
+@router.get("/versions/{number}/lineage", operation_id="getLineage", response_model=VersionList)
+async def get_lineage(model: str, number: str, ops: OpsDep, who: Reader) -> VersionList:
+    """The chain a version is rebuilt from: its keyframe first, then every delta up to it."""
+    n = _number(number)
+    if n is None:
+        n = (await ops.get_version(model)).number
+    return VersionList(versions=[version_out(v) for v in await ops.lineage(model, n)])
+
+
+@router.get("/versions/{number}/manifest", operation_id="getManifest", response_class=Response,
+            responses={200: {"content": {"application/octet-stream": {}}, "description": "FORMAT §5.1 bytes"},
+                       304: {"description": "If-None-Match matched"}})
+async def get_manifest(model: str, number: str, ops: OpsDep, who: Reader,
+                       if_none_match: Annotated[str | None, Header()] = None) -> Response:
+    """The version's stored manifest bytes, ``ETag: "<digest>"``."""
+    version = await ops.get_version(model, _number(number))
+    digest = version.manifest_digest
+    etag = f'"{digest}"'
+    headers = {"ETag": etag, "Cache-Control": "private, max-age=31536000, immutable"}
+    if if_none_match is not None and etag in {t.strip() for t in if_none_match.split(",")}:
+        return Response(status_code=304, headers=headers)
+    data = await ops.read_manifest_bytes(digest)
+    return Response(data, media_type="application/octet-stream", headers=headers)
+
+
+@router.get("/plan", operation_id="getPlan", response_model=PlanOut)
+async def get_plan(model: str, ops: OpsDep, who: Reader,
+                   have: Annotated[int | None, Query()] = None,
+                   want: Annotated[int | None, Query()] = None,
+                   holder: Annotated[str | None, Query(min_length=1, max_length=255)] = None) -> PlanOut:
+    """What to fetch to go from ``have`` to ``want`` (default: the head); ``holder`` leases the chain."""
+    return plan_out(await ops.plan(model, have=have, want=want, holder=holder))
+
+
+# --- publishing -----------------------------------------------------------------------------
+
+
+@router.post("/publishes", operation_id="beginPublish", status_code=status.HTTP_201_CREATED,
+             response_model=BeginOut)
+async def begin_publish(model: str, body: BeginIn, ops: OpsDep, who: Publisher) -> BeginOut:
+    """Open a publish on top of ``parent``; says whether to encode a keyframe or a delta. Creates the model."""
+    return begin_out(await ops.begin_publish(model, parent=body.parent, step=body.step,
+                                             metadata=body.metadata, keyframe=body.keyframe))
+
+
+@router.post("/publishes/{publish_id}/objects", operation_id="checkObjects", response_model=CheckOut,
+             response_model_exclude_none=True)
+async def check_objects(model: str, publish_id: str, body: CheckIn, ops: OpsDep, who: Publisher,
+                        settings: SettingsDep) -> CheckOut:
+    """Which objects the store lacks (held for this publish meanwhile); presigned uploads where the store can."""
+    too_big = [o.digest for o in body.objects if o.size > settings.max_object_size]
+    if too_big:
+        raise ApiProblem(413, "too-large", "Object too large",
+                         f"{len(too_big)} object(s) exceed the {settings.max_object_size}-byte limit",
+                         digests=too_big[:10])
+    missing = await ops.missing_objects(model, publish_id, [(o.digest, o.size) for o in body.objects])
+    store = ops.store
+    if not (settings.presign and store.capabilities.presigned_urls and missing):
+        return CheckOut(missing=missing)
+    sizes = {o.digest: o.size for o in body.objects}
+    signed = await asyncio.gather(*(store.presign_put(d, sizes[d], settings.presign_expires_s) for d in missing))
+    uploads = {d: PresignedPut(method=r.method, url=r.url, headers=dict(r.headers)) for d, r in zip(missing, signed)}
+    return CheckOut(missing=missing, uploads=uploads)
+
+
+@router.post("/publishes/{publish_id}/commit", operation_id="commitPublish",
+             status_code=status.HTTP_201_CREATED, response_model=VersionOut)
+async def commit_publish(model: str, publish_id: str, body: CommitIn, ops: OpsDep, who: Publisher,
+                         metrics: MetricsDep,
+                         idempotency_key: Annotated[str | None, Header(max_length=128)] = None) -> VersionOut:
+    """Make the publish visible (compare-and-swap on the head); a retried commit returns the same version."""
+    started = ops.clock()
+    version = await ops.commit_publish(model, publish_id, manifest_digest=body.manifest,
+                                       idempotency_key=body.idempotency_key or idempotency_key)
+    # A replay returns the version committed earlier: count each commit once.
+    if version.committed_at is not None and version.committed_at >= started:
+        metrics.versions_committed.inc()
+        metrics.publish_to_commit.observe(max(0.0, (version.committed_at - version.created_at).total_seconds()))
+    return version_out(version)
+
+
+@router.delete("/publishes/{publish_id}", operation_id="abortPublish", status_code=status.HTTP_204_NO_CONTENT,
+               response_class=Response)
+async def abort_publish(model: str, publish_id: str, ops: OpsDep, who: Publisher) -> Response:
+    """Abandon a pending publish; the objects only it held become garbage after the grace period."""
+    await ops.abort_publish(model, publish_id)
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+# --- watching -------------------------------------------------------------------------------
+
+
+@router.get("/watch", operation_id="watchModel", response_model=VersionOut,
+            responses={204: {"description": "no newer version before the timeout"}})
+async def watch_model(model: str, ops: OpsDep, who: Reader, settings: SettingsDep, metrics: MetricsDep,
+                      after: Annotated[int | None, Query()] = None,
+                      timeout: Annotated[float, Query(ge=0, le=MAX_WATCH_S)] = 30.0) -> VersionOut | Response:
+    """Long poll: the head as soon as it is newer than ``after`` (200), or 204 after ``timeout`` seconds."""
+    metrics.watchers.inc()
+    try:
+        head = await ops.wait_for_version(model, after=after, timeout=timeout, poll=settings.watch_poll_s)
+    finally:
+        metrics.watchers.dec()
+    if head is None:
+        return Response(status_code=status.HTTP_204_NO_CONTENT)
+    return version_out(head)
+
+
+@router.get("/events", operation_id="streamEvents", response_class=StreamingResponse,
+            responses={200: {"content": {"text/event-stream": {}},
+                             "description": "`event: version` with a Version as `data` for every new version"}})
+async def stream_events(model: str, ops: OpsDep, who: Reader, settings: SettingsDep, metrics: MetricsDep,
+                        after: Annotated[int | None, Query()] = None,
+                        last_event_id: Annotated[str | None, Header()] = None) -> StreamingResponse:
+    """Server-Sent Events: every version committed after ``after`` (or ``Last-Event-ID``), with keep-alives.
+
+    Without either, the first event is the current head (if any).
+    """
+    await ops.get_model(model)  # 404 now, not inside the stream
+    if last_event_id is not None and last_event_id.isascii() and last_event_id.isdigit():
+        after = max(after or 0, int(last_event_id))
+    return StreamingResponse(_events(ops, model, after, settings.sse_keepalive_s, settings.watch_poll_s, metrics),
+                             media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _events(ops: Ops, model: str, after: int | None, keepalive: float, poll: float,
+                  metrics: Metrics) -> AsyncIterator[str]:
+    """The event stream; runs until the client disconnects (the server then cancels it)."""
+    metrics.sse_streams.inc()
+    try:
+        yield f"retry: {int(poll * 4000)}\n: watching {model}\n\n"
+        last = after
+        while True:
+            try:
+                head = await ops.wait_for_version(model, after=last, timeout=keepalive, poll=poll)
+                if head is None:
+                    yield ": keep-alive\n\n"
+                    continue
+                new = [head] if last is None else await ops.list_versions(model, after=last, limit=None)
+            except errors.CatalogUnavailable as exc:
+                log.warning("event stream of %s: %s", model, exc)
+                yield ": catalog unavailable, retrying\n\n"
+                await asyncio.sleep(keepalive)
+                continue
+            for v in new:
+                data = version_out(v).model_dump_json()
+                yield f"id: {v.number}\nevent: version\ndata: {data}\n\n"
+            last = max([head.number, *(v.number for v in new)])
+    finally:
+        metrics.sse_streams.dec()
+

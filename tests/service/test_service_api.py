@@ -1,0 +1,272 @@
+"""The HTTP API over real HTTP, on SQLite + filesystem and on PostgreSQL + SeaweedFS (docs/API.md)."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+from _service_http import files_of, ok, problem, publish, publish_chain, pull
+from _service_util import JSON_CAP
+
+from weightsync.codec import Encoder
+from weightsync.codec.pack import pack
+
+OPERATION_IDS = {
+    "health", "ready", "metrics", "listModels", "createModel", "getModel", "listVersions", "getVersion",
+    "getLineage", "getManifest", "getPlan", "beginPublish", "checkObjects", "commitPublish", "abortPublish",
+    "putObject", "getObject", "headObject", "presignObject", "watchModel", "streamEvents", "reportReplica",
+    "listReplicas", "fsck", "gc",
+}
+
+
+def test_health_ready_and_openapi(service):
+    c = service.client(None)
+    assert ok(c.get("/healthz"), 200) == {"status": "ok"}
+    assert ok(c.get("/readyz"), 200) == {"catalog": True, "store": True}
+    schema = ok(c.get("/openapi.json"), 200)
+    ids = {op["operationId"] for path in schema["paths"].values() for op in path.values() if "operationId" in op}
+    assert ids == OPERATION_IDS
+    assert "HTTPBearer" in schema["components"]["securitySchemes"]
+
+
+def test_publish_commit_plan_manifest_and_ranged_download_round_trip(service, model, versions):
+    c = service.client("publisher")
+    published = publish_chain(c, model, versions[:3])
+    assert [p.version["number"] for p in published] == [1, 2, 3]
+    assert [p.version["kind"] for p in published] == ["keyframe", "delta", "delta"]
+    v3 = published[-1].version
+    assert v3["parent"] == 2 and v3["chain_base"] == 1 and v3["metadata"] == {"by": "test"}
+    assert v3["manifest"] == published[-1].manifest and v3["committed_at"]
+    if service.s3:
+        assert all(p.presigned == len(p.uploaded) > 0 for p in published)  # straight to S3
+    else:
+        assert all(p.presigned == 0 for p in published)
+
+    reader = service.client("reader")
+    full = pull(reader, model)
+    assert full.number == 3
+    assert {p: a.tobytes() for p, a in full.files.items()} == files_of(versions[2])
+    # Incremental: from version 2, only the last delta moves.
+    at2 = pull(reader, model, want=2)
+    plan = ok(reader.get(f"/v1/models/{model}/plan", params={"have": 2, "holder": "h"}), 200)
+    assert [s["number"] for s in plan["steps"]] == [3] and plan["target"] == 3 and plan["lease_expires_at"]
+    assert plan["bytes"] < plan["full_bytes"]
+    inc = pull(reader, model, have=at2)
+    assert {p: a.tobytes() for p, a in inc.files.items()} == files_of(versions[2])
+    assert inc.bytes < full.bytes
+
+    # The manifest: stored bytes, ETag, conditional GET.
+    r = reader.get(f"/v1/models/{model}/versions/3/manifest")
+    assert r.headers["content-type"] == "application/octet-stream"
+    assert hashlib.sha256(r.content).hexdigest() == v3["manifest"]
+    assert reader.get(f"/v1/models/{model}/versions/3/manifest",
+                      headers={"If-None-Match": r.headers["etag"]}).status_code == 304
+
+    # Ranged reads of an object agree with the whole object, which hashes to its name.
+    obj = plan["steps"][0]["objects"][0]
+    whole = reader.get(f"/v1/objects/{obj['digest']}")
+    assert whole.status_code == 200 and whole.headers["etag"] == f'"{obj["digest"]}"'
+    assert hashlib.sha256(whole.content).hexdigest() == obj["digest"]
+    n = len(whole.content)
+    for rng, start, end in [(f"bytes=3-{n // 2}", 3, n // 2), ("bytes=10-", 10, n - 1), ("bytes=-7", n - 7, n - 1),
+                            (f"bytes=0-{n + 100}", 0, n - 1)]:
+        part = reader.get(f"/v1/objects/{obj['digest']}", headers={"Range": rng})
+        assert part.status_code == 206, (rng, part.text)
+        assert part.content == whole.content[start:end + 1]
+        assert part.headers["content-range"] == f"bytes {start}-{end}/{n}"
+
+    # The subscriber reports it applied version 3; the ledger shows it.
+    rep = ok(reader.post(f"/v1/models/{model}/replicas",
+                         json={"subscriber": "inference-a", "version": 3, "pause_ms": 12.5, "bytes": inc.bytes,
+                               "site": "eu", "host": "gpu-1", "extra": {"gpus": 8}}), 201)
+    assert rep["version"] == 3 and rep["bytes"] == inc.bytes and rep["extra"] == {"gpus": 8}
+    listed = ok(reader.get(f"/v1/models/{model}/replicas"), 200)["replicas"]
+    assert [(r["subscriber"], r["version"]) for r in listed] == [("inference-a", 3)]
+
+
+def test_models(service):
+    c = service.client("admin")
+    name = f"policy-m-{hashlib.md5(service.url.encode()).hexdigest()[:6]}-{id(c)}"
+    created = c.post("/v1/models", json={"name": name, "keyframe_interval": 5})
+    assert created.status_code == 201 and created.json()["keyframe_interval"] == 5
+    assert created.json()["head"] is None and created.json()["keep_last"] is None
+    again = ok(c.post("/v1/models", json={"name": name, "keyframe_interval": 5}), 200)
+    assert again == created.json()
+    problem(c.post("/v1/models", json={"name": name, "keyframe_interval": 6}), 409, "conflict")
+    problem(c.post("/v1/models", json={"name": "Not_Valid"}), 422, "invalid-name")
+    problem(c.post("/v1/models", json={"name": "x", "keyframe_interval": 0}), 422, "validation")
+    problem(c.post("/v1/models", content=b"not json", headers={"content-type": "application/json"}), 422,
+            "validation")
+    assert ok(c.get(f"/v1/models/{name}"), 200)["name"] == name
+    assert name in [m["name"] for m in ok(c.get("/v1/models"), 200)["models"]]
+    problem(c.get("/v1/models/no-such-model"), 404, "not-found")
+    problem(c.get("/v1/no-such-route"), 404, "not-found")
+
+
+def test_versions_listing_lineage_and_404s(service, model, versions):
+    c = service.client("publisher")
+    publish_chain(c, model, versions[:4])
+    numbers = lambda r: [v["number"] for v in ok(r, 200)["versions"]]  # noqa: E731
+    assert numbers(c.get(f"/v1/models/{model}/versions")) == [1, 2, 3, 4]
+    assert numbers(c.get(f"/v1/models/{model}/versions", params={"limit": 2})) == [3, 4]
+    assert numbers(c.get(f"/v1/models/{model}/versions", params={"after": 1, "limit": 2})) == [2, 3]
+    assert numbers(c.get(f"/v1/models/{model}/versions", params={"before": 4, "limit": 2})) == [2, 3]
+    assert ok(c.get(f"/v1/models/{model}/versions/latest"), 200)["number"] == 4
+    assert ok(c.get(f"/v1/models/{model}/versions/2"), 200)["kind"] == "delta"
+    assert numbers(c.get(f"/v1/models/{model}/versions/3/lineage")) == [1, 2, 3]
+    assert numbers(c.get(f"/v1/models/{model}/versions/latest/lineage")) == [1, 2, 3, 4]
+    assert ok(c.get(f"/v1/models/{model}"), 200)["head"] == 4
+    problem(c.get(f"/v1/models/{model}/versions/99"), 404, "not-found")
+    problem(c.get(f"/v1/models/{model}/versions/99/manifest"), 404, "not-found")
+    problem(c.get(f"/v1/models/{model}/versions/99/lineage"), 404, "not-found")
+    problem(c.get(f"/v1/models/{model}/versions/abc"), 422, "validation")
+    problem(c.get(f"/v1/models/{model}/plan", params={"want": 99}), 404, "not-found")
+    problem(c.get(f"/v1/models/{model}/versions", params={"limit": 0}), 422, "validation")
+    missing = f"{model}-missing"
+    for path in ("", "/versions", "/versions/1", "/versions/latest", "/versions/1/lineage", "/versions/1/manifest",
+                 "/plan", "/replicas", "/watch?timeout=0", "/events"):
+        problem(c.get(f"/v1/models/{missing}{path}"), 404, "not-found")
+    empty = f"{model}-empty"
+    ok(c.post("/v1/models", json={"name": empty}), 201)
+    problem(c.get(f"/v1/models/{empty}/versions/latest"), 404, "not-found")
+    assert ok(c.get(f"/v1/models/{empty}/versions"), 200) == {"versions": []}
+
+
+def test_stale_parent_is_409_with_current_head(service, model, versions):
+    c = service.client("publisher")
+    publish_chain(c, model, versions[:1])
+    body = problem(c.post(f"/v1/models/{model}/publishes", json={"parent": None}), 409, "stale-parent")
+    assert body["current_head"] == 1
+    # Two publishers on parent 1: the second to commit loses the compare-and-swap.
+    first = publish(c, model, versions[1], versions[0], 1, commit=False)
+    second = publish(c, model, versions[2], versions[0], 1, commit=False)
+    ok(c.post(f"/v1/models/{model}/publishes/{first.begin['publish_id']}/commit",
+              json={"manifest": first.manifest}), 201)
+    body = problem(c.post(f"/v1/models/{model}/publishes/{second.begin['publish_id']}/commit",
+                          json={"manifest": second.manifest}), 409, "stale-parent")
+    assert body["current_head"] == 2
+    body = problem(c.post(f"/v1/models/{model}/publishes", json={"parent": 1}), 409, "stale-parent")
+    assert body["current_head"] == 2
+
+
+def test_commit_is_idempotent_and_its_errors(service, model, versions):
+    c = service.client("publisher")
+    p = publish(c, model, versions[0], None, None, commit=False)
+    pid = p.begin["publish_id"]
+    assert p.begin["kind"] == "keyframe" and p.begin["parent"] is None and p.begin["expires_at"]
+    commit = f"/v1/models/{model}/publishes/{pid}/commit"
+    problem(c.post(commit, json={"manifest": "f" * 64}), 409, "incomplete-publish")
+    problem(c.post(commit, json={"manifest": "NOT-A-DIGEST"}), 422, "invalid-digest")
+    junk = b"this is not a manifest"
+    junk_digest = hashlib.sha256(junk).hexdigest()
+    ok(c.put(f"/v1/objects/{junk_digest}", content=junk), 201)
+    problem(c.post(commit, json={"manifest": junk_digest}), 422, "bad-manifest")
+    v = ok(c.post(commit, json={"manifest": p.manifest}, headers={"Idempotency-Key": "k-1"}), 201)
+    assert v["number"] == 1
+    assert ok(c.post(commit, json={"manifest": p.manifest}), 201) == v  # a retry returns the same version
+    # The same publish committed again with another (complete) manifest: a conflict, not a new version.
+    manifest, objects = pack(Encoder(threads=2).encode(versions[1]), target_bytes=1 << 17)
+    manifest.model = model
+    for o in objects:
+        ok(c.put(f"/v1/objects/{o.digest}", content=o.data), 201)
+    other = manifest.encode()
+    other_digest = hashlib.sha256(other).hexdigest()
+    ok(c.put(f"/v1/objects/{other_digest}", content=other), 201)
+    problem(c.post(commit, json={"manifest": other_digest}), 409, "conflict")
+    problem(c.post(f"/v1/models/{model}/publishes/no-such-publish/commit", json={"manifest": p.manifest}), 404,
+            "not-found")
+    problem(c.post(f"/v1/models/{model}/publishes/no-such/objects", json={"objects": []}), 404, "not-found")
+    problem(c.post(f"/v1/models/{model}/publishes", json={"step": 1}), 422, "validation")  # parent is required
+    # Abort: 204, then the publish is gone.
+    q = ok(c.post(f"/v1/models/{model}/publishes", json={"parent": 1}), 201)
+    assert q["kind"] == "delta" and q["parent_manifest"] == v["manifest"]
+    assert c.delete(f"/v1/models/{model}/publishes/{q['publish_id']}").status_code == 204
+    problem(c.delete(f"/v1/models/{model}/publishes/{q['publish_id']}"), 404, "not-found")
+
+
+def test_check_objects_reports_missing_and_refuses_oversized(service, model, versions):
+    c = service.client("publisher")
+    begin = ok(c.post(f"/v1/models/{model}/publishes", json={"parent": None}), 201)
+    data = b"some object bytes"
+    d = hashlib.sha256(data).hexdigest()
+    path = f"/v1/models/{model}/publishes/{begin['publish_id']}/objects"
+    check = ok(c.post(path, json={"objects": [{"digest": d, "size": len(data)}]}), 200)
+    assert check["missing"] == [d]
+    if service.s3:
+        up = check["uploads"][d]
+        assert up["method"] == "PUT" and up["url"].startswith("http") and up["headers"]
+    else:
+        assert "uploads" not in check
+    ok(c.put(f"/v1/objects/{d}", content=data), 201)
+    assert ok(c.post(path, json={"objects": [{"digest": d, "size": len(data)}]}), 200)["missing"] == []
+    # The catalog knows the object with another size.
+    problem(c.post(path, json={"objects": [{"digest": d, "size": len(data) + 1}]}), 409, "incomplete-publish")
+    problem(c.post(path, json={"objects": [{"digest": "xyz", "size": 1}]}), 422, "invalid-digest")
+    problem(c.post(path, json={"objects": [{"digest": "a" * 64, "size": service.settings.max_object_size + 1}]}),
+            413, "too-large")
+
+
+def test_replica_ledger(service, model, versions):
+    c = service.client("reader")
+    publish_chain(service.client("publisher"), model, versions[:2])
+    for sub, v in (("a", 1), ("b", 1), ("a", 2)):
+        ok(c.post(f"/v1/models/{model}/replicas", json={"subscriber": sub, "version": v}), 201)
+    latest = ok(c.get(f"/v1/models/{model}/replicas"), 200)["replicas"]
+    assert sorted((r["subscriber"], r["version"]) for r in latest) == [("a", 2), ("b", 1)]
+    hist = ok(c.get(f"/v1/models/{model}/replicas", params={"subscriber": "a", "all": "true"}), 200)["replicas"]
+    assert [r["version"] for r in hist] == [1, 2]
+    problem(c.post(f"/v1/models/{model}/replicas", json={"subscriber": "a", "version": 9}), 404, "not-found")
+    problem(c.post(f"/v1/models/{model}/replicas", json={"subscriber": "", "version": 1}), 422, "validation")
+    problem(c.post(f"/v1/models/{model}/replicas", json={"subscriber": "a", "version": 1, "pause_ms": -1}), 422,
+            "validation")
+
+
+def test_admin_fsck_and_gc(service, model, versions):
+    publish_chain(service.client("publisher"), model, versions[:2])
+    c = service.client("admin")
+    report = ok(c.post("/v1/admin/fsck", json={"read_data": False, "repair": False}), 200)
+    assert report["versions_checked"] >= 2 and report["objects_checked"] >= 2
+    assert not [p for p in report["problems"] if p["model"] == model]
+    assert set(report) == {"ok", "versions_checked", "objects_checked", "bytes_verified", "problems"}
+    gc = ok(c.post("/v1/admin/gc", json={"dry_run": True}), 200)
+    assert set(gc) == {"versions_deleted", "pending_expired", "objects_deleted", "bytes_deleted",
+                       "objects_kept_in_grace"}
+    # Nothing a committed version needs is ever deleted.
+    ok(c.post("/v1/admin/gc", json={"dry_run": False, "grace_s": 0}), 200)
+    after = pull(c, model)
+    assert {p: a.tobytes() for p, a in after.files.items()} == files_of(versions[1])
+    problem(c.post("/v1/admin/gc", json={"dry_run": "maybe"}), 422, "validation")
+
+
+def test_metrics_request_id_and_problem_shape(service, model, versions):
+    c = service.client("publisher")
+    publish_chain(c, model, versions[:1])
+    r = c.get(f"/v1/models/{model}/versions/77", headers={"X-Request-ID": "trace-abc.123"})
+    assert r.headers["x-request-id"] == "trace-abc.123"
+    assert problem(r, 404, "not-found")["request_id"] == "trace-abc.123"
+    generated = c.get("/healthz", headers={"X-Request-ID": "bad id with spaces"}).headers["x-request-id"]
+    assert re.fullmatch(r"[0-9a-f]{32}", generated)
+    text = c.get("/metrics").text
+    assert re.search(r'weightsync_http_requests_total\{method="GET",route="/v1/models/\{model\}/versions/'
+                     r'\{number\}",status="404"\} [1-9]', text)
+    assert re.search(r'weightsync_http_request_duration_seconds_count\{method="POST",'
+                     r'route="/v1/models/\{model\}/publishes/\{publish_id\}/commit",status="201"\} [1-9]', text)
+    assert re.search(r"weightsync_versions_committed_total [1-9]", text)
+    assert re.search(r"weightsync_publish_to_commit_seconds_count [1-9]", text)
+    assert re.search(r'weightsync_http_received_bytes_total\{route="/v1/objects/\{digest\}"\} [1-9]', text)
+    assert re.search(r'weightsync_http_sent_bytes_total\{route="/v1/models/\{model\}"\}|'
+                     r'weightsync_http_sent_bytes_total\{route="/v1/models/\{model\}/versions', text)
+
+
+def test_json_bodies_are_capped(service):
+    c = service.client("admin")
+    problem(c.post("/v1/models", content=b"x" * (JSON_CAP + 1), headers={"content-type": "application/json"}), 413,
+            "too-large")
+
+    def chunked():  # no Content-Length: cut off while reading
+        for _ in range(4):
+            yield b"x" * (JSON_CAP // 2)
+
+    r = c.post("/v1/models", content=chunked(), headers={"content-type": "application/json"})
+    assert r.request.headers.get("transfer-encoding") == "chunked"
+    problem(r, 413, "too-large")
