@@ -99,7 +99,7 @@ def test_models(service):
             "validation")
     assert ok(c.get(f"/v1/models/{name}"), 200)["name"] == name
     assert name in [m["name"] for m in ok(c.get("/v1/models"), 200)["models"]]
-    problem(c.get("/v1/models/no-such-model"), 404, "not-found")
+    assert problem(c.get("/v1/models/no-such-model"), 404, "not-found")["resource"] == "model"
     problem(c.get("/v1/no-such-route"), 404, "not-found")
 
 
@@ -116,7 +116,7 @@ def test_versions_listing_lineage_and_404s(service, model, versions):
     assert numbers(c.get(f"/v1/models/{model}/versions/3/lineage")) == [1, 2, 3]
     assert numbers(c.get(f"/v1/models/{model}/versions/latest/lineage")) == [1, 2, 3, 4]
     assert ok(c.get(f"/v1/models/{model}"), 200)["head"] == 4
-    problem(c.get(f"/v1/models/{model}/versions/99"), 404, "not-found")
+    assert problem(c.get(f"/v1/models/{model}/versions/99"), 404, "not-found")["resource"] == "version"
     problem(c.get(f"/v1/models/{model}/versions/99/manifest"), 404, "not-found")
     problem(c.get(f"/v1/models/{model}/versions/99/lineage"), 404, "not-found")
     problem(c.get(f"/v1/models/{model}/versions/abc"), 422, "validation")

@@ -89,8 +89,14 @@ _PROBLEMS: dict[str, Callable[[str, dict], errors.WeightsyncError]] = {
 }
 
 
+_RESOURCES: dict[str, type[errors.WeightsyncError]] = {
+    "model": errors.ModelNotFound, "version": errors.VersionNotFound,
+    "publish": errors.PublishNotFound, "object": errors.ObjectNotFound,
+}
+
+
 def _not_found(message: str, default: type[errors.WeightsyncError]) -> errors.WeightsyncError:
-    """404s share one problem type; the detail (or the endpoint's default) says which thing is missing."""
+    """For servers that send no `resource` member: the detail (or the endpoint's default) says what is missing."""
     low = message.lower()
     if "no model" in low or "unknown model" in low:
         return errors.ModelNotFound(message)
@@ -123,7 +129,8 @@ def problem_error(resp: httpx.Response, *, not_found: type[errors.WeightsyncErro
     elif resp.status_code in (401, 403):
         exc = errors.AuthError(message)
     elif resp.status_code == 404 or code == "not-found":
-        exc = _not_found(message, not_found)
+        resource = _RESOURCES.get(str(problem.get("resource")))
+        exc = resource(message) if resource is not None else _not_found(message, not_found)
     elif resp.status_code == 409:
         exc = errors.Conflict(message)
     elif resp.status_code == 503:

@@ -48,6 +48,16 @@ _MAP: list[tuple[type[BaseException], int, str, str]] = [
 ]
 
 
+# 404s share one problem type; this member says which thing is missing, so clients need
+# not parse the detail text.
+_RESOURCE: list[tuple[type[BaseException], str]] = [
+    (errors.ModelNotFound, "model"),
+    (errors.VersionNotFound, "version"),
+    (errors.PublishNotFound, "publish"),
+    (errors.ObjectNotFound, "object"),
+]
+
+
 class ApiProblem(Exception):
     """An HTTP problem raised by a route for a case no weightsync error names (411, 413, 416, …)."""
 
@@ -83,6 +93,10 @@ async def _weightsync_error(request: Request, exc: Exception) -> JSONResponse:
     headers: dict[str, str] = {}
     if isinstance(exc, errors.StaleParent):
         extra["current_head"] = exc.current_head
+    for cls, resource in _RESOURCE:
+        if isinstance(exc, cls):
+            extra["resource"] = resource
+            break
     if status == 503:
         headers["Retry-After"] = RETRY_AFTER_S
         log.warning("%s: %s", code, exc)
