@@ -30,28 +30,19 @@ import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-import httpx
+from benchmarks._serve import serve
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results"
 CAPS = {"100M": 100e6 / 8, "1G": 1e9 / 8, "10G": 10e9 / 8}
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextmanager
 def server(backend: str, workdir: Path):
-    """Run `weightsync serve` on a free loopback port; yields its URL."""
-    port = _free_port()
-    cmd = [sys.executable, "-m", "weightsync", "serve", "--data", str(workdir / "data"), "--port", str(port)]
-    env = dict(os.environ)
+    """`weightsync serve` on the embedded default, or on PostgreSQL + SeaweedFS for "s3pg"; yields its URL."""
     with ExitStack() as stack:
+        args: list[str] = []
+        env = dict(os.environ)
         if backend == "s3pg":
             sys.path.insert(0, str(ROOT / "tests"))
             from _pg import fresh_database
@@ -59,30 +50,9 @@ def server(backend: str, workdir: Path):
 
             sw = stack.enter_context(seaweed_server())
             db = stack.enter_context(fresh_database("ws_bench"))
-            cmd += ["--catalog", db, "--store", "s3://bench/weights", "--s3-endpoint", sw.endpoint_url]
+            args = ["--catalog", db, "--store", "s3://bench/weights", "--s3-endpoint", sw.endpoint_url]
             env.update(sw.env())
-        log = open(workdir / "server.log", "wb")
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"server did not start: {(workdir / 'server.log').read_text()[-2000:]}")
-                time.sleep(0.2)
-            yield url
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-            log.close()
+        yield stack.enter_context(serve(workdir, args=args, env=env))
 
 
 def subscriber_main(args: argparse.Namespace) -> int:

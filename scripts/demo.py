@@ -14,25 +14,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
-
-import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks._serve import serve  # noqa: E402
 from benchmarks.corpus import ensure_case  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cli(*args: str, env: dict[str, str]) -> dict:
@@ -55,55 +46,42 @@ def main() -> None:
           flush=True)
     versions = ensure_case("bf16-lr1e-6", steps)
     work = Path(tempfile.mkdtemp(prefix="weightsync-demo-"))
-    port = free_port()
-    server = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "WEIGHTSYNC_SERVER": server, "WEIGHTSYNC_CACHE": str(work / "push-cache")}
-    log = open(work / "server.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "weightsync", "serve", "--data", str(work / "data"),
-                             "--port", str(port)], stdout=log, stderr=subprocess.STDOUT, env=env)
+    env = {**os.environ, "WEIGHTSYNC_CACHE": str(work / "push-cache")}
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{server}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                sys.exit("demo failed: the server did not start:\n" + (work / "server.log").read_text()[-2000:])
-            time.sleep(0.2)
-        print(f"serving on {server} (SQLite catalog + filesystem store under {work / 'data'})\n")
-        replica = work / "replica"
-        pushed_total = pulled_total = full_total = 0
-        print(f"{'version':>7} {'kind':>9} {'full size':>10} {'pushed':>10} {'pulled':>10}  replica")
-        for i, vdir in enumerate(versions):
-            push = cli("push", "demo", str(vdir), "--step", str(i), env=env)
-            pull = cli("pull", "demo", str(replica), env=env)
-            if pull["version"] != push["version"] or not same_tree(vdir, replica):
-                sys.exit(f"demo failed: the replica differs from version {push['version']}")
-            size = sum(p.stat().st_size for p in vdir.rglob("*") if p.is_file())
-            if i:
-                pushed_total += push["bytes"]
-                pulled_total += pull["bytes"]
-                full_total += size
-            print(f"{push['version']:>7} {push['kind']:>9} {size / 1e6:>8.1f}MB {push['bytes'] / 1e6:>8.2f}MB "
-                  f"{pull['bytes'] / 1e6:>8.2f}MB  bit-identical")
-        fresh = work / "fresh"
-        pull = cli("pull", "demo", str(fresh), env=env)
-        if not same_tree(versions[-1], fresh):
-            sys.exit("demo failed: the fresh pull differs from the last version")
-        print(f"\nfresh pull of version {pull['version']}: {pull['bytes'] / 1e6:.1f} MB (keyframe + deltas), "
-              f"bit-identical")
-        print(f"versions 2-{len(versions)}: pushed {pushed_total / 1e6:.2f} MB and pulled {pulled_total / 1e6:.2f} MB "
-              f"instead of {full_total / 1e6:.1f} MB each way ({full_total / max(pulled_total, 1):.0f}x less)")
+        with serve(work, env=env) as server:
+            env["WEIGHTSYNC_SERVER"] = server
+            print(f"serving on {server} (SQLite catalog + filesystem store under {work / 'data'})\n")
+            run_demo(versions, work, env)
+    except RuntimeError as exc:
+        sys.exit(f"demo failed: {exc}")
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
         shutil.rmtree(work, ignore_errors=True)
+
+
+def run_demo(versions: list[Path], work: Path, env: dict[str, str]) -> None:
+    replica = work / "replica"
+    pushed_total = pulled_total = full_total = 0
+    print(f"{'version':>7} {'kind':>9} {'full size':>10} {'pushed':>10} {'pulled':>10}  replica")
+    for i, vdir in enumerate(versions):
+        push = cli("push", "demo", str(vdir), "--step", str(i), env=env)
+        pull = cli("pull", "demo", str(replica), env=env)
+        if pull["version"] != push["version"] or not same_tree(vdir, replica):
+            sys.exit(f"demo failed: the replica differs from version {push['version']}")
+        size = sum(p.stat().st_size for p in vdir.rglob("*") if p.is_file())
+        if i:
+            pushed_total += push["bytes"]
+            pulled_total += pull["bytes"]
+            full_total += size
+        print(f"{push['version']:>7} {push['kind']:>9} {size / 1e6:>8.1f}MB {push['bytes'] / 1e6:>8.2f}MB "
+              f"{pull['bytes'] / 1e6:>8.2f}MB  bit-identical")
+    fresh = work / "fresh"
+    pull = cli("pull", "demo", str(fresh), env=env)
+    if not same_tree(versions[-1], fresh):
+        sys.exit("demo failed: the fresh pull differs from the last version")
+    print(f"\nfresh pull of version {pull['version']}: {pull['bytes'] / 1e6:.1f} MB (keyframe + deltas), "
+          f"bit-identical")
+    print(f"versions 2-{len(versions)}: pushed {pushed_total / 1e6:.2f} MB and pulled {pulled_total / 1e6:.2f} MB "
+          f"instead of {full_total / 1e6:.1f} MB each way ({full_total / max(pulled_total, 1):.0f}x less)")
 
 
 if __name__ == "__main__":

@@ -365,27 +365,19 @@ def parse_header(frame: bytes | memoryview) -> FrameHeader:
     return FrameHeader(delta, add, dtype, method, raw_len, payload_len, bh, rh)
 
 
-def apply_frame(frame: bytes | memoryview, target: np.ndarray, *, verify_base: bool = True) -> FrameHeader:
-    """Decode `frame` into `target` (1-D writable uint8 of exactly the frame's raw length).
+def decode_payload(frame: bytes | memoryview, head: FrameHeader) -> tuple[np.ndarray | None, np.ndarray]:
+    """Decode a frame's payload: (positions of changed elements or None when dense, values).
 
-    For a keyframe frame `target` receives the bytes. For a delta frame `target`
-    must hold the base: its hash is checked first (BaseMismatch, target untouched),
-    the XOR is applied in place, and the result hash is checked; on a mismatch the
-    XOR is undone, so `target` again holds the base, and ChecksumMismatch is raised.
-    Raises only weightsync FormatError subclasses or BaseMismatch on bad input.
+    `head` is `parse_header(frame)`. Values are the raw elements (keyframe) or the
+    delta values (XOR, or zigzag differences when `head.add`) as unsigned integers
+    of the dtype's width. Every section length is checked against the header
+    before it is decompressed; only FormatError subclasses escape.
     """
-    head = parse_header(frame)
-    if target.dtype != np.uint8 or target.ndim != 1 or len(target) != head.raw_len:
-        raise LimitExceeded(f"frame decodes to {head.raw_len} bytes, target holds {target.size}")
-    if head.delta and verify_base and xxh3_128(target) != head.base_hash:
-        raise BaseMismatch("delta frame applied to a different base")
     reader = _Reader(memoryview(frame)[HEADER_SIZE : HEADER_SIZE + head.payload_len])
     width = head.dtype.width
     udt = head.dtype.numpy_uint
     n = head.raw_len // width
-    view = target.view(udt)
     positions = None
-    values = None
     try:
         if head.method == METHOD_STORED:
             values = np.frombuffer(reader.take(head.raw_len), dtype=udt)
@@ -402,8 +394,7 @@ def apply_frame(frame: bytes | memoryview, target: np.ndarray, *, verify_base: b
             planes = [reader.section(count) for _ in range(width)]
             reader.done()
             positions = np.cumsum(gaps, dtype=np.int64)
-            positions += np.arange(1, count + 1, dtype=np.int64)
-            positions -= 1
+            positions += np.arange(0, count, dtype=np.int64)
             if count and positions[-1] >= n:
                 raise CorruptData("sparse frame position past the end of the chunk")
             values = _join_planes(planes, udt) if width > 1 else planes[0]
@@ -411,6 +402,25 @@ def apply_frame(frame: bytes | memoryview, target: np.ndarray, *, verify_base: b
         raise
     except (ValueError, OverflowError, IndexError) as exc:  # defensive: malformed shapes
         raise CorruptData(f"frame does not decode: {exc}") from None
+    return positions, values
+
+
+def apply_frame(frame: bytes | memoryview, target: np.ndarray, *, verify_base: bool = True) -> FrameHeader:
+    """Decode `frame` into `target` (1-D writable uint8 of exactly the frame's raw length).
+
+    For a keyframe frame `target` receives the bytes. For a delta frame `target`
+    must hold the base: its hash is checked first (BaseMismatch, target untouched),
+    the XOR is applied in place, and the result hash is checked; on a mismatch the
+    XOR is undone, so `target` again holds the base, and ChecksumMismatch is raised.
+    Raises only weightsync FormatError subclasses or BaseMismatch on bad input.
+    """
+    head = parse_header(frame)
+    if target.dtype != np.uint8 or target.ndim != 1 or len(target) != head.raw_len:
+        raise LimitExceeded(f"frame decodes to {head.raw_len} bytes, target holds {target.size}")
+    if head.delta and verify_base and xxh3_128(target) != head.base_hash:
+        raise BaseMismatch("delta frame applied to a different base")
+    positions, values = decode_payload(frame, head)
+    view = target.view(head.dtype.numpy_uint)
     if head.delta:
         _apply_values(view, values, head.add, positions)
     else:

@@ -16,21 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from weightsync.codec.frame import (
-    _COUNT,
-    GAP_WIDTH,
-    HEADER_SIZE,
-    METHOD_PLANES,
-    METHOD_SPARSE,
-    METHOD_STORED,
-    FrameHeader,
-    _join_planes,
-    _Reader,
-    decode_frame,
-    parse_header,
-    unzigzag,
-)
-from weightsync.errors import CorruptData, FormatError, LimitExceeded
+from weightsync.codec.frame import FrameHeader, decode_frame, decode_payload, parse_header, unzigzag
+from weightsync.errors import FormatError
 
 _SIGNED = {1: np.dtype("<i1"), 2: np.dtype("<i2"), 4: np.dtype("<i4"), 8: np.dtype("<i8")}
 
@@ -83,37 +70,7 @@ def decode_values(frame: bytes | memoryview | np.ndarray) -> DeltaValues:
     head = parse_header(frame)
     if not head.delta:
         raise FormatError("decode_values needs a delta frame (use keyframe_bytes for keyframes)")
-    reader = _Reader(memoryview(frame)[HEADER_SIZE : HEADER_SIZE + head.payload_len])
-    width = head.dtype.width
-    udt = head.dtype.numpy_uint
-    n = head.raw_len // width
-    positions = None
-    try:
-        if head.method == METHOD_STORED:
-            values = np.frombuffer(reader.take(head.raw_len), dtype=udt)
-            reader.done()
-        elif head.method == METHOD_PLANES:
-            planes = [reader.section(n) for _ in range(width)]
-            reader.done()
-            values = _join_planes(planes, udt) if width > 1 else planes[0]
-        elif head.method == METHOD_SPARSE:
-            (count,) = _COUNT.unpack(reader.take(_COUNT.size))
-            if count > n:
-                raise LimitExceeded(f"sparse frame declares {count} changes in {n} elements")
-            gaps = _join_planes([reader.section(count) for _ in range(GAP_WIDTH)], np.dtype("<u4"))
-            planes = [reader.section(count) for _ in range(width)]
-            reader.done()
-            positions = np.cumsum(gaps, dtype=np.int64)
-            positions += np.arange(0, count, dtype=np.int64)
-            if count and positions[-1] >= n:
-                raise CorruptData("sparse frame position past the end of the chunk")
-            values = _join_planes(planes, udt) if width > 1 else planes[0]
-        else:  # pragma: no cover - parse_header rejects unknown methods
-            raise CorruptData(f"unknown method {head.method}")
-    except FormatError:
-        raise
-    except (ValueError, OverflowError, IndexError) as exc:  # defensive: malformed shapes
-        raise CorruptData(f"frame does not decode: {exc}") from None
+    positions, values = decode_payload(frame, head)
     return DeltaValues(head, positions, np.ascontiguousarray(values))
 
 
