@@ -197,6 +197,8 @@ class Manifest:
             doc = json.loads(data)
         except (UnicodeDecodeError, ValueError) as exc:
             raise FormatError(f"manifest is not JSON: {exc}") from None
+        except RecursionError:  # a few KB of "[[[[…" nest deeper than the parser's stack
+            raise FormatError("manifest JSON nests too deeply") from None
         try:
             return _validate(doc)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:

@@ -66,6 +66,8 @@ def parse(header: bytes, file_size: int) -> SafetensorsLayout:
         doc = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
         raise SafetensorsError(f"header is not valid JSON: {exc}") from None
+    except RecursionError:  # "{"a":{"a":… nests deeper than the parser's stack
+        raise SafetensorsError("header JSON nests too deeply") from None
     if not isinstance(doc, dict):
         raise SafetensorsError("header is not a JSON object")
     metadata = doc.pop("__metadata__", None)

@@ -67,6 +67,8 @@ class CommitRecord:
                       committed_at=datetime.fromisoformat(doc["committed_at"]))
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise FormatError(f"malformed commit record: {exc}") from None
+        except RecursionError:  # deeply nested JSON
+            raise FormatError("malformed commit record: JSON nests too deeply") from None
         if rec.encode() != bytes(data):
             raise FormatError("commit record is not in canonical form")
         return rec

@@ -15,6 +15,11 @@ from weightsync.catalog import Model, Replica, Version
 from weightsync.ops import BeginResult, FsckReport, GcReport, Plan
 
 _LABEL = Field(min_length=1, max_length=255)
+# The catalog stores integers as signed 64-bit (SQLite INTEGER, PostgreSQL BIGINT): anything larger is a
+# malformed request (422), not an OverflowError inside the database driver (500).
+INT64 = (1 << 63) - 1
+# GC's grace period must keep `now - grace` a representable datetime: 100 years is plenty.
+MAX_GRACE_S = 100 * 365.25 * 86400
 
 
 class _In(BaseModel):
@@ -39,9 +44,9 @@ class ModelList(BaseModel):
 
 class CreateModelIn(_In):
     name: str = Field(max_length=128)
-    keyframe_interval: int | None = Field(None, ge=1)
-    max_chain_ratio: float | None = Field(None, gt=0)
-    keep_last: int | None = Field(None, ge=1, description="null: keep every version")
+    keyframe_interval: int | None = Field(None, ge=1, le=INT64)
+    max_chain_ratio: float | None = Field(None, gt=0, allow_inf_nan=False)
+    keep_last: int | None = Field(None, ge=1, le=INT64, description="null: keep every version")
 
 
 # --- versions -------------------------------------------------------------------------
@@ -67,7 +72,7 @@ class VersionList(BaseModel):
 
 class ObjectRef(_In):
     digest: str = Field(max_length=1024)
-    size: int = Field(ge=0)
+    size: int = Field(ge=0, le=INT64)
 
 
 class PlanObject(BaseModel):
@@ -98,8 +103,9 @@ class PlanOut(BaseModel):
 
 
 class BeginIn(_In):
-    parent: int | None = Field(description="The head the publisher holds; null for a model's first version.")
-    step: int | None = Field(None, ge=0)
+    parent: int | None = Field(ge=-INT64, le=INT64,
+                               description="The head the publisher holds; null for a model's first version.")
+    step: int | None = Field(None, ge=0, le=INT64)
     metadata: dict[str, Any] | None = None
     keyframe: bool = False
 
@@ -153,9 +159,9 @@ class PresignedGet(BaseModel):
 
 class ReplicaIn(_In):
     subscriber: str = _LABEL
-    version: int = Field(ge=1)
-    pause_ms: float | None = Field(None, ge=0)
-    bytes: int | None = Field(None, ge=0)
+    version: int = Field(ge=1, le=INT64)
+    pause_ms: float | None = Field(None, ge=0, allow_inf_nan=False)
+    bytes: int | None = Field(None, ge=0, le=INT64)
     site: str | None = Field(None, min_length=1, max_length=255)
     host: str | None = Field(None, min_length=1, max_length=255)
     extra: dict[str, Any] | None = None
@@ -204,7 +210,7 @@ class FsckOut(BaseModel):
 
 class GcIn(_In):
     dry_run: bool = False
-    grace_s: float | None = Field(None, ge=0)
+    grace_s: float | None = Field(None, ge=0, le=MAX_GRACE_S)
 
 
 class GcOut(BaseModel):

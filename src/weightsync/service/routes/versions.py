@@ -16,6 +16,7 @@ from weightsync.service.deps import MetricsDep, OpsDep, Publisher, Reader, Setti
 from weightsync.service.metrics import Metrics
 from weightsync.service.problems import ApiProblem
 from weightsync.service.schemas import (
+    INT64,
     BeginIn,
     BeginOut,
     CheckIn,
@@ -52,8 +53,8 @@ def _number(number: str) -> int | None:
 @router.get("/versions", operation_id="listVersions", response_model=VersionList)
 async def list_versions(model: str, ops: OpsDep, who: Reader,
                         limit: Annotated[int, Query(ge=1, le=10_000)] = DEFAULT_LIST_LIMIT,
-                        before: Annotated[int | None, Query()] = None,
-                        after: Annotated[int | None, Query()] = None) -> VersionList:
+                        before: Annotated[int | None, Query(ge=-INT64, le=INT64)] = None,
+                        after: Annotated[int | None, Query(ge=-INT64, le=INT64)] = None) -> VersionList:
     """Committed versions, ascending. With ``after``: the first ``limit`` above it; otherwise the
     newest ``limit`` (below ``before`` if given), so paging works in both directions."""
     if after is not None:
@@ -96,8 +97,8 @@ async def get_manifest(model: str, number: str, ops: OpsDep, who: Reader,
 
 @router.get("/plan", operation_id="getPlan", response_model=PlanOut)
 async def get_plan(model: str, ops: OpsDep, who: Reader,
-                   have: Annotated[int | None, Query()] = None,
-                   want: Annotated[int | None, Query()] = None,
+                   have: Annotated[int | None, Query(ge=-INT64, le=INT64)] = None,
+                   want: Annotated[int | None, Query(ge=-INT64, le=INT64)] = None,
                    holder: Annotated[str | None, Query(min_length=1, max_length=255)] = None) -> PlanOut:
     """What to fetch to go from ``have`` to ``want`` (default: the head); ``holder`` leases the chain."""
     return plan_out(await ops.plan(model, have=have, want=want, holder=holder))
@@ -164,7 +165,7 @@ async def abort_publish(model: str, publish_id: str, ops: OpsDep, who: Publisher
 @router.get("/watch", operation_id="watchModel", response_model=VersionOut,
             responses={204: {"description": "no newer version before the timeout"}})
 async def watch_model(model: str, ops: OpsDep, who: Reader, settings: SettingsDep, metrics: MetricsDep,
-                      after: Annotated[int | None, Query()] = None,
+                      after: Annotated[int | None, Query(ge=-INT64, le=INT64)] = None,
                       timeout: Annotated[float, Query(ge=0, le=MAX_WATCH_S)] = 30.0) -> VersionOut | Response:
     """Long poll: the head as soon as it is newer than ``after`` (200), or 204 after ``timeout`` seconds."""
     metrics.watchers.inc()
@@ -181,14 +182,15 @@ async def watch_model(model: str, ops: OpsDep, who: Reader, settings: SettingsDe
             responses={200: {"content": {"text/event-stream": {}},
                              "description": "`event: version` with a Version as `data` for every new version"}})
 async def stream_events(model: str, ops: OpsDep, who: Reader, settings: SettingsDep, metrics: MetricsDep,
-                        after: Annotated[int | None, Query()] = None,
+                        after: Annotated[int | None, Query(ge=-INT64, le=INT64)] = None,
                         last_event_id: Annotated[str | None, Header()] = None) -> StreamingResponse:
     """Server-Sent Events: every version committed after ``after`` (or ``Last-Event-ID``), with keep-alives.
 
     Without either, the first event is the current head (if any).
     """
     await ops.get_model(model)  # 404 now, not inside the stream
-    if last_event_id is not None and last_event_id.isascii() and last_event_id.isdigit():
+    if last_event_id is not None and last_event_id.isascii() and last_event_id.isdigit() \
+            and int(last_event_id) <= INT64:
         after = max(after or 0, int(last_event_id))
     return StreamingResponse(_events(ops, model, after, settings.sse_keepalive_s, settings.watch_poll_s, metrics),
                              media_type="text/event-stream",
