@@ -309,6 +309,7 @@ class S3Store(ObjectStore):
         self._client: Any = None
         self._open_lock = asyncio.Lock()
         self._atomic_create: bool | None = None
+        self._probe_failure: errors.StoreError | None = None
 
     def __repr__(self) -> str:
         return f"S3Store(bucket={self.bucket!r}, prefix={self.prefix!r}, endpoint_url={self._endpoint_url!r})"
@@ -331,8 +332,22 @@ class S3Store(ObjectStore):
     # --- connection -----------------------------------------------------------------
 
     async def open(self) -> None:
-        """Connect, create the bucket if allowed and missing, and probe If-None-Match; idempotent."""
+        """Connect, create the bucket if allowed and missing, and probe If-None-Match; idempotent.
+
+        A transient failure of any step (the probe included) raises StoreUnavailable, so a
+        retrying wrapper can open again; the lazy open of other calls only logs a failed probe.
+        """
         await self._s3()
+        if self._verify_conditional and isinstance(self._probe_failure, errors.StoreUnavailable):
+            self._probe_failure = None
+            try:
+                await self.check_conditional_writes()
+            except errors.StoreUnavailable as e:
+                self._probe_failure = e
+                raise
+            except errors.StoreError as e:
+                self._probe_failure = e
+                log.warning("could not probe If-None-Match support: %s", e)
 
     async def __aenter__(self) -> S3Store:
         await self.open()
@@ -362,6 +377,8 @@ class S3Store(ObjectStore):
                     except errors.StoreError as e:
                         # Not fatal: a read-only identity cannot write the
                         # probe. atomic_create then stays None (unknown).
+                        # A transient failure is probed again by open().
+                        self._probe_failure = e
                         log.warning("could not probe If-None-Match support: %s", e)
         return self._client
 
