@@ -273,10 +273,6 @@ def test_transient_corruption_is_recovered_by_retry(env: Env, target: str, kind:
         assert not failures, f"{case}: a dropped connection should be retried inside the pull: {failures}"
 
 
-@pytest.mark.xfail(strict=True, reason="client bug, not fixed here (client/_objects.py is outside this suite's "
-                   "remit): ObjectCache._fetch_range keeps a range answer shorter than the range it asked for as a "
-                   "finished part when the pull then fails on another range, so the next pull trusts it and fails "
-                   "with DigestMismatch again; only the pull after that recovers")
 def test_a_short_range_answer_is_not_kept_for_the_next_pull(env: Env):
     """An object truncated at rest, then repaired: the very next pull must succeed."""
     case = "short-range-kept"

@@ -196,10 +196,6 @@ def test_manifest_naming_an_unsafe_path_is_refused_by_the_sdk(sec: Sec, path: st
     _outside_untouched(sec)
 
 
-@pytest.mark.xfail(strict=True, reason="SDK bug, not fixed here (client/ is outside this suite's remit): "
-                   "_checkout.install renames into ROOT/sub/… following a symlink `sub` that is already in the "
-                   "checkout, so a pull writes outside the target directory; install should refuse (or replace) "
-                   "a symlinked parent (O_NOFOLLOW / check every parent with lstat)")
 def test_a_symlink_in_the_checkout_does_not_redirect_writes_outside(sec: Sec):
     dest = sec.root / "pulls" / "symlinked"
     outside = sec.sentinel / "redirected"

@@ -309,8 +309,25 @@ def decode_step(manifest: Manifest, read_frame: Callable[[FrameRef], Any], tree:
     return new
 
 
+def _check_no_symlinked_parent(root: Path, path: str) -> None:
+    """A directory symlink inside the checkout would redirect writes outside it: refuse (InvalidName)."""
+    current = root
+    for part in Path(path).parts[:-1]:
+        current = current / part
+        if current.is_symlink():
+            raise errors.InvalidName(f"{path}: {current} is a symlink inside the checkout; refusing to write "
+                                     "through it")
+
+
 def install(root: Path, tree: Tree, old: CheckoutState | None) -> None:
-    """Rename the decoded temporaries into place and drop files the new version no longer has."""
+    """Rename the decoded temporaries into place and drop files the new version no longer has.
+
+    Every destination is checked before the first rename, so a refused path
+    leaves the checkout as it was.
+    """
+    for path, held in tree.files.items():
+        if held.owned:
+            _check_no_symlinked_parent(root, path)
     for path, held in tree.files.items():
         if not held.owned:
             continue

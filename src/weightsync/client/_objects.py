@@ -67,6 +67,12 @@ class _FileSink:
         self.tmp.unlink(missing_ok=True)
 
 
+def _check_range_length(digest: str, start: int, end: int, got: int) -> None:
+    """A range answered short must not be kept as a finished part (the next pull would trust it)."""
+    if end > start and got != end - start:
+        raise errors.TruncatedInput(f"object {digest}: range {start}-{end} answered with {got} bytes")
+
+
 class ObjectCache:
     """Verified objects by digest, on disk under `root` or in memory (root None). Thread-safe."""
 
@@ -197,6 +203,7 @@ class ObjectCache:
                     buf.extend(chunk)
 
             api.get_object(digest, sink, start=start, end=end if end > start else None)
+            _check_range_length(digest, start, end, len(buf))
             with self._lock:
                 self._mem_parts[(digest, start, end)] = bytes(buf)
             return
@@ -205,6 +212,7 @@ class ObjectCache:
         fsink = _FileSink(parts / f"{start}-{end}")
         try:
             api.get_object(digest, fsink, start=start, end=end if end > start else None)
+            _check_range_length(digest, start, end, fsink.f.tell())
         except BaseException:
             fsink.abandon()
             raise
