@@ -67,7 +67,8 @@ def open_service_store(settings: Settings) -> ObjectStore:
         options = {"endpoint_url": settings.s3_endpoint, "region": settings.s3_region,
                    "access_key_id": settings.s3_access_key_id,
                    "secret_access_key": secret.get_secret_value() if secret else None,
-                   "create_bucket": True}
+                   "create_bucket": True, "connect_timeout_s": settings.s3_connect_timeout_s,
+                   "read_timeout_s": settings.s3_read_timeout_s}
     return RetryingStore(open_store(url, **options))
 
 

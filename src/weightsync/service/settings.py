@@ -35,6 +35,10 @@ class Settings(BaseSettings):
     s3_region: str | None = None
     s3_access_key_id: str | None = None
     s3_secret_access_key: SecretStr | None = None
+    # Shorter than the clients' own timeouts, so a stalled store fails a request (503) before
+    # the client gives up and retries onto the same stall.
+    s3_connect_timeout_s: float = Field(5.0, gt=0, description="S3 connect timeout (seconds).")
+    s3_read_timeout_s: float = Field(20.0, gt=0, description="S3 read timeout (seconds).")
     token_file: Path | None = Field(None, description="JSON or TOML file of bearer tokens.")
     tokens: SecretStr | None = Field(None, description="Bearer tokens as JSON (same shape as the file).")
     pending_ttl_s: float = Field(3600.0, gt=0, description="How long a begun publish may take to commit.")
