@@ -217,7 +217,7 @@ def machine() -> str:
 def table(results: list[dict]) -> str:
     head = ("| case | density | raw MB | ours KB | baseline KB | XOR bound KB | ours vs baseline "
             "| % of XOR bound | % of diff bound | encode GB/s 1t / all | apply in place GB/s 1t / all "
-            "| decode to new buffer GB/s 1t / all | baseline enc / dec GB/s | keyframe ours / zstd-1 |\n|"
+            "| decode to new buffer GB/s 1t / all | baseline enc / dec GB/s | keyframe ours / zstd-1 / ZipNN |\n|"
             + "---|" * 14)
     lines = [head]
     for r in results:
