@@ -118,7 +118,7 @@ class Ops:
 
     async def create_model(self, name: str, **settings: Any) -> Model:
         """Create model `name` (idempotent when the settings agree); InvalidName, Conflict."""
-        return await self._db(self.catalog.create_model, name, **settings)
+        return await self._db(self.catalog.create_model, name, now=self.clock(), **settings)
 
     async def get_model(self, name: str) -> Model:
         return await self._db(self.catalog.get_model, name)
@@ -143,7 +143,7 @@ class Ops:
             try:
                 await self._db(self.catalog.get_model, model)
             except errors.ModelNotFound:
-                await self._db(self.catalog.create_model, model)
+                await self._db(self.catalog.create_model, model, now=self.clock())
         m = await self._db(self.catalog.get_model, model)
         if parent != m.head:
             raise errors.StaleParent(f"model {model!r}: parent {parent} is not the head ({m.head})",
@@ -161,7 +161,10 @@ class Ops:
         expires = self.clock() + self.settings.pending_ttl
         v = await self._db(self.catalog.begin_version, model, parent=parent, kind=kind, publish_id=publish_id,
                            step=step, metadata=metadata, expires_at=expires, now=self.clock())
-        return BeginResult(model, v.publish_id, kind, parent, parent_manifest, v.expires_at)
+        if v.parent != parent:
+            raise errors.Conflict(f"publish {v.publish_id!r} was begun on parent {v.parent}, not {parent}")
+        # Beginning again with a pending publish's id returns that publish: its kind, not today's policy's.
+        return BeginResult(model, v.publish_id, v.kind, parent, parent_manifest, v.expires_at)
 
     async def missing_objects(self, model: str, publish_id: str, objects: list[tuple[str, int]]) -> list[str]:
         """Return which of `objects` [(digest, size)] the store lacks; all are held for the publish.
