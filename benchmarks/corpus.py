@@ -43,11 +43,12 @@ import functools
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -68,6 +69,7 @@ class TrainSpec:
     seq_len: int = 128
     weight_decay: float = 0.01
     mask_prob: float = 0.15
+    moe_scale: int = 1  # MoE only: experts and expert width both x scale (~scale² x the expert bytes)
 
 
 @dataclass(frozen=True)
@@ -80,14 +82,41 @@ _MINILM_1E6 = TrainSpec("minilm", 1e-6)
 _MINILM_1E5 = TrainSpec("minilm", 1e-5)
 _MOE = TrainSpec("moe", 1e-5, batch=2, seq_len=32)
 
-CASES: dict[str, CaseSpec] = {
+class _Cases(dict):
+    """The fixed cases, plus "moe-bf16-xN": the MoE with N times the experts and N times their width.
+
+    Sizes per bf16 version: x1 58 MB, x4 ~0.43 GB, x6 ~0.94 GB, x8 ~1.6 GB (training memory ~8x that).
+    """
+
+    def __missing__(self, name: str) -> CaseSpec:
+        m = re.fullmatch(r"moe-bf16-x([1-9][0-9]?)", name)
+        if m is None:
+            raise KeyError(name)
+        return CaseSpec(TrainSpec("moe", 1e-5, batch=2, seq_len=32, moe_scale=int(m.group(1))), "bf16")
+
+    def __contains__(self, name: object) -> bool:
+        try:
+            self[name]
+        except KeyError:
+            return False
+        return True
+
+
+def moe_config(spec: TrainSpec, vocab_size: int | None = None):
+    from ._models import MoEConfig
+
+    base = MoEConfig() if vocab_size is None else MoEConfig(vocab_size=vocab_size)
+    return replace(base, experts=base.experts * spec.moe_scale, expert_hidden=base.expert_hidden * spec.moe_scale)
+
+
+CASES: dict[str, CaseSpec] = _Cases({
     "bf16-lr1e-6": CaseSpec(_MINILM_1E6, "bf16"),
     "bf16-lr1e-5": CaseSpec(_MINILM_1E5, "bf16"),
     "fp8-lr1e-5": CaseSpec(_MINILM_1E5, "fp8"),
     "mxfp4-lr1e-5": CaseSpec(_MINILM_1E5, "mxfp4"),
     "nvfp4-lr1e-5": CaseSpec(_MINILM_1E5, "nvfp4"),
     "moe-bf16": CaseSpec(_MOE, "bf16"),
-}
+})
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -168,10 +197,10 @@ def _train_minilm(spec: TrainSpec, steps: int) -> Iterator[tuple[dict, dict]]:
 def _train_moe(spec: TrainSpec, steps: int) -> Iterator[tuple[dict, dict]]:
     import torch
 
-    from ._models import MoEConfig, TinyMoE
+    from ._models import TinyMoE
 
     tok = load_tokenizer()
-    cfg = MoEConfig(vocab_size=len(tok.vocab))
+    cfg = moe_config(spec, len(tok.vocab))
     model = TinyMoE(cfg, seed=spec.seed)
     windows = _windows(token_stream(), spec.seq_len)
     opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay, foreach=False)
@@ -294,9 +323,7 @@ def _fingerprint(case: str) -> dict:
     spec = CASES[case]
     model_cfg = {}
     if spec.train.model == "moe":
-        from ._models import MoEConfig
-
-        model_cfg = asdict(MoEConfig())
+        model_cfg = asdict(moe_config(spec.train))
     return {
         "model_config": model_cfg,
         "text_sha256": _text_digest(),
