@@ -94,6 +94,13 @@ class ObjectCache:
         for p in self.root.glob("*.parts/*.tmp"):
             p.unlink(missing_ok=True)
 
+    def clear(self) -> None:
+        """Drop every cached object and part (only for a checkout's own cache, under its lock)."""
+        self._mem.clear()
+        self._mem_parts.clear()
+        if self.root is not None and self.root.is_dir():
+            shutil.rmtree(self.root, ignore_errors=True)
+
     def _path(self, digest: str) -> Path:
         assert self.root is not None
         return self.root / digest

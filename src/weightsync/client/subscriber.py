@@ -103,6 +103,8 @@ def pull_into(api: Api, model: str, root: Path, *, version: int | None = None, h
         cache = ObjectCache(cache_root if cache_root is not None else state_dir(root) / "objects")
         if cache_root is None:
             cache.sweep()  # the checkout's own cache: the lock says no one else is writing it
+            for stale in state_dir(root).glob(".state.json.*.tmp"):  # a crash inside write_atomic
+                stale.unlink(missing_ok=True)
         repaired = False
         have = None
         with ThreadPoolExecutor(decode_threads or os.cpu_count() or 1) as dpool:
@@ -121,6 +123,8 @@ def pull_into(api: Api, model: str, root: Path, *, version: int | None = None, h
                 steps = plan.get("steps") or []
                 target = int(plan["target"])
                 if not steps and have == target:
+                    if not keep_objects and cache_root is None:
+                        cache.clear()  # what a pull that crashed after installing left behind
                     return PullResult(model, target, have, "current", 0, meter.bytes, 0,
                                       int(plan.get("full_bytes") or 0), sum(f.size for f in state.files),
                                       len(state.files), 0, 0, repaired, time.perf_counter() - t0, timings)
