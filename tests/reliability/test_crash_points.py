@@ -174,8 +174,8 @@ def test_pull_crash_points(lab, capsys, long_run):
         assert unexpected == [], "\n".join(unexpected[:30])
 
 
-@pytest.mark.xfail(strict=True, reason="client/_checkout.py install() renames files one by one, and a crash "
-                   "between state.json and the cache cleanup leaves the object cache behind "
+@pytest.mark.xfail(strict=True, reason="client/_checkout.py install() renames files one by one: a crash between "
+                   "two renames leaves a checkout mixing versions until the next pull repairs it "
                    "(docs/reliability/crash-and-concurrency.md, Findings)")
 def test_known_checkout_bugs_are_fixed(lab, long_run):
     found = []
