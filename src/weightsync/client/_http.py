@@ -172,6 +172,12 @@ class Api:
         self._http.close()
         self._bare.close()
 
+    def __enter__(self) -> Api:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     # --- the one request loop -----------------------------------------------------------
 
     def request(self, method: str, path: str, *, json: Any = None, params: dict | None = None,

@@ -278,12 +278,8 @@ def register(app: typer.Typer) -> None:
         """List the committed versions of MODEL, oldest first."""
         from weightsync.client._http import Api
 
-        with _errors():
-            api = Api(server, _token(), retry=_retry())
-            try:
-                versions = _all_versions(api, model, limit)
-            finally:
-                api.close()
+        with _errors(), Api(server, _token(), retry=_retry()) as api:
+            versions = _all_versions(api, model, limit)
         if as_json:
             _emit({"model": model, "versions": versions})
             return
@@ -297,12 +293,8 @@ def register(app: typer.Typer) -> None:
         """List the models on the server."""
         from weightsync.client._http import Api
 
-        with _errors():
-            api = Api(server, _token(), retry=_retry())
-            try:
-                found = api.list_models()
-            finally:
-                api.close()
+        with _errors(), Api(server, _token(), retry=_retry()) as api:
+            found = api.list_models()
         if as_json:
             _emit({"models": found})
             return
@@ -319,12 +311,8 @@ def register(app: typer.Typer) -> None:
         """Check that catalog and store agree (admin). Exit 1 when problems remain."""
         from weightsync.client._http import Api
 
-        with _errors():
-            api = Api(server, _token(), timeout=3600, retry=_retry())
-            try:
-                report = api.fsck(read_data=read_data, repair=repair)
-            finally:
-                api.close()
+        with _errors(), Api(server, _token(), timeout=3600, retry=_retry()) as api:
+            report = api.fsck(read_data=read_data, repair=repair)
         if as_json:
             _emit(report)
         else:
@@ -347,12 +335,8 @@ def register(app: typer.Typer) -> None:
         """Apply retention and delete unreferenced objects (admin)."""
         from weightsync.client._http import Api
 
-        with _errors():
-            api = Api(server, _token(), timeout=3600, retry=_retry())
-            try:
-                report = api.gc(dry_run=dry_run, grace_s=grace)
-            finally:
-                api.close()
+        with _errors(), Api(server, _token(), timeout=3600, retry=_retry()) as api:
+            report = api.gc(dry_run=dry_run, grace_s=grace)
         if as_json:
             _emit(report)
         else:
