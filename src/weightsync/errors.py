@@ -106,6 +106,10 @@ class InvalidName(WeightsyncError):
     """A model or file name breaks the naming rules."""
 
 
+class InvalidArgument(WeightsyncError):
+    """A caller-supplied value breaks its rules (a setting, a count, a state): a client error, not a server fault."""
+
+
 class ModelNotFound(WeightsyncError):
     """No model with that name."""
 
