@@ -123,7 +123,7 @@ class Checkpoint:
         self.single_file = single_file
 
     @classmethod
-    def open(cls, path: str | os.PathLike) -> Checkpoint:
+    def open(cls, path: str | os.PathLike[str]) -> Checkpoint:
         """Map a safetensors file or a directory of files; FileNotFoundError if absent."""
         root = Path(path)
         if root.is_dir():
@@ -140,8 +140,8 @@ class Checkpoint:
         """A checkpoint from in-memory file contents keyed by relative path."""
         out = []
         for rel in sorted(files):
-            data = np.frombuffer(files[rel], dtype=np.uint8) if not isinstance(files[rel], np.ndarray) \
-                else files[rel].view(np.uint8).reshape(-1)
+            src = files[rel]
+            data = src.view(np.uint8).reshape(-1) if isinstance(src, np.ndarray) else np.frombuffer(src, np.uint8)
             out.append(CheckpointFile(layout_of(check_path(rel), data), data))
         return cls(out)
 

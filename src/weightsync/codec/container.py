@@ -12,8 +12,10 @@ import os
 import shutil
 import struct
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import xxhash
@@ -40,7 +42,7 @@ class DiffStats:
     delta_frames: int
 
 
-def write_container(encoded_manifest: Manifest, frames: list[bytes], out) -> int:
+def write_container(encoded_manifest: Manifest, frames: list[bytes], out: BinaryIO) -> int:
     """Write manifest + frames to the binary file object `out`; returns bytes written."""
     offsets = []
     pos = 0
@@ -94,7 +96,7 @@ def _replace_atomically(tmp: Path, final: Path) -> None:
     os.replace(tmp, final)
 
 
-def diff(base: str | os.PathLike, new: str | os.PathLike, out: str | os.PathLike, *,
+def diff(base: str | os.PathLike[str], new: str | os.PathLike[str], out: str | os.PathLike[str], *,
          encoder: Encoder | None = None) -> DiffStats:
     """Write the delta that turns BASE into NEW (files or directories) to OUT, atomically."""
     enc = encoder or Encoder()
@@ -122,7 +124,7 @@ def diff(base: str | os.PathLike, new: str | os.PathLike, out: str | os.PathLike
     return DiffStats(new_ck.raw_bytes, written, len(encoded.frames), sum(fr.delta for fr in encoded.frames))
 
 
-def patch(base: str | os.PathLike, delta: str | os.PathLike, out: str | os.PathLike, *,
+def patch(base: str | os.PathLike[str], delta: str | os.PathLike[str], out: str | os.PathLike[str], *,
           decoder: Decoder | None = None) -> Manifest:
     """Apply DELTA to BASE and write the result to OUT, byte-identical to the diffed NEW.
 
@@ -134,7 +136,7 @@ def patch(base: str | os.PathLike, delta: str | os.PathLike, out: str | os.PathL
     delta_path = Path(delta)
     size = delta_path.stat().st_size
     data = np.memmap(delta_path, dtype=np.uint8, mode="r") if size else np.zeros(0, dtype=np.uint8)
-    manifest, area = read_container(memoryview(data))
+    manifest, area = read_container(data.data)
     base_ck = Checkpoint.open(base)
 
     def read_frame(ref: FrameRef) -> memoryview:
@@ -172,7 +174,8 @@ def patch(base: str | os.PathLike, delta: str | os.PathLike, out: str | os.PathL
     return manifest
 
 
-def _decode_to(dec: Decoder, manifest: Manifest, read_frame, base: Checkpoint, paths: list[Path]) -> None:
+def _decode_to(dec: Decoder, manifest: Manifest, read_frame: Callable[[FrameRef], memoryview], base: Checkpoint,
+               paths: list[Path]) -> None:
     """Decode into files at `paths` (created here, sized, fsynced)."""
     outputs = []
     for f, path in zip(manifest.files, paths):

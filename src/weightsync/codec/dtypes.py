@@ -7,6 +7,7 @@ stored packed, so the codec treats their bytes as 1-byte elements (FORMAT §3).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -30,9 +31,14 @@ class DType:
         return max(1, self.bits // 8)
 
     @property
-    def numpy_uint(self) -> np.dtype:
+    def numpy_uint(self) -> np.dtype[Any]:
         """Unsigned integer numpy dtype of `width` bytes, little-endian."""
-        return _UINT[self.width]
+        return UINT[self.width]
+
+    @property
+    def numpy_int(self) -> np.dtype[Any]:
+        """Signed integer numpy dtype of `width` bytes, little-endian (zigzag coding, FORMAT §4.5)."""
+        return SIGNED[self.width]
 
     def nbytes(self, shape: tuple[int, ...] | list[int]) -> int:
         """Bytes a tensor of `shape` occupies; UnsupportedDtype if it packs to a partial byte."""
@@ -45,7 +51,10 @@ class DType:
         return total_bits // 8
 
 
-_UINT = {1: np.dtype("<u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
+UINT: dict[int, np.dtype[Any]] = {1: np.dtype("<u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
+"""Unsigned little-endian numpy dtype of each element width in bytes."""
+SIGNED: dict[int, np.dtype[Any]] = {1: np.dtype("<i1"), 2: np.dtype("<i2"), 4: np.dtype("<i4"), 8: np.dtype("<i8")}
+"""Signed little-endian numpy dtype of each element width in bytes."""
 
 _TABLE = (
     DType("BOOL", 1, 8),

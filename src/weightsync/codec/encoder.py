@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 
-from weightsync.codec.checkpoint import Checkpoint, CheckpointFile
+from weightsync.codec.checkpoint import Checkpoint, CheckpointFile, Segment
 from weightsync.codec.dtypes import DType
 from weightsync.codec.frame import DEFAULT_LEVEL, apply_frame, encode_delta, encode_key, xxh3_128
 from weightsync.codec.manifest import FileEntry, FrameRef, Manifest, Piece, SegmentEntry
@@ -27,6 +27,13 @@ DEFAULT_CHUNK = 4 << 20
 
 def default_threads() -> int:
     return os.cpu_count() or 1
+
+
+def _base_offset(entry: SegmentEntry) -> int:
+    """Where a delta-coded segment's base bytes start in the base file (FORMAT §5.2)."""
+    if entry.base_offset is None:
+        raise AssertionError(f"segment {entry.segment.name!r} is not delta-coded")
+    return entry.base_offset
 
 
 @dataclass
@@ -134,28 +141,29 @@ class Encoder:
         base_files = self._match_files(new, base)
         with ThreadPoolExecutor(self.threads) as pool:
             hashes = self._hash_segments(pool, new.files)
-            entries: list[list[tuple[SegmentEntry, bool]]] = []
+            # Per segment: (segment, its xxh3, base offset or None, known base xxh3 or None).
+            entries: list[list[tuple[Segment, str, int | None, str | None]]] = []
             base_arrays: list[np.ndarray] = []
-            base_jobs = []
+            base_jobs: list[tuple[int, int, Future[bytes]]] = []
             for fi, f in enumerate(new.files):
                 b = base_files[fi]
                 base_arrays.append(b.data if b is not None else np.zeros(0, dtype=np.uint8))
                 counterpart = {s.key: s for s in b.layout.segments} if b is not None else {}
-                row = []
+                row: list[tuple[Segment, str, int | None, str | None]] = []
                 for si, seg in enumerate(f.layout.segments):
                     other = counterpart.get(seg.key)
-                    usable = (other is not None and other.dtype is seg.dtype and other.shape == seg.shape
-                              and other.length == seg.length)
-                    if usable:
+                    if (b is not None and other is not None and other.dtype is seg.dtype
+                            and other.shape == seg.shape and other.length == seg.length):
                         known = (base_hashes or {}).get((b.layout.path, other.kind, other.name))
                         if known is None:
                             base_jobs.append((fi, si, pool.submit(xxh3_128, b.segment_bytes(other))))
-                        row.append([seg, hashes[fi][si], other.offset, known])
+                        row.append((seg, hashes[fi][si], other.offset, known))
                     else:
-                        row.append([seg, hashes[fi][si], None, None])
+                        row.append((seg, hashes[fi][si], None, None))
                 entries.append(row)
             for fi, si, fut in base_jobs:
-                entries[fi][si][3] = fut.result().hex()
+                seg, h, bo, _ = entries[fi][si]
+                entries[fi][si] = (seg, h, bo, fut.result().hex())
             seg_entries = [[(SegmentEntry(seg, h, bo, bh), bo is not None) for seg, h, bo, bh in row]
                            for row in entries]
             new_arrays = [f.data for f in new.files]
@@ -167,7 +175,7 @@ class Encoder:
                                lambda p: flat[p.file][p.seg].segment.offset + p.offset)
                 if plan.delta:
                     old = _gather(base_arrays, plan.pieces,
-                                  lambda p: flat[p.file][p.seg].base_offset + p.offset)
+                                  lambda p: _base_offset(flat[p.file][p.seg]) + p.offset)
                     blob = encode_delta(np.asarray(old), np.asarray(data), plan.dtype, level=self.level)
                 else:
                     blob = encode_key(np.asarray(data), plan.dtype, level=self.level)
@@ -242,14 +250,14 @@ class Decoder:
                     start = entry.segment.offset + p.offset
                     target = outputs[p.file][start : start + p.length]
                     if ref.delta and not in_place[p.file]:
-                        b0 = entry.base_offset + p.offset
+                        b0 = _base_offset(entry) + p.offset
                         target[:] = base_arrays[p.file][b0 : b0 + p.length]
                     # The segment-level check above already covered these base bytes.
                     apply_frame(blob, target, verify_base=False)
                     return
                 if ref.delta:
                     scratch = np.array(_gather(base_arrays, pieces,
-                                               lambda p: manifest.files[p.file].segments[p.seg].base_offset
+                                               lambda p: _base_offset(manifest.files[p.file].segments[p.seg])
                                                + p.offset), copy=True)
                 else:
                     scratch = np.empty(ref.raw_len, dtype=np.uint8)

@@ -19,7 +19,7 @@ import numpy as np
 import xxhash
 import zstandard
 
-from weightsync.codec.dtypes import DType, by_code
+from weightsync.codec.dtypes import SIGNED, DType, by_code
 from weightsync.errors import (
     BadMagic,
     BaseMismatch,
@@ -64,9 +64,9 @@ ZERO_HASH = bytes(16)
 DEFAULT_LEVEL = 1  # measured: level 1 codes byte planes smaller than 3 (FORMAT §4.4)
 
 
-def xxh3_128(data) -> bytes:
-    """The 16-byte canonical (big-endian) xxh3-128 of a bytes-like object."""
-    return xxhash.xxh3_128_digest(data)
+def xxh3_128(data: bytes | bytearray | memoryview | np.ndarray) -> bytes:
+    """The 16-byte canonical (big-endian) xxh3-128 of a bytes-like object (an array: its contiguous bytes)."""
+    return xxhash.xxh3_128_digest(data.data if isinstance(data, np.ndarray) else data)
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ def _decompressor() -> zstandard.ZstdDecompressor:
 
 def _section(data: np.ndarray, level: int) -> list[bytes]:
     """Encode one byte plane: zstd when that is smaller, else stored (FORMAT §4.3)."""
-    raw = data.tobytes() if not data.flags.c_contiguous else memoryview(data).cast("B")
+    raw = data.tobytes() if not data.flags.c_contiguous else data.data.cast("B")
     if len(raw) == 0:
         return [_SECTION.pack(CODING_STORED, 0)]
     packed = _compressor(level).compress(raw)
@@ -214,18 +214,17 @@ def _finish(flags: int, dtype: DType, method: int, raw_len: int, parts: list[byt
     return b"".join([_header(flags, dtype, method, raw_len, payload_len, base_hash, result_hash), *parts])
 
 
-_SIGNED = {1: np.dtype("<i1"), 2: np.dtype("<i2"), 4: np.dtype("<i4"), 8: np.dtype("<i8")}
-
-
 def zigzag(d: np.ndarray) -> np.ndarray:
     """Map wrapping differences to unsigned so small magnitudes of either sign are small: 0,-1,1,-2 → 0,1,2,3."""
-    signed = d.view(_SIGNED[d.itemsize])
-    return ((signed << 1) ^ (signed >> (8 * d.itemsize - 1))).view(d.dtype)
+    signed: np.ndarray = d.view(SIGNED[d.itemsize])
+    out: np.ndarray = ((signed << 1) ^ (signed >> (8 * d.itemsize - 1))).view(d.dtype)
+    return out
 
 
 def unzigzag(z: np.ndarray) -> np.ndarray:
     """Inverse of `zigzag`, as wrapping unsigned differences."""
-    return (z >> 1) ^ (np.zeros_like(z) - (z & 1))
+    out: np.ndarray = (z >> 1) ^ (np.zeros_like(z) - (z & 1))
+    return out
 
 
 def uses_add(dtype: DType) -> bool:

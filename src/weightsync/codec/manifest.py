@@ -215,13 +215,13 @@ def _opt_int(v: Any, what: str) -> int | None:
     return None if v is None else _int(v, what, 1 << 62)
 
 
-def _hex(v: Any, pattern: re.Pattern, what: str) -> str:
+def _hex(v: Any, pattern: re.Pattern[str], what: str) -> str:
     if not isinstance(v, str) or not pattern.match(v):
         raise FormatError(f"{what}: not a lowercase hex digest")
     return v
 
 
-def _validate(doc: dict) -> Manifest:
+def _validate(doc: Any) -> Manifest:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise FormatError("not a weightsync manifest")
     if doc.get("version") != VERSION:

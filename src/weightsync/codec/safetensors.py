@@ -44,7 +44,7 @@ def header_length(prefix: bytes, file_size: int) -> int:
     """From the first 8 bytes, the total header length (8 + N); SafetensorsError if implausible."""
     if len(prefix) < 8 or file_size < 8:
         raise SafetensorsError("file is shorter than a safetensors header")
-    (n,) = struct.unpack("<Q", prefix[:8])
+    n: int = struct.unpack("<Q", prefix[:8])[0]
     if n > MAX_HEADER or n + 8 > file_size:
         raise SafetensorsError(f"header length {n} does not fit the file ({file_size} bytes)")
     return 8 + n
@@ -83,7 +83,7 @@ def parse(header: bytes, file_size: int) -> SafetensorsLayout:
         if not isinstance(info, dict):
             raise SafetensorsError(f"tensor {name!r}: entry is not an object")
         try:
-            dtype = by_name(info.get("dtype"))
+            dtype = by_name(str(info.get("dtype")))
         except UnsupportedDtype as exc:
             raise SafetensorsError(f"tensor {name!r}: {exc}") from None
         shape = info.get("shape")
