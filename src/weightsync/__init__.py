@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__version__ = "0.1.0"
+from weightsync.common import VERSION as __version__
 __all__ = ["Publisher", "Subscriber", "__version__"]
 
 

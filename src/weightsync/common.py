@@ -1,0 +1,122 @@
+"""Small primitives every layer shares: names and digests, exact reads, backoff, sizes, the version.
+
+This module sits beside :mod:`weightsync.errors` on the lowest floor: it imports nothing of
+weightsync but the errors, so codec, store, catalog, ops, service and client may all use it.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+from dataclasses import dataclass
+
+from weightsync import errors
+
+__all__ = [
+    "DIGEST_PATTERN",
+    "MODEL_NAME_PATTERN",
+    "VERSION",
+    "Backoff",
+    "check_digest",
+    "check_model_name",
+    "human_bytes",
+    "is_digest",
+    "pread_exact",
+]
+
+VERSION = "0.1.0"
+"""The package version (pyproject.toml reads it from here)."""
+
+DIGEST_PATTERN = re.compile(r"[0-9a-f]{64}")
+"""A SHA-256 digest as stored objects are named: 64 lowercase hex digits (use ``fullmatch``)."""
+
+MODEL_NAME_PATTERN = re.compile(r"[a-z0-9][a-z0-9._-]{0,127}")
+"""A model name (docs/DESIGN.md "Concepts"; use ``fullmatch``)."""
+
+
+def is_digest(value: object) -> bool:
+    """True if ``value`` is a lowercase hex SHA-256 digest."""
+    return isinstance(value, str) and DIGEST_PATTERN.fullmatch(value) is not None
+
+
+def check_digest(value: object) -> str:
+    """Return ``value`` if it is a lowercase hex SHA-256 digest, else raise InvalidDigest."""
+    if not is_digest(value):
+        raise errors.InvalidDigest(f"not a lowercase hex SHA-256 digest: {value!r:.80}")
+    assert isinstance(value, str)
+    return value
+
+
+def check_model_name(name: object) -> str:
+    """Return ``name`` if it is a valid model name (``[a-z0-9][a-z0-9._-]{0,127}``), else raise InvalidName."""
+    if not isinstance(name, str) or MODEL_NAME_PATTERN.fullmatch(name) is None:
+        raise errors.InvalidName(f"invalid model name {name!r:.140}: use [a-z0-9][a-z0-9._-]{{0,127}}")
+    return name
+
+
+def pread_exact(fd: int, n: int, offset: int) -> bytes:
+    """Read exactly ``n`` bytes of ``fd`` at ``offset``; StoreError if the file ends first.
+
+    Immutable objects never shrink: a short read means someone truncated one, and a caller
+    must never get fewer bytes than it was promised.
+    """
+    parts: list[bytes] = []
+    while n:
+        b = os.pread(fd, n, offset)
+        if not b:
+            raise errors.StoreError(f"file shrank while reading at offset {offset}")
+        parts.append(b)
+        n -= len(b)
+        offset += len(b)
+    return b"".join(parts)
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Bounded exponential backoff with full jitter: the one retry policy of store, client and watch.
+
+    Retry number ``attempt`` (from 0) waits a uniform random time in
+    ``[0, min(cap, base * 2**attempt)]`` ("full jitter" spreads out clients that failed
+    together); ``attempts`` is the number of tries in all, the first included. A server's
+    ``Retry-After`` (seconds) replaces the random wait, bounded by ``3 * cap``.
+    Thread-safe: instances are immutable.
+    """
+
+    attempts: int = 6
+    base: float = 0.2
+    cap: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise errors.InvalidArgument(f"attempts must be at least 1, not {self.attempts}")
+        if self.base < 0 or self.cap < 0:
+            raise errors.InvalidArgument("backoff delays must not be negative")
+
+    def ceiling(self, attempt: int) -> float:
+        """The longest wait before retry number ``attempt`` (0-based)."""
+        return min(self.cap, self.base * (2.0 ** min(max(attempt, 0), 62)))
+
+    def delay(self, attempt: int, retry_after: str | None = None) -> float:
+        """The wait before retry number ``attempt`` (0-based), honouring a server's Retry-After."""
+        if retry_after:
+            try:
+                seconds = float(retry_after)
+            except ValueError:
+                seconds = -1.0
+            if seconds >= 0:
+                return min(seconds, self.cap * 3)
+        return random.uniform(0, self.ceiling(attempt))
+
+
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+def human_bytes(n: float) -> str:
+    """A byte count for people, in binary units: ``512 B``, ``1.5 KiB``, ``45.4 MiB``."""
+    value = float(n)
+    for unit in _UNITS:
+        if abs(value) < 1024 or unit == _UNITS[-1]:
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
