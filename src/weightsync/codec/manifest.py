@@ -16,6 +16,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
+from weightsync.common import DIGEST_PATTERN, MODEL_NAME_PATTERN
 from weightsync.codec.checkpoint import FileLayout, Segment, check_path
 from weightsync.codec.dtypes import by_name
 import xxhash
@@ -40,8 +41,7 @@ MAX_FILES = 100_000
 MAX_SEGMENTS = 2_000_000
 MAX_FRAMES = 4_000_000
 MAX_FILE_SIZE = 1 << 44  # 16 TiB
-_HEX32 = re.compile(r"^[0-9a-f]{32}$")
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_HEX32 = re.compile(r"[0-9a-f]{32}")
 _KINDS = ("header", "tensor", "blob")
 MAGIC = b"WSMF"
 # FORMAT §5.1: magic, version, flags, reserved, JSON length, xxh3-64 of the JSON; then zstd(JSON).
@@ -216,7 +216,7 @@ def _opt_int(v: Any, what: str) -> int | None:
 
 
 def _hex(v: Any, pattern: re.Pattern[str], what: str) -> str:
-    if not isinstance(v, str) or not pattern.match(v):
+    if not isinstance(v, str) or not pattern.fullmatch(v):
         raise FormatError(f"{what}: not a lowercase hex digest")
     return v
 
@@ -282,7 +282,7 @@ def _validate(doc: Any) -> Manifest:
     for fr in raw_frames:
         obj = fr["object"]
         if obj is not None:
-            _hex(obj, _HEX64, "frame object")
+            _hex(obj, DIGEST_PATTERN, "frame object")
         try:
             dtype = by_name(fr["dtype"])
         except UnsupportedDtype:
@@ -327,7 +327,7 @@ def _validate(doc: Any) -> Manifest:
                 raise FormatError(f"{f.path}: frames cover {cursor} of {e.segment.length} bytes of "
                                   f"segment {e.segment.name!r}")
     model = doc.get("model")
-    if model is not None and (not isinstance(model, str) or not re.match(r"^[a-z0-9][a-z0-9._-]{0,127}$", model)):
+    if model is not None and (not isinstance(model, str) or not MODEL_NAME_PATTERN.fullmatch(model)):
         raise InvalidName(f"bad model name {model!r}")
     metadata = doc.get("metadata") or {}
     if not isinstance(metadata, dict):

@@ -22,13 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from weightsync.common import is_digest
 from weightsync.service.settings import ConfigError, Settings, is_loopback
 
 __all__ = ["SCOPES", "AuthDenied", "Principal", "TokenTable"]
 
 SCOPES = ("read", "publish", "admin")
 _IMPLIED = {"read": {"read"}, "publish": {"read", "publish"}, "admin": {"read", "publish", "admin"}}
-_SHA256_RE = re.compile(r"[0-9a-f]{64}")
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,63}")
 
 
@@ -189,7 +189,7 @@ def _entry(item: Any, where: str) -> _Entry:
         raise ConfigError(f"{where}: give exactly one of token_sha256 and token")
     if has_hash:
         h = item["token_sha256"]
-        if not isinstance(h, str) or not _SHA256_RE.fullmatch(h.lower()):
+        if not isinstance(h, str) or not is_digest(h.lower()):
             raise ConfigError(f"{where}: token_sha256 must be 64 hex characters")
         digest = bytes.fromhex(h)
     else:

@@ -25,6 +25,7 @@ from collections.abc import AsyncIterable, AsyncIterator
 from datetime import datetime, timezone
 from pathlib import Path
 
+from weightsync.common import pread_exact
 from weightsync import errors
 from weightsync.store.base import (
     DEFAULT_CHUNK_SIZE,
@@ -229,7 +230,7 @@ class FsStore(ObjectStore):
         fd = self._open(digest)
         try:
             n = check_range(os.fstat(fd).st_size, offset, length)
-            return _pread_exact(fd, n, offset)
+            return pread_exact(fd, n, offset)
         finally:
             os.close(fd)
 
@@ -256,7 +257,7 @@ class FsStore(ObjectStore):
             pos = offset
             while remaining:
                 n = min(chunk_size, remaining)
-                chunk = await asyncio.to_thread(_pread_exact, fd, n, pos)
+                chunk = await asyncio.to_thread(pread_exact, fd, n, pos)
                 pos += n
                 remaining -= n
                 yield chunk
@@ -354,18 +355,6 @@ def _hash_and_write(fd: int, hasher: "hashlib._Hash", chunk: bytes) -> None:
         view = view[n:]
 
 
-def _pread_exact(fd: int, n: int, offset: int) -> bytes:
-    parts: list[bytes] = []
-    while n:
-        b = os.pread(fd, n, offset)
-        if not b:
-            # The file is shorter than its fstat said: someone truncated an
-            # immutable object. Never hand back fewer bytes than promised.
-            raise errors.StoreError(f"object file shrank while reading at offset {offset}")
-        parts.append(b)
-        n -= len(b)
-        offset += len(b)
-    return b"".join(parts)
 
 
 def _subdirs(parent: Path, prefix: str) -> list[Path]:

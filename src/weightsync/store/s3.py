@@ -33,6 +33,7 @@ import aiohttp
 import botocore.exceptions as bex
 from botocore.config import Config
 
+from weightsync.common import pread_exact
 from weightsync import errors
 from weightsync.store.base import (
     DEFAULT_CHUNK_SIZE,
@@ -590,7 +591,7 @@ class S3Store(ObjectStore):
             else:
                 spool.flush()  # pread below bypasses the file object's buffer
                 fd = spool.fileno()
-                created = await self._put_parts(key, size, lambda off, n: _pread_exact(fd, n, off))
+                created = await self._put_parts(key, size, lambda off, n: pread_exact(fd, n, off))
         finally:
             spool.close()
         return PutResult(digest=digest, size=size, created=created)
@@ -795,15 +796,3 @@ class S3Store(ObjectStore):
 def _hash_and_write(f: IO[bytes], hasher: Any, chunk: bytes) -> None:
     hasher.update(chunk)
     f.write(chunk)
-
-
-def _pread_exact(fd: int, n: int, offset: int) -> bytes:
-    parts: list[bytes] = []
-    while n:
-        b = os.pread(fd, n, offset)
-        if not b:
-            raise errors.StoreError("spool file shorter than what was written to it")
-        parts.append(b)
-        n -= len(b)
-        offset += len(b)
-    return b"".join(parts)
