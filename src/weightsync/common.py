@@ -97,8 +97,11 @@ class Backoff:
         """The longest wait before retry number ``attempt`` (0-based)."""
         return min(self.cap, self.base * (2.0 ** min(max(attempt, 0), 62)))
 
-    def delay(self, attempt: int, retry_after: str | None = None) -> float:
-        """The wait before retry number ``attempt`` (0-based), honouring a server's Retry-After."""
+    def delay(self, attempt: int, retry_after: str | None = None, *, rng: random.Random | None = None) -> float:
+        """The wait before retry number ``attempt`` (0-based), honouring a server's Retry-After.
+
+        ``rng`` makes the jitter reproducible (tests, seeded wrappers); default: the module's.
+        """
         if retry_after:
             try:
                 seconds = float(retry_after)
@@ -106,7 +109,7 @@ class Backoff:
                 seconds = -1.0
             if seconds >= 0:
                 return min(seconds, self.cap * 3)
-        return random.uniform(0, self.ceiling(attempt))
+        return (rng or random).uniform(0, self.ceiling(attempt))
 
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")

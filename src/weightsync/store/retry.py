@@ -15,6 +15,7 @@ import random
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
+from weightsync.common import Backoff
 from weightsync import errors
 from weightsync.store.base import (
     DEFAULT_CHUNK_SIZE,
@@ -62,10 +63,7 @@ class RetryingStore(ForwardingStore):
         seed: int | None = None,
         sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
     ) -> None:
-        if attempts < 1:
-            raise ValueError("attempts must be at least 1")
-        if base_delay < 0 or max_delay < 0:
-            raise ValueError("delays must not be negative")
+        self.policy = Backoff(attempts=attempts, base=base_delay, cap=max_delay)
         super().__init__(inner)
         self.attempts = attempts
         self.base_delay = base_delay
@@ -80,8 +78,7 @@ class RetryingStore(ForwardingStore):
 
     def delay(self, attempt: int) -> float:
         """Return the wait before retry number ``attempt`` (0-based): full jitter, capped."""
-        cap = min(self.max_delay, self.base_delay * (2.0 ** min(attempt, 62)))
-        return self._rng.uniform(0.0, cap)
+        return self.policy.delay(attempt, rng=self._rng)
 
     async def _backoff(self, failures: int, error: errors.StoreUnavailable) -> None:
         """Sleep before the next try, or re-raise ``error`` once the budget is spent."""
