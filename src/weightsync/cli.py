@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 
 from weightsync.client.cli import register as register_client
-from weightsync.errors import WeightsyncError
+from weightsync.errors import WeightsyncError, exit_code_of
 from weightsync.service.cli import register as register_service
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -22,7 +22,7 @@ register_client(app)
 
 
 def fail(message: str, code: int = 1) -> None:
-    """Print a one-line error to stderr and exit non-zero (no traceback)."""
+    """Print a one-line error to stderr and exit with ``code`` (no traceback); README "Exit codes"."""
     typer.echo(f"weightsync: error: {message}", err=True)
     raise typer.Exit(code)
 
@@ -50,7 +50,7 @@ def diff(
     try:
         stats = run_diff(base, new, output, encoder=Encoder(threads=threads or None))
     except (WeightsyncError, OSError, ValueError) as exc:
-        fail(_describe(exc))
+        fail(_describe(exc), exit_code_of(exc))
     ratio = stats.raw_bytes / max(stats.delta_bytes, 1)
     if as_json:
         typer.echo(json.dumps({"raw_bytes": stats.raw_bytes, "bytes": stats.delta_bytes, "ratio": ratio,
@@ -73,7 +73,7 @@ def patch(
     try:
         run_patch(base, delta, output, decoder=Decoder(threads=threads or None))
     except (WeightsyncError, OSError, ValueError) as exc:
-        fail(_describe(exc))
+        fail(_describe(exc), exit_code_of(exc))
 
 
 bench_app = typer.Typer(help="Benchmarks against baselines (needs a source checkout: benchmarks/).",

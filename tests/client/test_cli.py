@@ -13,8 +13,16 @@ from _client_util import TinyTrainer, dir_size, free_port, tree_bytes, write_ver
 from conftest import TOKENS
 from typer.testing import CliRunner
 
-from weightsync.client.cli import (EXIT_AUTH, EXIT_CONFLICT, EXIT_NOT_FOUND, EXIT_UNAVAILABLE, EXIT_USAGE,
-                                   register)
+from weightsync import errors
+from weightsync.client.cli import (
+    EXIT_AUTH,
+    EXIT_CONFLICT,
+    EXIT_ERROR,
+    EXIT_NOT_FOUND,
+    EXIT_UNAVAILABLE,
+    EXIT_USAGE,
+    register,
+)
 
 app = typer.Typer(add_completion=False)
 register(app)
@@ -141,13 +149,13 @@ def test_errors_and_exit_codes(server, auth_server, model, cli, tmp_path: Path) 
 
 
 def test_directory_in_use_is_a_conflict(server, model, cli, tmp_path: Path) -> None:
-    from weightsync.client._checkout import locked
+    from weightsync.client.checkout import Checkout
 
     trainer = TinyTrainer(seed=43)
     src = write_version(tmp_path / "src", trainer.export())
     assert cli("push", model, src, "--server", server.url).exit_code == 0
     dest = tmp_path / "dest"
-    with locked(dest):
+    with Checkout(dest).locked():
         r = cli("pull", model, dest, "--server", server.url)
     assert r.exit_code == EXIT_CONFLICT
     _one_error_line(r)
@@ -164,3 +172,68 @@ def test_real_process_unreachable_server(tmp_path: Path) -> None:
     assert proc.stdout == ""
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("weightsync: error: ") and "Traceback" not in proc.stderr
+
+
+def _raising_app(exc: BaseException) -> typer.Typer:
+    """The client commands, plus one that fails with ``exc`` inside the same error handling."""
+    from weightsync.client import cli as client_cli
+
+    raising = typer.Typer(add_completion=False)
+    register(raising)
+
+    @raising.command("fail-with")
+    def fail_with() -> None:
+        with client_cli._errors():
+            raise exc
+
+    return raising
+
+
+@pytest.mark.parametrize("exc,code", [
+    (errors.StaleParent("parent 1 is not the head", current_head=2), EXIT_CONFLICT),
+    (errors.Conflict("another weightsync process is updating this directory"), EXIT_CONFLICT),
+    (errors.BaseMismatch("other base"), EXIT_CONFLICT),
+    (errors.IncompletePublish("object missing"), EXIT_CONFLICT),
+    (errors.AuthError("unknown token"), EXIT_AUTH),
+    (errors.Forbidden("lacks the publish scope"), EXIT_AUTH),
+    (errors.ServerUnavailable("unreachable"), EXIT_UNAVAILABLE),
+    (errors.ModelNotFound("no model named 'x'"), EXIT_NOT_FOUND),
+    (errors.VersionNotFound("no version 9"), EXIT_NOT_FOUND),
+    (errors.PublishNotFound("publish expired"), EXIT_ERROR),
+    (errors.ObjectNotFound("object gone"), EXIT_ERROR),
+    (errors.InvalidArgument("bad value"), EXIT_ERROR),
+    (errors.BadResponse("bad response from the server: Version.number: expected an integer, got str"), EXIT_ERROR),
+    (errors.ChecksumMismatch("tensor 'w' does not match"), EXIT_ERROR),
+    (FileNotFoundError(2, "No such file or directory", "missing.safetensors"), EXIT_ERROR),
+    (ValueError("not a number"), EXIT_ERROR),
+])
+def test_exit_codes_come_from_the_error_table(exc: BaseException, code: int) -> None:
+    r = CliRunner().invoke(_raising_app(exc), ["fail-with"], catch_exceptions=False)
+    assert r.exit_code == code
+    line = _one_error_line(r)
+    if isinstance(exc, errors.WeightsyncError):
+        assert r.exit_code == exc.exit_code and line == f"weightsync: error: {exc}"
+
+
+def test_top_level_patch_against_the_wrong_base_exits_as_a_conflict(tmp_path: Path) -> None:
+    import numpy as np
+    from _ckpt import safetensors_file
+
+    from weightsync.cli import app as main_app
+
+    rng = np.random.default_rng(3)
+
+    def tensors() -> dict:
+        return {"w": ("F32", (32, 8), rng.integers(0, 256, 32 * 8 * 4, dtype=np.uint8))}
+
+    for name in ("a", "b", "c"):
+        (tmp_path / f"{name}.safetensors").write_bytes(safetensors_file(tensors()))
+    runner = CliRunner()
+    r = runner.invoke(main_app, ["diff", str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors"),
+                                 "-o", str(tmp_path / "d.wsd")], catch_exceptions=False)
+    assert r.exit_code == 0, r.stderr
+    r = runner.invoke(main_app, ["patch", str(tmp_path / "c.safetensors"), str(tmp_path / "d.wsd"),
+                                 "-o", str(tmp_path / "x.safetensors")], catch_exceptions=False)
+    assert r.exit_code == EXIT_CONFLICT == errors.BaseMismatch.exit_code
+    _one_error_line(r)
+    assert not (tmp_path / "x.safetensors").exists()

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Iterator
 
+import httpx
+import pytest
 from _service_http import files_of, ok, problem, publish, publish_chain, pull
-from _service_util import JSON_CAP
+from _service_util import JSON_CAP, ServerThread
 
+from weightsync import errors
+from weightsync.client._http import Api, Retry
 from weightsync.codec import Encoder
 from weightsync.codec.pack import pack
+from weightsync.service import Settings, create_app
 
 OPERATION_IDS = {
     "health", "ready", "metrics", "listModels", "createModel", "getModel", "listVersions", "getVersion",
@@ -270,3 +276,77 @@ def test_json_bodies_are_capped(service):
     r = c.post("/v1/models", content=chunked(), headers={"content-type": "application/json"})
     assert r.request.headers.get("transfer-encoding") == "chunked"
     problem(r, 413, "too-large")
+
+
+def test_a_value_the_catalog_refuses_is_422_invalid_argument(service, model):
+    # NaN parses as JSON (Python's json module) and passes the schema, but the catalog stores
+    # only strict JSON: the named error makes it the caller's fault (422), not a server fault.
+    c = service.client("publisher")
+    body = b'{"parent": null, "metadata": {"loss": NaN}}'
+    r = c.post(f"/v1/models/{model}/publishes", content=body, headers={"content-type": "application/json"})
+    assert "not JSON-serializable" in problem(r, 422, "invalid-argument")["detail"]
+
+
+# --- the error table, end to end: a route raises, the service renders, the client decodes -----------
+
+
+@pytest.fixture(scope="module")
+def raising(tmp_path_factory) -> Iterator[str]:
+    """A real service (SQLite + filesystem) with two extra routes: one raises any weightsync error by
+    class name, one fails with an internal ValueError (a bug, as a client can cause none)."""
+    app = create_app(Settings(data=tmp_path_factory.mktemp("raising")))
+
+    @app.get("/test/raise/{name}")
+    async def raise_named(name: str) -> None:
+        cls = getattr(errors, name)
+        raise cls("boom from a route", current_head=4) if issubclass(cls, errors.StaleParent) \
+            else cls("boom from a route")
+
+    @app.get("/test/value-error")
+    async def value_error() -> None:
+        int("this is no number")  # raises ValueError: an internal bug
+
+    server = ServerThread(app)
+    url = server.start()
+    try:
+        yield url
+    finally:
+        server.stop()
+
+
+def test_an_internal_value_error_is_a_500_not_a_client_error(raising):
+    r = httpx.get(f"{raising}/test/value-error")
+    body = problem(r, 500, "internal")
+    assert "this is no number" not in body["detail"]  # internals stay in the server log
+
+
+def test_invalid_argument_raised_in_a_route_is_422(raising):
+    body = problem(httpx.get(f"{raising}/test/raise/InvalidArgument"), 422, "invalid-argument")
+    assert body["detail"] == "boom from a route" and body["title"] == errors.InvalidArgument.title
+
+
+_ERROR_CLASSES = sorted((c for c in vars(errors).values()
+                         if isinstance(c, type) and issubclass(c, errors.WeightsyncError)), key=lambda c: c.__name__)
+
+
+@pytest.mark.parametrize("cls", _ERROR_CLASSES, ids=lambda c: c.__name__)
+def test_every_error_class_renders_its_attributes_and_the_client_decodes_it(raising, cls):
+    r = httpx.get(f"{raising}/test/raise/{cls.__name__}")
+    body = problem(r, cls.status, cls.code)
+    assert body["title"] == cls.title and body.get("resource") == cls.resource
+    if cls.status == 503:
+        assert r.headers["retry-after"]
+    with Api(raising, retry=Retry(attempts=1, base=0.0, cap=0.0)) as api, \
+            pytest.raises(errors.WeightsyncError) as info:
+        api.request("GET", f"/test/raise/{cls.__name__}", not_found=errors.ObjectNotFound)
+    got = info.value
+    if cls.status >= 500:
+        # 5xx are retried, then the client reports the server unavailable; 500s carry no class.
+        assert isinstance(got, errors.ServerUnavailable) and got.exit_code == errors.EXIT_UNAVAILABLE
+        return
+    assert got.status == cls.status
+    expected = errors.problem_class(cls.code, cls.resource)
+    assert expected is not None and type(got) is expected
+    assert got.exit_code == cls.exit_code  # the CLI exits alike on both sides of the wire
+    if cls is errors.StaleParent:
+        assert got.current_head == 4

@@ -72,45 +72,20 @@ class Retry:
         return random.uniform(0, min(self.cap, self.base * (2 ** attempt)))  # full jitter
 
 
-_PROBLEMS: dict[str, Callable[[str, dict], errors.WeightsyncError]] = {
-    "invalid-name": lambda m, p: errors.InvalidName(m),
-    "invalid-digest": lambda m, p: errors.InvalidDigest(m),
-    "bad-manifest": lambda m, p: errors.FormatError(m),
-    "stale-parent": lambda m, p: errors.StaleParent(m, current_head=p.get("current_head")),
-    "conflict": lambda m, p: errors.Conflict(m),
-    "incomplete-publish": lambda m, p: errors.IncompletePublish(m),
-    "base-mismatch": lambda m, p: errors.BaseMismatch(m),
-    "digest-mismatch": lambda m, p: errors.DigestMismatch(m),
-    "too-large": lambda m, p: errors.LimitExceeded(m),
-    "bad-range": lambda m, p: errors.InvalidRange(m),
-    "unauthorized": lambda m, p: errors.AuthError(m),
-    "forbidden": lambda m, p: errors.AuthError(m),
-    "unavailable": lambda m, p: errors.ServerUnavailable(m),
+# Answers that are not a weightsync problem (a proxy's or the object store's error page, a code this
+# client does not know) are mapped by their status; 404 falls back to what the endpoint looks up.
+_BY_STATUS: dict[int, type[errors.WeightsyncError]] = {
+    401: errors.AuthError, 403: errors.Forbidden, 409: errors.Conflict, 503: errors.ServerUnavailable,
 }
-
-
-_RESOURCES: dict[str, type[errors.WeightsyncError]] = {
-    "model": errors.ModelNotFound, "version": errors.VersionNotFound,
-    "publish": errors.PublishNotFound, "object": errors.ObjectNotFound,
-}
-
-
-def _not_found(message: str, default: type[errors.WeightsyncError]) -> errors.WeightsyncError:
-    """For servers that send no `resource` member: the detail (or the endpoint's default) says what is missing."""
-    low = message.lower()
-    if "no model" in low or "unknown model" in low:
-        return errors.ModelNotFound(message)
-    if "publish" in low:
-        return errors.PublishNotFound(message)
-    if "version" in low:
-        return errors.VersionNotFound(message)
-    if "object" in low:
-        return errors.ObjectNotFound(message)
-    return default(message)
 
 
 def problem_error(resp: httpx.Response, *, not_found: type[errors.WeightsyncError]) -> errors.WeightsyncError:
-    """The named exception for an error response (problem+json when the server sent one)."""
+    """The named exception for an error response: the class errors.problem_class names for its problem code.
+
+    The problem's ``resource`` member says which thing a 404 is about; ``not_found`` (what the
+    endpoint looks up) is used only for a 404 that is not a weightsync problem (the object store,
+    a proxy). The exception's ``status`` is the status received and ``problem`` the body.
+    """
     problem: dict[str, Any] = {}
     try:
         if "json" in resp.headers.get("content-type", ""):
@@ -119,26 +94,22 @@ def problem_error(resp: httpx.Response, *, not_found: type[errors.WeightsyncErro
                 problem = body
     except ValueError:
         pass
-    code = str(problem.get("type", "")).rstrip("/").rsplit("/", 1)[-1]
+    type_ = problem.get("type")
+    code = type_.removeprefix(errors.PROBLEM_BASE) if isinstance(type_, str) else ""
+    resource = problem.get("resource")
     detail = problem.get("detail") or problem.get("title") or resp.reason_phrase or "error"
     if not isinstance(detail, str):
         detail = str(detail)
     message = f"{detail} (HTTP {resp.status_code})"
-    if code in _PROBLEMS:
-        exc = _PROBLEMS[code](message, problem)
-    elif resp.status_code in (401, 403):
-        exc = errors.AuthError(message)
-    elif resp.status_code == 404 or code == "not-found":
-        resource = _RESOURCES.get(str(problem.get("resource")))
-        exc = resource(message) if resource is not None else _not_found(message, not_found)
-    elif resp.status_code == 409:
-        exc = errors.Conflict(message)
-    elif resp.status_code == 503:
-        exc = errors.ServerUnavailable(message)
-    else:
-        exc = errors.ClientError(message)
-    exc.status = resp.status_code  # type: ignore[attr-defined]
-    exc.problem = problem  # type: ignore[attr-defined]
+    # A resource this client does not know (a newer server's) is still that code's problem.
+    cls = errors.problem_class(code, resource if isinstance(resource, str) else None) or errors.problem_class(code)
+    if cls is None and resp.status_code == 404:
+        cls = not_found
+    if cls is None:
+        cls = _BY_STATUS.get(resp.status_code, errors.ClientError)
+    exc = cls.from_problem(message, problem)
+    exc.status = resp.status_code
+    exc.problem = problem
     return exc
 
 
@@ -193,6 +164,7 @@ class Api:
         """
         client = self._bare if bare else self._http
         last: str = ""
+        retry_after: str | None = None
         for attempt in range(self.retry.attempts):
             if attempt:
                 time.sleep(self.retry.delay(attempt - 1, retry_after))
@@ -200,7 +172,7 @@ class Api:
             try:
                 req = client.build_request(method, path, json=json, params=params, headers=headers,
                                            content=content() if content is not None else None,
-                                           **({"timeout": timeout} if timeout is not None else {}))
+                                           timeout=httpx.USE_CLIENT_DEFAULT if timeout is None else timeout)
                 resp = client.send(req, stream=stream_to is not None)
                 try:
                     if resp.status_code in ok:

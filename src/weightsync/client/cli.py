@@ -13,12 +13,12 @@ the last pushed version under ``--cache-dir`` (default ``WEIGHTSYNC_CACHE``,
 else ``~/.cache/weightsync``) so consecutive pushes send deltas.
 
 Errors are one line, ``weightsync: error: …``, on stderr, never a traceback.
-Exit codes:
+Exit codes (each error class's ``exit_code`` in :mod:`weightsync.errors`):
 
     0  success
     1  any other error (bad input file, corrupt data, fsck found problems, …)
     2  usage error (bad arguments)
-    3  conflict: stale parent, another publish won, base mismatch, directory in use
+    3  conflict: stale parent, another publish won, base mismatch, incomplete publish, directory in use
     4  authentication or authorization failed (HTTP 401/403)
     5  server unavailable (unreachable, or 5xx after retries)
     6  not found: unknown model or version
@@ -38,8 +38,10 @@ import typer
 
 from weightsync import errors
 from weightsync.client._http import DEFAULT_SERVER
+from weightsync.errors import EXIT_AUTH, EXIT_CONFLICT, EXIT_ERROR, EXIT_NOT_FOUND, EXIT_UNAVAILABLE, EXIT_USAGE
 
-EXIT_ERROR, EXIT_USAGE, EXIT_CONFLICT, EXIT_AUTH, EXIT_UNAVAILABLE, EXIT_NOT_FOUND = 1, 2, 3, 4, 5, 6
+__all__ = ["EXIT_AUTH", "EXIT_CONFLICT", "EXIT_ERROR", "EXIT_NOT_FOUND", "EXIT_UNAVAILABLE", "EXIT_USAGE",
+           "register"]
 
 ServerOpt = Annotated[str, typer.Option("--server", envvar="WEIGHTSYNC_SERVER", show_envvar=True,
                                         help="Server URL.")]
@@ -62,18 +64,12 @@ def _retry():
 
 
 def _exit_code(exc: BaseException) -> int:
-    if isinstance(exc, errors.AuthError):
-        return EXIT_AUTH
-    if isinstance(exc, errors.ServerUnavailable):
-        return EXIT_UNAVAILABLE
-    if isinstance(exc, (errors.Conflict, errors.BaseMismatch, errors.IncompletePublish)):
-        return EXIT_CONFLICT
-    if isinstance(exc, (errors.ModelNotFound, errors.VersionNotFound)):
-        return EXIT_NOT_FOUND
-    return EXIT_ERROR
+    """The exit status for ``exc``: its error class's ``exit_code`` (weightsync.errors), 1 for other exceptions."""
+    return errors.exit_code_of(exc)
 
 
 def _describe(exc: BaseException) -> str:
+    """``exc`` as the one line after ``weightsync: error:``."""
     if isinstance(exc, OSError) and exc.strerror:
         return f"{exc.filename}: {exc.strerror}" if exc.filename else exc.strerror
     text = str(exc) or type(exc).__name__

@@ -1,8 +1,10 @@
 """Errors as ``application/problem+json`` (RFC 9457), mapped from weightsync.errors (docs/API.md "Errors").
 
 Routes raise the named exceptions of :mod:`weightsync.errors` (or :class:`ApiProblem`
-for HTTP-only cases such as a missing Content-Length); the handlers here are the one
-place that decides status codes.
+for HTTP-only cases such as a missing Content-Length). A weightsync error's status, code,
+title and ``resource`` are its class's attributes (the one error table, in errors.py);
+the handlers here only render them. Any other exception, a ``ValueError`` included, is
+a server fault: 500 ``internal`` (rendered by the edge middleware), never a client error.
 """
 
 from __future__ import annotations
@@ -21,42 +23,11 @@ from weightsync.service.logs import request_id_var
 
 __all__ = ["PROBLEM_BASE", "ApiProblem", "install", "problem_response"]
 
-PROBLEM_BASE = "https://weightsync.dev/problems/"
+PROBLEM_BASE = errors.PROBLEM_BASE
 MEDIA_TYPE = "application/problem+json"
 RETRY_AFTER_S = "2"
 
 log = logging.getLogger("weightsync.service")
-
-# Most specific first: the first class an exception is an instance of decides.
-_MAP: list[tuple[type[BaseException], int, str, str]] = [
-    (errors.StaleParent, 409, "stale-parent", "Stale parent"),
-    (errors.Conflict, 409, "conflict", "Conflict"),
-    (errors.IncompletePublish, 409, "incomplete-publish", "Incomplete publish"),
-    (errors.BaseMismatch, 409, "base-mismatch", "Base mismatch"),
-    (errors.ModelNotFound, 404, "not-found", "Not found"),
-    (errors.VersionNotFound, 404, "not-found", "Not found"),
-    (errors.PublishNotFound, 404, "not-found", "Not found"),
-    (errors.ObjectNotFound, 404, "not-found", "Not found"),
-    (errors.Unsupported, 404, "not-supported", "Not supported"),
-    (errors.InvalidName, 422, "invalid-name", "Invalid name"),
-    (errors.InvalidDigest, 422, "invalid-digest", "Invalid digest"),
-    (errors.DigestMismatch, 422, "digest-mismatch", "Digest mismatch"),
-    (errors.InvalidRange, 416, "bad-range", "Range not satisfiable"),
-    (errors.FormatError, 422, "bad-manifest", "Malformed manifest"),
-    (errors.StoreUnavailable, 503, "unavailable", "Store unavailable"),
-    (errors.CatalogUnavailable, 503, "unavailable", "Catalog unavailable"),
-]
-
-
-# 404s share one problem type; this member says which thing is missing, so clients need
-# not parse the detail text.
-_RESOURCE: list[tuple[type[BaseException], str]] = [
-    (errors.ModelNotFound, "model"),
-    (errors.VersionNotFound, "version"),
-    (errors.PublishNotFound, "publish"),
-    (errors.ObjectNotFound, "object"),
-]
-
 
 class ApiProblem(Exception):
     """An HTTP problem raised by a route for a case no weightsync error names (411, 413, 416, …)."""
@@ -80,23 +51,21 @@ def problem_response(status: int, code: str, title: str, detail: str, *,
 
 
 def classify(exc: BaseException) -> tuple[int, str, str]:
-    """(status, code, title) of a weightsync error; 500 for the ones no client can act on."""
-    for cls, status, code, title in _MAP:
-        if isinstance(exc, cls):
-            return status, code, title
+    """(status, code, title) of an error, from its class's attributes; 500 for anything else."""
+    if isinstance(exc, errors.WeightsyncError):
+        return exc.status, exc.code, exc.title
     return 500, "internal", "Internal error"
 
 
 async def _weightsync_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, errors.WeightsyncError)
     status, code, title = classify(exc)
-    extra: dict[str, Any] = {}
+    extra = exc.problem_members()
+    if exc.resource is not None:
+        # 404s share one problem type; this member says which thing is missing, so clients need
+        # not parse the detail text.
+        extra["resource"] = exc.resource
     headers: dict[str, str] = {}
-    if isinstance(exc, errors.StaleParent):
-        extra["current_head"] = exc.current_head
-    for cls, resource in _RESOURCE:
-        if isinstance(exc, cls):
-            extra["resource"] = resource
-            break
     if status == 503:
         headers["Retry-After"] = RETRY_AFTER_S
         log.warning("%s: %s", code, exc)
@@ -116,9 +85,11 @@ async def _api_problem(request: Request, exc: Exception) -> JSONResponse:
 async def _auth_denied(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, AuthDenied)
     if exc.status == 401:
-        return problem_response(401, "unauthorized", "Unauthorized", exc.detail,
-                                headers={"WWW-Authenticate": 'Bearer realm="weightsync"'})
-    return problem_response(403, "forbidden", "Forbidden", exc.detail)
+        cls: type[errors.AuthError] = errors.AuthError
+        headers = {"WWW-Authenticate": 'Bearer realm="weightsync"'}
+    else:
+        cls, headers = errors.Forbidden, {}
+    return problem_response(cls.status, cls.code, cls.title, exc.detail, headers=headers)
 
 
 async def _validation(request: Request, exc: Exception) -> JSONResponse:
@@ -129,12 +100,6 @@ async def _validation(request: Request, exc: Exception) -> JSONResponse:
         problems.append({"loc": loc, "msg": e.get("msg", "")})
     detail = "; ".join(f"{p['loc']}: {p['msg']}" for p in problems[:5]) or "malformed request"
     return problem_response(422, "validation", "Invalid request", detail, errors=problems)
-
-
-async def _value_error(request: Request, exc: Exception) -> JSONResponse:
-    # The catalog and ops raise ValueError for arguments outside their rules (a subscriber
-    # name too long, a negative pause, …): the request is at fault.
-    return problem_response(422, "validation", "Invalid request", str(exc))
 
 
 async def _http_exception(request: Request, exc: Exception) -> JSONResponse:
@@ -151,5 +116,4 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(ApiProblem, _api_problem)
     app.add_exception_handler(AuthDenied, _auth_denied)
     app.add_exception_handler(RequestValidationError, _validation)
-    app.add_exception_handler(ValueError, _value_error)
     app.add_exception_handler(StarletteHTTPException, _http_exception)

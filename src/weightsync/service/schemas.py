@@ -1,7 +1,10 @@
 """Request and response bodies (docs/API.md "Shapes"), and the renderers from ops/catalog records.
 
 Field names are the contract the client SDK is written against: change them only with
-docs/API.md.
+docs/API.md (a test holds them equal to ``weightsync.client.models``). Response models
+are validated from the ops/catalog objects' attributes (``from_attributes``); where a
+record's attribute has another name than the wire field, the field says so with a
+``validation_alias`` that also accepts the wire name.
 """
 
 from __future__ import annotations
@@ -9,7 +12,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AliasChoices, AliasPath, BaseModel, ConfigDict, Field, field_validator
 
 from weightsync.catalog import Model, Replica, Version
 from weightsync.ops import BeginResult, FsckReport, GcReport, Plan
@@ -26,10 +29,20 @@ class _In(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class _Out(BaseModel):
+    """A response body, rendered with ``model_validate(record)`` from an ops/catalog object.
+
+    A field whose record attribute has another name lists both in ``AliasChoices``: the wire
+    name first (FastAPI re-validates a rendered body), then the record's.
+    """
+
+    model_config = ConfigDict(from_attributes=True)
+
+
 # --- models -------------------------------------------------------------------------
 
 
-class ModelOut(BaseModel):
+class ModelOut(_Out):
     name: str
     head: int | None
     created_at: datetime
@@ -38,7 +51,7 @@ class ModelOut(BaseModel):
     keep_last: int | None
 
 
-class ModelList(BaseModel):
+class ModelList(_Out):
     models: list[ModelOut]
 
 
@@ -52,7 +65,9 @@ class CreateModelIn(_In):
 # --- versions -------------------------------------------------------------------------
 
 
-class VersionOut(BaseModel):
+class VersionOut(_Out):
+    """A committed version (the catalog's CHECK constraint: its sizes, manifest and commit time are set)."""
+
     model: str
     number: int
     parent: int | None
@@ -60,13 +75,13 @@ class VersionOut(BaseModel):
     chain_base: int | None
     step: int | None
     metadata: dict[str, Any]
-    raw_bytes: int | None
-    stored_bytes: int | None
-    manifest: str | None
-    committed_at: datetime | None
+    raw_bytes: int
+    stored_bytes: int
+    manifest: str = Field(validation_alias=AliasChoices("manifest", "manifest_digest"))
+    committed_at: datetime
 
 
-class VersionList(BaseModel):
+class VersionList(_Out):
     versions: list[VersionOut]
 
 
@@ -75,12 +90,12 @@ class ObjectRef(_In):
     size: int = Field(ge=0, le=INT64)
 
 
-class PlanObject(BaseModel):
+class PlanObject(_Out):
     digest: str
     size: int
 
 
-class PlanStepOut(BaseModel):
+class PlanStepOut(_Out):
     number: int
     kind: str
     manifest: str
@@ -88,14 +103,26 @@ class PlanStepOut(BaseModel):
     stored_bytes: int
     objects: list[PlanObject]
 
+    @field_validator("objects", mode="before")
+    @classmethod
+    def _objects(cls, value: Any) -> Any:
+        # ops.PlanStep holds {digest: size}; the wire lists them, by digest.
+        if isinstance(value, dict):
+            return [{"digest": d, "size": n} for d, n in sorted(value.items())]
+        return value
 
-class PlanOut(BaseModel):
+
+class PlanOut(_Out):
+    # lease_expires_at has a default only for a plan without a lease; the body always carries it.
+    model_config = ConfigDict(from_attributes=True, json_schema_serialization_defaults_required=True)
+
     model: str
     have: int | None
     target: int
     bytes: int
     full_bytes: int
-    lease_expires_at: datetime | None
+    lease_expires_at: datetime | None = Field(
+        None, validation_alias=AliasChoices("lease_expires_at", AliasPath("lease", "expires_at")))
     steps: list[PlanStepOut]
 
 
@@ -110,7 +137,7 @@ class BeginIn(_In):
     keyframe: bool = False
 
 
-class BeginOut(BaseModel):
+class BeginOut(_Out):
     model: str
     publish_id: str
     kind: str
@@ -123,13 +150,13 @@ class CheckIn(_In):
     objects: list[ObjectRef] = Field(max_length=1_000_000)
 
 
-class PresignedPut(BaseModel):
+class PresignedPut(_Out):
     method: str
     url: str
     headers: dict[str, str]
 
 
-class CheckOut(BaseModel):
+class CheckOut(_Out):
     missing: list[str]
     uploads: dict[str, PresignedPut] | None = Field(
         None, description="Present only when the store presigns uploads: a request per missing digest.")
@@ -143,13 +170,13 @@ class CommitIn(_In):
 # --- objects -------------------------------------------------------------------------
 
 
-class PutObjectOut(BaseModel):
+class PutObjectOut(_Out):
     digest: str
     size: int
     created: bool
 
 
-class PresignedGet(BaseModel):
+class PresignedGet(_Out):
     url: str
     expires_at: datetime
 
@@ -167,19 +194,19 @@ class ReplicaIn(_In):
     extra: dict[str, Any] | None = None
 
 
-class ReplicaOut(BaseModel):
+class ReplicaOut(_Out):
     model: str
     subscriber: str
-    version: int
+    version: int = Field(validation_alias=AliasChoices("version", "number"))
     applied_at: datetime
     pause_ms: float | None
-    bytes: int | None
+    bytes: int | None = Field(validation_alias=AliasChoices("bytes", "bytes_received"))
     site: str | None
     host: str | None
     extra: dict[str, Any]
 
 
-class ReplicaList(BaseModel):
+class ReplicaList(_Out):
     replicas: list[ReplicaOut]
 
 
@@ -191,7 +218,7 @@ class FsckIn(_In):
     repair: bool = False
 
 
-class ProblemOut(BaseModel):
+class ProblemOut(_Out):
     code: str
     detail: str
     model: str | None
@@ -200,7 +227,7 @@ class ProblemOut(BaseModel):
     repaired: bool
 
 
-class FsckOut(BaseModel):
+class FsckOut(_Out):
     ok: bool
     versions_checked: int
     objects_checked: int
@@ -213,7 +240,7 @@ class GcIn(_In):
     grace_s: float | None = Field(None, ge=0, le=MAX_GRACE_S)
 
 
-class GcOut(BaseModel):
+class GcOut(_Out):
     versions_deleted: dict[str, list[int]]
     pending_expired: int
     objects_deleted: int
@@ -232,57 +259,42 @@ class ProblemDoc(BaseModel):
     request_id: str | None = None
 
 
-class Health(BaseModel):
+class Health(_Out):
     status: str
 
 
-class Readiness(BaseModel):
+class Readiness(_Out):
     catalog: bool
     store: bool
 
 
-# --- renderers -------------------------------------------------------------------------
+# --- renderers: validation from the records' attributes --------------------------------------
 
 
 def model_out(m: Model) -> ModelOut:
-    return ModelOut(name=m.name, head=m.head, created_at=m.created_at, keyframe_interval=m.keyframe_interval,
-                    max_chain_ratio=m.max_chain_ratio, keep_last=m.keep_last)
+    return ModelOut.model_validate(m)
 
 
 def version_out(v: Version) -> VersionOut:
     assert v.number is not None, "only committed versions are rendered"
-    return VersionOut(model=v.model, number=v.number, parent=v.parent, kind=v.kind, chain_base=v.chain_base,
-                      step=v.step, metadata=v.metadata, raw_bytes=v.raw_bytes, stored_bytes=v.stored_bytes,
-                      manifest=v.manifest_digest, committed_at=v.committed_at)
+    return VersionOut.model_validate(v)
 
 
 def begin_out(b: BeginResult) -> BeginOut:
-    return BeginOut(model=b.model, publish_id=b.publish_id, kind=b.kind, parent=b.parent,
-                    parent_manifest=b.parent_manifest, expires_at=b.expires_at)
+    return BeginOut.model_validate(b)
 
 
 def plan_out(p: Plan) -> PlanOut:
-    steps = [PlanStepOut(number=s.number, kind=s.kind, manifest=s.manifest, manifest_bytes=s.manifest_bytes,
-                         stored_bytes=s.stored_bytes,
-                         objects=[PlanObject(digest=d, size=n) for d, n in sorted(s.objects.items())])
-             for s in p.steps]
-    return PlanOut(model=p.model, have=p.have, target=p.target, bytes=p.bytes, full_bytes=p.full_bytes,
-                   lease_expires_at=p.lease.expires_at if p.lease else None, steps=steps)
+    return PlanOut.model_validate(p)
 
 
 def replica_out(r: Replica) -> ReplicaOut:
-    return ReplicaOut(model=r.model, subscriber=r.subscriber, version=r.number, applied_at=r.applied_at,
-                      pause_ms=r.pause_ms, bytes=r.bytes_received, site=r.site, host=r.host, extra=r.extra)
+    return ReplicaOut.model_validate(r)
 
 
 def fsck_out(r: FsckReport) -> FsckOut:
-    return FsckOut(ok=r.ok, versions_checked=r.versions_checked, objects_checked=r.objects_checked,
-                   bytes_verified=r.bytes_verified,
-                   problems=[ProblemOut(code=p.code, detail=p.detail, model=p.model, number=p.number,
-                                        digest=p.digest, repaired=p.repaired) for p in r.problems])
+    return FsckOut.model_validate(r)
 
 
 def gc_out(r: GcReport) -> GcOut:
-    return GcOut(versions_deleted=r.versions_deleted, pending_expired=r.pending_expired,
-                 objects_deleted=r.objects_deleted, bytes_deleted=r.bytes_deleted,
-                 objects_kept_in_grace=r.objects_kept_in_grace)
+    return GcOut.model_validate(r)
