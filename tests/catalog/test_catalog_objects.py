@@ -39,25 +39,35 @@ def test_object_records_and_gc_grace(catalog: Catalog) -> None:
     with pytest.raises(errors.InvalidDigest):
         catalog.record_object("xyz", 1)
     # Unreferenced since T0; recording it again restarts the grace period (a publisher reuses it).
-    assert [o.digest for o in catalog.unreferenced_objects(before=T0)] == sorted([a, man])
+    assert catalog.get_object(man).unreferenced_since == T0
     catalog.record_object(a, 10, now=T0 + timedelta(minutes=10))
-    assert [o.digest for o in catalog.unreferenced_objects(before=T0 + timedelta(minutes=5))] == [man]
+    assert catalog.get_object(a).unreferenced_since == T0 + timedelta(minutes=10)
+    stamp = T0 + timedelta(minutes=11)
+    assert catalog.begin_object_deletion([(a, 10, T0), (man, 99, T0)], unreferenced_before=T0 + timedelta(minutes=5),
+                                         now=stamp) == [man]
+    assert catalog.finish_object_deletion([man], stamp=stamp) == 1
+    catalog.record_object(man, 99, now=T0)
 
     publish(catalog, "m", parent=None, tag="v1", objects=[(a, 10), (b, 20)], now=T0 + timedelta(minutes=20))
     assert catalog.get_object(b) is not None and catalog.get_object(b).first_seen == T0 + timedelta(minutes=20)
     assert catalog.get_object(a).unreferenced_since is None
     assert catalog.get_object(man).unreferenced_since is None  # the manifest counts as referenced
-    assert catalog.unreferenced_objects(before=T0 + timedelta(days=1)) == []
-    assert catalog.forget_object(a) is False  # still referenced
+    late = T0 + timedelta(days=1)
+    # Still referenced (the manifest too): nothing to delete.
+    assert catalog.begin_object_deletion([(a, 10, T0), (b, 20, T0), (man, 99, T0)], unreferenced_before=late,
+                                         now=late) == []
 
     gone = T0 + timedelta(hours=1)
     assert catalog.mark_deleted("m", [1], force=True, now=gone) == [1]
-    assert catalog.unreferenced_objects(before=gone - timedelta(seconds=1)) == []
-    assert {o.digest for o in catalog.unreferenced_objects(before=gone)} == {a, b, man}
-    assert catalog.forget_object(a, unreferenced_before=gone - timedelta(seconds=1)) is False
-    assert catalog.forget_object(a, unreferenced_before=gone) is True
+    assert {d: o.unreferenced_since for d, o in catalog.get_objects([a, b, man]).items()} == {
+        a: gone, b: gone, man: gone}
+    assert catalog.begin_object_deletion([(a, 10, T0)], unreferenced_before=gone - timedelta(seconds=1),
+                                         now=late) == []
+    assert catalog.begin_object_deletion([(a, 10, T0)], unreferenced_before=gone, now=late) == [a]
+    assert catalog.get_object(a).state == "deleting" and catalog.get_object(a).deleting_since == late
+    assert catalog.finish_object_deletion([a], stamp=late) == 1
     assert catalog.get_object(a) is None
-    assert catalog.forget_object(a) is False
+    assert catalog.finish_object_deletion([a], stamp=late) == 0
 
 
 def test_commit_size_disagreement(catalog: Catalog) -> None:
@@ -79,7 +89,8 @@ def test_commit_replaces_pending_references(catalog: Catalog) -> None:
         raw_bytes=2, stored_bytes=2, kind="keyframe", now=T0,
     )
     assert digest("draft") not in catalog.referenced_digests()
-    assert [o.digest for o in catalog.unreferenced_objects(before=T0)] == [digest("draft")]
+    assert catalog.get_object(digest("draft")).unreferenced_since == T0
+    assert catalog.get_object(digest("final")).unreferenced_since is None
     assert catalog.dump_committed()["versions"][0]["objects"] == [[digest("final"), 2]]
 
 
@@ -123,7 +134,7 @@ def test_leases_protect_chains(catalog: Catalog) -> None:
     assert catalog.mark_deleted("m", [1, 2], now=later) == [1, 2]
     with pytest.raises(errors.VersionNotFound):
         catalog.acquire_lease("m", 1, "host-a", 60)
-    with pytest.raises(ValueError):
+    with pytest.raises(errors.InvalidArgument):
         catalog.acquire_lease("m", 3, "host-a", 0)
 
 
@@ -148,7 +159,61 @@ def test_replica_ledger(catalog: Catalog) -> None:
     assert catalog.list_replicas("m", "nobody") == []
     with pytest.raises(errors.VersionNotFound):
         catalog.record_replica("m", "host-a", 9)
-    with pytest.raises(ValueError):
+    with pytest.raises(errors.InvalidArgument):
         catalog.record_replica("m", "host-a", 1, pause_ms=-1.0)
     catalog.mark_deleted("m", [3], force=True)
     catalog.record_replica("m", "host-c", 3)  # a subscriber may report a version deleted since
+
+
+def test_a_deleting_object_is_never_referenced(catalog: Catalog) -> None:
+    """DESIGN invariant 7: between GC's tombstone and its removal, no publish can take the object."""
+    catalog.create_model("m")
+    x, man = digest("x"), digest("manifest:x")
+    catalog.record_object(x, 10, now=T0)
+    catalog.record_object(man, 5, now=T0)
+    late = T0 + timedelta(hours=1)
+    marked = catalog.begin_object_deletion([(x, 10, T0), (man, 5, T0)], unreferenced_before=T0, now=late)
+    assert marked == sorted([man, x])
+    # A second GC (or a second pass) does not take over a fresh tombstone.
+    assert catalog.begin_object_deletion([(x, 10, T0)], unreferenced_before=late, now=late) == []
+
+    p = catalog.begin_version("m", parent=None, kind="keyframe", now=late)
+    pinned = catalog.reference_objects("m", p.publish_id, [(x, 10), (digest("y"), 3)], now=late)
+    assert pinned.deleting == (x,) and pinned.added == (digest("y"),)
+    assert x not in catalog.referenced_digests()
+    assert catalog.record_object(x, 10, now=late).state == "deleting"  # recording does not revive it
+    commit = dict(parent=None, objects=[(x, 10)], raw_bytes=10, stored_bytes=10, kind="keyframe", now=late)
+    with pytest.raises(errors.IncompletePublish, match="being deleted"):
+        catalog.commit_version("m", p.publish_id, manifest_digest=digest("other-manifest"), **commit)
+    with pytest.raises(errors.IncompletePublish, match="being deleted"):  # the manifest is checked too
+        catalog.commit_version("m", p.publish_id, manifest_digest=man, **{**commit, "objects": []})
+    assert catalog.get_model("m").head is None and catalog.get_object(x).state == "deleting"
+
+    # Once GC has deleted the bytes and removed the row, the publisher's re-upload is a new object.
+    assert catalog.finish_object_deletion([x, man], stamp=late) == 2
+    assert catalog.reference_objects("m", p.publish_id, [(x, 10)], now=late).added == (x,)
+    v = catalog.commit_version("m", p.publish_id, manifest_digest=digest("other-manifest"), **commit)
+    assert v.number == 1 and catalog.get_object(x).state == "live"
+
+
+def test_gc_tombstones_unrecorded_objects_and_resumes_stale_ones(catalog: Catalog) -> None:
+    catalog.create_model("m")
+    orphan, young, held = digest("orphan"), digest("young"), digest("held")
+    p = catalog.begin_version("m", parent=None, kind="keyframe", now=T0)
+    catalog.reference_objects("m", p.publish_id, [(held, 1)], now=T0)
+    cutoff = T0 + timedelta(minutes=5)
+    # Objects the catalog never recorded count from when the store wrote them.
+    turned = catalog.begin_object_deletion(
+        [(orphan, 1, T0), (young, 2, cutoff + timedelta(seconds=1)), (held, 1, T0)], unreferenced_before=cutoff,
+        now=cutoff)
+    assert turned == [orphan]
+    assert catalog.get_object(young).state == "live"  # recorded now, in its grace period
+    assert catalog.get_object(held).unreferenced_since is None
+
+    # A GC that died after its tombstone: a later GC takes it over once it is older than the grace period.
+    assert catalog.resume_object_deletions(before=cutoff - timedelta(seconds=1), now=cutoff) == []
+    later = cutoff + timedelta(hours=1)
+    assert catalog.resume_object_deletions(before=cutoff, now=later) == [(orphan, 1)]
+    assert catalog.finish_object_deletion([orphan], stamp=cutoff) == 0  # the dead GC's stamp no longer owns it
+    assert catalog.finish_object_deletion([orphan], stamp=later) == 1
+    assert catalog.get_object(orphan) is None

@@ -91,11 +91,11 @@ def test_import_into_the_original_backend(catalog: Catalog, tmp_path: Path) -> N
 def test_import_validation(catalog: Catalog) -> None:
     catalog.create_model("m")
     base = dict(manifest_digest=digest("m"), raw_bytes=1, stored_bytes=1)
-    with pytest.raises(ValueError):
+    with pytest.raises(errors.InvalidArgument):
         catalog.import_version("m", ImportedVersion(number=2, parent=1, kind="keyframe", chain_base=1, **base))
-    with pytest.raises(ValueError):
+    with pytest.raises(errors.InvalidArgument):
         catalog.import_version("m", ImportedVersion(number=2, parent=None, kind="delta", chain_base=1, **base))
-    with pytest.raises(ValueError):
+    with pytest.raises(errors.InvalidArgument):
         catalog.import_version("m", ImportedVersion(number=0, parent=None, kind="keyframe", chain_base=0, **base))
     with pytest.raises(errors.ModelNotFound):
         catalog.import_version("x", ImportedVersion(number=1, parent=None, kind="keyframe", chain_base=1, **base))

@@ -157,7 +157,59 @@ async def test_gc_never_deletes_what_a_version_references(ops, clock, versions):
     await publish_all(ops, versions[:3])
     clock.advance(days=30)
     await gc(ops)
-    referenced = await ops._db(ops.catalog.referenced_digests)
+    referenced = await ops.referenced_digests()
     assert referenced <= await stored(ops)
     with pytest.raises(errors.VersionNotFound):
         await ops.get_version("m", 9)
+
+
+async def test_gc_purges_expired_leases(ops, clock, versions):
+    await publish_all(ops, versions[:2])
+    await ops.plan("m", have=None, want=1, holder="reader-a")
+    await ops.plan("m", have=None, want=2, holder="reader-b")
+    assert [(x.number, x.holder) for x in await ops.active_leases("m")] == [(1, "reader-a"), (2, "reader-b")]
+    report = await gc(ops)
+    assert report.leases_purged == 0  # both still protect their chains
+    clock.advance(minutes=11)  # past OpsSettings.lease_ttl (10 min)
+    assert await ops.active_leases() == []
+    assert (await gc(ops, dry_run=True)).leases_purged == 0  # a dry run changes nothing
+    assert (await gc(ops)).leases_purged == 2
+    assert (await gc(ops)).leases_purged == 0  # the rows are gone, not piling up
+
+
+async def test_gc_finishes_what_a_dead_gc_tombstoned(ops, clock, versions):
+    await publish_all(ops, versions[:1])
+    before = await stored(ops)
+    with pytest.raises(Stopped) as stop:
+        await publish(ops, "m", versions[1], versions[0], 1, stop_after="manifest")
+    await ops.abort_publish("m", stop.value.args[0])
+    clock.advance(minutes=6)
+    garbage = [i async for i in ops.store.list() if i.digest not in before]
+    assert garbage
+    # A GC tombstones the objects and dies before deleting anything.
+    died_at = clock()
+    marked = await ops.begin_object_deletion([(i.digest, i.size, i.mtime) for i in garbage],
+                                             unreferenced_before=died_at, now=died_at)
+    assert set(marked) == {i.digest for i in garbage}
+    # Within the grace period a later GC leaves the tombstones alone (their GC may still be deleting)...
+    clock.advance(minutes=1)
+    await gc(ops)
+    assert {i.digest for i in garbage} <= await stored(ops)
+    assert all(r.state == "deleting" for r in (await ops.object_records(marked)).values())
+    # ...after it, it finishes them: bytes deleted, rows gone, nothing committed harmed.
+    clock.advance(minutes=10)
+    await gc(ops)
+    assert not {i.digest for i in garbage} & await stored(ops)
+    assert await ops.object_records(marked) == {}
+    assert (await fsck(ops, read_data=True)).problems == []
+
+
+async def test_model_settings_through_ops(ops, versions):
+    await ops.create_model("m")
+    m = await ops.update_model_settings("m", keep_last=2, keyframe_interval=4)
+    assert (m.keep_last, m.keyframe_interval) == (2, 4)
+    assert (await ops.get_model("m")).keep_last == 2
+    with pytest.raises(errors.InvalidArgument):
+        await ops.update_model_settings("m", keep_last=0)
+    with pytest.raises(errors.ModelNotFound):
+        await ops.update_model_settings("nope", keep_last=1)

@@ -63,7 +63,7 @@ async def test_nothing_is_visible_before_commit_and_fsck_repair_cleans_up(ops, c
     got = await ops.materialize("m", 1)
     assert {p: a.tobytes() for p, a in got.files.items()} == files_of(versions[0])
     stored = {i.digest async for i in ops.store.list()}
-    referenced = await ops._db(ops.catalog.referenced_digests)
+    referenced = await ops.referenced_digests()
     assert referenced <= stored
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from .core import DEFAULT_PENDING_TTL, DEFAULT_SETTINGS, Catalog, validate_model_name
 from .engine import make_engine, normalize_url
-from .records import ChainInfo, ImportedVersion, Lease, Model, ObjectInfo, Replica, Version
+from .records import ChainInfo, ImportedVersion, Lease, Model, ObjectInfo, Pinned, Replica, Version
 
 __all__ = [
     "DEFAULT_PENDING_TTL",
@@ -21,6 +21,7 @@ __all__ = [
     "Lease",
     "Model",
     "ObjectInfo",
+    "Pinned",
     "Replica",
     "Version",
     "make_engine",

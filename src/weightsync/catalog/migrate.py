@@ -1,7 +1,9 @@
 """Running the Alembic migrations from code (service start) with the same scripts the CLI uses.
 
-The scripts live in the top-level ``migrations/`` directory; ``alembic.ini`` at the repository
-root points there too, so ``alembic upgrade head`` and :func:`upgrade` run the same code.
+The scripts' source is the top-level ``migrations/`` directory; ``alembic.ini`` at the repository
+root points there too, so ``alembic upgrade head`` and :func:`upgrade` run the same code. The wheel
+ships the same files as ``weightsync/catalog/migrations/`` (pyproject.toml maps the directory into
+the package), so an installed weightsync migrates its catalog without a source tree.
 """
 
 from __future__ import annotations
@@ -40,13 +42,21 @@ def render_item(type_: str, obj: Any, autogen_context: Any) -> str | Literal[Fal
 
 
 def migrations_dir() -> Path:
-    """Return the directory holding ``env.py`` and ``versions/`` (:class:`CatalogError` if absent)."""
+    """Return the directory holding ``env.py`` and ``versions/`` (:class:`CatalogError` if absent).
+
+    In order: ``$WEIGHTSYNC_MIGRATIONS`` (only it, when set); the copy inside the installed
+    package (a wheel install); the top-level ``migrations/`` of the source tree this module is
+    imported from (an editable install or ``PYTHONPATH=src``, where the package has no copy).
+    """
     override = os.environ.get(MIGRATIONS_ENV)
-    # src/weightsync/catalog/migrate.py -> repository root is three levels above the package.
-    path = Path(override) if override else Path(__file__).resolve().parents[3] / "migrations"
-    if not (path / "env.py").is_file():
-        raise CatalogError(f"catalog migrations not found at {path} (set {MIGRATIONS_ENV})")
-    return path
+    here = Path(__file__).resolve()
+    # src/weightsync/catalog/migrate.py -> the repository root is three levels above the package.
+    candidates = [Path(override)] if override else [here.parent / "migrations", here.parents[3] / "migrations"]
+    for path in candidates:
+        if (path / "env.py").is_file():
+            return path
+    tried = ", ".join(str(p) for p in candidates)
+    raise CatalogError(f"catalog migrations not found (looked in {tried}; set {MIGRATIONS_ENV})")
 
 
 def alembic_config(connection: Connection | None = None) -> Config:

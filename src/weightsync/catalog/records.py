@@ -44,12 +44,14 @@ class Version:
 
 @dataclass(frozen=True, slots=True)
 class ObjectInfo:
-    """An object the catalog knows of."""
+    """An object the catalog knows of; ``state`` "deleting" means GC is deleting its bytes (never reference it)."""
 
     digest: str
     size: int
     first_seen: datetime
     unreferenced_since: datetime | None
+    state: str = "live"
+    deleting_since: datetime | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,3 +105,15 @@ class ImportedVersion:
     step: int | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     committed_at: datetime | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Pinned:
+    """What :meth:`Catalog.reference_objects` did: references it added, and objects it refused.
+
+    ``deleting`` objects are being deleted by GC: they were not referenced, and the publisher
+    must upload them again once GC is done (the store may still hold their bytes meanwhile).
+    """
+
+    added: tuple[str, ...]
+    deleting: tuple[str, ...]

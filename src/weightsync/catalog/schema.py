@@ -48,6 +48,10 @@ metadata = MetaData(naming_convention=NAMING_CONVENTION)
 KINDS = ("keyframe", "delta")
 STATES = ("pending", "committed", "deleted")
 
+#: Allowed values of ``objects.state`` (docs/CATALOG.md "Objects and GC"): ``deleting`` is GC's
+#: tombstone, set before the bytes are deleted and never referenced by a non-deleted version.
+OBJECT_STATES = ("live", "deleting")
+
 #: Column type for free-form JSON: JSONB on PostgreSQL (indexable, compact), JSON text elsewhere.
 JSONType = JSON().with_variant(postgresql.JSONB(), "postgresql")
 
@@ -159,7 +163,12 @@ class ObjectRow(Base):
     """An object the catalog knows of, with the bookkeeping GC's grace period needs."""
 
     __tablename__ = "objects"
-    __table_args__ = (CheckConstraint("size >= 0", name="size_nonnegative"),)
+    __table_args__ = (
+        CheckConstraint("size >= 0", name="size_nonnegative"),
+        CheckConstraint(_in("state", OBJECT_STATES), name="state"),
+        # A tombstone says since when, so a later GC can finish one a crashed GC left behind.
+        CheckConstraint("(state = 'deleting') = (deleting_since IS NOT NULL)", name="deleting_since"),
+    )
 
     digest: Mapped[str] = mapped_column(String(64), primary_key=True)
     size: Mapped[int] = mapped_column(BigInteger)
@@ -167,6 +176,10 @@ class ObjectRow(Base):
     # When the object last became unreferenced by every non-deleted version (or was
     # recorded without a reference yet); NULL while some non-deleted version refers to it.
     unreferenced_since: Mapped[datetime | None] = mapped_column(index=True)
+    # "deleting" from the moment GC decides to delete the bytes until it has (then the row
+    # goes); such a row is never referenced, and never revived in place.
+    state: Mapped[str] = mapped_column(String(16), server_default="live")
+    deleting_since: Mapped[datetime | None] = mapped_column(index=True)
 
 
 class VersionObjectRow(Base):

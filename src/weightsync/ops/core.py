@@ -13,26 +13,33 @@ event loop keeps serving transfers.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 from collections import OrderedDict
-from collections.abc import AsyncIterable, AsyncIterator, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import numpy as np
 
 from weightsync import errors
-from weightsync.catalog import Catalog, Lease, Model, Replica, Version
+from weightsync.catalog import Catalog, Lease, Model, ObjectInfo, Replica, Version
 from weightsync.codec import Checkpoint, CheckpointFile, Decoder, FrameRef, Manifest
 from weightsync.ops.records import record_of
-from weightsync.store import ObjectStore, PutResult
+from weightsync.store import ObjectInfo as StoredObject
+from weightsync.store import ObjectStore, PresignedRequest, PutResult
 
 log = logging.getLogger("weightsync.ops")
 
+P = ParamSpec("P")
+T = TypeVar("T")
+
 MAX_OBJECT_BYTES = 4 << 30
 MAX_MANIFEST_BYTES = 256 << 20
+# A digest no object has: readiness probes look it up in the catalog and the store.
+_PROBE_DIGEST = "0" * 64
 
 
 @dataclass(frozen=True)
@@ -93,7 +100,15 @@ class Materialized:
 
 
 def utcnow() -> datetime:
+    """The current time, timezone-aware UTC (the default clock of :class:`Ops`)."""
     return datetime.now(timezone.utc)
+
+
+def committed(v: Version) -> tuple[int, str]:
+    """A committed version's number and manifest digest (the catalog sets both at commit)."""
+    if v.number is None or v.manifest_digest is None:
+        raise errors.VersionNotFound(f"a version of {v.model!r} is not committed (publish {v.publish_id})")
+    return v.number, v.manifest_digest
 
 
 class Ops:
@@ -111,7 +126,8 @@ class Ops:
         # through other replicas are found by polling the catalog.
         self._committed = asyncio.Event()
 
-    async def _db(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    async def _db(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """Run a (blocking) catalog call in a worker thread, so the event loop keeps serving."""
         return await asyncio.to_thread(fn, *args, **kwargs)
 
     # --- models ------------------------------------------------------------------------
@@ -124,7 +140,15 @@ class Ops:
         return await self._db(self.catalog.get_model, name)
 
     async def list_models(self) -> list[Model]:
+        """Every model, by name."""
         return await self._db(self.catalog.list_models)
+
+    async def update_model_settings(self, name: str, **settings: Any) -> Model:
+        """Change the given settings (keyframe_interval, max_chain_ratio, keep_last) of model `name`.
+
+        Others stay; ModelNotFound, InvalidArgument for a bad value.
+        """
+        return await self._db(self.catalog.update_model_settings, name, **settings)
 
     # --- publishing --------------------------------------------------------------------
 
@@ -155,6 +179,7 @@ class Ops:
             parent_manifest = pv.manifest_digest
             if not keyframe:
                 info = await self._db(self.catalog.chain_info, model, parent)
+                assert info is not None  # asked for a committed number, not the head
                 long_chain = info.length >= m.keyframe_interval
                 heavy = info.keyframe_bytes > 0 and info.delta_bytes > m.max_chain_ratio * info.keyframe_bytes
                 kind = "keyframe" if long_chain or heavy else "delta"
@@ -167,17 +192,22 @@ class Ops:
         return BeginResult(model, v.publish_id, v.kind, parent, parent_manifest, v.expires_at)
 
     async def missing_objects(self, model: str, publish_id: str, objects: list[tuple[str, int]]) -> list[str]:
-        """Return which of `objects` [(digest, size)] the store lacks; all are held for the publish.
+        """Return which of `objects` [(digest, size)] the publisher must upload; the others are held for it.
 
-        Holding them (a reference from the pending version) keeps GC away from
-        objects the publish reuses while it uploads the rest.
+        Holding them (a reference from the pending version, taken *before* the store is
+        asked) keeps GC away from objects the publish reuses while it uploads the rest, so
+        "present" stays true until the commit. An object GC is deleting is missing even if
+        the store still has its bytes (DESIGN invariant 7): it must be written again.
         """
         for digest, _ in objects:
             if not isinstance(digest, str) or len(digest) != 64:
                 raise errors.InvalidDigest(f"not a sha-256 digest: {digest!r}")
-        await self._db(self.catalog.reference_objects, model, publish_id, objects, now=self.clock())
+        pinned = await self._db(self.catalog.reference_objects, model, publish_id, objects, now=self.clock())
+        deleting = set(pinned.deleting)
 
         async def check(digest: str, size: int) -> str | None:
+            if digest in deleting:
+                return digest
             async with self._sem:
                 try:
                     info = await self.store.stat(digest)
@@ -196,7 +226,7 @@ class Ops:
         """Store streamed bytes under their SHA-256 (computed here, never trusted) and record them."""
         limit = min(max_size or self.settings.max_object_bytes, self.settings.max_object_bytes)
         result = await self.store.put_stream(chunks, expected_digest=expected_digest, max_size=limit)
-        await self._db(self.catalog.record_object, result.digest, result.size, now=self.clock())
+        await self._record_written(result)
         return result
 
     async def put_bytes(self, data: bytes, *, expected_digest: str | None = None) -> PutResult:
@@ -204,8 +234,18 @@ class Ops:
         if len(data) > self.settings.max_object_bytes:
             raise errors.LimitExceeded(f"object of {len(data)} bytes exceeds {self.settings.max_object_bytes}")
         result = await self.store.put(data, expected_digest=expected_digest)
-        await self._db(self.catalog.record_object, result.digest, result.size, now=self.clock())
+        await self._record_written(result)
         return result
+
+    async def _record_written(self, result: PutResult) -> None:
+        """Record a written object; StoreUnavailable (retry) if GC is deleting it.
+
+        The store may have kept the old bytes (nothing written) that GC is about to delete:
+        the write counts only once GC is done and the object is written again.
+        """
+        info = await self._db(self.catalog.record_object, result.digest, result.size, now=self.clock())
+        if info.state == "deleting":
+            raise errors.StoreUnavailable(f"object {result.digest} is being garbage-collected: upload it again shortly")
 
     async def commit_publish(self, model: str, publish_id: str, *, manifest_digest: str,
                              idempotency_key: str | None = None) -> Version:
@@ -246,6 +286,8 @@ class Ops:
             return digest, info.size
 
         refs = await asyncio.gather(*(check(d, e) for d, e in objects.items()))
+        if pending is not None:
+            await self._hold_for_commit(model, publish_id, manifest_digest, list(refs))
         version = await self._db(
             self.catalog.commit_version, model, publish_id, parent=manifest.parent,
             manifest_digest=manifest_digest, objects=list(refs), raw_bytes=manifest.raw_bytes,
@@ -259,11 +301,38 @@ class Ops:
             log.warning("commit record for %s v%s not written: %s", model, version.number, exc)
         return version
 
+    async def _hold_for_commit(self, model: str, publish_id: str, manifest_digest: str,
+                               refs: list[tuple[str, int]]) -> None:
+        """Reference what the commit needs before trusting the store's answer (DESIGN invariant 7).
+
+        The store was asked first (for sizes), so GC may have deleted an object since. Once
+        referenced, GC cannot start deleting it, so objects this call newly holds are asked
+        again; an object GC is already deleting fails the commit (IncompletePublish).
+        """
+        try:
+            manifest = await self.store.stat(manifest_digest)
+        except errors.ObjectNotFound:
+            raise errors.IncompletePublish(f"manifest {manifest_digest} is not in the store") from None
+        try:
+            pinned = await self._db(self.catalog.reference_objects, model, publish_id,
+                                    [*refs, (manifest_digest, manifest.size)], now=self.clock())
+        except errors.PublishNotFound:
+            return  # committed meanwhile (a retry) or expired: the commit replays or refuses
+        if pinned.deleting:
+            raise errors.IncompletePublish(f"object {pinned.deleting[0]} is being deleted by GC: upload it again")
+
+        async def still_there(digest: str) -> None:
+            async with self._sem:
+                if not await self.store.exists(digest):
+                    raise errors.IncompletePublish(f"object {digest} is not in the store")
+
+        await asyncio.gather(*(still_there(d) for d in pinned.added))
+
     async def write_commit_record(self, version: Version) -> str:
         """Store the commit record of a committed version (idempotent); returns its digest."""
         data = record_of(version).encode()
         result = await self.store.put(data)
-        await self._db(self.catalog.record_object, result.digest, result.size, now=self.clock())
+        await self._record_written(result)
         return result.digest
 
     async def abort_publish(self, model: str, publish_id: str) -> Version:
@@ -274,7 +343,7 @@ class Ops:
         """Every delta segment's base_xxh3 must be the parent version's bytes at that place (invariant 4)."""
         assert manifest.parent is not None
         pv = await self._db(self.catalog.get_version, model, manifest.parent)
-        parent = await self.load_manifest(pv.manifest_digest)
+        parent = await self.load_manifest(committed(pv)[1])
         if manifest.single_file and len(parent.files) == 1:
             by_path = {manifest.files[0].path: parent.files[0]}
         else:
@@ -345,12 +414,13 @@ class Ops:
         keeps GC from deleting it while the reader fetches.
         """
         target = await self.get_version(model, want)
-        chain = await self.lineage(model, target.number)
+        number, _ = committed(target)
+        chain = await self.lineage(model, number)
         steps = [await self._step(v) for v in chain]
         full = sum(s.manifest_bytes + s.stored_bytes for s in steps)
         chosen = steps
         numbers = [v.number for v in chain]
-        if have == target.number:
+        if have == number:
             chosen = []
         elif have is not None and have in numbers:
             tail = steps[numbers.index(have) + 1 :]
@@ -358,18 +428,43 @@ class Ops:
                 chosen = tail
         lease = None
         if holder:
-            lease = await self._db(self.catalog.acquire_lease, model, target.number, holder,
+            lease = await self._db(self.catalog.acquire_lease, model, number, holder,
                                    self.settings.lease_ttl, now=self.clock())
-        return Plan(model, have, target.number, chosen, sum(s.manifest_bytes + s.stored_bytes for s in chosen),
+        return Plan(model, have, number, chosen, sum(s.manifest_bytes + s.stored_bytes for s in chosen),
                     full, lease)
 
     async def _step(self, v: Version) -> PlanStep:
-        manifest = await self.load_manifest(v.manifest_digest)
-        info = await self.store.stat(v.manifest_digest)
-        return PlanStep(v.number, v.kind, v.manifest_digest, info.size, manifest.objects(), manifest.stored_bytes)
+        number, digest = committed(v)
+        manifest = await self.load_manifest(digest)
+        info = await self.store.stat(digest)
+        return PlanStep(number, v.kind, digest, info.size, manifest.objects(), manifest.stored_bytes)
 
-    async def stat_object(self, digest: str):
+    async def stat_object(self, digest: str) -> StoredObject:
+        """The stored object's size and mtime; ObjectNotFound."""
         return await self.store.stat(digest)
+
+    @property
+    def can_presign(self) -> bool:
+        """Whether the store hands out presigned URLs (then :meth:`presign_get` and :meth:`presign_uploads` work)."""
+        return self.store.capabilities.presigned_urls
+
+    async def presign_get(self, digest: str, expires_s: int) -> str:
+        """A URL that GETs an existing object straight from the store for `expires_s` seconds.
+
+        ObjectNotFound if absent; Unsupported if the store cannot presign.
+        """
+        if not self.can_presign:
+            raise errors.Unsupported("this server's store does not hand out presigned URLs")
+        await self.store.stat(digest)
+        return await self.store.presign_get(digest, expires_s)
+
+    async def presign_uploads(self, objects: dict[str, int], expires_s: int) -> dict[str, PresignedRequest]:
+        """Presigned requests that each upload one of `objects` (digest -> size) once; Unsupported if unable."""
+        if not self.can_presign:
+            raise errors.Unsupported("this server's store does not hand out presigned URLs")
+        digests = list(objects)
+        signed = await asyncio.gather(*(self.store.presign_put(d, objects[d], expires_s) for d in digests))
+        return dict(zip(digests, signed, strict=True))
 
     def read_object(self, digest: str, *, offset: int = 0, length: int | None = None) -> AsyncIterator[bytes]:
         """Stream an object's bytes (or a range) without buffering it whole."""
@@ -386,13 +481,13 @@ class Ops:
     async def materialize(self, model: str, number: int | None = None) -> Materialized:
         """Rebuild a committed version's files byte for byte from the store (keyframe, then each delta)."""
         target = await self.get_version(model, number)
-        chain = await self.lineage(model, target.number)
+        chain = await self.lineage(model, committed(target)[0])
         decoder = Decoder()
         current: Materialized | None = None
         for v in chain:
-            manifest = await self.load_manifest(v.manifest_digest)
+            manifest = await self.load_manifest(committed(v)[1])
             digests = list(manifest.objects())
-            blobs = dict(zip(digests, await asyncio.gather(*(self.fetch_verified(d) for d in digests))))
+            blobs = dict(zip(digests, await asyncio.gather(*(self.fetch_verified(d) for d in digests)), strict=True))
             base = None
             if current is not None:
                 base = Checkpoint([CheckpointFile(f.layout, current.files[f.path]) for f in current.manifest.files],
@@ -400,17 +495,27 @@ class Ops:
             outputs = [np.empty(f.size, dtype=np.uint8) for f in manifest.files]
 
             def read(ref: FrameRef, blobs: dict[str, bytes] = blobs) -> memoryview:
+                assert ref.object is not None  # packed frames name their object (FORMAT §5)
                 return memoryview(blobs[ref.object])[ref.offset : ref.offset + ref.length]
 
             await asyncio.to_thread(decoder.decode, manifest, read, outputs, base, verify_segments=True)
-            current = Materialized(manifest, {f.path: out for f, out in zip(manifest.files, outputs)})
+            current = Materialized(manifest, {f.path: out for f, out in zip(manifest.files, outputs, strict=True)})
         assert current is not None
         return current
 
     # --- leases and the replica ledger ---------------------------------------------------
 
     async def release_lease(self, model: str, number: int, holder: str) -> bool:
+        """Drop `holder`'s lease on version `number`; whether there was one."""
         return await self._db(self.catalog.release_lease, model, number, holder)
+
+    async def active_leases(self, model: str | None = None) -> list[Lease]:
+        """Leases unexpired now (of `model`, or all): which readers hold which chains."""
+        return await self._db(self.catalog.active_leases, model, now=self.clock())
+
+    async def purge_expired_leases(self) -> int:
+        """Delete leases expired now (they protect nothing); how many went."""
+        return await self._db(self.catalog.purge_expired_leases, self.clock())
 
     async def record_replica(self, model: str, subscriber: str, number: int, **kwargs: Any) -> Replica:
         """Record that `subscriber` applied version `number` (and release its lease on that chain)."""
@@ -422,6 +527,62 @@ class Ops:
     async def list_replicas(self, model: str, subscriber: str | None = None, *, latest_only: bool = True
                             ) -> list[Replica]:
         return await self._db(self.catalog.list_replicas, model, subscriber, latest_only=latest_only)
+
+    # --- maintenance (fsck, gc, readiness) ------------------------------------------------
+
+    async def check_catalog(self) -> None:
+        """Raise unless a catalog query answers (readiness): a lookup in the objects table."""
+        await self._db(self.catalog.get_object, _PROBE_DIGEST)
+
+    async def check_store(self) -> None:
+        """Raise unless the store answers (readiness)."""
+        await self.store.exists(_PROBE_DIGEST)
+
+    async def list_pending(self, model: str | None = None) -> list[Version]:
+        """Pending publishes (of `model`, or all), expired ones included."""
+        return await self._db(self.catalog.list_pending, model)
+
+    async def expire_pending(self) -> list[Version]:
+        """Mark pending publishes expired now deleted (their objects enter GC's grace); return them."""
+        return await self._db(self.catalog.expire_pending, self.clock())
+
+    async def retention_candidates(self, model: str) -> list[int]:
+        """Committed numbers beyond the model's `keep_last` newest, oldest first."""
+        return await self._db(self.catalog.retention_candidates, model)
+
+    async def delete_versions(self, model: str, numbers: Sequence[int], *, force: bool = False) -> list[int]:
+        """Mark versions deleted, keeping what a remaining version or a lease needs unless `force`; the deleted."""
+        return await self._db(self.catalog.mark_deleted, model, numbers, force=force, now=self.clock())
+
+    async def referenced_digests(self) -> set[str]:
+        """Every digest a non-deleted version (pending included) refers to, manifests included."""
+        return await self._db(self.catalog.referenced_digests)
+
+    async def object_records(self, digests: Sequence[str]) -> dict[str, ObjectInfo]:
+        """What the catalog knows of each of `digests` (unknown ones left out)."""
+        return await self._db(self.catalog.get_objects, digests)
+
+    async def record_object(self, digest: str, size: int) -> ObjectInfo:
+        """Record an object the store holds (fsck repair); its record."""
+        return await self._db(self.catalog.record_object, digest, size, now=self.clock())
+
+    async def begin_object_deletion(self, candidates: Sequence[tuple[str, int, datetime]], *,
+                                    unreferenced_before: datetime, now: datetime) -> list[str]:
+        """GC phase 1: tombstone the eligible candidates [(digest, size, stored_at)], stamped `now`; their digests."""
+        return await self._db(self.catalog.begin_object_deletion, candidates,
+                              unreferenced_before=unreferenced_before, now=now)
+
+    async def finish_object_deletion(self, digests: Sequence[str], *, stamp: datetime) -> int:
+        """GC phase 3: forget tombstoned objects whose bytes are gone (only those stamped `stamp`)."""
+        return await self._db(self.catalog.finish_object_deletion, digests, stamp=stamp)
+
+    async def resume_object_deletions(self, *, before: datetime, now: datetime) -> list[tuple[str, int]]:
+        """Take over tombstones a dead GC left since `before`, re-stamped `now`; [(digest, size)]."""
+        return await self._db(self.catalog.resume_object_deletions, before=before, now=now)
+
+    async def dump_committed(self, model: str | None = None) -> dict[str, Any]:
+        """What a rebuild from the store restores, as JSON data: compare a rebuilt catalog's with the live one's."""
+        return await self._db(self.catalog.dump_committed, model)
 
     async def wait_for_version(self, model: str, *, after: int | None, timeout: float,
                                poll: float = 0.25) -> Version | None:
@@ -437,11 +598,9 @@ class Ops:
         while True:
             event = self._committed
             head = await self._db(self.catalog.head, model)
-            if head is not None and (after is None or head.number > after):
+            if head is not None and (after is None or committed(head)[0] > after):
                 return head
             if loop.time() >= deadline:
                 return None
-            try:
+            with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(event.wait(), min(poll, max(0.0, deadline - loop.time())))
-            except asyncio.TimeoutError:
-                pass

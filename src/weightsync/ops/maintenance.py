@@ -1,10 +1,11 @@
-"""fsck, gc and catalog rebuild: keeping catalog and store in agreement (docs/DESIGN.md invariants 2, 5).
+"""fsck, gc and catalog rebuild: keeping catalog and store in agreement (docs/DESIGN.md invariants 2, 5, 7).
 
 fsck reads; with ``repair`` it fixes only what is safe: expire stale pending
 publishes, rewrite missing commit records, record objects the catalog does not
-know, and delete orphans older than the grace period. gc applies retention and
-deletes unreferenced objects after the grace period. rebuild restores a lost
-catalog from the commit records and manifests in the store.
+know, and delete orphans older than the grace period (GC's own sweep). gc applies
+retention, purges expired leases and deletes unreferenced objects after the grace
+period. Both reach the catalog only through public :class:`Ops` methods. rebuild restores a
+lost catalog from the commit records and manifests in the store.
 """
 
 from __future__ import annotations
@@ -12,14 +13,15 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from weightsync import errors
 from weightsync.catalog import Catalog, ImportedVersion
 from weightsync.codec.manifest import MAGIC as MANIFEST_MAGIC
-from weightsync.ops.core import Ops
+from weightsync.ops.core import Ops, committed
 from weightsync.ops.records import MAGIC as RECORD_MAGIC
 from weightsync.ops.records import CommitRecord, record_of
+from weightsync.store import ObjectInfo as StoredObject
 from weightsync.store import ObjectStore
 
 
@@ -37,6 +39,8 @@ class Problem:
 
 @dataclass
 class FsckReport:
+    """What fsck checked and found."""
+
     versions_checked: int = 0
     objects_checked: int = 0
     bytes_verified: int = 0
@@ -50,25 +54,91 @@ class FsckReport:
 
 @dataclass
 class GcReport:
+    """What gc deleted (in a dry run: would delete) and kept."""
+
     versions_deleted: dict[str, list[int]] = field(default_factory=dict)
     pending_expired: int = 0
     objects_deleted: int = 0
     bytes_deleted: int = 0
     objects_kept_in_grace: int = 0
+    leases_purged: int = 0
 
 
-async def _all_objects(store: ObjectStore) -> dict[str, object]:
-    return {info.digest: info async for info in store.list()}
+@dataclass
+class Sweep:
+    """What one pass over the store found among unreferenced objects (commit records of live versions excluded)."""
+
+    #: Deleted (in a dry run: would be deleted).
+    deleted: list[StoredObject] = field(default_factory=list)
+    #: Unreferenced, but written or unreferenced within the grace period.
+    in_grace: list[StoredObject] = field(default_factory=list)
+
+
+#: Objects per GC batch: tombstoned in one transaction, deleted, then forgotten.
+SWEEP_BATCH = 256
 
 
 async def _live(ops: Ops) -> tuple[set[str], set[str]]:
     """(digests referenced by non-deleted versions incl. manifests, commit-record digests of committed ones)."""
-    referenced = await ops._db(ops.catalog.referenced_digests)
+    referenced = await ops.referenced_digests()
     records = set()
     for m in await ops.list_models():
         for v in await ops.list_versions(m.name, limit=None):
             records.add(record_of(v).digest)
     return referenced, records
+
+
+async def _delete_tombstoned(ops: Ops, digests: list[str], stamp: datetime) -> None:
+    """GC phases 2 and 3: delete the bytes of objects tombstoned with `stamp`, then forget them."""
+    for digest in digests:
+        await ops.store.delete(digest)
+    await ops.finish_object_deletion(digests, stamp=stamp)
+
+
+async def sweep(ops: Ops, *, grace: timedelta, dry_run: bool) -> Sweep:
+    """Delete objects no non-deleted version references, unreferenced for longer than `grace` (invariants 5, 7).
+
+    Three phases per batch: tombstone the candidates in one catalog transaction that re-checks
+    they are unreferenced and past their grace (an object the catalog never recorded gets a
+    tombstone too), delete their bytes, forget the rows. While an object is tombstoned no
+    publish can reference it, so no commit can name bytes being deleted. Tombstones a dead GC
+    left behind longer than `grace` ago are finished first. `dry_run` changes nothing.
+    """
+    now = ops.clock()
+    cutoff = now - grace
+    found = Sweep()
+    if not dry_run:
+        stale = await ops.resume_object_deletions(before=cutoff, now=now)
+        await _delete_tombstoned(ops, [d for d, _ in stale], now)
+    referenced, records = await _live(ops)
+    old: list[StoredObject] = []
+    async for info in ops.store.list():
+        if info.digest in referenced or info.digest in records:
+            continue
+        if info.mtime > cutoff:
+            found.in_grace.append(info)
+        else:
+            old.append(info)
+    for i in range(0, len(old), SWEEP_BATCH):
+        batch = old[i : i + SWEEP_BATCH]
+        rows = await ops.object_records([info.digest for info in batch])
+        eligible = []
+        for info in batch:
+            row = rows.get(info.digest)
+            if row is None or row.state == "deleting" or (
+                    row.unreferenced_since is not None and row.unreferenced_since <= cutoff):
+                eligible.append(info)
+            elif row.unreferenced_since is not None:
+                found.in_grace.append(info)
+            # else: referenced again since the listing; not garbage.
+        if dry_run:
+            found.deleted.extend(eligible)
+            continue
+        turned = set(await ops.begin_object_deletion([(o.digest, o.size, o.mtime) for o in eligible],
+                                                     unreferenced_before=cutoff, now=now))
+        await _delete_tombstoned(ops, sorted(turned), now)
+        found.deleted.extend(o for o in eligible if o.digest in turned)
+    return found
 
 
 async def fsck(ops: Ops, *, read_data: bool = False, repair: bool = False,
@@ -79,29 +149,28 @@ async def fsck(ops: Ops, *, read_data: bool = False, repair: bool = False,
     object its frames name exists and is long enough (with ``read_data``: hashes to
     its name, and the model's head materializes with every checksum matching); its
     commit record exists. Across the store: expired pending publishes, objects the
-    catalog has no row for, rows whose object is gone, and orphans (objects no
-    version references).
+    catalog has no row for, and orphans (objects no version references), found by
+    GC's own :func:`sweep` (which deletes them past the grace period only with ``repair``).
     """
     report = FsckReport()
     now = ops.clock()
     grace = ops.settings.gc_grace if grace is None else grace
-    expired = await ops._db(ops.catalog.list_pending)
-    expired = [v for v in expired if v.expires_at is not None and v.expires_at <= now]
+    expired = [v for v in await ops.list_pending() if v.expires_at is not None and v.expires_at <= now]
     if expired:
         done = []
         if repair:
-            done = await ops._db(ops.catalog.expire_pending, now)
+            done = await ops.expire_pending()
         for v in expired:
             report.problems.append(Problem("expired-pending", f"publish {v.publish_id} expired at {v.expires_at}",
                                            v.model, None, None, repaired=bool(done)))
-    stored = await _all_objects(ops.store)
+    stored = {info.digest: info async for info in ops.store.list()}
     verified: set[str] = set()
     for m in await ops.list_models():
         versions = await ops.list_versions(m.name, limit=None)
         for v in versions:
             report.versions_checked += 1
             try:
-                manifest = await ops.load_manifest(v.manifest_digest)
+                manifest = await ops.load_manifest(committed(v)[1])
             except errors.WeightsyncError as exc:
                 report.problems.append(Problem("bad-manifest", str(exc), m.name, v.number, v.manifest_digest))
                 continue
@@ -136,75 +205,55 @@ async def fsck(ops: Ops, *, read_data: bool = False, repair: bool = False,
                 await ops.materialize(m.name, m.head)
             except errors.WeightsyncError as exc:
                 report.problems.append(Problem("unmaterializable", str(exc), m.name, m.head))
-    referenced, records = await _live(ops)
-    for digest, info in stored.items():
-        row = await ops._db(ops.catalog.get_object, digest)
-        if row is None:
-            if repair:
-                await ops._db(ops.catalog.record_object, digest, info.size, now=now)
-            report.problems.append(Problem("unrecorded-object", "in the store but unknown to the catalog",
-                                           digest=digest, repaired=repair))
-        if digest in referenced or digest in records:
-            continue
-        old = info.mtime <= now - grace
-        if repair and old and await ops._db(ops.catalog.forget_object, digest,
-                                            unreferenced_before=now - grace if row is not None else None):
-            await ops.store.delete(digest)
-            report.problems.append(Problem("orphan", "unreferenced object deleted", digest=digest, repaired=True))
-        else:
-            report.problems.append(Problem("orphan", "unreferenced object" + ("" if old else " (in grace period)"),
-                                           digest=digest, repaired=False))
+    known = await ops.object_records(list(stored))
+    unrecorded = [d for d in stored if d not in known]
+    # Orphans first: recording an unrecorded object would restart its grace period.
+    orphans = await sweep(ops, grace=grace, dry_run=not repair)
+    deleted = {o.digest for o in orphans.deleted}
+    for digest in unrecorded:
+        if repair and digest not in deleted:
+            await ops.record_object(digest, stored[digest].size)
+        report.problems.append(Problem("unrecorded-object", "in the store but unknown to the catalog",
+                                       digest=digest, repaired=repair))
+    for o in orphans.deleted:
+        report.problems.append(Problem("orphan", "unreferenced object deleted" if repair else "unreferenced object",
+                                       digest=o.digest, repaired=repair))
+    for o in orphans.in_grace:
+        report.problems.append(Problem("orphan", "unreferenced object (in grace period)", digest=o.digest))
     return report
 
 
 async def gc(ops: Ops, *, grace: timedelta | None = None, dry_run: bool = False) -> GcReport:
-    """Apply retention, then delete objects unreferenced for longer than `grace` (invariant 5).
+    """Apply retention, purge expired leases, then delete objects unreferenced for longer than `grace`.
 
     Retention keeps each model's newest `keep_last` versions, every version their
     chains need (keyframes included), the head and any chain a reader holds a lease
-    on. Objects referenced by pending publishes are never deleted. The catalog row
-    is forgotten (re-checking references in that transaction) before the bytes go.
+    on. Objects referenced by pending publishes are never deleted. Objects go through
+    :func:`sweep`: tombstoned (re-checking references in that transaction), deleted,
+    forgotten (invariants 5 and 7).
     """
     report = GcReport()
-    now = ops.clock()
     grace = ops.settings.gc_grace if grace is None else grace
     if not dry_run:
-        report.pending_expired = len(await ops._db(ops.catalog.expire_pending, now))
+        report.pending_expired = len(await ops.expire_pending())
+        report.leases_purged = await ops.purge_expired_leases()
     for m in await ops.list_models():
-        candidates = await ops._db(ops.catalog.retention_candidates, m.name)
+        candidates = await ops.retention_candidates(m.name)
         if not candidates:
             continue
         if dry_run:
             report.versions_deleted[m.name] = candidates
             continue
         before = {v.number: v for v in await ops.list_versions(m.name, limit=None)}
-        deleted = await ops._db(ops.catalog.mark_deleted, m.name, candidates, now=now)
+        deleted = await ops.delete_versions(m.name, candidates)
         if deleted:
             report.versions_deleted[m.name] = deleted
         for n in deleted:  # a rebuilt catalog must not resurrect them
             await ops.store.delete(record_of(before[n]).digest)
-    referenced, records = await _live(ops)
-    cutoff = now - grace
-    async for info in ops.store.list():
-        if info.digest in referenced or info.digest in records:
-            continue
-        if info.mtime > cutoff:
-            report.objects_kept_in_grace += 1
-            continue
-        row = await ops._db(ops.catalog.get_object, info.digest)
-        if row is not None and row.unreferenced_since is not None and row.unreferenced_since > cutoff:
-            report.objects_kept_in_grace += 1
-            continue
-        if dry_run:
-            report.objects_deleted += 1
-            report.bytes_deleted += info.size
-            continue
-        if row is not None and not await ops._db(ops.catalog.forget_object, info.digest,
-                                                  unreferenced_before=cutoff):
-            continue  # referenced again (or grace restarted) since we looked
-        await ops.store.delete(info.digest)
-        report.objects_deleted += 1
-        report.bytes_deleted += info.size
+    found = await sweep(ops, grace=grace, dry_run=dry_run)
+    report.objects_deleted = len(found.deleted)
+    report.bytes_deleted = sum(o.size for o in found.deleted)
+    report.objects_kept_in_grace = len(found.in_grace)
     return report
 
 

@@ -15,8 +15,10 @@ import hashlib
 import json
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from typing import Any
 
-from weightsync.errors import BadMagic, FormatError, UnsupportedVersion
+from weightsync.catalog import Version
+from weightsync.errors import BadMagic, FormatError, UnsupportedVersion, VersionNotFound
 
 MAGIC = b"WSCR"
 VERSION = 1
@@ -32,7 +34,7 @@ class CommitRecord:
     chain_base: int
     manifest: str
     step: int | None
-    metadata: dict
+    metadata: dict[str, Any]
     committed_at: datetime
 
     def encode(self) -> bytes:
@@ -74,8 +76,11 @@ class CommitRecord:
         return rec
 
 
-def record_of(version) -> CommitRecord:
-    """The commit record of a committed catalog version row."""
+def record_of(version: Version) -> CommitRecord:
+    """The commit record of a committed catalog version; FormatError if the version is not committed."""
+    if version.number is None or version.chain_base is None or version.manifest_digest is None \
+            or version.committed_at is None:
+        raise VersionNotFound(f"a version of {version.model!r} (publish {version.publish_id}) is not committed")
     return CommitRecord(model=version.model, number=version.number, parent=version.parent, kind=version.kind,
                         chain_base=version.chain_base, manifest=version.manifest_digest, step=version.step,
                         metadata=dict(version.metadata or {}), committed_at=version.committed_at)

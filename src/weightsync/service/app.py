@@ -73,17 +73,11 @@ def open_service_store(settings: Settings) -> ObjectStore:
 
 
 async def open_store_now(store: ObjectStore) -> None:
-    """Connect (S3: create the bucket if missing, probe If-None-Match) so bad settings fail at start."""
-    inner = store
-    while True:
-        opener = getattr(inner, "open", None)
-        if opener is not None:
-            await opener()
-            return
-        nxt = getattr(inner, "inner", None)
-        if nxt is None:
-            return
-        inner = nxt
+    """Connect (S3: create the bucket if missing, probe If-None-Match) so bad settings fail at start.
+
+    ``ObjectStore.open`` (docs/STORE.md): wrappers open their inner store, retried by RetryingStore.
+    """
+    await store.open()
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:

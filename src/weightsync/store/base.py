@@ -302,6 +302,17 @@ class ObjectStore(abc.ABC):
         """
         raise errors.Unsupported(f"{type(self).__name__} cannot presign URLs")
 
+    async def open(self) -> None:
+        """Connect and check the backend now, so bad settings fail at start rather than at the first call.
+
+        Idempotent, and optional: every other call opens lazily what it needs. A backend
+        opens its connections and checks what it can (S3: the HTTP client, the bucket, created
+        if allowed, and the If-None-Match probe that sets ``capabilities.atomic_create``); the
+        filesystem store has nothing to open. A wrapper opens its inner store. Transient
+        failures raise StoreUnavailable (RetryingStore retries them); :meth:`close` releases
+        what ``open`` acquired, after which the store may be opened again.
+        """
+
     async def close(self) -> None:
         """Release connections and other resources; the store is unusable afterwards."""
 
@@ -386,6 +397,10 @@ class ForwardingStore(ObjectStore):
     async def presign_put(self, digest: str, size: int, expires_s: int) -> PresignedRequest:
         """See :meth:`ObjectStore.presign_put`."""
         return await self.inner.presign_put(digest, size, expires_s)
+
+    async def open(self) -> None:
+        """Open the inner store (see :meth:`ObjectStore.open`)."""
+        await self.inner.open()
 
     async def close(self) -> None:
         """Close the inner store."""

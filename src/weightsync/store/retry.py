@@ -97,14 +97,12 @@ class RetryingStore(ForwardingStore):
                 await self._backoff(failures, e)
 
     async def open(self) -> None:
-        """Open the inner store now if it has an ``open`` (S3: connect, bucket, probe); retried.
+        """Open the inner store now (S3: connect, bucket, probe); retried.
 
         Without this, a caller opening the store explicitly at start-up (``weightsync serve``)
         reached the backend's ``open`` past the retries, and one transient fault failed the start.
         """
-        opener = getattr(self.inner, "open", None)
-        if opener is not None:
-            await self._call(opener)
+        await self._call(self.inner.open)
 
     async def put(self, data: bytes, *, expected_digest: str | None = None) -> PutResult:
         """See :meth:`ObjectStore.put`; retried."""

@@ -16,8 +16,6 @@ router = APIRouter(tags=["health"])
 log = logging.getLogger("weightsync.service")
 
 PROBE_TIMEOUT_S = 5.0
-# A digest no object has: a lookup that touches the catalog's objects table and the store.
-_PROBE_DIGEST = "0" * 64
 
 
 @router.get("/healthz", operation_id="health", response_model=Health)
@@ -39,9 +37,7 @@ async def ready(ops: OpsDep) -> JSONResponse:
             log.warning("readiness: %s not ready: %s", name, exc or type(exc).__name__)
             return False
 
-    catalog_ok, store_ok = await asyncio.gather(
-        probe("catalog", lambda: asyncio.to_thread(ops.catalog.get_object, _PROBE_DIGEST)),
-        probe("store", lambda: ops.store.exists(_PROBE_DIGEST)))
+    catalog_ok, store_ok = await asyncio.gather(probe("catalog", ops.check_catalog), probe("store", ops.check_store))
     body = Readiness(catalog=catalog_ok, store=store_ok)
     return JSONResponse(body.model_dump(), status_code=200 if catalog_ok and store_ok else 503,
                         headers={} if catalog_ok and store_ok else {"Retry-After": "2"})

@@ -122,9 +122,8 @@ async def head_object(digest: str, ops: OpsDep, who: Reader) -> Response:
 async def presign_object(digest: str, ops: OpsDep, who: Reader, settings: SettingsDep) -> PresignedGet:
     """A URL that GETs the object straight from the S3 store (404 ``not-supported`` on other stores)."""
     validate_digest(digest)
-    if not (settings.presign and ops.store.capabilities.presigned_urls):
+    if not settings.presign:
         raise errors.Unsupported("this server's store does not hand out presigned URLs")
-    await ops.stat_object(digest)
-    url = await ops.store.presign_get(digest, settings.presign_expires_s)
+    url = await ops.presign_get(digest, settings.presign_expires_s)
     expires = datetime.now(timezone.utc) + timedelta(seconds=settings.presign_expires_s)
     return PresignedGet(url=url, expires_at=expires)

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Header, Query, Response, status
 from fastapi.responses import StreamingResponse
 
 from weightsync import errors
-from weightsync.ops import Ops
+from weightsync.ops import Ops, committed
 from weightsync.service.deps import MetricsDep, OpsDep, Publisher, Reader, SettingsDep
 from weightsync.service.metrics import Metrics
 from weightsync.service.problems import ApiProblem
@@ -75,7 +75,7 @@ async def get_lineage(model: str, number: str, ops: OpsDep, who: Reader) -> Vers
     """The chain a version is rebuilt from: its keyframe first, then every delta up to it."""
     n = _number(number)
     if n is None:
-        n = (await ops.get_version(model)).number
+        n, _ = committed(await ops.get_version(model))
     return VersionList(versions=[version_out(v) for v in await ops.lineage(model, n)])
 
 
@@ -85,8 +85,7 @@ async def get_lineage(model: str, number: str, ops: OpsDep, who: Reader) -> Vers
 async def get_manifest(model: str, number: str, ops: OpsDep, who: Reader,
                        if_none_match: Annotated[str | None, Header()] = None) -> Response:
     """The version's stored manifest bytes, ``ETag: "<digest>"``."""
-    version = await ops.get_version(model, _number(number))
-    digest = version.manifest_digest
+    _, digest = committed(await ops.get_version(model, _number(number)))
     etag = f'"{digest}"'
     headers = {"ETag": etag, "Cache-Control": "private, max-age=31536000, immutable"}
     if if_none_match is not None and etag in {t.strip() for t in if_none_match.split(",")}:
@@ -126,12 +125,11 @@ async def check_objects(model: str, publish_id: str, body: CheckIn, ops: OpsDep,
                          f"{len(too_big)} object(s) exceed the {settings.max_object_size}-byte limit",
                          digests=too_big[:10])
     missing = await ops.missing_objects(model, publish_id, [(o.digest, o.size) for o in body.objects])
-    store = ops.store
-    if not (settings.presign and store.capabilities.presigned_urls and missing):
+    if not (settings.presign and ops.can_presign and missing):
         return CheckOut(missing=missing)
     sizes = {o.digest: o.size for o in body.objects}
-    signed = await asyncio.gather(*(store.presign_put(d, sizes[d], settings.presign_expires_s) for d in missing))
-    uploads = {d: PresignedPut(method=r.method, url=r.url, headers=dict(r.headers)) for d, r in zip(missing, signed)}
+    signed = await ops.presign_uploads({d: sizes[d] for d in missing}, settings.presign_expires_s)
+    uploads = {d: PresignedPut(method=r.method, url=r.url, headers=dict(r.headers)) for d, r in signed.items()}
     return CheckOut(missing=missing, uploads=uploads)
 
 
@@ -219,7 +217,7 @@ async def _events(ops: Ops, model: str, after: int | None, keepalive: float, pol
             for v in new:
                 data = version_out(v).model_dump_json()
                 yield f"id: {v.number}\nevent: version\ndata: {data}\n\n"
-            last = max([head.number, *(v.number for v in new)])
+            last = max([committed(head)[0], *(committed(v)[0] for v in new)])
     finally:
         metrics.sse_streams.dec()
 

@@ -1,0 +1,237 @@
+"""The objects aggregate: which objects exist, who references them, and GC's tombstones.
+
+docs/CATALOG.md "Objects and GC". An object row is ``live`` or ``deleting``. GC turns an
+unreferenced row ``deleting`` (:func:`begin_deletion`, re-checking in that transaction that no
+non-deleted version refers to it), deletes the bytes, then removes the row
+(:func:`finish_deletion`). A ``deleting`` row is never referenced: :func:`attach` refuses it,
+so a publisher cannot commit a version whose object's deletion is in flight (DESIGN invariant 7).
+
+Lock order: every writer that touches several object rows locks them sorted by digest
+(``SELECT … ORDER BY digest FOR UPDATE``) before changing them, so concurrent writers on
+PostgreSQL never deadlock; on SQLite ``BEGIN IMMEDIATE`` serializes writers anyway.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import ColumnElement, delete, exists, insert, or_, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.orm import Session
+
+from .. import errors
+from .records import ObjectInfo, Pinned
+from .rows import chunks, object_record, rowcount
+from .schema import ObjectRow, VersionObjectRow, VersionRow
+
+__all__ = [
+    "attach",
+    "begin_deletion",
+    "finish_deletion",
+    "get_many",
+    "insert_ignore",
+    "lock_rows",
+    "mark_unreferenced",
+    "record",
+    "referenced",
+    "referenced_digests",
+    "take_over_stale",
+]
+
+
+def referenced(digest_col: Any) -> ColumnElement[bool]:
+    """SQL condition: some non-deleted version refers to ``digest_col`` (as a frame pack or its manifest)."""
+    live = VersionRow.state != "deleted"
+    by_ref = exists().where(VersionObjectRow.digest == digest_col, VersionObjectRow.version_id == VersionRow.id, live)
+    by_manifest = exists().where(VersionRow.manifest_digest == digest_col, live)
+    return or_(by_ref, by_manifest)
+
+
+def insert_ignore(s: Session, rows: list[dict[str, Any]]) -> None:
+    """Insert object ``rows`` (dicts of column values), leaving rows that already exist untouched."""
+    upsert = pg_insert if s.get_bind().dialect.name == "postgresql" else sqlite_insert
+    for chunk in chunks(rows):
+        s.execute(upsert(ObjectRow).values(list(chunk)).on_conflict_do_nothing(index_elements=["digest"]))
+
+
+def lock_rows(s: Session, digests: Sequence[str]) -> list[ObjectRow]:
+    """Lock the existing rows of ``digests`` in digest order (see the module's lock order) and return them."""
+    out: list[ObjectRow] = []
+    for chunk in chunks(sorted(set(digests))):
+        stmt = select(ObjectRow).where(ObjectRow.digest.in_(chunk)).order_by(ObjectRow.digest).with_for_update()
+        # Re-read rows this session loaded before: the lock is what makes their values current.
+        out.extend(s.scalars(stmt.execution_options(populate_existing=True)))
+    return out
+
+
+def attach(s: Session, v: VersionRow, refs: dict[str, int], now: datetime) -> Pinned:
+    """Make ``refs`` (digest -> size) referenced by ``v``, recording unknown objects; return what changed.
+
+    A ``deleting`` object is left out (it is in ``deleting`` of the result): its bytes may vanish
+    at any moment, so the publisher must upload it again after GC removed the row. Raises
+    IncompletePublish if an object is recorded with another size.
+    """
+    if not refs:
+        return Pinned(added=(), deleting=())
+    digests = sorted(refs)
+    insert_ignore(s, [{"digest": d, "size": refs[d], "first_seen": now, "unreferenced_since": None} for d in digests])
+    usable: list[str] = []
+    deleting: list[str] = []
+    for chunk in chunks(digests):
+        live: list[str] = []
+        for row in lock_rows(s, chunk):
+            if row.size != refs[row.digest]:
+                raise errors.IncompletePublish(
+                    f"object {row.digest} has {row.size} bytes, the commit says {refs[row.digest]}"
+                )
+            (deleting if row.state == "deleting" else live).append(row.digest)
+        usable.extend(live)
+        if live:
+            s.execute(
+                update(ObjectRow)
+                .where(ObjectRow.digest.in_(live))
+                .values(unreferenced_since=None)
+                .execution_options(synchronize_session=False)
+            )
+    have = set(s.scalars(select(VersionObjectRow.digest).where(VersionObjectRow.version_id == v.id)))
+    added = [d for d in usable if d not in have]
+    for rows in chunks([{"version_id": v.id, "digest": d, "size": refs[d]} for d in added]):
+        s.execute(insert(VersionObjectRow), list(rows))
+    return Pinned(added=tuple(added), deleting=tuple(deleting))
+
+
+def mark_unreferenced(s: Session, digests: Iterable[str], now: datetime) -> None:
+    """Start the GC grace clock of those ``digests`` no non-deleted version refers to any more."""
+    for chunk in chunks(sorted(set(digests))):
+        s.execute(
+            update(ObjectRow)
+            .where(
+                ObjectRow.digest.in_(chunk),
+                ObjectRow.state == "live",
+                ObjectRow.unreferenced_since.is_(None),
+                ~referenced(ObjectRow.digest),
+            )
+            .values(unreferenced_since=now)
+            .execution_options(synchronize_session=False)
+        )
+
+
+def record(s: Session, digest: str, size: int, now: datetime) -> ObjectInfo:
+    """Record object ``digest`` of ``size`` bytes (idempotent) and return its row as a record.
+
+    A live unreferenced object's grace clock restarts. A ``deleting`` row is returned unchanged:
+    the caller must not rely on the bytes (see :func:`attach`). DigestMismatch on another size.
+    """
+    insert_ignore(s, [{"digest": digest, "size": size, "first_seen": now, "unreferenced_since": now}])
+    row = s.get(ObjectRow, digest)
+    assert row is not None
+    if row.size != size:
+        raise errors.DigestMismatch(f"object {digest} is recorded with {row.size} bytes, not {size}")
+    if row.state == "live" and row.unreferenced_since is not None and row.unreferenced_since < now:
+        row.unreferenced_since = now
+    s.flush()
+    return object_record(row)
+
+
+def get_many(s: Session, digests: Sequence[str]) -> dict[str, ObjectInfo]:
+    """Return the records of those ``digests`` the catalog knows, by digest."""
+    out: dict[str, ObjectInfo] = {}
+    for chunk in chunks(sorted(set(digests))):
+        for row in s.scalars(select(ObjectRow).where(ObjectRow.digest.in_(chunk))):
+            out[row.digest] = object_record(row)
+    return out
+
+
+def referenced_digests(s: Session) -> set[str]:
+    """Return every digest a non-deleted version (pending included) refers to, manifests included."""
+    live = VersionRow.state != "deleted"
+    out = set(
+        s.scalars(
+            select(VersionObjectRow.digest)
+            .join(VersionRow, VersionRow.id == VersionObjectRow.version_id)
+            .where(live)
+            .distinct()
+        )
+    )
+    out.update(s.scalars(select(VersionRow.manifest_digest).where(live, VersionRow.manifest_digest.is_not(None))))
+    return out
+
+
+def begin_deletion(
+    s: Session, candidates: Sequence[tuple[str, int, datetime]], unreferenced_before: datetime, now: datetime
+) -> list[str]:
+    """Turn the eligible ``candidates`` [(digest, size, stored_at)] ``deleting``; return the digests turned.
+
+    Eligible: live, unreferenced by every non-deleted version, and unreferenced since at or
+    before ``unreferenced_before``. An object the catalog has no row for gets one first, dated
+    ``stored_at`` (when the store says it was written), so that GC deletes no bytes without a
+    tombstone a publisher can see. ``deleting_since`` is set to ``now``: the caller's stamp for
+    :func:`finish_deletion`.
+    """
+    if not candidates:
+        return []
+    insert_ignore(
+        s, [{"digest": d, "size": size, "first_seen": now, "unreferenced_since": at} for d, size, at in candidates]
+    )
+    turned: list[str] = []
+    for chunk in chunks(sorted({d for d, _, _ in candidates})):
+        lock_rows(s, chunk)
+        res = s.execute(
+            update(ObjectRow)
+            .where(
+                ObjectRow.digest.in_(chunk),
+                ObjectRow.state == "live",
+                ObjectRow.unreferenced_since <= unreferenced_before,
+                ~referenced(ObjectRow.digest),
+            )
+            .values(state="deleting", deleting_since=now)
+            .returning(ObjectRow.digest)
+            .execution_options(synchronize_session=False)
+        )
+        turned.extend(res.scalars())
+    return sorted(turned)
+
+
+def take_over_stale(s: Session, before: datetime, now: datetime) -> list[tuple[str, int]]:
+    """Re-stamp tombstones left ``deleting`` since at or before ``before`` (a GC died) with ``now``; return them.
+
+    The caller then deletes their bytes and calls :func:`finish_deletion` with ``now``.
+    """
+    stale = list(
+        s.scalars(
+            select(ObjectRow.digest)
+            .where(ObjectRow.state == "deleting", ObjectRow.deleting_since <= before)
+            .order_by(ObjectRow.digest)
+            .with_for_update()
+        )
+    )
+    out: list[tuple[str, int]] = []
+    for chunk in chunks(stale):
+        res = s.execute(
+            update(ObjectRow)
+            .where(ObjectRow.digest.in_(chunk), ObjectRow.state == "deleting", ObjectRow.deleting_since <= before)
+            .values(deleting_since=now)
+            .returning(ObjectRow.digest, ObjectRow.size)
+            .execution_options(synchronize_session=False)
+        )
+        out.extend((d, size) for d, size in res)
+    return sorted(out)
+
+
+def finish_deletion(s: Session, digests: Sequence[str], stamp: datetime) -> int:
+    """Remove the tombstones of ``digests`` stamped ``stamp`` (their bytes are gone); return how many.
+
+    A tombstone another GC took over (re-stamped) is left to that GC.
+    """
+    n = 0
+    for chunk in chunks(sorted(set(digests))):
+        res = s.execute(
+            delete(ObjectRow)
+            .where(ObjectRow.digest.in_(chunk), ObjectRow.state == "deleting", ObjectRow.deleting_since == stamp)
+            .execution_options(synchronize_session=False)
+        )
+        n += rowcount(res)
+    return n

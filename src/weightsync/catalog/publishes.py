@@ -1,0 +1,213 @@
+"""The publishes aggregate: pending → committed (the compare-and-swap commit) or → deleted (abort, expiry).
+
+docs/CATALOG.md "Commit: the compare-and-swap rule" and "Idempotency".
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import delete, func, select, update
+from sqlalchemy.orm import Session
+
+from .. import errors
+from . import objects, versions
+from .records import Pinned, Version
+from .rows import committed_row, model_row, version_record
+from .schema import ModelRow, ObjectRow, VersionObjectRow, VersionRow
+
+__all__ = ["abort", "begin", "commit", "expire", "list_pending", "pending", "pending_row", "reference"]
+
+
+def begin(
+    s: Session,
+    model: str,
+    *,
+    parent: int | None,
+    kind: str,
+    publish_id: str,
+    step: int | None,
+    metadata: dict[str, Any],
+    expires: datetime,
+    now: datetime,
+) -> Version:
+    """Open a pending publish (or return the pending one of that id); Conflict if the id is used otherwise."""
+    m = model_row(s, model, lock=True)
+    prior = s.scalars(select(VersionRow).where(VersionRow.publish_id == publish_id)).one_or_none()
+    if prior is not None:
+        if prior.model_id == m.id and prior.state == "pending":
+            return version_record(prior, m.name)
+        raise errors.Conflict(f"publish id {publish_id!r} is already used")
+    if parent is not None:
+        committed_row(s, m, parent)
+    row = VersionRow(
+        model_id=m.id,
+        number=None,
+        parent=parent,
+        kind=kind,
+        chain_base=None,
+        state="pending",
+        step=step,
+        metadata_=metadata,
+        publish_id=publish_id,
+        created_at=now,
+        expires_at=expires,
+    )
+    s.add(row)
+    s.flush()
+    return version_record(row, m.name)
+
+
+def pending_row(s: Session, m: ModelRow, publish_id: str, now: datetime, *, lock: bool = True) -> VersionRow:
+    """The pending, unexpired publish ``publish_id`` of ``m``; PublishNotFound."""
+    stmt = select(VersionRow).where(VersionRow.publish_id == publish_id)
+    if lock:
+        # expire_pending does not lock the model: on PostgreSQL the row lock (and its
+        # re-read of the row once a concurrent sweep commits) keeps a commit from
+        # resurrecting a publish being expired, or the sweep from deleting a commit.
+        stmt = stmt.with_for_update()
+    row = s.scalars(stmt).one_or_none()
+    if row is None or row.model_id != m.id:
+        raise errors.PublishNotFound(f"no publish {publish_id!r} for model {m.name!r}")
+    if row.state != "pending":
+        raise errors.PublishNotFound(f"publish {publish_id!r} is {row.state}, not pending")
+    if row.expires_at is not None and row.expires_at <= now:
+        raise errors.PublishNotFound(f"publish {publish_id!r} expired at {row.expires_at.isoformat()}")
+    return row
+
+
+def pending(s: Session, model: str, publish_id: str, now: datetime) -> Version:
+    """The pending publish as a record (no lock)."""
+    m = model_row(s, model)
+    return version_record(pending_row(s, m, publish_id, now, lock=False), m.name)
+
+
+def reference(s: Session, model: str, publish_id: str, refs: dict[str, int], now: datetime) -> Pinned:
+    """Reference ``refs`` from the pending publish so GC keeps them; ``deleting`` ones are refused (objects.attach)."""
+    m = model_row(s, model, lock=True)
+    return objects.attach(s, pending_row(s, m, publish_id, now), refs, now)
+
+
+def commit(
+    s: Session,
+    model: str,
+    publish_id: str,
+    *,
+    parent: int | None,
+    manifest_digest: str,
+    refs: dict[str, int],
+    raw_bytes: int,
+    stored_bytes: int,
+    kind: str,
+    chain_base: int | None,
+    idempotency_key: str | None,
+    now: datetime,
+) -> Version:
+    """The compare-and-swap commit (docs/CATALOG.md "Commit"); see Catalog.commit_version."""
+
+    def replay(m: ModelRow, row: VersionRow, how: str) -> Version:
+        if row.manifest_digest != manifest_digest:
+            raise errors.Conflict(f"{how} already committed version {row.number} of {m.name!r} with another manifest")
+        return version_record(row, m.name)
+
+    m = model_row(s, model, lock=True)
+    # Idempotency first: a retried commit finds the head already moved by itself.
+    if idempotency_key is not None:
+        prior = s.scalars(
+            select(VersionRow).where(
+                VersionRow.model_id == m.id,
+                VersionRow.idempotency_key == idempotency_key,
+                VersionRow.committed_at.is_not(None),
+            )
+        ).one_or_none()
+        if prior is not None:
+            return replay(m, prior, f"idempotency key {idempotency_key!r}")
+    row = s.scalars(select(VersionRow).where(VersionRow.publish_id == publish_id)).one_or_none()
+    if row is not None and row.model_id == m.id and row.committed_at is not None:
+        return replay(m, row, f"publish {publish_id!r}")
+    row = pending_row(s, m, publish_id, now)
+
+    if parent != m.head:
+        raise errors.StaleParent(
+            f"model {m.name!r}: stated parent {parent} is not the head (head is {m.head})", current_head=m.head
+        )
+    base: int | None = None
+    if kind == "delta":
+        assert parent is not None
+        base = committed_row(s, m, parent).chain_base
+        if chain_base is not None and chain_base != base:
+            raise errors.InvalidArgument(f"chain_base {chain_base} is not the parent's chain base {base}")
+    top = s.scalar(select(func.max(VersionRow.number)).where(VersionRow.model_id == m.id))
+    number = (top or 0) + 1
+    if kind == "keyframe":
+        if chain_base is not None and chain_base != number:
+            raise errors.InvalidArgument(f"a keyframe starts its own chain: chain_base must be None, not {chain_base}")
+        base = number
+
+    # The manifest's row is locked with the others, in the one lock order (objects module).
+    locked = objects.lock_rows(s, sorted({*refs, manifest_digest}))
+    pinned = objects.attach(s, row, refs, now)
+    gone = [*pinned.deleting, *(r.digest for r in locked if r.digest == manifest_digest and r.state == "deleting")]
+    if gone:
+        # GC is deleting these bytes (DESIGN invariant 7): the version would lose them.
+        raise errors.IncompletePublish(f"object {gone[0]} is being deleted by GC: upload it again")
+    # Pending-time references the final list no longer names go back to GC.
+    had = s.scalars(select(VersionObjectRow.digest).where(VersionObjectRow.version_id == row.id))
+    stale = [d for d in had if d not in refs]
+    if stale:
+        s.execute(
+            delete(VersionObjectRow).where(VersionObjectRow.version_id == row.id, VersionObjectRow.digest.in_(stale))
+        )
+    row.number = number
+    row.parent = parent
+    row.kind = kind
+    row.chain_base = base
+    row.state = "committed"
+    row.manifest_digest = manifest_digest
+    row.raw_bytes = raw_bytes
+    row.stored_bytes = stored_bytes
+    row.idempotency_key = idempotency_key
+    row.committed_at = now
+    row.expires_at = None
+    m.head = number
+    s.flush()
+    s.execute(update(ObjectRow).where(ObjectRow.digest == manifest_digest).values(unreferenced_since=None))
+    objects.mark_unreferenced(s, stale, now)
+    return version_record(row, m.name)
+
+
+def abort(s: Session, model: str, publish_id: str, now: datetime) -> Version:
+    """Abandon the pending publish (state deleted); PublishNotFound."""
+    m = model_row(s, model, lock=True)
+    row = pending_row(s, m, publish_id, now)
+    versions.drop(s, [row], now)
+    return version_record(row, m.name)
+
+
+def expire(s: Session, now: datetime) -> list[Version]:
+    """Mark every pending publish expired at ``now`` deleted; return them."""
+    rows = list(
+        s.execute(
+            select(VersionRow, ModelRow.name)
+            .join(ModelRow, ModelRow.id == VersionRow.model_id)
+            .where(VersionRow.state == "pending", VersionRow.expires_at <= now)
+            .order_by(VersionRow.id)
+            .with_for_update(of=VersionRow)
+        )
+    )
+    versions.drop(s, [r for r, _ in rows], now)
+    return [version_record(r, name) for r, name in rows]
+
+
+def list_pending(s: Session, model: str | None) -> list[Version]:
+    """Pending publishes (of ``model``, or all), oldest first, expired ones included."""
+    stmt = (
+        select(VersionRow, ModelRow.name)
+        .join(ModelRow, ModelRow.id == VersionRow.model_id)
+        .where(VersionRow.state == "pending")
+        .order_by(VersionRow.id)
+    )
+    if model is not None:
+        stmt = stmt.where(ModelRow.id == model_row(s, model).id)
+    return [version_record(r, name) for r, name in s.execute(stmt)]

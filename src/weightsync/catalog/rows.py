@@ -1,0 +1,157 @@
+"""Row plumbing every aggregate module shares: driver errors, chunking, row lookups, ORM rows → records.
+
+Only the catalog package uses this module; callers see the frozen records of
+:mod:`weightsync.catalog.records`, never ORM rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, TypeVar, cast
+
+from sqlalchemy import CursorResult, Result, select
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.orm import Session
+
+from .. import errors
+from .checks import validate_model_name
+from .records import Lease, Model, ObjectInfo, Replica, Version
+from .schema import LeaseRow, ModelRow, ObjectRow, ReplicaRow, VersionRow
+
+__all__ = [
+    "CHUNK",
+    "chunks",
+    "committed_row",
+    "db_errors",
+    "lease_record",
+    "model_record",
+    "model_row",
+    "object_record",
+    "replica_record",
+    "rowcount",
+    "version_record",
+]
+
+#: Rows or IN-list values per statement, well under every driver's parameter limit.
+CHUNK = 500
+
+T = TypeVar("T")
+
+
+def chunks(items: Sequence[T]) -> Iterator[Sequence[T]]:
+    """Yield ``items`` in slices of at most :data:`CHUNK`."""
+    for i in range(0, len(items), CHUNK):
+        yield items[i : i + CHUNK]
+
+
+def rowcount(result: Result[Any]) -> int:
+    """Rows an UPDATE or DELETE without RETURNING matched (0 if the driver does not say)."""
+    return cast(CursorResult[Any], result).rowcount or 0
+
+
+@contextmanager
+def db_errors() -> Iterator[None]:
+    """Translate driver failures into the catalog's named errors (CatalogUnavailable, CatalogError)."""
+    try:
+        yield
+    except errors.WeightsyncError:
+        raise
+    except (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.TimeoutError) as exc:
+        # Connection refused or lost, pool exhausted, SQLite still locked after busy_timeout.
+        detail = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0:1]
+        raise errors.CatalogUnavailable(f"catalog database unavailable: {' '.join(detail)}") from exc
+    except sa_exc.SQLAlchemyError as exc:
+        detail = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0:1]
+        raise errors.CatalogError(f"catalog database error: {' '.join(detail)}") from exc
+
+
+def model_row(s: Session, name: str, *, lock: bool = False) -> ModelRow:
+    """Return the row of model ``name``; ModelNotFound. ``lock`` takes its row lock (writers of one model)."""
+    validate_model_name(name)
+    stmt = select(ModelRow).where(ModelRow.name == name)
+    if lock:
+        # Serializes writers of one model on PostgreSQL; SQLite ignores it (BEGIN IMMEDIATE).
+        stmt = stmt.with_for_update()
+    row = s.scalars(stmt).one_or_none()
+    if row is None:
+        raise errors.ModelNotFound(f"no model named {name!r}")
+    return row
+
+
+def committed_row(s: Session, m: ModelRow, number: int, *, include_deleted: bool = False) -> VersionRow:
+    """Return committed version ``number`` of ``m`` (deleted too if asked); VersionNotFound."""
+    states = ("committed", "deleted") if include_deleted else ("committed",)
+    row = s.scalars(
+        select(VersionRow).where(VersionRow.model_id == m.id, VersionRow.number == number, VersionRow.state.in_(states))
+    ).one_or_none()
+    if row is None:
+        raise errors.VersionNotFound(f"model {m.name!r} has no committed version {number}")
+    return row
+
+
+def model_record(row: ModelRow) -> Model:
+    """The frozen record of a model row."""
+    return Model(
+        name=row.name,
+        created_at=row.created_at,
+        head=row.head,
+        keyframe_interval=row.keyframe_interval,
+        max_chain_ratio=row.max_chain_ratio,
+        keep_last=row.keep_last,
+    )
+
+
+def version_record(row: VersionRow, model: str) -> Version:
+    """The frozen record of a version row of ``model``."""
+    return Version(
+        model=model,
+        number=row.number,
+        parent=row.parent,
+        kind=row.kind,
+        chain_base=row.chain_base,
+        state=row.state,
+        step=row.step,
+        metadata=dict(row.metadata_ or {}),
+        raw_bytes=row.raw_bytes,
+        stored_bytes=row.stored_bytes,
+        manifest_digest=row.manifest_digest,
+        publish_id=row.publish_id,
+        idempotency_key=row.idempotency_key,
+        created_at=row.created_at,
+        committed_at=row.committed_at,
+        expires_at=row.expires_at,
+        deleted_at=row.deleted_at,
+    )
+
+
+def object_record(row: ObjectRow) -> ObjectInfo:
+    """The frozen record of an object row."""
+    return ObjectInfo(
+        digest=row.digest,
+        size=row.size,
+        first_seen=row.first_seen,
+        unreferenced_since=row.unreferenced_since,
+        state=row.state,
+        deleting_since=row.deleting_since,
+    )
+
+
+def lease_record(row: LeaseRow, model: str) -> Lease:
+    """The frozen record of a lease row of ``model``."""
+    return Lease(model, row.number, row.holder, row.acquired_at, row.expires_at)
+
+
+def replica_record(row: ReplicaRow, model: str) -> Replica:
+    """The frozen record of a ledger row of ``model``."""
+    return Replica(
+        model=model,
+        subscriber=row.subscriber,
+        number=row.number,
+        applied_at=row.applied_at,
+        pause_ms=row.pause_ms,
+        bytes_received=row.bytes_received,
+        site=row.site,
+        host=row.host,
+        extra=dict(row.extra or {}),
+    )

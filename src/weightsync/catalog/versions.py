@@ -1,0 +1,163 @@
+"""Committed versions: reading them (head, lineage, chain), retention, and deleting them.
+
+docs/CATALOG.md "States and transitions". Deleting never breaks a materialization unless
+forced: the head, the chains of versions that stay, and leased chains are kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+
+from sqlalchemy import delete, func, select
+from sqlalchemy.orm import Session
+
+from .. import errors
+from . import leases, objects
+from .records import Version
+from .rows import chunks, committed_row, model_row, version_record
+from .schema import ModelRow, VersionObjectRow, VersionRow
+
+__all__ = ["drop", "get", "head", "lineage", "listing", "mark_deleted", "retention_candidates"]
+
+
+def drop(s: Session, rows: Sequence[VersionRow], now: datetime) -> None:
+    """Mark ``rows`` deleted and release their object references (which starts those objects' grace)."""
+    if not rows:
+        return
+    ids = [r.id for r in rows]
+    digests = {r.manifest_digest for r in rows if r.manifest_digest}
+    for chunk in chunks(ids):
+        digests.update(s.scalars(select(VersionObjectRow.digest).where(VersionObjectRow.version_id.in_(chunk))))
+        s.execute(delete(VersionObjectRow).where(VersionObjectRow.version_id.in_(chunk)))
+    for r in rows:
+        r.state = "deleted"
+        r.deleted_at = now
+    s.flush()
+    objects.mark_unreferenced(s, digests, now)
+
+
+def get(s: Session, model: str, number: int, include_deleted: bool) -> Version:
+    """Committed version ``number`` (deleted too if asked); VersionNotFound."""
+    m = model_row(s, model)
+    return version_record(committed_row(s, m, number, include_deleted=include_deleted), m.name)
+
+
+def listing(
+    s: Session,
+    model: str,
+    states: tuple[str, ...],
+    limit: int | None,
+    before: int | None,
+    after: int | None,
+    descending: bool,
+) -> list[Version]:
+    """Versions in ``states`` by number, pending (unnumbered) last; see Catalog.list_versions."""
+    m = model_row(s, model)
+    stmt = select(VersionRow).where(VersionRow.model_id == m.id, VersionRow.state.in_(states))
+    if before is not None:
+        stmt = stmt.where(VersionRow.number < before)
+    if after is not None:
+        stmt = stmt.where(VersionRow.number > after)
+    unnumbered = VersionRow.number.is_(None)
+    if descending:
+        stmt = stmt.order_by(unnumbered.desc(), VersionRow.number.desc(), VersionRow.id.desc())
+    else:
+        stmt = stmt.order_by(unnumbered, VersionRow.number, VersionRow.id)
+    if limit is not None:
+        stmt = stmt.limit(limit)
+    return [version_record(r, m.name) for r in s.scalars(stmt)]
+
+
+def head(s: Session, model: str) -> Version | None:
+    """The model's head version, or None before its first commit."""
+    m = model_row(s, model)
+    return None if m.head is None else version_record(committed_row(s, m, m.head), m.name)
+
+
+def lineage(s: Session, model: str, number: int) -> list[Version]:
+    """The chain from ``number``'s keyframe to it, keyframe first; VersionNotFound if a link is missing."""
+    m = model_row(s, model)
+    top = committed_row(s, m, number)
+    rows = {
+        r.number: r
+        for r in s.scalars(
+            select(VersionRow).where(
+                VersionRow.model_id == m.id,
+                VersionRow.state == "committed",
+                VersionRow.number.between(top.chain_base, number),
+            )
+        )
+    }
+    chain = [top]
+    while chain[-1].kind == "delta":
+        p = chain[-1].parent
+        if p not in rows:
+            raise errors.VersionNotFound(
+                f"model {m.name!r}: version {chain[-1].number} needs version {p}, which is not committed"
+            )
+        chain.append(rows[p])
+    return [version_record(r, m.name) for r in reversed(chain)]
+
+
+def retention_candidates(s: Session, model: str) -> list[int]:
+    """Committed numbers beyond the model's ``keep_last`` newest, oldest first."""
+    m = model_row(s, model)
+    if m.keep_last is None:
+        return []
+    nums = s.scalars(
+        select(VersionRow.number)
+        .where(VersionRow.model_id == m.id, VersionRow.state == "committed")
+        .order_by(VersionRow.number.desc())
+        .offset(m.keep_last)
+    )
+    return sorted(n for n in nums if n is not None)
+
+
+def _parents(s: Session, m: ModelRow) -> dict[int, tuple[int | None, str]]:
+    """number -> (parent, kind) of every committed version of ``m``."""
+    rows = s.execute(
+        select(VersionRow.number, VersionRow.parent, VersionRow.kind).where(
+            VersionRow.model_id == m.id, VersionRow.state == "committed"
+        )
+    )
+    return {n: (p, k) for n, p, k in rows if n is not None}
+
+
+def _chain(parents: dict[int, tuple[int | None, str]], number: int) -> list[int]:
+    """Numbers from ``number`` back to its keyframe (newest first); stops early at a missing link."""
+    out = [number]
+    while True:
+        parent, kind = parents[out[-1]]
+        if kind == "keyframe" or parent is None or parent not in parents:
+            return out
+        out.append(parent)
+
+
+def mark_deleted(s: Session, model: str, asked: set[int], force: bool, now: datetime) -> list[int]:
+    """Delete committed ``asked`` numbers; see Catalog.mark_deleted for what is kept without ``force``."""
+    m = model_row(s, model, lock=True)
+    rows = {
+        r.number: r
+        for r in s.scalars(select(VersionRow).where(VersionRow.model_id == m.id, VersionRow.number.in_(sorted(asked))))
+        if r.number is not None
+    }
+    missing = asked - set(rows)
+    if missing:
+        raise errors.VersionNotFound(f"model {m.name!r} has no versions {sorted(missing)}")
+    targets = {n for n, r in rows.items() if r.state == "committed"}
+    if not force:
+        parents = _parents(s, m)
+        roots = (set(parents) - targets) | leases.held_numbers(s, m, now)
+        if m.head is not None:
+            roots.add(m.head)
+        keep: set[int] = set()
+        for root in roots & set(parents):
+            keep.update(_chain(parents, root))
+        targets -= keep
+    drop(s, [rows[n] for n in sorted(targets)], now)
+    if m.head in targets:
+        m.head = s.scalar(
+            select(func.max(VersionRow.number)).where(VersionRow.model_id == m.id, VersionRow.state == "committed")
+        )
+    return sorted(targets)

@@ -1,0 +1,149 @@
+"""Every migration upgrades a populated database: the data survives and what the migration adds works.
+
+The test walks the revision graph, so each pair of consecutive revisions (previous head → new head)
+is tested on SQLite and PostgreSQL. A new migration adds one entry to ``SEEDS`` (rows to insert at
+its *down* revision, if that revision has no seed yet) and one to ``CHECKS`` (what must hold after
+upgrading to it); ``test_every_migration_has_a_seed_and_a_check`` fails until it does. The generic
+part (every row of every table survives, column for column) needs nothing per migration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import datetime, timezone
+from typing import Any
+
+import pytest
+from alembic import command
+from alembic.script import ScriptDirectory
+from sqlalchemy import Connection, Engine, MetaData, Table, insert, select, text, update
+from sqlalchemy import exc as sa_exc
+
+from weightsync.catalog import Catalog, make_engine
+from weightsync.catalog import migrate as migrations
+from weightsync.catalog.engine import writer
+
+T = datetime(2030, 1, 1, tzinfo=timezone.utc)
+D = {name: (name * 64)[:64] for name in ("a", "b", "c", "d", "e", "f")}
+
+
+def _chain() -> list[str]:
+    """Revisions from the first to the head, in upgrade order."""
+    script = ScriptDirectory.from_config(migrations.alembic_config())
+    return [r.revision for r in reversed(list(script.walk_revisions("base", "heads")))]
+
+
+PAIRS = list(zip(_chain(), _chain()[1:], strict=False))
+
+
+def _upgrade(engine: Engine, revision: str) -> None:
+    with writer(engine).begin() as conn:
+        migrations.lock_for_migration(conn)
+        command.upgrade(migrations.alembic_config(conn), revision)
+
+
+def _tables(conn: Connection) -> dict[str, Table]:
+    meta = MetaData()
+    meta.reflect(conn)
+    return {name: t for name, t in meta.tables.items() if name != "alembic_version"}
+
+
+def _snapshot(conn: Connection) -> dict[str, list[dict[str, Any]]]:
+    """Every row of every table, as dicts, in primary-key order."""
+    out = {}
+    for name, table in _tables(conn).items():
+        order = list(table.primary_key.columns) or list(table.columns)
+        out[name] = [dict(r._mapping) for r in conn.execute(select(table).order_by(*order))]
+    return out
+
+
+# --- seeds: a populated database at a revision ------------------------------------------------
+
+
+def seed_0001(conn: Connection) -> None:
+    """One model: a committed keyframe and delta, a pending and a deleted publish; objects, a lease, the ledger."""
+    t = _tables(conn)
+    conn.execute(insert(t["models"]), [dict(id=1, name="m", created_at=T, head=2, keyframe_interval=20,
+                                            max_chain_ratio=0.5, keep_last=None)])
+    common = dict(model_id=1, step=None, metadata={"lr": 0.1}, idempotency_key=None, created_at=T, expires_at=None,
+                  deleted_at=None)
+    conn.execute(insert(t["versions"]), [
+        dict(common, id=1, number=1, parent=None, kind="keyframe", chain_base=1, state="committed", raw_bytes=100,
+             stored_bytes=60, manifest_digest=D["a"], publish_id="p1", committed_at=T),
+        dict(common, id=2, number=2, parent=1, kind="delta", chain_base=1, state="committed", raw_bytes=100,
+             stored_bytes=6, manifest_digest=D["b"], publish_id="p2", committed_at=T, idempotency_key="k2"),
+        dict(common, id=3, number=None, parent=2, kind="delta", chain_base=None, state="pending", raw_bytes=None,
+             stored_bytes=None, manifest_digest=None, publish_id="p3", committed_at=None, expires_at=T),
+        dict(common, id=4, number=None, parent=2, kind="delta", chain_base=None, state="deleted", raw_bytes=None,
+             stored_bytes=None, manifest_digest=None, publish_id="p4", committed_at=None, expires_at=T, deleted_at=T),
+    ])
+    conn.execute(insert(t["objects"]), [
+        dict(digest=D[k], size=size, first_seen=T, unreferenced_since=since)
+        for k, size, since in (("a", 10, None), ("b", 11, None), ("c", 60, None), ("d", 6, None), ("e", 7, T))
+    ])
+    conn.execute(insert(t["version_objects"]), [
+        dict(version_id=1, digest=D["c"], size=60), dict(version_id=2, digest=D["d"], size=6),
+        dict(version_id=3, digest=D["d"], size=6),
+    ])
+    conn.execute(insert(t["leases"]), [dict(id=1, model_id=1, number=2, holder="reader", acquired_at=T, expires_at=T)])
+    conn.execute(insert(t["replicas"]), [dict(id=1, model_id=1, subscriber="host-a", number=2, applied_at=T,
+                                              pause_ms=1.5, bytes_received=6, site="us", host=None, extra={"x": 1})])
+
+
+SEEDS: dict[str, Callable[[Connection], None]] = {"0001": seed_0001}
+
+
+# --- checks: what holds after upgrading to a revision --------------------------------------
+
+
+def check_0002(conn: Connection, url: str) -> None:
+    """Existing objects are live, not deleting; a tombstone needs its timestamp; the catalog uses both."""
+    t = _tables(conn)
+    objects = t["objects"]
+    rows = conn.execute(select(objects.c.digest, objects.c.state, objects.c.deleting_since)).all()
+    assert rows and all(state == "live" and since is None for _, state, since in rows)
+    for bad in ({"state": "deleting"}, {"state": "gone", "deleting_since": T}, {"deleting_since": T}):
+        with pytest.raises(sa_exc.IntegrityError), conn.begin_nested():
+            conn.execute(update(objects).where(objects.c.digest == D["e"]).values(**bad))
+    conn.commit()
+    with Catalog.open(url, migrate=False) as cat:
+        assert cat.get_version("m", 2).parent == 1 and cat.get_model("m").head == 2
+        # The unreferenced object can be tombstoned, and then no publish may reference it.
+        assert cat.begin_object_deletion([(D["e"], 7, T)], unreferenced_before=T, now=T) == [D["e"]]
+        assert cat.reference_objects("m", "p3", [(D["e"], 7)], now=datetime(2020, 1, 1, tzinfo=timezone.utc)
+                                      ).deleting == (D["e"],)
+        assert cat.begin_object_deletion([(D["c"], 60, T)], unreferenced_before=T, now=T) == []  # referenced
+
+
+CHECKS: dict[str, Callable[[Connection, str], None]] = {"0002": check_0002}
+
+
+def test_every_migration_has_a_seed_and_a_check() -> None:
+    for old, new in PAIRS:
+        assert old in SEEDS or any(SEEDS.get(r) for r in _chain()[: _chain().index(old)]), f"no seed for {old}"
+        assert new in CHECKS, f"migration {new} has no check in CHECKS"
+
+
+@pytest.mark.parametrize(("old", "new"), PAIRS, ids=[f"{a}-{b}" for a, b in PAIRS])
+def test_upgrade_keeps_the_data(db_url: str, old: str, new: str) -> None:
+    engine = make_engine(db_url)
+    try:
+        # Build the database as the previous head would have, seeding at every revision that has a seed.
+        chain = _chain()
+        for rev in chain[: chain.index(old) + 1]:
+            _upgrade(engine, rev)
+            if rev in SEEDS:
+                with engine.begin() as conn:
+                    SEEDS[rev](conn)
+        with engine.connect() as conn:
+            before = _snapshot(conn)
+        _upgrade(engine, new)
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar() == new
+            after = _snapshot(conn)
+            for table, rows in before.items():
+                kept = [{k: r[k] for k in rows[0]} for r in after[table]] if rows else after[table]
+                assert kept == rows, f"rows of {table} changed"
+            CHECKS[new](conn, db_url)
+    finally:
+        engine.dispose()
