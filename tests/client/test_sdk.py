@@ -10,7 +10,7 @@ from _client_util import FaultyTransport, Killed, TinyTrainer, dir_size, tree_by
 
 from weightsync import errors
 from weightsync.client import Publisher, Subscriber
-from weightsync.client._checkout import CheckoutState
+from weightsync.client.checkout import Checkout
 
 SMALL = {"chunk_bytes": 16 << 10, "object_bytes": 48 << 10}  # several frames per tensor, several objects
 
@@ -115,9 +115,8 @@ def test_push_resumes_in_a_new_process_without_cache(server, model, tmp_path: Pa
     with Publisher(server.url, model, **SMALL) as pub:
         pub.publish(sources[0])
     faulty = FaultyTransport("PUT", "/v1/objects/", limit=1)
-    with Publisher(server.url, model, transport=faulty, concurrency=1, **SMALL) as crashed:
-        with pytest.raises(Killed):
-            crashed.publish(sources[1])
+    with Publisher(server.url, model, transport=faulty, concurrency=1, **SMALL) as crashed, pytest.raises(Killed):
+        crashed.publish(sources[1])
     with Publisher(server.url, model, **SMALL) as fresh:
         r = fresh.publish(sources[1])
     assert r.version == 2 and r.kind == "keyframe"
@@ -134,11 +133,11 @@ def test_pull_resumes_after_crash_and_keeps_old_version(server, model, tmp_path:
         sub.pull(dest, version=1)
     before = tree_bytes(dest)
     faulty = FaultyTransport("GET", "/v1/objects/", limit=3)
-    with Subscriber(server.url, model, transport=faulty, concurrency=2, range_bytes=8 << 10) as crashing:
-        with pytest.raises(Killed):
-            crashing.pull(dest, version=None)
+    with Subscriber(server.url, model, transport=faulty, concurrency=2, range_bytes=8 << 10) as crashing, \
+            pytest.raises(Killed):
+        crashing.pull(dest, version=None)
     assert tree_bytes(dest) == before, "a failed pull leaves the old version intact"
-    assert CheckoutState.load(dest).number == 1
+    assert Checkout(dest).state().number == 1
     cached = sum(p.stat().st_size for p in (dest / ".weightsync" / "objects").rglob("*") if p.is_file())
     assert cached > 0
     with Subscriber(server.url, model) as sub:

@@ -2,7 +2,7 @@
 
 A *crash point* is one state-changing action of an operation: a system call that
 changes the filesystem (``os.open`` with O_CREAT/O_WRONLY/O_RDWR, ``os.write``,
-``os.fsync``, ``os.link``, ``os.replace``, ``os.rename``, ``os.unlink``,
+``os.fsync``, ``os.link``, ``os.symlink``, ``os.replace``, ``os.rename``, ``os.unlink``,
 ``os.mkdir``, ``os.rmdir``, ``os.ftruncate``), a write-mode ``open()`` and every
 ``write``/``truncate`` on the file it returns, ``shutil.copyfile``, a catalog
 write transaction (``Catalog.<method>``: "before" dies inside the transaction,
@@ -34,8 +34,6 @@ import json
 import os
 import re
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -50,6 +48,8 @@ TESTS = HERE.parent
 for _p in (str(TESTS), str(HERE)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
+
+from _serve import SERVE_CLI, ServeProcess, clean_env  # noqa: E402 - tests/ is on sys.path from here on (zygote)
 
 CRASH_EXIT = 77
 #: The test clock's start. Far after any file's mtime, so the store's mtime-based grace never hides an
@@ -171,6 +171,7 @@ def install_fs_hooks(cp: CrashPoints) -> None:
     os.write = wrap("os.write", os.write, lambda fd, *_: "fd")
     os.fsync = wrap("os.fsync", os.fsync, lambda fd: "fd")
     os.link = wrap("os.link", os.link, lambda src, dst, **_: _short(dst, root))
+    os.symlink = wrap("os.symlink", os.symlink, lambda src, dst, **_: _short(dst, root))
     os.replace = wrap("os.replace", os.replace, lambda src, dst, **_: _short(dst, root))
     os.rename = wrap("os.rename", os.rename, lambda src, dst, **_: _short(dst, root))
     os.unlink = wrap("os.unlink", os.unlink)
@@ -200,7 +201,8 @@ def install_fs_hooks(cp: CrashPoints) -> None:
 
 
 CATALOG_WRITES = ("create_model", "update_model_settings", "begin_version", "reference_objects", "commit_version",
-                  "abort_pending", "expire_pending", "mark_deleted", "record_object", "forget_object",
+                  "abort_pending", "expire_pending", "mark_deleted", "record_object", "begin_object_deletion",
+                  "finish_object_deletion", "resume_object_deletions",
                   "acquire_lease", "release_lease", "purge_expired_leases", "record_replica", "import_version")
 
 
@@ -268,6 +270,33 @@ def sharded_versions(count: int, *, seed: int = 7):
     return out
 
 
+RESHAPED = "crash-reshaped"
+"""A second model whose versions add, remove and rename files and sub-directories."""
+
+
+def reshaped_versions(count: int, *, seed: int = 11):
+    """Up to 3 versions whose file set changes: v2 adds a file in a new sub-sub-directory; v3 renames
+    (and changes) the shard into a sub-directory, drops two files and adds one."""
+    from _ckpt import safetensors_file
+    from _versions import model_files, next_step
+
+    from weightsync.codec import Checkpoint
+
+    a = model_files(seed, n=3)
+    shards = [safetensors_file(a, {"step": "0"})]
+    for i in range(1, 3):
+        a = next_step(a, 300 + i)
+        shards.append(safetensors_file(a, {"step": str(i)}))
+    extra = bytes(range(256)) * 9
+    layouts = [
+        {"shard-1.safetensors": shards[0], "config.json": b'{"hidden": 64}', "sub/tokenizer.json": b'{"v": 1}'},
+        {"shard-1.safetensors": shards[1], "config.json": b'{"hidden": 64}', "sub/tokenizer.json": b'{"v": 1}',
+         "sub/deep/extra.bin": extra},
+        {"shards/shard-1.safetensors": shards[2], "generation.json": b'{"top_p": 0.9}', "sub/deep/extra.bin": extra},
+    ]
+    return [Checkpoint.from_bytes(files) for files in layouts[:count]]
+
+
 def files_of(ck) -> dict[str, bytes]:
     return {f.layout.path: f.data.tobytes() for f in ck.files}
 
@@ -277,7 +306,8 @@ def digest_files(files: dict[str, bytes]) -> dict[str, str]:
 
 
 def checkout_files(root: Path) -> dict[str, bytes]:
-    """The model files a checkout directory holds (everything outside .weightsync)."""
+    """What a reader opening DIR/<path> gets: every file outside .weightsync, links followed (a dangling
+    link opens nothing, like an absent file)."""
     out = {}
     for p in sorted(root.rglob("*")):
         rel = p.relative_to(root)
@@ -643,22 +673,25 @@ class GcScenario(Scenario):
 class PullScenario(Scenario):
     """A Subscriber pull into a checkout: from nothing, or incrementally from `have`, to `want`.
 
-    The server (a `weightsync serve` the test started) holds versions 1..`want` of the
-    sharded model; the baseline checkout holds `have` (pulled in setup).
+    The server (a `weightsync serve` the test started) holds versions 1..3 of the sharded
+    model (and of the reshaped one, whose file set changes); the baseline checkout holds
+    `have` (pulled in setup).
     """
 
     server = True
 
-    def __init__(self, have: int | None, want: int) -> None:
+    def __init__(self, have: int | None, want: int, *, reshaped: bool = False) -> None:
         self.have, self.want = have, want
-        self.name = f"pull-v{have or 0}-to-v{want}"
+        self.model = RESHAPED if reshaped else MODEL
+        self.versions = reshaped_versions if reshaped else sharded_versions
+        self.name = f"pull-{'reshaped-' if reshaped else ''}v{have or 0}-to-v{want}"
 
     def _subscriber(self, env: Env, work: Path):
         from weightsync.client import Subscriber
 
         # One connection and one decode thread: the actions happen in one order on every run.
-        return Subscriber(env.server, MODEL, name="crash-puller", concurrency=1, decode_threads=1, report=False,
-                          timeout=30.0)
+        return Subscriber(env.server, self.model, name="crash-puller", concurrency=1, decode_threads=1,
+                          report=False, timeout=30.0)
 
     def setup(self, work: Path, env: Env) -> None:
         (work / "checkout").mkdir(parents=True)
@@ -673,16 +706,11 @@ class PullScenario(Scenario):
             cp.completed()
 
     def check(self, work: Path, env: Env) -> list[str]:
-        versions = sharded_versions(self.want)
+        versions = self.versions(self.want)
         old = files_of(versions[self.have - 1]) if self.have else {}
         new = files_of(versions[self.want - 1])
         root = work / "checkout"
-        out = []
-        held = checkout_files(root)
-        if held != old and held != new:
-            mixed = {p: ("new" if new.get(p) == b else "old" if old.get(p) == b else "other")
-                     for p, b in held.items()}
-            out.append(f"checkout is a mix of versions: {mixed}")
+        out = reader_violations(root, old, new)
         try:
             with self._subscriber(env, work) as sub:
                 result = sub.pull(root, self.want)
@@ -695,16 +723,58 @@ class PullScenario(Scenario):
         state = json.loads((root / ".weightsync" / "state.json").read_bytes())
         if state.get("number") != self.want:
             out.append(f"state file says v{state.get('number')}")
-        leftovers = [str(p.relative_to(root)) for p in (root / ".weightsync").rglob("*")
-                     if p.is_file() and p.name not in ("state.json", "lock")]
-        if leftovers:
-            out.append(f"leftover files after re-run pull: {leftovers}")
-        return out
+        return out + checkout_leftovers(root, old, new)
+
+
+def reader_violations(root: Path, old: dict[str, bytes], new: dict[str, bytes]) -> list[str]:
+    """What a reader of DIR may see: exactly one version's complete file set, byte for byte, every
+    file read through the one current version (client/checkout.py)."""
+    held = checkout_files(root)
+    if held != old and held != new:
+        mixed = {p: ("new" if new.get(p) == b else "old" if old.get(p) == b else "other")
+                 for p, b in held.items()}
+        return [f"checkout is a mix of versions: {mixed}, absent {sorted((old.keys() | new.keys()) - held.keys())}"]
+    current = root / ".weightsync" / "current"
+    if held and not current.is_symlink():
+        return ["model files but no current version"]
+    outside = [p for p in held if not (root / p).resolve().is_relative_to(current.resolve())]
+    return [f"files read from outside the current version: {outside}"] if outside else []
+
+
+def checkout_leftovers(root: Path, old: dict[str, bytes], new: dict[str, bytes]) -> list[str]:
+    """After a completed pull: only the current version and at most the previous one (kept until the
+    next pull), no temporaries, no dangling links, and disk use at most new + old."""
+    meta = root / ".weightsync"
+    out = []
+    current = os.readlink(meta / "current")
+    others = [v for v in (meta / "versions").iterdir() if f"versions/{v.name}" != current]
+    for v in others:
+        kept = {str(p.relative_to(v / "data")): p.read_bytes() for p in (v / "data").rglob("*") if p.is_file()}
+        if kept != old or len(others) > 1:
+            out.append(f"leftover version directory after re-run pull: {v.name}")
+    stray = [str(p.relative_to(root)) for p in meta.rglob("*")
+             if (p.is_file() or p.is_symlink()) and not p.is_relative_to(meta / "versions")
+             and p.name not in ("state.json", "lock", "current")]
+    if stray:
+        out.append(f"leftover files after re-run pull: {stray}")
+    dangling = [str(p.relative_to(root)) for p in root.rglob("*") if p.is_symlink() and not p.exists()]
+    if dangling:
+        out.append(f"dangling links after re-run pull: {dangling}")
+    inodes = {}
+    for p in (meta / "versions").rglob("*"):
+        if p.is_file() and "data" in p.relative_to(meta / "versions").parts[1:2]:
+            st = p.stat()
+            inodes[(st.st_dev, st.st_ino)] = st.st_size
+    limit = sum(len(b) for b in new.values()) + sum(len(b) for b in old.values())
+    if sum(inodes.values()) > limit:
+        out.append(f"versions use {sum(inodes.values())} bytes, more than new + old = {limit}")
+    return out
 
 
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     PublishScenario([]), PublishScenario([1, 2]), GcScenario(),
     PullScenario(2, 3), PullScenario(1, 3), PullScenario(None, 3),
+    PullScenario(2, 3, reshaped=True), PullScenario(1, 3, reshaped=True),
 )}
 
 
@@ -1036,61 +1106,18 @@ def enumerate_crashes(zygotes: list[Zygote], scenario: str, base: Path, scratch:
 # --- a `weightsync serve` subprocess (shared with test_concurrency.py) --------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Served:
-    """`weightsync serve` in a subprocess on a free loopback port; stop() ends it (SIGTERM, then SIGKILL)."""
+class Served(ServeProcess):
+    """`weightsync serve` in a subprocess on a free loopback port (the shared helper, preset for these suites)."""
 
     def __init__(self, data: Path, *, catalog: str | None = None, log_path: Path, extra: list[str] | None = None,
                  env: dict[str, str] | None = None) -> None:
         exe = Path(sys.executable).with_name("weightsync")
-        cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "weightsync"]
-        self.port = free_port()
-        args = cmd + ["serve", "--data", str(data), "--port", str(self.port), "--log-level", "warning"]
+        cmd = (str(exe),) if exe.exists() else SERVE_CLI
+        args = ["--data", str(data), "--log-level", "warning"]
         if catalog:
             args += ["--catalog", catalog]
         args += extra or []
-        clean = {k: v for k, v in os.environ.items() if not k.startswith(("WEIGHTSYNC_", "AWS_", "PROMETHEUS_"))}
-        clean.update(env or {})
-        self.log_path = log_path
-        with open(log_path, "wb") as log:
-            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=clean, start_new_session=True)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def wait_ready(self, timeout: float = 60.0) -> Served:
-        import httpx
-
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"serve exited with {self.proc.returncode}: {self.log()[-2000:]}")
-            try:
-                if httpx.get(self.url + "/healthz", timeout=2).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"serve did not answer /healthz: {self.log()[-2000:]}")
-            time.sleep(0.1)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        super().__init__(args, log_path=log_path, command=cmd, env=clean_env(env))
 
 
 if __name__ == "__main__":

@@ -16,11 +16,15 @@ guarantee of client/_checkout.py):
 - after the clock passes the pending TTL and GC grace, ``fsck --repair`` (twice) leaves a
   store where a plain fsck reports nothing, and a catalog rebuilt from the store alone
   equals the live one;
-- a checkout is the old version or the new one byte for byte, never a mix, and a re-run
-  pull leaves no stray files.
+- what a reader of a checkout sees (every file outside .weightsync, links followed) is
+  the old version's complete file set or the new one's, byte for byte, never a mix, read
+  through the one current version (docs/DESIGN.md "Checkouts"); a re-run pull leaves no
+  stray files, no dangling links, at most the previous version besides the new one, and
+  disk use of at most new + old.
 
-Default run: SQLite + filesystem store for publish (first version, a delta), GC and an
-incremental pull. ``--long`` adds full and two-step pulls and the publish path on
+Default run: SQLite + filesystem store for publish (first version, a delta), GC, an
+incremental pull and an incremental pull whose versions add, remove and rename files and
+sub-directories. ``--long`` adds full and two-step pulls and the publish path on
 PostgreSQL + SeaweedFS. docs/reliability/crash-and-concurrency.md records the figures.
 """
 
@@ -35,21 +39,16 @@ from pathlib import Path
 import pytest
 from _crash_util import (
     MODEL,
+    RESHAPED,
     T0,
     Env,
     Served,
     Tally,
     Zygote,
     enumerate_crashes,
+    reshaped_versions,
     sharded_versions,
 )
-
-# Violations of known client bugs (docs/reliability/crash-and-concurrency.md, "Findings"): they are
-# counted and reported, and test_known_checkout_bugs_are_fixed (strict xfail) fails once they are gone.
-KNOWN_CLIENT_BUGS = {
-    "mixed-checkout": "checkout is a mix of versions",
-    "stray-files": "leftover files after re-run pull",
-}
 
 
 def _scratch_root(tmp_path_factory) -> Path:
@@ -79,14 +78,15 @@ class Lab:
         return Env(t0=T0, empty_catalog=str(self.empty), **kw)
 
     def pull_server(self) -> str:
-        """A `weightsync serve` holding v1..v3 of the sharded model (published through the SDK)."""
+        """A `weightsync serve` holding v1..v3 of the sharded and the reshaped model (published through the SDK)."""
         if self.server is None:
             from weightsync.client import Publisher
 
             self.server = Served(self.logs / "serve-data", log_path=self.logs / "serve.log").wait_ready()
-            with Publisher(self.server.url, MODEL) as pub:
-                for ck in sharded_versions(3):
-                    pub.publish(ck)
+            for model, versions in ((MODEL, sharded_versions(3)), (RESHAPED, reshaped_versions(3))):
+                with Publisher(self.server.url, model) as pub:
+                    for ck in versions:
+                        pub.publish(ck)
         return self.server.url
 
     def run(self, scenario: str, env: Env | None = None, *, prepare=None, cleanup=None, key: str | None = None
@@ -136,17 +136,6 @@ def _say(capsys, tally: Tally, extra: str = "") -> None:
         print(f"\n[crash] {tally.line()}{extra}\n[crash]   points by kind: {tally.kinds()}")
 
 
-def _split(violations: list[str]) -> tuple[list[str], dict[str, int]]:
-    unexpected, known = [], {k: 0 for k in KNOWN_CLIENT_BUGS}
-    for v in violations:
-        kind = next((k for k, text in KNOWN_CLIENT_BUGS.items() if text in v), None)
-        if kind is None:
-            unexpected.append(v)
-        else:
-            known[kind] += 1
-    return unexpected, known
-
-
 SERVER_SIDE = ["publish-v1-keyframe", "publish-v3-delta", "gc"]
 
 
@@ -161,27 +150,36 @@ def test_publish_and_gc_crash_points(lab, capsys, scenario):
 
 
 def _pull_scenarios(long_run: bool) -> list[str]:
-    return ["pull-v2-to-v3"] + (["pull-v1-to-v3", "pull-v0-to-v3"] if long_run else [])
+    return ["pull-v2-to-v3", "pull-reshaped-v2-to-v3"] + (
+        ["pull-v1-to-v3", "pull-v0-to-v3", "pull-reshaped-v1-to-v3"] if long_run else [])
 
 
 def test_pull_crash_points(lab, capsys, long_run):
-    """Subscriber pulls: object cache (range parts, assembly), temp files, renames, the state file."""
+    """Subscriber pulls: object cache (range parts, assembly), temporaries, the version directory, the
+    links, the switch of `current`, the sweep of the previous version."""
     for scenario in _pull_scenarios(long_run):
         tally = lab.run(scenario)
-        unexpected, known = _split(tally.violations)
-        _say(capsys, tally, f" ({sum(known.values())} of known client bugs: {known})")
+        _say(capsys, tally)
         assert tally.n > 0 and tally.runs == 2 * tally.n
-        assert unexpected == [], "\n".join(unexpected[:30])
+        assert tally.violations == [], "\n".join(tally.violations[:30])
 
 
-@pytest.mark.xfail(strict=True, reason="client/_checkout.py install() renames files one by one: a crash between "
-                   "two renames leaves a checkout mixing versions until the next pull repairs it "
-                   "(docs/reliability/crash-and-concurrency.md, Findings)")
-def test_known_checkout_bugs_are_fixed(lab, long_run):
-    found = []
+def test_a_reader_never_sees_a_mixed_checkout(lab, long_run):
+    """Crashed at every point of a pull, the checkout reads as exactly one version; the enumeration did
+    crash on both sides of the switch and of every link a version adds or drops."""
     for scenario in _pull_scenarios(long_run):
-        found += [v for v in lab.run(scenario).violations if _split([v])[0] == []]
-    assert found == [], "\n".join(found[:10])
+        tally = lab.run(scenario)
+        mixed = [v for v in tally.violations if "mix of versions" in v or "outside the current" in v]
+        assert mixed == [], "\n".join(mixed[:10])
+        labels = tally.labels["before"]
+        switch = [i for i, label in enumerate(labels) if label == "os.replace checkout/.weightsync/current"]
+        assert len(switch) == 1, f"{scenario}: one switch of the current version, got {len(switch)}"
+        links = [i for i, label in enumerate(labels) if label.startswith("os.replace checkout/")
+                 and not label.startswith("os.replace checkout/.weightsync/")]
+        if "reshaped" in scenario:  # the reshaped versions add paths: their links precede the switch
+            assert links and max(links) < switch[0], (scenario, [labels[i] for i in links])
+            dropped = [i for i, label in enumerate(labels) if label.startswith("os.unlink") and i > switch[0]]
+            assert dropped, f"{scenario}: paths the new version drops are unlinked after the switch"
 
 
 # --- PostgreSQL + SeaweedFS -----------------------------------------------------------------------------------

@@ -12,9 +12,10 @@ extra nor torch, except for the tensor paths (state_dict publishing,
 """
 
 from weightsync.client._http import DEFAULT_SERVER, Retry, TokenBucket
+from weightsync.client.inplace import Prepared, TensorUpdate
 from weightsync.client.models import PublishResult, PullResult, Version
 from weightsync.client.publisher import Publisher, publish
-from weightsync.client.subscriber import Prepared, Subscriber, TensorUpdate
+from weightsync.client.subscriber import Subscriber
 
 __all__ = [
     "DEFAULT_SERVER", "Prepared", "PublishResult", "Publisher", "PullResult", "Retry", "Subscriber",

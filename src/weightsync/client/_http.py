@@ -10,16 +10,15 @@ serves the transfer threads of a publisher or subscriber.
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
 from weightsync import __version__, errors
+from weightsync.common import Backoff
 
 log = logging.getLogger("weightsync.client")
 
@@ -55,21 +54,9 @@ class TokenBucket:
             time.sleep(wait)
 
 
-@dataclass(frozen=True)
-class Retry:
-    """Retry policy for transient failures: `attempts` tries in all, backoff from `base` s capped at `cap` s."""
-
-    attempts: int = 6
-    base: float = 0.2
-    cap: float = 10.0
-
-    def delay(self, attempt: int, retry_after: str | None = None) -> float:
-        if retry_after:
-            try:
-                return min(float(retry_after), self.cap * 3)
-            except ValueError:
-                pass
-        return random.uniform(0, min(self.cap, self.base * (2 ** attempt)))  # full jitter
+Retry = Backoff
+"""The client's retry policy for transient failures: :class:`weightsync.common.Backoff` (``attempts`` tries
+in all, full-jitter backoff from ``base`` s capped at ``cap`` s, honouring ``Retry-After``)."""
 
 
 # Answers that are not a weightsync problem (a proxy's or the object store's error page, a code this

@@ -49,7 +49,7 @@ class _FileSink:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.tmp = path.with_name(path.name + f".{os.getpid()}.{threading.get_ident()}.tmp")
-        self.f = open(self.tmp, "wb")
+        self.f = open(self.tmp, "wb")  # noqa: SIM115 - held until finish() or abandon()
 
     def __call__(self, chunk: bytes) -> None:
         if not chunk:
@@ -260,7 +260,7 @@ class ObjectCache:
     def _chain(self, digest: str) -> list[tuple[int, int, int]]:
         """Parts that tile [0, n) in order, as (start, end, skip): `skip` bytes of the part are already covered."""
         parts = self._held_parts(digest)
-        chain = []
+        chain: list[tuple[int, int, int]] = []
         cursor = 0
         while True:
             best = max((p for p in parts if p[0] <= cursor < p[1]), key=lambda p: p[1], default=None)

@@ -20,67 +20,25 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from weightsync import errors
-from weightsync.client._checkout import (CheckoutState, HeldFile, Tree, Workspace, check_bases, install, locked,
-                                         verify)
 from weightsync.client._http import Api, Retry, TokenBucket
 from weightsync.client._pool import run_all
+from weightsync.client.base import BaseKeeper, snapshot
+from weightsync.client.decode import check_bases
 from weightsync.client.models import PublishResult
-from weightsync.client.subscriber import Progress, _Meter, pull_into
-from weightsync.codec.checkpoint import Checkpoint, CheckpointFile, layout_of
+from weightsync.client.pull import Meter, Progress
+from weightsync.client.state import CheckoutState
 from weightsync.codec.encoder import DEFAULT_CHUNK, Encoder
 from weightsync.codec.pack import DEFAULT_OBJECT_BYTES, pack
 
 log = logging.getLogger("weightsync.client")
-
-STATE_DICT_FILE = "model.safetensors"
-"""File name a published state_dict gets."""
-
-
-@dataclass
-class _Base:
-    """The version a publisher diffs against: its checkout state and its bytes."""
-
-    state: CheckoutState
-    checkpoint: Checkpoint
-
-
-def _snapshot(source: Any) -> tuple[Checkpoint, bool]:
-    """(checkpoint, owned): owned when the bytes are ours (a serialized state_dict), not the caller's files."""
-    if isinstance(source, Checkpoint):
-        return source, False
-    if isinstance(source, (str, os.PathLike)):
-        return Checkpoint.open(source), False
-    if isinstance(source, (bytes, bytearray, np.ndarray)):
-        data = np.frombuffer(source, dtype=np.uint8) if not isinstance(source, np.ndarray) else source
-        return Checkpoint([CheckpointFile(layout_of(STATE_DICT_FILE, data), data)], single_file=True), True
-    if isinstance(source, Mapping):
-        from weightsync.client.tensors import serialize_state_dict
-
-        data = serialize_state_dict(source)
-        return Checkpoint([CheckpointFile(layout_of(STATE_DICT_FILE, data), data)], single_file=True), True
-    raise TypeError(f"cannot publish a {type(source).__name__}: give a path, a state_dict or safetensors bytes")
-
-
-def _checkout_checkpoint(root: Path, state: CheckoutState) -> Checkpoint:
-    files = []
-    for f in state.files:
-        p = root / f.path
-        data = np.memmap(p, dtype=np.uint8, mode="r") if f.size else np.zeros(0, dtype=np.uint8)
-        files.append(CheckpointFile(layout_of(f.path, data), data))
-    return Checkpoint(files, single_file=state.single_file)
 
 
 class Publisher:
@@ -111,20 +69,16 @@ class Publisher:
         limiter = TokenBucket(bandwidth) if bandwidth else None
         self.api = Api(server, token, timeout=timeout, concurrency=self.concurrency, retry=retry,
                        limiter=limiter, transport=transport)
-        self._base: _Base | None = None
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="weightsync-upload")
+        self._base = BaseKeeper(self.api, model, self.cache_dir, download=self.on_mismatch == "download",
+                                pool=self._pool)
         self._background: ThreadPoolExecutor | None = None
 
     @property
     def version(self) -> int | None:
         """The version this publisher last published or caught up with (None: none yet)."""
-        if self._base is not None:
-            return self._base.state.number
-        if self.cache_dir is not None:
-            state = CheckoutState.load(self.cache_dir)
-            return state.number if state else None
-        return None
+        return self._base.number
 
     def close(self) -> None:
         """Wait for background publishes, then release connections."""
@@ -169,11 +123,11 @@ class Publisher:
         with self._lock:
             t0 = time.perf_counter()
             timings: dict[str, float] = {}
-            meter = _Meter(self.progress)
-            checkpoint, owned = _snapshot(source)
+            meter = Meter(self.progress)
+            checkpoint, owned = snapshot(source)
             head = self.api.head(self.model)
-            catch_up = _Meter(None)
-            base = None if keyframe else self._base_for(head, catch_up)  # a keyframe needs no base
+            catch_up = Meter(None)
+            base = None if keyframe else self._base.for_head(head, catch_up)  # a keyframe needs no base
             if catch_up.bytes:
                 timings["catch_up_s"] = time.perf_counter() - t0
             parent = int(head["number"]) if head else None
@@ -189,11 +143,11 @@ class Publisher:
                 encoded = self.encoder.encode(checkpoint, use.checkpoint if use else None)
                 if use is not None:
                     try:  # the encoder hashed the base bytes: they must be the version we think we hold
-                        check_bases(encoded.manifest, Tree.of_state(Path("."), use.state))
+                        check_bases(encoded.manifest, use.state.tree(Path(".")))
                     except errors.BaseMismatch as exc:
                         log.warning("publisher base does not match v%s (%s): publishing a keyframe",
                                     use.state.number, exc)
-                        self._forget_base()
+                        self._base.forget()
                         encoded = self.encoder.encode(checkpoint, None, keyframe=True)
                 manifest, objects = pack(encoded, target_bytes=self.object_bytes)
                 manifest.model, manifest.parent, manifest.step = self.model, parent, step
@@ -229,15 +183,17 @@ class Publisher:
                 raise
             t = time.perf_counter()
             try:
-                self._remember(checkpoint, owned, CheckoutState.of(self.model, number, digest, manifest,
-                                                                    self.api.server))
+                self._base.remember(checkpoint, owned, CheckoutState.of(self.model, number, digest, manifest,
+                                                                         self.api.server))
             except OSError as exc:  # committed already: only the next publish's base is lost
                 log.warning("could not keep v%s as the next base (%s): the next publish is a keyframe", number, exc)
-                self._forget_base()
+                self._base.forget()
             timings["cache_s"] = time.perf_counter() - t
-            return PublishResult(self.model, number, manifest.kind, parent, meter.bytes, manifest.raw_bytes,
-                                 manifest.stored_bytes, len(unique) + 1, len(todo) + (digest in missing), digest,
-                                 step, time.perf_counter() - t0, catch_up.bytes, timings)
+            return PublishResult(model=self.model, version=number, kind=manifest.kind, parent=parent,
+                                 bytes_sent=meter.bytes, raw_bytes=manifest.raw_bytes,
+                                 stored_bytes=manifest.stored_bytes, objects_total=len(unique) + 1,
+                                 objects_uploaded=len(todo) + (digest in missing), manifest=digest, step=step,
+                                 seconds=time.perf_counter() - t0, bytes_received=catch_up.bytes, timings=timings)
 
     def _abort(self, publish_id: str) -> None:
         """Best effort: release a failed publish's hold on its objects (a re-run still finds them in the store)."""
@@ -245,78 +201,6 @@ class Publisher:
             self.api.abort_publish(self.model, publish_id)
         except Exception as exc:  # noqa: BLE001 - the pending publish expires anyway
             log.debug("abort of publish %s failed: %s", publish_id, exc)
-
-    # --- the base ----------------------------------------------------------------------
-
-    def _base_for(self, head: dict | None, meter: _Meter) -> _Base | None:
-        """The held version if it is the server's head; else catch up (download mode) or None (keyframe)."""
-        if head is None:
-            return None
-        number, digest = int(head["number"]), head.get("manifest")
-        if self._base is not None and self._base.state.number == number and self._base.state.manifest == digest:
-            return self._base
-        if self.cache_dir is not None:
-            state = CheckoutState.load(self.cache_dir)
-            if state is not None and state.model == self.model and state.number == number \
-                    and state.manifest == digest:
-                with ThreadPoolExecutor(1) as one:
-                    if verify(self.cache_dir, state, one, deep=False):
-                        return _Base(state, _checkout_checkpoint(self.cache_dir, state))
-        if self.on_mismatch != "download":
-            return None
-        return self._download(number, meter)
-
-    def _download(self, number: int, meter: _Meter) -> _Base | None:
-        root = self.cache_dir if self.cache_dir is not None else Path(tempfile.mkdtemp(prefix="weightsync-base-"))
-        try:
-            self.api.on_bytes = meter
-            try:
-                pull_into(self.api, self.model, root, version=number, pool=self._pool, meter=meter)
-            finally:
-                self.api.on_bytes = None
-            state = CheckoutState.load(root)
-            assert state is not None
-            if self.cache_dir is not None:
-                return _Base(state, _checkout_checkpoint(root, state))
-            ck = _checkout_checkpoint(root, state)
-            return _Base(state, Checkpoint([CheckpointFile(f.layout, np.array(f.data)) for f in ck.files],
-                                           single_file=ck.single_file))
-        finally:
-            if self.cache_dir is None:
-                shutil.rmtree(root, ignore_errors=True)
-
-    def _forget_base(self) -> None:
-        self._base = None
-        if self.cache_dir is not None:
-            CheckoutState.remove(self.cache_dir)
-
-    def _remember(self, checkpoint: Checkpoint, owned: bool, state: CheckoutState) -> None:
-        """Keep the published bytes as the next base: in memory, or written into the cache checkout."""
-        if self.cache_dir is None:
-            if not owned:  # the caller's files may change under us: copy them
-                checkpoint = Checkpoint([CheckpointFile(f.layout, np.array(f.data)) for f in checkpoint.files],
-                                        single_file=checkpoint.single_file)
-            self._base = _Base(state, checkpoint)
-            return
-        root = self.cache_dir
-        root.mkdir(parents=True, exist_ok=True)
-        self._base = None
-        with locked(root):
-            old = CheckoutState.load(root)
-            CheckoutState.remove(root)
-            work = Workspace(root)
-            try:
-                tree = Tree(state.single_file)
-                for f in checkpoint.files:
-                    loc = work.new()
-                    with open(loc, "wb") as fh:
-                        fh.write(memoryview(np.ascontiguousarray(f.data)))
-                    tree.files[f.layout.path] = HeldFile(loc, f.layout.size, True, {})
-                install(root, tree, old)
-                state.save(root)
-            finally:
-                work.clear()
-        self._base = _Base(state, _checkout_checkpoint(root, state))
 
 
 def publish(server: str, model: str, source: Any, *, token: str | None = None, step: int | None = None,

@@ -29,10 +29,11 @@ _TORCH_NAMES = {
     "I16": "int16", "U16": "uint16", "F16": "float16", "BF16": "bfloat16", "I32": "int32", "U32": "uint32",
     "F32": "float32", "F64": "float64", "I64": "int64", "U64": "uint64", "F8_E8M0": "float8_e8m0fnu",
 }
-_INT_OF_WIDTH = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
+_INT_OF_WIDTH = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
 
 
-def _torch():
+def torch_module() -> Any:
+    """The torch module, imported on first use (WeightsyncError naming the package when it is missing)."""
     try:
         import torch
     except ImportError:  # pragma: no cover - depends on the environment
@@ -42,7 +43,7 @@ def _torch():
 
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype of a safetensors dtype name; UnsupportedDtype if torch has none."""
-    torch = _torch()
+    torch = torch_module()
     attr = _TORCH_NAMES.get(name)
     if attr is None or not hasattr(torch, attr):
         raise errors.UnsupportedDtype(f"no torch dtype for {name}")
@@ -51,7 +52,7 @@ def torch_dtype(name: str) -> torch.dtype:
 
 def dtype_name(dtype: torch.dtype) -> str:
     """The safetensors name of a torch dtype; UnsupportedDtype if it has none."""
-    torch = _torch()
+    torch = torch_module()
     for name, attr in _TORCH_NAMES.items():
         if getattr(torch, attr, None) == dtype:
             return name
@@ -60,7 +61,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def raw_bytes(t: torch.Tensor) -> np.ndarray:
     """A tensor's bytes as a 1-D uint8 numpy array (a view for contiguous CPU tensors, else a host copy)."""
-    torch = _torch()
+    torch = torch_module()
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()  # xxh3 and serialization run on the host: device tensors are copied there
@@ -81,7 +82,7 @@ def serialize_state_dict(state_dict: Mapping[str, Any], metadata: Mapping[str, s
     Tensors are copied to host memory now, so the caller may keep training.
     bf16 and fp8 bytes are taken through a uint8 view: no conversion.
     """
-    _torch()
+    torch_module()
     specs = []
     datas = []
     for name, t in state_dict.items():
@@ -102,11 +103,11 @@ def serialize_state_dict(state_dict: Mapping[str, Any], metadata: Mapping[str, s
 
 def load(path: str | os.PathLike, *, device: str | None = None) -> dict[str, torch.Tensor]:
     """Every tensor of a safetensors file, or of all `*.safetensors` under a directory, as writable tensors."""
-    torch = _torch()
+    torch = torch_module()
     root = Path(path)
     files = sorted(p for p in root.rglob("*.safetensors") if ".weightsync" not in p.parts) if root.is_dir() \
         else [root]
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, Any] = {}
     for p in files:
         data = p.read_bytes()
         layout = safetensors.parse(data[: safetensors.header_length(data[:8], len(data))], len(data))
@@ -121,11 +122,15 @@ def load(path: str | os.PathLike, *, device: str | None = None) -> dict[str, tor
 
 
 def int_view(t: torch.Tensor) -> torch.Tensor:
-    """A flat view of `t` as the (signed) integer type of its element width, sharing storage."""
-    torch = _torch()
+    """A flat view of `t` as the signed integer type of its element width, sharing storage.
+
+    Signed at every width, as ``codec.values.Change`` operands are: addition wraps (two's complement).
+    """
+    torch = torch_module()
     return t.detach().view(-1).view(getattr(torch, _INT_OF_WIDTH[t.element_size()]))
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:
-    torch = _torch()
+    """A flat view of `t`'s bytes (uint8), sharing storage."""
+    torch = torch_module()
     return t.detach().view(-1).view(torch.uint8)

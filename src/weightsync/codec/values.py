@@ -7,11 +7,16 @@ arrays to the tensors' device and applies them there. This module is that
 frame-level API: the same header checks and bounded section decoding as
 `apply_frame`, minus the apply.
 
+Several consecutive deltas of one tensor compose into one :class:`Change`
+(`compose`): a subscriber several versions behind applies each changed element
+once instead of once per version.
+
 Functions here are pure and thread-safe.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,7 +24,31 @@ import numpy as np
 from weightsync.codec.frame import FrameHeader, decode_frame, decode_payload, parse_header, unzigzag
 from weightsync.errors import FormatError
 
-_SIGNED = {1: np.dtype("<i1"), 2: np.dtype("<i2"), 4: np.dtype("<i4"), 8: np.dtype("<i8")}
+
+@dataclass(frozen=True)
+class Change:
+    """Elements to change in an array of W-byte elements: `operands[i]` applies at element `positions[i]`.
+
+    `positions` are sorted and unique (int64). `operands` are signed W-byte
+    integers: addends (mod 2^8W) when `add`, else XOR masks. Signed so a
+    tensor viewed as the signed integer type of its element width takes them
+    directly (two's complement addition wraps).
+    """
+
+    add: bool
+    positions: np.ndarray
+    operands: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+    def apply(self, target: np.ndarray) -> None:
+        """Apply to `target`, a 1-D array of W-byte elements (any integer view of them), on the host."""
+        view = target.view(self.operands.dtype)
+        if self.add:
+            view[self.positions] += self.operands
+        else:
+            view[self.positions] ^= self.operands
 
 
 @dataclass(frozen=True)
@@ -47,17 +76,32 @@ class DeltaValues:
         Signed so a tensor viewed as the signed integer type of its element
         width can take them directly (two's complement addition wraps).
         """
-        signed = _SIGNED[self.header.dtype.width]
-        if self.header.add:
-            return unzigzag(self.values).view(signed)
-        return self.values.view(signed)
+        return self._operands(self.values)
 
-    def sparse(self) -> tuple[np.ndarray, np.ndarray]:
-        """(positions, values) of the changed elements only; a dense frame is reduced to its nonzero values."""
-        if self.positions is not None:
+    def _operands(self, values: np.ndarray) -> np.ndarray:
+        signed = self.header.dtype.numpy_int
+        out: np.ndarray = (unzigzag(values) if self.header.add else values).view(signed)
+        return out
+
+    def sparse(self, start: int = 0, count: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(positions, values) of the changed elements among frame elements [start, start+count).
+
+        Positions are relative to `start`; a dense frame is reduced to its nonzero values.
+        """
+        count = self.elements - start if count is None else count
+        if self.positions is None:
+            window = self.values[start : start + count]
+            where = np.flatnonzero(window)
+            return where, window[where]
+        if start == 0 and count >= self.elements:
             return self.positions, self.values
-        positions = np.flatnonzero(self.values)
-        return positions, self.values[positions]
+        lo, hi = np.searchsorted(self.positions, [start, start + count])
+        return self.positions[lo:hi] - start, self.values[lo:hi]
+
+    def change(self, *, start: int = 0, count: int | None = None, offset: int = 0) -> Change:
+        """The change to frame elements [start, start+count), placed at element `offset` of a target."""
+        where, values = self.sparse(start, count)
+        return Change(self.header.add, where.astype(np.int64) + offset, self._operands(values))
 
 
 def decode_values(frame: bytes | memoryview | np.ndarray) -> DeltaValues:
@@ -107,3 +151,39 @@ def apply_values(target: np.ndarray, change: DeltaValues, *, start: int = 0, cou
         view[pos] += unzigzag(vals)
     else:
         view[pos] ^= vals
+
+
+def compose(changes: Iterable[Change]) -> list[Change]:
+    """Changes equal to applying `changes` in order, each element changed at most once per run.
+
+    Consecutive changes of one kind and width merge into one (addends add
+    modulo 2^8W, XOR masks xor); an element whose merged operand is zero is
+    dropped, so changes that cancel out vanish. A change of another kind
+    starts a new run (it does not commute with the previous one). Changes of
+    disjoint elements (pieces of one delta) compose to their union.
+    """
+    out: list[Change] = []
+    run: list[Change] = []
+    for c in changes:
+        if run and (c.add != run[0].add or c.operands.dtype != run[0].operands.dtype):
+            out.append(_merge(run))
+            run = []
+        run.append(c)
+    if run:
+        out.append(_merge(run))
+    return [c for c in out if len(c)]
+
+
+def _merge(run: list[Change]) -> Change:
+    first = run[0]
+    positions = np.concatenate([c.positions for c in run])
+    operands = np.concatenate([c.operands for c in run])
+    if len(positions) == 0:
+        return Change(first.add, positions.astype(np.int64), operands)
+    order = np.argsort(positions, kind="stable")  # stable: a later change of an element stays later
+    positions, operands = positions[order], operands[order]
+    unique, starts = np.unique(positions, return_index=True)
+    reduce = np.add if first.add else np.bitwise_xor
+    merged = reduce.reduceat(operands, starts, dtype=operands.dtype)  # wraps: two's complement addition
+    keep = merged != 0
+    return Change(first.add, unique[keep].astype(np.int64, copy=False), merged[keep])

@@ -1,0 +1,150 @@
+"""What a publisher diffs: its source as a Checkpoint, and the base version it keeps to diff against.
+
+The base is the version the publisher last published (or caught up with):
+in memory, or in a checkout directory under the publisher's ``cache_dir`` so
+a restarted trainer still publishes deltas. When it is not the server's head
+the publisher either publishes a keyframe or (``on_mismatch="download"``)
+brings the base to the head with an incremental pull first.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from weightsync.client._http import Api
+from weightsync.client.checkout import Checkout
+from weightsync.client.decode import HeldFile, Tree
+from weightsync.client.pull import Meter, pull
+from weightsync.client.state import CheckoutState
+from weightsync.codec.checkpoint import Checkpoint, CheckpointFile, layout_of
+
+STATE_DICT_FILE = "model.safetensors"
+"""File name a published state_dict gets."""
+
+
+def snapshot(source: Any) -> tuple[Checkpoint, bool]:
+    """(checkpoint, owned) of a publish source: owned when the bytes are ours (a serialized state_dict),
+    not the caller's files. TypeError for a source that is none of path, state_dict, bytes."""
+    if isinstance(source, Checkpoint):
+        return source, False
+    if isinstance(source, (str, os.PathLike)):
+        return Checkpoint.open(source), False
+    if isinstance(source, (bytes, bytearray, np.ndarray)):
+        data = np.frombuffer(source, dtype=np.uint8) if not isinstance(source, np.ndarray) else source
+        return Checkpoint([CheckpointFile(layout_of(STATE_DICT_FILE, data), data)], single_file=True), True
+    if isinstance(source, Mapping):
+        from weightsync.client.tensors import serialize_state_dict
+
+        data = serialize_state_dict(source)
+        return Checkpoint([CheckpointFile(layout_of(STATE_DICT_FILE, data), data)], single_file=True), True
+    raise TypeError(f"cannot publish a {type(source).__name__}: give a path, a state_dict or safetensors bytes")
+
+
+def _in_memory(ck: Checkpoint) -> Checkpoint:
+    return Checkpoint([CheckpointFile(f.layout, np.array(f.data)) for f in ck.files], single_file=ck.single_file)
+
+
+@dataclass
+class Base:
+    """The version a publisher diffs against: its checkout state and its bytes."""
+
+    state: CheckoutState
+    checkpoint: Checkpoint
+
+
+class BaseKeeper:
+    """Holds a publisher's base, in memory or in the checkout `cache_dir` (None: memory only).
+
+    Not thread-safe: the publisher calls it under its own lock.
+    """
+
+    def __init__(self, api: Api, model: str, cache_dir: Path | None, *, download: bool,
+                 pool: ThreadPoolExecutor) -> None:
+        self.api, self.model, self.download = api, model, download
+        self.checkout = Checkout(cache_dir) if cache_dir is not None else None
+        self.pool = pool
+        self._base: Base | None = None
+
+    @property
+    def number(self) -> int | None:
+        """The version held (None: none)."""
+        if self._base is not None:
+            return self._base.state.number
+        if self.checkout is not None:
+            state = self.checkout.state()
+            return state.number if state else None
+        return None
+
+    def for_head(self, head: dict[str, Any] | None, meter: Meter) -> Base | None:
+        """The held version if it is the server's head; else catch up (download mode) or None (keyframe)."""
+        if head is None:
+            return None
+        number, digest = int(head["number"]), head.get("manifest")
+        if self._base is not None and self._base.state.number == number and self._base.state.manifest == digest:
+            return self._base
+        if self.checkout is not None:
+            state = self.checkout.state()
+            if state is not None and state.model == self.model and state.number == number \
+                    and state.manifest == digest:
+                with ThreadPoolExecutor(1) as one:
+                    if self.checkout.verify(state, one, deep=False):
+                        return Base(state, self.checkout.checkpoint(state))
+        if not self.download:
+            return None
+        return self._catch_up(number, meter)
+
+    def _catch_up(self, number: int, meter: Meter) -> Base:
+        """Pull `number` into the cache checkout (incrementally) or a throwaway one, and hold it."""
+        checkout = self.checkout or Checkout(tempfile.mkdtemp(prefix="weightsync-base-"))
+        try:
+            self.api.on_bytes = meter
+            try:
+                pull(self.api, self.model, checkout, version=number, pool=self.pool, meter=meter)
+            finally:
+                self.api.on_bytes = None
+            state = checkout.state()
+            assert state is not None
+            ck = checkout.checkpoint(state)
+            return Base(state, ck if self.checkout is not None else _in_memory(ck))
+        finally:
+            if self.checkout is None:
+                shutil.rmtree(checkout.root, ignore_errors=True)
+
+    def forget(self) -> None:
+        """Hold nothing: the next publish is a keyframe (or a catch-up)."""
+        self._base = None
+        if self.checkout is not None:
+            self.checkout.forget()  # one unlink: no lock needed
+
+    def remember(self, checkpoint: Checkpoint, owned: bool, state: CheckoutState) -> None:
+        """Hold the published bytes as the next base: in memory, or switched into the cache checkout."""
+        if self.checkout is None:
+            self._base = Base(state, checkpoint if owned else _in_memory(checkpoint))  # the caller's files may change
+            return
+        checkout = self.checkout
+        checkout.root.mkdir(parents=True, exist_ok=True)
+        self._base = None
+        with checkout.locked():
+            checkout.sweep()
+            checkout.forget()
+            work = checkout.workspace()
+            try:
+                tree = Tree(state.single_file)
+                for f in checkpoint.files:
+                    loc = work.new()
+                    with open(loc, "wb") as fh:
+                        fh.write(np.ascontiguousarray(f.data).data)
+                    tree.files[f.layout.path] = HeldFile(loc, f.layout.size, True, {})
+                checkout.install(tree, state, work)
+            finally:
+                work.clear()
+        self._base = Base(state, checkout.checkpoint(state))

@@ -1,0 +1,188 @@
+"""Decoding manifests onto a version's files: the driver that turns version N's files into N+1's.
+
+A pull decodes each step of its plan onto the previous one (FORMAT §5.2):
+
+- a file whose every segment is unchanged (same place, xxh3 equal to its base)
+  is not rewritten: the new version shares it;
+- a file with the same layout is copied (the kernel copies, reflinks where the
+  filesystem can) and patched in place: only changed pages are touched;
+- any other file is written whole into a new temporary file.
+
+Base checks happen at segment level before anything is decoded (FORMAT §5.2),
+so frames skip their own base check; every frame still checks its result.
+Files of the held version are only ever read; what is written goes to
+temporaries of the caller's scratch space.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import numpy as np
+
+from weightsync import errors
+from weightsync.client._pool import run_all
+from weightsync.codec.frame import apply_frame
+from weightsync.codec.manifest import FrameRef, Manifest, SegmentEntry
+
+
+class Scratch(Protocol):
+    """Where a decode writes its temporaries (a checkout's workspace)."""
+
+    def new(self) -> Path: ...
+
+    def owns(self, path: Path) -> bool: ...
+
+
+def map_file(path: Path, size: int, mode: Literal["r", "r+"] = "r") -> np.ndarray:
+    """A file's bytes as a uint8 memory map (read-only unless `mode` says otherwise)."""
+    if size == 0:
+        return np.zeros(0, dtype=np.uint8)
+    return np.memmap(path, dtype=np.uint8, mode=mode, shape=(size,))
+
+
+@dataclass
+class HeldFile:
+    """Where a file of the current version is, and whether it is a temporary file of ours."""
+
+    location: Path
+    size: int
+    owned: bool
+    segments: dict[int, tuple[int, str]]  # offset -> (length, xxh3)
+
+
+@dataclass
+class Tree:
+    """The current version's files during a pull: the checkout's own files or decoded temporaries."""
+
+    single_file: bool
+    files: dict[str, HeldFile] = field(default_factory=dict)
+
+    def base_for(self, manifest: Manifest, path: str) -> HeldFile | None:
+        """The base file of `path` (FORMAT §5.2: in single-file mode, the parent's only file)."""
+        if manifest.single_file and len(self.files) == 1:
+            return next(iter(self.files.values()))
+        return self.files.get(path)
+
+
+def check_bases(manifest: Manifest, tree: Tree) -> None:
+    """Every delta segment's base must be what `tree` holds at that place (hash and length); else BaseMismatch."""
+    for f in manifest.files:
+        base = tree.base_for(manifest, f.path)
+        for e in f.segments:
+            if e.base_offset is None:
+                continue
+            held = None if base is None else base.segments.get(e.base_offset)
+            if held is None or held != (e.segment.length, e.base_xxh3):
+                what = "header" if e.segment.kind == "header" else f"{e.segment.kind} {e.segment.name!r}"
+                raise errors.BaseMismatch(f"{f.path}: base {what} is not the one this delta was made against")
+
+
+def decode_step(manifest: Manifest, read_frame: Callable[[FrameRef], Any], tree: Tree, work: Scratch,
+                pool: ThreadPoolExecutor) -> Tree:
+    """Decode `manifest` on top of `tree` (its parent version, bases already checked) into a new Tree."""
+    n = len(manifest.files)
+    outputs: list[np.ndarray | None] = [None] * n
+    bases: list[np.ndarray | None] = [None] * n
+    modes: list[str] = [""] * n
+    new = Tree(manifest.single_file)
+    for fi, f in enumerate(manifest.files):
+        b = tree.base_for(manifest, f.path)
+        deltas = [e for e in f.segments if e.base_offset is not None]
+        # Patch a copy in place only when something is delta-coded and nothing moved.
+        same_layout = (b is not None and bool(deltas) and b.size == f.size
+                       and all(e.base_offset == e.segment.offset for e in deltas))
+        segs = {e.segment.offset: (e.segment.length, e.xxh3) for e in f.segments}
+        unchanged = same_layout and len(deltas) == len(f.segments) and all(e.xxh3 == e.base_xxh3 for e in deltas)
+        if b is not None and unchanged:
+            modes[fi] = "unchanged"
+            bases[fi] = map_file(b.location, b.size)
+            new.files[f.path] = HeldFile(b.location, f.size, b.owned, segs)
+            continue
+        if b is not None and same_layout:
+            modes[fi] = "inplace"
+            if b.owned:
+                loc = b.location
+            else:
+                loc = work.new()
+                shutil.copyfile(b.location, loc)  # copy_file_range/sendfile: the kernel copies
+            outputs[fi] = bases[fi] = map_file(loc, f.size, "r+")
+        else:
+            modes[fi] = "new"
+            loc = work.new()
+            with open(loc, "wb") as fh:
+                fh.truncate(f.size)
+            outputs[fi] = map_file(loc, f.size, "r+")
+            if b is not None:
+                bases[fi] = map_file(b.location, b.size)
+        new.files[f.path] = HeldFile(loc, f.size, True, segs)
+
+    def skip(fi: int, si: int) -> bool:
+        if modes[fi] == "unchanged":
+            return True
+        e = manifest.files[fi].segments[si]
+        return modes[fi] == "inplace" and e.base_offset == e.segment.offset and e.xxh3 == e.base_xxh3
+
+    def out(fi: int) -> np.ndarray:
+        o = outputs[fi]
+        assert o is not None, "a file with frames to decode has an output"
+        return o
+
+    def base(fi: int, e: SegmentEntry, offset: int, length: int) -> np.ndarray:
+        b = bases[fi]
+        assert b is not None and e.base_offset is not None, "a delta frame's segment has a base"
+        return b[e.base_offset + offset : e.base_offset + offset + length]
+
+    def run(ref: FrameRef) -> None:
+        pieces = ref.pieces
+        if all(skip(p.file, p.seg) for p in pieces):
+            return
+        blob = read_frame(ref)
+        if len(pieces) == 1:
+            p = pieces[0]
+            e = manifest.files[p.file].segments[p.seg]
+            start = e.segment.offset + p.offset
+            target = out(p.file)[start : start + p.length]
+            if ref.delta and modes[p.file] == "new":
+                target[:] = base(p.file, e, p.offset, p.length)
+            apply_frame(blob, target, verify_base=False)
+            return
+        if ref.delta:
+            parts = []
+            for p in pieces:
+                parts.append(base(p.file, manifest.files[p.file].segments[p.seg], p.offset, p.length))
+            scratch = np.concatenate(parts)
+        else:
+            scratch = np.empty(ref.raw_len, dtype=np.uint8)
+        apply_frame(blob, scratch, verify_base=False)
+        pos = 0
+        for p in pieces:
+            if not skip(p.file, p.seg):
+                start = manifest.files[p.file].segments[p.seg].segment.offset + p.offset
+                out(p.file)[start : start + p.length] = scratch[pos : pos + p.length]
+            pos += p.length
+
+    try:
+        run_all(pool, run, manifest.frames)
+        for o in outputs:
+            if isinstance(o, np.memmap):
+                o.flush()
+    except BaseException:
+        for held in new.files.values():
+            if held.owned and work.owns(held.location):
+                held.location.unlink(missing_ok=True)
+        raise
+    finally:
+        outputs.clear()  # drop the maps now: the files are renamed next
+        bases.clear()
+    # Temporaries of the previous step that this one did not reuse are garbage now.
+    kept = {h.location for h in new.files.values()}
+    for held in tree.files.values():
+        if held.owned and held.location not in kept:
+            held.location.unlink(missing_ok=True)
+    return new

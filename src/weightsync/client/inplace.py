@@ -1,0 +1,255 @@
+"""In-place updates: decode a plan into per-tensor changes (prepare), then change tensors in place (apply).
+
+`prepare` does the network and decode work of an update off the critical
+path: every delta step of every tensor is decoded into a
+:class:`~weightsync.codec.values.Change` and the steps are composed
+(``codec.values.compose``), so each element changes at most once however many
+versions the update spans. `apply` is the only part that pauses serving: it
+changes just those elements, with torch index ops on the tensors' own device;
+only the small (positions, operands) arrays cross to it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from weightsync import errors
+from weightsync.client._pool import run_all
+from weightsync.codec.dtypes import DType, by_name
+from weightsync.codec.manifest import FrameRef, Manifest
+from weightsync.codec.values import Change, apply_values, compose, decode_values, keyframe_bytes
+
+
+@dataclass
+class TensorUpdate:
+    """What `apply` does to one tensor: replace it whole, or change some elements."""
+
+    name: str
+    dtype: DType
+    shape: tuple[int, ...]
+    base_xxh3: str | None
+    """xxh3 the tensor must have before (None when it is replaced whole)."""
+    result_xxh3: str = ""
+    replace: np.ndarray | None = None
+    staged_replace: Any = None
+    ops: list[Change] = field(default_factory=list)
+    """Changes to apply in order (one per run of a kind: in practice one)."""
+    staged: list[tuple[Any, Any]] = field(default_factory=list)
+    """`ops` as (positions, operands) torch tensors on the staging device."""
+
+    @property
+    def changed_elements(self) -> int:
+        if self.replace is not None:
+            return len(self.replace) // self.dtype.width
+        return sum(len(op) for op in self.ops)
+
+
+@dataclass
+class Prepared:
+    """An update from version `base` (what the tensors hold; None: nothing) to `target`, decoded and ready."""
+
+    model: str
+    base: int | None
+    target: int
+    updates: dict[str, TensorUpdate]
+    specs: dict[str, tuple[DType, tuple[int, ...], str]]
+    """Every tensor of the target version: dtype, shape, xxh3."""
+    steps: int
+    bytes_received: int
+    seconds: float
+    device: Any = None
+
+    @property
+    def changed_elements(self) -> int:
+        return sum(u.changed_elements for u in self.updates.values())
+
+
+def _touched(manifest: Manifest, updates: dict[str, TensorUpdate]) -> tuple[dict[tuple[int, int], str], set[str]]:
+    """Tensor names by (file, segment) of one step, and the tensors it changes (their updates made ready)."""
+    names: dict[tuple[int, int], str] = {}
+    touched: set[str] = set()
+    for fi, f in enumerate(manifest.files):
+        for si, e in enumerate(f.segments):
+            seg = e.segment
+            if seg.kind != "tensor":
+                continue
+            names[(fi, si)] = seg.name
+            if e.base_offset is None:
+                updates[seg.name] = TensorUpdate(seg.name, seg.dtype, seg.shape, None,
+                                                 replace=np.empty(seg.length, dtype=np.uint8))
+                touched.add(seg.name)
+            elif e.xxh3 != e.base_xxh3:
+                u = updates.get(seg.name)
+                if u is None or u.dtype is not seg.dtype or u.shape != seg.shape:
+                    updates[seg.name] = TensorUpdate(seg.name, seg.dtype, seg.shape, e.base_xxh3)
+                touched.add(seg.name)
+    return names, touched
+
+
+def decode_updates(manifests: list[Manifest], read_frame: Callable[[FrameRef], Any], pool: ThreadPoolExecutor
+                   ) -> tuple[dict[str, TensorUpdate], dict[str, tuple[DType, tuple[int, ...], str]]]:
+    """The per-tensor updates that take tensors holding the parent of `manifests[0]` to `manifests[-1]`,
+    and every tensor of the final version (dtype, shape, xxh3). Frames decode on `pool`."""
+    updates: dict[str, TensorUpdate] = {}
+    for manifest in manifests:
+        names, touched = _touched(manifest, updates)
+        pieces: dict[str, list[Change]] = {}
+        lock = threading.Lock()
+
+        def run(ref: FrameRef, names: dict[tuple[int, int], str] = names, touched: set[str] = touched,
+                pieces: dict[str, list[Change]] = pieces, lock: threading.Lock = lock) -> None:
+            if not any(names.get((p.file, p.seg)) in touched for p in ref.pieces):
+                return
+            blob = read_frame(ref)
+            change = data = None
+            if ref.delta:
+                change = decode_values(blob)
+                if change.header.dtype.name != ref.dtype or change.header.raw_len != ref.raw_len:
+                    raise errors.FormatError("frame header disagrees with its manifest entry")
+            else:
+                data = keyframe_bytes(blob)
+            width = by_name(ref.dtype).width
+            pos = 0
+            for p in ref.pieces:
+                name = names.get((p.file, p.seg))
+                start, count = pos // width, p.length // width
+                pos += p.length
+                if name is None or name not in touched:
+                    continue
+                u = updates[name]
+                if data is not None:
+                    assert u.replace is not None
+                    u.replace[p.offset : p.offset + p.length] = data[start * width : (start + count) * width]
+                elif u.replace is not None:  # replaced earlier in this plan: compose on the host copy
+                    assert change is not None
+                    apply_values(u.replace, change, start=start, count=count, offset=p.offset // width)
+                else:
+                    assert change is not None
+                    piece = change.change(start=start, count=count, offset=p.offset // width)
+                    with lock:
+                        pieces.setdefault(name, []).append(piece)
+
+        run_all(pool, run, manifest.frames)
+        for name, parts in pieces.items():
+            # Pieces of one step are disjoint: composing them with earlier steps is one pass.
+            updates[name].ops = compose([*updates[name].ops, *parts])
+    final = manifests[-1]
+    specs = {e.segment.name: (e.segment.dtype, e.segment.shape, e.xxh3)
+             for f in final.files for e in f.segments if e.segment.kind == "tensor"}
+    for name in list(updates):
+        if name not in specs:
+            del updates[name]  # removed by the update: nothing to apply
+            continue
+        u = updates[name]
+        u.result_xxh3 = specs[name][2]
+        if u.replace is None and not u.ops:
+            del updates[name]  # changes that cancelled out over several steps
+    return updates, specs
+
+
+def stage(prepared: Prepared, device: Any) -> None:
+    """Copy `prepared`'s changes to `device` ahead of `apply`, so the apply moves nothing."""
+    from weightsync.client.tensors import torch_module
+
+    torch = torch_module()
+    for u in prepared.updates.values():
+        if u.replace is not None:
+            u.staged_replace = torch.from_numpy(u.replace).to(device)
+        u.staged = [(torch.from_numpy(op.positions).to(device), torch.from_numpy(op.operands).to(device))
+                    for op in u.ops]
+    prepared.device = device
+
+
+@dataclass
+class Applied:
+    """What `apply` did: the pause it took and the tensors it changed."""
+
+    target: int
+    pause: float
+    tensors: int
+    changed: list[tuple[TensorUpdate, Any]] = field(repr=False)
+    """(update, tensor) pairs that were changed."""
+
+    def check(self) -> None:
+        """ChecksumMismatch unless every changed tensor now holds the target version's bytes."""
+        from weightsync.client.tensors import tensor_xxh3
+
+        for u, t in self.changed:
+            if tensor_xxh3(t) != u.result_xxh3:
+                raise errors.ChecksumMismatch(f"tensor {u.name!r} does not match v{self.target} after the "
+                                              "update: load the version afresh")
+
+
+def _held(tensors: Mapping[str, Any], prepared: Prepared, strict: bool) -> dict[str, Any]:
+    """The caller's tensors of the target version, each checked for dtype, shape and layout."""
+    from weightsync.client.tensors import torch_dtype
+
+    held: dict[str, Any] = {}
+    for name, (dtype, shape, _) in prepared.specs.items():
+        t = tensors.get(name)
+        if t is None:
+            if strict:
+                raise errors.ReloadRequired(f"v{prepared.target} has tensor {name!r}, which the caller does not "
+                                            "hold: load the version afresh")
+            continue
+        if t.dtype != torch_dtype(dtype.name) or tuple(t.shape) != tuple(shape):
+            raise errors.ReloadRequired(f"tensor {name!r} is {t.dtype}{list(t.shape)} here but "
+                                        f"{dtype.name}{list(shape)} in v{prepared.target}: load the version afresh")
+        if not t.is_contiguous():
+            raise errors.ReloadRequired(f"tensor {name!r} is not contiguous; apply needs contiguous tensors")
+        held[name] = t
+    return held
+
+
+def apply(tensors: Mapping[str, Any], prepared: Prepared, *, model: str, version: int | None, verify: bool,
+          strict: bool) -> Applied:
+    """Apply `prepared` in place into `tensors` (name → torch tensor) holding `version` of `model`.
+
+    Refuses, changing nothing: BaseMismatch (another model or base version,
+    or with `verify` a tensor whose xxh3 is not the base's), ReloadRequired (a
+    tensor missing, or of another dtype, shape or layout). The result check
+    is the caller's (:meth:`Applied.check`), after it has recorded that the
+    tensors changed.
+    """
+    from weightsync.client.tensors import byte_view, int_view, tensor_xxh3, torch_module
+
+    torch = torch_module()
+    if prepared.model != model:
+        raise errors.BaseMismatch(f"update is for model {prepared.model!r}, not {model!r}")
+    if prepared.base != version:
+        raise errors.BaseMismatch(f"update applies to v{prepared.base}, but the tensors hold v{version}")
+    held = _held(tensors, prepared, strict)
+    work = [(u, held[name]) for name, u in prepared.updates.items() if name in held]
+    if verify:
+        for u, t in work:
+            if u.base_xxh3 is not None and tensor_xxh3(t) != u.base_xxh3:
+                raise errors.BaseMismatch(f"tensor {u.name!r} does not hold v{prepared.base}'s bytes; "
+                                          "nothing was changed")
+    devices = {t.device for _, t in work}
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for u, t in work:
+            if u.replace is not None:
+                src = u.staged_replace if u.staged_replace is not None else torch.from_numpy(u.replace)
+                byte_view(t).copy_(src, non_blocking=True)
+                continue
+            view = int_view(t)
+            for i, op in enumerate(u.ops):
+                if i < len(u.staged) and u.staged[i][0].device == t.device:
+                    pos, vals = u.staged[i]
+                else:
+                    pos = torch.from_numpy(op.positions).to(t.device, non_blocking=True)
+                    vals = torch.from_numpy(op.operands).to(t.device, non_blocking=True)
+                cur = view.index_select(0, pos)
+                view.index_copy_(0, pos, cur + vals if op.add else cur ^ vals)
+        for d in devices:
+            if d.type == "cuda":
+                torch.cuda.synchronize(d)
+    return Applied(prepared.target, time.perf_counter() - t0, len(work), work)

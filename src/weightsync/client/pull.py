@@ -1,0 +1,184 @@
+"""The pull pipeline: plan, fetch, decode and switch a checkout to a version (docs/API.md "Pulling").
+
+A pull asks the server for a plan from the version the checkout holds,
+fetches the manifests and object extents it names (in parallel, large objects
+as several ranges), checks every object's SHA-256, decodes each step onto the
+previous one and switches the checkout to the result in one atomic step
+(client/checkout.py). A pull killed at any point leaves the old version
+readable; re-run, it finds the objects (and ranges) it already has in its
+cache and fetches only the rest.
+
+Used by :class:`~weightsync.client.Subscriber` (directories and, for the
+fetch phase, in-place updates) and by :class:`~weightsync.client.Publisher`
+(catching its base up with the head).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from weightsync import errors
+from weightsync.client._http import Api
+from weightsync.client._objects import DEFAULT_RANGE_BYTES, FetchStats, ObjectCache, object_reader
+from weightsync.client.checkout import Checkout
+from weightsync.client.decode import Tree, check_bases, decode_step
+from weightsync.client.models import PullResult
+from weightsync.client.state import CheckoutState
+from weightsync.codec.manifest import Manifest
+
+log = logging.getLogger("weightsync.client")
+
+Progress = Callable[[int, int], None]
+"""Called as progress(bytes_done, bytes_total) while objects move."""
+
+
+class Meter:
+    """Counts body bytes moved by one operation and forwards progress. Thread-safe."""
+
+    def __init__(self, progress: Progress | None) -> None:
+        self.bytes = 0
+        self.total = 0
+        self.progress = progress
+        self._lock = threading.Lock()
+
+    def __call__(self, n: int) -> None:
+        with self._lock:
+            self.bytes += n
+            done, total = self.bytes, self.total
+        if self.progress is not None:
+            self.progress(done, max(total, done))
+
+
+def step_objects(steps: list[dict[str, Any]]) -> tuple[dict[str, int], dict[str, int]]:
+    """(manifests, objects) of plan steps as digest → bytes to fetch."""
+    manifests: dict[str, int] = {}
+    objects: dict[str, int] = {}
+    for s in steps:
+        manifests[s["manifest"]] = int(s.get("manifest_bytes") or 0)
+        for o in s.get("objects") or []:
+            d, n = o["digest"], int(o["size"])
+            objects[d] = max(objects.get(d, 0), n)
+    return manifests, objects
+
+
+def fetch_plan(api: Api, cache: ObjectCache, plan: dict[str, Any], pool: ThreadPoolExecutor, *,
+               range_bytes: int, meter: Meter) -> FetchStats:
+    """Make every manifest and object extent of `plan`'s steps present and verified in `cache`."""
+    manifests, objects = step_objects(plan.get("steps") or [])
+    meter.total = int(plan.get("bytes") or 0)
+    ms = cache.fetch(api, manifests, pool, range_bytes=range_bytes)
+    os_ = cache.fetch(api, objects, pool, range_bytes=range_bytes)
+    return FetchStats(fetched=ms.fetched + os_.fetched, cached=ms.cached + os_.cached)
+
+
+def load_manifest(cache: ObjectCache, digest: str) -> Manifest:
+    """A manifest the cache holds (fetched and verified by `fetch_plan`)."""
+    return Manifest.decode(bytes(cache.read(digest)))
+
+
+class _Restart(Exception):
+    """The checkout's version is not the server's under that number: start over with a full pull."""
+
+
+def pull(api: Api, model: str, checkout: Checkout, *, version: int | None = None, holder: str | None = None,
+         cache: ObjectCache | None = None, keep_objects: bool = False, pool: ThreadPoolExecutor,
+         decode_threads: int | None = None, deep_verify: bool = True, range_bytes: int = DEFAULT_RANGE_BYTES,
+         meter: Meter | None = None) -> PullResult:
+    """Bring `checkout` to `version` (None: head) of `model`; see :meth:`Subscriber.pull`.
+
+    `cache` None: the checkout's own object cache, emptied after a successful
+    pull unless `keep_objects`. Conflict when the checkout holds another model
+    or another process is updating it.
+    """
+    t0 = time.perf_counter()
+    meter = meter or Meter(None)
+    timings: dict[str, float] = {}
+    checkout.root.mkdir(parents=True, exist_ok=True)
+    with checkout.locked():
+        checkout.sweep()  # the lock says no pull is running: what is not the current version is a leftover
+        state = checkout.state()
+        if state is not None and state.model != model:
+            raise errors.Conflict(f"{checkout.root} holds model {state.model!r}, not {model!r}: pull into another "
+                                  "directory")
+        own_cache = cache is None
+        objects = checkout.objects() if cache is None else cache
+        if own_cache:
+            objects.sweep()
+        repaired = False
+        have = None
+        with ThreadPoolExecutor(decode_threads or os.cpu_count() or 1) as dpool:
+            if state is not None:
+                t = time.perf_counter()
+                if checkout.verify(state, dpool, deep=deep_verify):
+                    checkout.adopt(state)  # a checkout of plain files (older weightsync) becomes a version
+                    have = state.number
+                else:
+                    log.warning("%s no longer matches its state file (v%s): pulling in full", checkout.root,
+                                state.number)
+                    repaired = True
+                timings["verify_s"] = time.perf_counter() - t
+            for attempt in range(2):
+                t = time.perf_counter()
+                plan = api.get_plan(model, have=have, want=version, holder=holder)
+                timings["plan_s"] = time.perf_counter() - t
+                steps = plan.get("steps") or []
+                target = int(plan["target"])
+                if not steps and have == target:
+                    assert state is not None
+                    if not keep_objects and own_cache:
+                        objects.clear()  # what a pull that crashed after its switch left behind
+                    return PullResult(model=model, version=target, previous=have, mode="current", steps=0,
+                                      bytes_received=meter.bytes, plan_bytes=0,
+                                      full_bytes=int(plan.get("full_bytes") or 0),
+                                      raw_bytes=sum(f.size for f in state.files), files=len(state.files),
+                                      objects_fetched=0, objects_cached=0, repaired=repaired,
+                                      seconds=time.perf_counter() - t0, timings=timings)
+                t = time.perf_counter()
+                stats = fetch_plan(api, objects, plan, pool, range_bytes=range_bytes, meter=meter)
+                timings["download_s"] = time.perf_counter() - t
+                t = time.perf_counter()
+                work = checkout.workspace()
+                try:
+                    tree = checkout.tree(state) if state is not None and have is not None else Tree(False)
+                    manifest = None
+                    for i, s in enumerate(steps):
+                        manifest = load_manifest(objects, s["manifest"])
+                        try:
+                            check_bases(manifest, tree)
+                        except errors.BaseMismatch:
+                            if i == 0 and have is not None and attempt == 0:
+                                raise _Restart() from None
+                            raise
+                        tree = decode_step(manifest, object_reader(objects), tree, work, dpool)
+                    timings["decode_s"] = time.perf_counter() - t
+                    t = time.perf_counter()
+                    assert manifest is not None
+                    checkout.install(tree, CheckoutState.of(model, target, steps[-1]["manifest"], manifest,
+                                                            api.server), work)
+                    timings["install_s"] = time.perf_counter() - t
+                except _Restart:
+                    log.warning("%s: v%s here differs from the server's v%s: pulling in full", checkout.root,
+                                have, have)
+                    have, repaired = None, True
+                    continue
+                finally:
+                    work.clear()
+                if not keep_objects and own_cache:
+                    manifests, fetched = step_objects(steps)
+                    objects.discard(list(fetched) + list(manifests))
+                incremental = have is not None and steps[0].get("kind") != "keyframe"
+                return PullResult(model=model, version=target,
+                                  previous=state.number if state is not None and have is not None else None,
+                                  mode="delta" if incremental else "full", steps=len(steps),
+                                  bytes_received=meter.bytes, plan_bytes=int(plan.get("bytes") or 0),
+                                  full_bytes=int(plan.get("full_bytes") or 0), raw_bytes=manifest.raw_bytes,
+                                  files=len(manifest.files), objects_fetched=stats.fetched,
+                                  objects_cached=stats.cached, repaired=repaired, seconds=time.perf_counter() - t0,
+                                  timings=timings)
+    raise AssertionError("unreachable")  # pragma: no cover
