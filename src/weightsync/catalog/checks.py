@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections.abc import Iterable
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from .. import errors
+from ..common import check_digest, check_model_name
 from .schema import KINDS
 
 __all__ = [
@@ -36,8 +36,6 @@ __all__ = [
     "validate_model_name",
 ]
 
-_NAME_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,127}")
-_DIGEST_RE = re.compile(r"[0-9a-f]{64}")
 
 #: Longest publish id or idempotency key.
 TOKEN_MAX = 128
@@ -64,16 +62,12 @@ UNSET: Any = Unset()
 
 def validate_model_name(name: str) -> str:
     """Return ``name`` if it is a valid model name (``[a-z0-9][a-z0-9._-]{0,127}``), else raise InvalidName."""
-    if not isinstance(name, str) or _NAME_RE.fullmatch(name) is None:
-        raise errors.InvalidName(f"invalid model name {name!r}: use [a-z0-9][a-z0-9._-]{{0,127}}")
-    return name
+    return check_model_name(name)
 
 
 def digest(d: str) -> str:
     """Return ``d`` if it is a lowercase hex SHA-256 digest, else raise InvalidDigest."""
-    if not isinstance(d, str) or _DIGEST_RE.fullmatch(d) is None:
-        raise errors.InvalidDigest(f"not a lowercase hex SHA-256 digest: {d!r}")
-    return d
+    return check_digest(d)
 
 
 def nonneg(name: str, v: int) -> int:
