@@ -11,6 +11,8 @@ WORKDIR /src
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
 COPY pyproject.toml README.md ./
 COPY src ./src
+# The catalog's Alembic scripts: pyproject.toml maps them into the wheel (weightsync.catalog.migrations).
+COPY migrations ./migrations
 # Wheels of the package and of every server dependency; the runtime stage installs offline.
 RUN pip wheel --wheel-dir /wheels ".[server]"
 
@@ -19,7 +21,6 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1 \
-    WEIGHTSYNC_MIGRATIONS=/app/migrations \
     WEIGHTSYNC_DATA=/data \
     WEIGHTSYNC_HOST=0.0.0.0 \
     WEIGHTSYNC_PORT=8400
@@ -28,10 +29,8 @@ RUN useradd --system --uid 10001 --home-dir /app --shell /usr/sbin/nologin weigh
 COPY --from=build /wheels /wheels
 RUN pip install --no-index --find-links /wheels "weightsync[server]" \
     && rm -rf /wheels \
-    && python -c "import weightsync.service.app" \
+    && python -c "import weightsync.service.app; from weightsync.catalog.migrate import head_revision; head_revision()" \
     && ! python -c "import torch" 2>/dev/null
-# The Alembic scripts are not part of the wheel; WEIGHTSYNC_MIGRATIONS points the catalog at them.
-COPY migrations /app/migrations
 USER weightsync
 WORKDIR /app
 VOLUME ["/data"]

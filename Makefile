@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed-stamp
 # Not PIP_*: make exports command-line variables, and pip reads PIP_* from the environment.
 INSTALL_FLAGS ?= -q
 
-.PHONY: demo test bench-codec clean
+.PHONY: demo test test-fast lint bench-codec clean
 
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -19,8 +19,20 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(PY) scripts/demo.py
 
+# Everything (CI: .ci/run).
 test: $(STAMP)
 	$(VENV)/bin/pytest
+
+# The inner loop: everything but the tests marked slow (wheel install, crash enumerations, long runs).
+test-fast: $(STAMP)
+	$(VENV)/bin/pytest -m "not slow"
+
+# Lint, format check and types (configured in pyproject.toml).
+LINT_PATHS := src tests benchmarks scripts examples
+lint: $(STAMP)
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+	$(VENV)/bin/ruff format --check $(LINT_PATHS)
+	$(VENV)/bin/mypy
 
 bench-codec: $(STAMP)
 	$(VENV)/bin/weightsync bench codec

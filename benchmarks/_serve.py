@@ -1,50 +1,46 @@
-"""Start `weightsync serve` as a subprocess on a free loopback port, for the demo and the benchmarks."""
+"""Start `weightsync serve` as a subprocess on a free loopback port, for the demo and the benchmarks.
+
+A preset of the test suites' one serve helper, ``tests/_serve.py``. That file is imported by path
+under the name the suites use (``_serve``): ``tests/`` is not a package, is on ``sys.path`` only under
+pytest, and must not ship in the wheel; benchmarks always run from a source checkout.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import os
-import socket
-import subprocess
 import sys
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from types import ModuleType
 
-import httpx
+_HELPER = Path(__file__).resolve().parents[1] / "tests" / "_serve.py"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _helper() -> ModuleType:
+    """Return ``tests/_serve.py`` as module ``_serve`` (the one pytest or ``_seaweed`` imported, if any)."""
+    loaded = sys.modules.get("_serve")
+    if loaded is not None and Path(loaded.__file__ or "").resolve() == _HELPER:
+        return loaded
+    spec = importlib.util.spec_from_file_location("_serve", _HELPER)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load the serve helper {_HELPER}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["_serve"] = module  # as import does: a later `import _serve` (tests/_seaweed.py) gets this one
+    spec.loader.exec_module(module)
+    return module
+
+
+_serve = _helper()
+free_port = _serve.free_port
+free_ports = _serve.free_ports
 
 
 @contextmanager
 def serve(workdir: Path, *, args: Sequence[str] = (), env: dict[str, str] | None = None,
           timeout: float = 60.0) -> Iterator[str]:
     """Run the server with data under `workdir/data` until /healthz answers; yield its URL; stop it after."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "weightsync", "serve", "--data", str(workdir / "data"), "--port", str(port), *args]
-    log_path = workdir / "server.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env or dict(os.environ))
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + timeout
-            while True:
-                try:
-                    if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the server did not start:\n{log_path.read_text()[-2000:]}")
-                time.sleep(0.2)
-            yield url
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+    with _serve.serving(["--data", str(workdir / "data"), *args], log_path=workdir / "server.log",
+                        env=env or dict(os.environ), timeout=timeout, stop_timeout=10) as server:
+        yield server.url

@@ -18,15 +18,16 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+from _serve import free_ports
 
 __all__ = ["SeaweedServer", "find_weed", "seaweed_server"]
 
@@ -83,17 +84,6 @@ def find_weed() -> str | None:
         return found
     beside = Path(sys.executable).parent / "weed"
     return str(beside) if beside.is_file() and os.access(beside, os.X_OK) else None
-
-
-def _free_ports(n: int) -> list[int]:
-    """Return ``n`` distinct ports free on 127.0.0.1 right now (all held open at once, then released)."""
-    with ExitStack() as stack:
-        ports = []
-        for _ in range(n):
-            s = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
-        return ports
 
 
 def _log_tail(path: Path, n: int = 40) -> str:
@@ -183,7 +173,7 @@ def seaweed_server(*, startup_timeout_s: float = 60.0, weed: str | None = None) 
     )
     # Every listener gets an explicit free port: the defaults (and gRPC's
     # "http port + 10000") would collide with other servers on the machine.
-    master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc = _free_ports(8)
+    master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc = free_ports(8)
     cmd = [
         weed,
         "-logtostderr",  # logs into our log file, not /tmp/weed.*

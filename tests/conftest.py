@@ -1,4 +1,7 @@
-"""Fixtures shared by every suite: the anyio backend and one SeaweedFS server per session."""
+"""Fixtures shared by every suite: the anyio backend and one SeaweedFS server per session; the ``slow`` marks.
+
+Servers and free ports for any suite come from ``_serve.py`` (``spawn_serve``, ``serving``, ``free_port``).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +9,32 @@ from collections.abc import Iterator
 
 import pytest
 from _seaweed import SeaweedServer, find_weed, seaweed_server
+
+#: Existing tests that ``make test-fast`` (``pytest -m "not slow"``) skips, marked here in one place
+#: (paths under tests/; a directory ends with "/"). Each takes ~10 s or more on a busy 2-core machine.
+#: A new slow test carries ``@pytest.mark.slow`` itself. ``make test`` (CI) runs everything.
+SLOW: tuple[str, ...] = (
+    "reliability/",  # crash enumerations, fault injection, fuzzing, load: servers and subprocesses each
+    "service/test_service_cli.py",  # a `serve` subprocess (or a dozen failing ones) per test
+    "service/test_service_auth.py::test_tokens_are_never_logged",
+    "service/test_service_two_services.py",  # two multi-worker servers on PostgreSQL + SeaweedFS
+    "client/test_examples.py",
+    "client/test_s3.py",  # a server subprocess on SeaweedFS
+)
+# Also slow: the S3 runs of the store contract suite (marked where tests/store/conftest.py parametrizes).
+
+
+def _is_slow(nodeid: str) -> bool:
+    path = nodeid.removeprefix("tests/").split("[", 1)[0]  # parametrizations share their function's mark
+    return any(path.startswith(entry) if entry.endswith("/") else path == entry or path.startswith(entry + "::")
+               for entry in SLOW)
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects on the marks
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if _is_slow(item.nodeid):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
-import sys
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from _serve import SERVICE_CLI, clean_env, spawn_serve, stop_process
+from _serve import free_port as free_port  # re-exported: the CLI tests' dead-server URLs
 
 
 @dataclass
@@ -23,50 +21,23 @@ class Server:
     log: Path
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(root: Path, *, tokens: list[dict] | None = None, args: list[str] | None = None,
                  env: dict[str, str] | None = None, timeout: float = 60.0) -> Server:
     """`python -m weightsync.service serve` on a free loopback port with its own data dir; waits for /healthz."""
     root.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    cmd = [sys.executable, "-m", "weightsync.service", "serve", "--data", str(root / "data"),
-           "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *(args or [])]
+    cmd = ["--data", str(root / "data"), "--host", "127.0.0.1", "--log-level", "warning", *(args or [])]
     if tokens is not None:
         token_file = root / "tokens.json"
         token_file.write_text(json.dumps(tokens))
         cmd += ["--tokens", str(token_file)]
     log = root / "server.log"
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTSYNC_")}
-    environ.update(env or {})
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=environ)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}: {log.read_text()[-2000:]}")
-        try:
-            if httpx.get(url + "/healthz", timeout=1.0).status_code == 200:
-                return Server(url, proc, root / "data", log)
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    stop_server(Server(url, proc, root / "data", log))
-    raise RuntimeError(f"server did not become healthy: {log.read_text()[-2000:]}")
+    spawned = spawn_serve(cmd, log_path=log, command=SERVICE_CLI, env=clean_env(env), timeout=timeout)
+    return Server(spawned.url, spawned.proc, root / "data", log)
 
 
 def stop_server(server: Server) -> None:
-    server.proc.terminate()
-    try:
-        server.proc.wait(15)
-    except subprocess.TimeoutExpired:
-        server.proc.kill()
-        server.proc.wait(5)
+    """SIGTERM, then SIGKILL (its process group) after 15 s."""
+    stop_process(server.proc, 15)
 
 
 class Killed(Exception):

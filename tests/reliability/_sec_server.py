@@ -13,19 +13,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import secrets
-import signal
 import socket
 import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from _serve import SERVICE_CLI, clean_env, spawn_serve, stop_process
 
 PRINCIPALS: dict[str, tuple[list[str], list[str]]] = {
     "admin": (["admin"], ["*"]),
@@ -40,12 +37,6 @@ def new_tokens() -> dict[str, str]:
     out = {name: f"ws-{name}-{secrets.token_hex(24)}" for name in PRINCIPALS}
     out["bad"] = f"ws-bad-{secrets.token_hex(24)}"
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -98,42 +89,18 @@ def start_server(root: Path, *, env: dict[str, str] | None = None, log_level: st
         entries.append(entry)
     token_file = root / "tokens.json"
     token_file.write_text(json.dumps(entries))
-    port = free_port()
-    cmd = [sys.executable, "-m", "weightsync.service", "serve", "--data", str(root / "data"), "--host", "127.0.0.1",
-           "--port", str(port), "--tokens", str(token_file), "--log-level", log_level]
-    environ = {k: v for k, v in os.environ.items() if not k.startswith(("WEIGHTSYNC_", "AWS_", "PROMETHEUS_"))}
-    environ.setdefault("WEIGHTSYNC_WATCH_POLL_S", "0.05")
-    environ.setdefault("WEIGHTSYNC_SSE_KEEPALIVE_S", "0.5")
-    environ.setdefault("WEIGHTSYNC_SHUTDOWN_GRACE_S", "1")
-    environ.update(env or {})
+    environ = clean_env({"WEIGHTSYNC_WATCH_POLL_S": "0.05", "WEIGHTSYNC_SSE_KEEPALIVE_S": "0.5",
+                         "WEIGHTSYNC_SHUTDOWN_GRACE_S": "1", **(env or {})})
     log_path = root / "server.log"
-    with open(log_path, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=environ)
-    server = SecServer(f"http://127.0.0.1:{port}", proc, root, tokens, log_path, env or {})
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()[-3000:]}")
-        try:
-            if httpx.get(server.url + "/healthz", timeout=2).status_code == 200:
-                return server
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            stop_server(server)
-            raise RuntimeError(f"server did not answer /healthz:\n{server.log()[-3000:]}")
-        time.sleep(0.05)
+    spawned = spawn_serve(["--data", str(root / "data"), "--host", "127.0.0.1", "--tokens", str(token_file),
+                           "--log-level", log_level], log_path=log_path, command=SERVICE_CLI, env=environ,
+                          timeout=timeout)
+    return SecServer(spawned.url, spawned.proc, root, tokens, log_path, env or {})
 
 
 def stop_server(server: SecServer) -> None:
-    """SIGTERM, then SIGKILL after 15 s; only this server's own process."""
-    if server.proc.poll() is None:
-        server.proc.send_signal(signal.SIGTERM)
-        try:
-            server.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            server.proc.kill()
-            server.proc.wait(5)
+    """SIGTERM, then SIGKILL (its process group) after 15 s."""
+    stop_process(server.proc, 15)
 
 
 @contextmanager

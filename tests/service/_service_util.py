@@ -8,11 +8,7 @@ are started by :func:`spawn_service` for the multi-process and CLI tests.
 from __future__ import annotations
 
 import hashlib
-import os
-import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -25,6 +21,7 @@ import httpx
 import pytest
 import uvicorn
 from _pg import fresh_database
+from _serve import SERVICE_CLI, ServeProcess, clean_env, spawn_serve
 
 from weightsync.service import Settings, create_app
 
@@ -49,12 +46,6 @@ def token_entries() -> list[dict]:
             entry["token"] = token
         out.append(entry)
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerThread:
@@ -138,64 +129,24 @@ def backend_settings(backend: str, tmp: Path, request, **extra) -> tuple[dict, l
 # --- subprocess services -------------------------------------------------------------------
 
 
-@dataclass
-class Spawned:
-    proc: subprocess.Popen
-    url: str
-    log_path: Path
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_ready(self, timeout: float = 60.0) -> None:
-        """Until /healthz answers 200; RuntimeError (with the log) if the process exits or time runs out."""
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"service exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
-            try:
-                if httpx.get(self.url + "/healthz", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"service did not answer /healthz:\n{self.log()[-3000:]}")
-            time.sleep(0.1)
-
-    def stop(self, timeout: float = 20.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+#: A running ``python -m weightsync.service serve`` subprocess (the shared helper's type).
+Spawned = ServeProcess
 
 
 def service_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("WEIGHTSYNC_", "AWS_", "PROMETHEUS_"))}
-    env.update(extra or {})
-    return env
+    """This environment without ``WEIGHTSYNC_*``/``AWS_*``/``PROMETHEUS_*`` variables, ``extra`` on top."""
+    return clean_env(extra)
 
 
 def run_cli(args: list[str], *, env: dict[str, str] | None = None, timeout: float = 60.0
             ) -> subprocess.CompletedProcess:
     """``python -m weightsync.service ARGS`` to completion."""
-    return subprocess.run([sys.executable, "-m", "weightsync.service", *args], env=service_env(env),
+    return subprocess.run([*SERVICE_CLI, *args], env=service_env(env),
                           capture_output=True, text=True, timeout=timeout)
 
 
 def spawn_service(args: list[str], log_path: Path, *, env: dict[str, str] | None = None, wait: bool = True,
                   timeout: float = 60.0) -> Spawned:
     """Start ``python -m weightsync.service serve ARGS --port P``; with ``wait``, until /healthz answers."""
-    port = free_port()
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "weightsync.service", "serve", *args, "--port", str(port)],
-                                env=service_env(env), stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL)
-    spawned = Spawned(proc, f"http://127.0.0.1:{port}", log_path)
-    if wait:
-        spawned.wait_ready(timeout)
-    return spawned
+    return spawn_serve(args, log_path=log_path, command=SERVICE_CLI, env=service_env(env), wait=wait,
+                       timeout=timeout)

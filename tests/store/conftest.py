@@ -51,7 +51,8 @@ def s3_factory(seaweed: SeaweedServer) -> Callable[..., ObjectStore]:
     return s3_store_factory(seaweed)
 
 
-@pytest.fixture(params=["fs", pytest.param("s3", marks=pytest.mark.s3)])
+# The S3 runs are `slow` (a SeaweedFS round trip per call): `make test-fast` keeps the filesystem runs.
+@pytest.fixture(params=["fs", pytest.param("s3", marks=[pytest.mark.s3, pytest.mark.slow])])
 def backend(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, Callable[..., ObjectStore]]:
     """(name, factory): the factory opens a store on the same backing storage each call."""
     if request.param == "fs":

@@ -6,7 +6,8 @@ so nothing here imports FastAPI, uvicorn or SQLAlchemy until a command runs.
 Start-up order: settings (flags over ``WEIGHTSYNC_*``) → tokens and bind address →
 catalog migration → store (bucket created if missing) → uvicorn with the import-string
 factory, so ``--workers N`` processes each build the app from the same environment.
-Any failure before uvicorn runs is one line on stderr and exit status 1.
+Any failure before uvicorn runs is one line on stderr and exit status 1, a missing ``server``
+extra included (the client-only install has these commands too).
 """
 
 from __future__ import annotations
@@ -22,11 +23,31 @@ import typer
 __all__ = ["main", "register"]
 
 APP_FACTORY = "weightsync.service.app:app_from_env"
+#: What a user without the server's dependencies is told to run.
+SERVER_EXTRA_INSTALL = "pip install 'weightsync[server]'"
 
 
 def _fail(message: str) -> NoReturn:
     typer.echo(f"weightsync: error: {message}", err=True)
     raise typer.Exit(1)
+
+
+def _missing_extra(exc: ModuleNotFoundError) -> NoReturn:
+    """Fail with one line naming the extra, unless the missing module is weightsync's own (a bug: re-raise)."""
+    if (exc.name or "").partition(".")[0] in ("", "weightsync"):
+        raise exc
+    _fail(f"the server needs the 'server' extra ({exc.name} is not installed): {SERVER_EXTRA_INSTALL}")
+
+
+def _require_server_extra() -> None:
+    """Import the service's stack now, so a client-only install fails with one line, not a traceback."""
+    try:
+        import uvicorn  # noqa: F401
+
+        import weightsync.catalog.migrate  # noqa: F401 - alembic, SQLAlchemy
+        import weightsync.service.app  # noqa: F401 - FastAPI, pydantic-settings, prometheus-client
+    except ModuleNotFoundError as exc:
+        _missing_extra(exc)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -58,6 +79,8 @@ def _migrate(settings) -> str:  # -> the schema revision
         _fail(f"catalog {url}: {_first_line(exc)}")
     except errors.CatalogUnavailable as exc:
         _fail(f"catalog {url} is unreachable: {_first_line(exc)}")
+    except ModuleNotFoundError as exc:  # the PostgreSQL driver loads only for a postgresql:// URL
+        _missing_extra(exc)
     except Exception as exc:  # noqa: BLE001 - bad URL, missing driver, permissions: one line, no traceback
         _fail(f"catalog {url}: {_first_line(exc)}")
 
@@ -77,6 +100,8 @@ def _check_store(settings) -> None:
 
     try:
         asyncio.run(probe())
+    except ModuleNotFoundError as exc:  # aioboto3 loads only for an s3:// store
+        _missing_extra(exc)
     except Exception as exc:  # noqa: BLE001
         _fail(f"store {settings.store_url()}: {_first_line(exc)}")
 
@@ -129,6 +154,7 @@ def serve(
                                                   show_default="info")] = None,
 ) -> None:
     """Run the HTTP service (settings also from WEIGHTSYNC_* variables; flags win)."""
+    _require_server_extra()
     overrides = {"data": data, "host": host, "port": port, "catalog": catalog, "store": store,
                  "s3_endpoint": s3_endpoint, "workers": workers, "token_file": tokens, "log_level": log_level}
     settings = _settings(overrides)
@@ -163,6 +189,7 @@ def migrate(
     catalog: Annotated[str | None, typer.Option(help="Catalog URL.")] = None,
 ) -> None:
     """Bring the catalog database to this release's schema and exit (a deployment's one-shot step)."""
+    _require_server_extra()
     settings = _settings({"data": data, "catalog": catalog})
     revision = _migrate(settings)
     typer.echo(f"catalog at schema revision {revision}")
