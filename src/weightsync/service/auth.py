@@ -144,10 +144,7 @@ def _read_file(path: Path) -> list[Any]:
     except OSError as exc:
         raise ConfigError(f"cannot read token file {path}: {exc.strerror or exc}") from None
     if path.suffix.lower() == ".toml":
-        try:
-            import tomllib
-        except ImportError:  # Python 3.10
-            raise ConfigError(f"{path}: TOML token files need Python 3.11; use JSON") from None
+        import tomllib
         try:
             doc = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
