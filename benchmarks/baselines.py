@@ -191,9 +191,14 @@ def _timed(fn, repeats: int):
     return res, best
 
 
-def measure_xor_zstd1(base: dict, new: dict, level: int = 1, repeats: int = 1, verify: bool = True) -> dict:
-    """Bytes and best-of-``repeats`` encode/decode times (MB/s over the new version's raw bytes)."""
-    enc, te = _timed(lambda: xor_zstd1_encode(base, new, level), repeats)
+def measure_xor_zstd1(base: dict, new: dict, level: int = 1, repeats: int = 1, verify: bool = True,
+                      checksum: bool = False) -> dict:
+    """Bytes and best-of-``repeats`` encode/decode times (MB/s over the new version's raw bytes).
+
+    ``checksum=True`` is the verified variant: encode also hashes each new tensor (xxh3-128) and
+    decode checks every result against it.
+    """
+    enc, te = _timed(lambda: xor_zstd1_encode(base, new, level, checksum=checksum), repeats)
     dec, td = _timed(lambda: xor_zstd1_decode(base, enc), repeats)
     if verify:
         for name, t in new.items():

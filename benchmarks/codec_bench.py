@@ -8,7 +8,10 @@ versions, in one run on the same bytes:
 - baseline: per-tensor XOR + zstd level 1 (the RL-framework peers' codec), bytes
   and encode / decode GB/s (single-threaded, as the peers run it);
 - the zero-order entropy bound H(changed mask) + H(XOR values), per tensor;
-- keyframes: ours vs full-snapshot zstd-1 on the first version.
+- keyframes: ours vs full-snapshot zstd-1 on the first version;
+- per core, same bytes: our encode vs the baseline's, our verified apply in place vs the
+  baseline's verified decode (xxh3-128 of each result), 1 and all threads; the FORMAT v2
+  tensor checksum vs xxh3-128 over every tensor, 1 and all threads.
 
 Throughput is GB/s of raw model bytes (the new version's tensor payload), best of
 ``--repeats``, measured in memory so the disk is not what is timed. Results go to
@@ -29,8 +32,9 @@ import numpy as np
 
 from benchmarks import baselines
 from benchmarks.corpus import ensure_case
-from weightsync.codec import Checkpoint, Decoder, Encoder, FrameRef
-from weightsync.codec.frame import zigzag
+from weightsync.codec import Checkpoint, Decoder, Encoder, FrameRef, kernels
+from weightsync.codec.checksum import tensor_sum
+from weightsync.codec.frame import xxh3_128, zigzag
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_CASES = ["bf16-lr1e-6", "bf16-lr1e-5", "fp8-lr1e-5", "mxfp4-lr1e-5", "nvfp4-lr1e-5", "moe-bf16"]
@@ -108,6 +112,57 @@ def _ours_delta(base: Checkpoint, new: Checkpoint, threads: int, repeats: int) -
             "decode_s": t_dec, "apply_s": t_apply, "sparse_frames": sum(1 for fr in encoded.frames if fr.delta)}
 
 
+def _per_core(base_ck: Checkpoint, new_ck: Checkpoint, base_t: dict, new_t: dict, repeats: int) -> dict:
+    """One thread each, measurements interleaved (ours, baseline, ours, ...), best of `repeats` each.
+
+    On a shared machine the load drifts during a run; alternating the two codecs gives both
+    the same conditions, which back-to-back blocks of repeats do not.
+    """
+    enc = Encoder(threads=1)
+    dec = Decoder(threads=1)
+    encoded = enc.encode(new_ck, base_ck)
+    frames = [fr.data for fr in encoded.frames]
+    offsets = np.cumsum([0] + [len(f) for f in frames])
+    manifest = encoded.with_locations(lambda i, fr: (None, int(offsets[i])))
+    area = b"".join(frames)
+
+    def read(ref: FrameRef) -> memoryview:
+        return memoryview(area)[ref.offset : ref.offset + ref.length]
+
+    peer = baselines.xor_zstd1_encode(base_t, new_t, 1, checksum=True)
+    best = {"ours_enc": float("inf"), "base_enc": float("inf"), "ours_apply": float("inf"),
+            "base_dec": float("inf")}
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        enc.encode(new_ck, base_ck)
+        best["ours_enc"] = min(best["ours_enc"], time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        baselines.xor_zstd1_encode(base_t, new_t, 1)  # the peers' encode, without even a checksum
+        best["base_enc"] = min(best["base_enc"], time.perf_counter() - t0)
+        target = Checkpoint([type(f)(f.layout, f.data.copy()) for f in base_ck.files])  # untimed
+        t0 = time.perf_counter()
+        dec.decode(manifest, read, [f.data for f in target.files], target)  # base and result verified
+        best["ours_apply"] = min(best["ours_apply"], time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        baselines.xor_zstd1_decode(base_t, peer)  # result verified (xxh3-128 per tensor)
+        best["base_dec"] = min(best["base_dec"], time.perf_counter() - t0)
+        if target.files[0].data.tobytes() != new_ck.files[0].data.tobytes():
+            raise AssertionError("our verified apply is not exact")
+    raw = sum(t.data.size for t in new_t.values())
+    return {k: raw / v / 1e9 for k, v in best.items()}
+
+
+def _checksum_speed(new: Checkpoint, repeats: int, threads: int) -> dict:
+    """GB/s of the tensor checksum (FORMAT §10) and of xxh3-128 over every segment of `new`, same bytes."""
+    segs = [(f.segment_bytes(s), s.dtype.width if s.dtype.width in (1, 2, 4, 8) else 1)
+            for f in new.files for s in f.layout.segments if s.length]
+    raw = sum(len(b) for b, _ in segs)
+    _, t1 = _best(lambda: [tensor_sum(b, w) for b, w in segs], repeats)
+    _, tn = _best(lambda: [tensor_sum(b, w, threads=threads) for b, w in segs], repeats)
+    _, tx = _best(lambda: [xxh3_128(b) for b, _ in segs], repeats)
+    return {"checksum_gbps_1": raw / t1 / 1e9, "checksum_gbps_all": raw / tn / 1e9, "xxh3_gbps_1": raw / tx / 1e9}
+
+
 def _ours_key(new: Checkpoint, repeats: int, threads: int) -> dict:
     enc = Encoder(threads=threads)
     encoded, t_enc = _best(lambda: enc.encode(new, None), repeats)
@@ -165,6 +220,8 @@ def run_case(name: str, steps: int, pairs: int, repeats: int, cache: Path | None
         one = _ours_delta(base_ck, new_ck, 1, repeats)
         many = _ours_delta(base_ck, new_ck, threads_all, repeats)
         peer = baselines.measure_xor_zstd1(base_t, new_t, level=1, repeats=repeats)
+        peer_v = baselines.measure_xor_zstd1(base_t, new_t, level=1, repeats=repeats, checksum=True)
+        core = _per_core(base_ck, new_ck, base_t, new_t, repeats)
         bound = baselines.entropy_bound(base_t, new_t)
         rows.append({"raw": raw, "density": changed / max(total, 1), "ours": one["frames_bytes"],
                      "bound_diff": diff_bound(base_t, new_t),
@@ -173,8 +230,12 @@ def run_case(name: str, steps: int, pairs: int, repeats: int, cache: Path | None
                      "baseline": peer["bytes"], "bound": bound,
                      "enc1": raw / one["encode_s"] / 1e9, "encN": raw / many["encode_s"] / 1e9,
                      "dec1": raw / one["decode_s"] / 1e9, "decN": raw / many["decode_s"] / 1e9,
-                     "base_enc": raw / peer["encode_s"] / 1e9, "base_dec": raw / peer["decode_s"] / 1e9})
+                     "base_enc": raw / peer["encode_s"] / 1e9, "base_dec": raw / peer["decode_s"] / 1e9,
+                     "base_dec_verified": raw / peer_v["decode_s"] / 1e9,
+                     "pc_ours_enc": core["ours_enc"], "pc_base_enc": core["base_enc"],
+                     "pc_ours_apply": core["ours_apply"], "pc_base_dec": core["base_dec"]})
     first_ck, first_t = loaded[0]
+    sums = _checksum_speed(loaded[1][0], repeats, threads_all)
     key = _ours_key(first_ck, repeats, threads_all)
     snap = baselines.measure_snapshot_zstd1(first_t, level=1, repeats=repeats)
     zn = _zipnn_key(first_t, repeats)
@@ -194,6 +255,12 @@ def run_case(name: str, steps: int, pairs: int, repeats: int, cache: Path | None
         "encode_gbps_1": mean["enc1"], "encode_gbps_all": mean["encN"],
         "decode_gbps_1": mean["dec1"], "decode_gbps_all": mean["decN"],
         "baseline_encode_gbps": mean["base_enc"], "baseline_decode_gbps": mean["base_dec"],
+        "baseline_decode_verified_gbps": mean["base_dec_verified"],
+        "per_core_encode_gbps": mean["pc_ours_enc"], "per_core_baseline_encode_gbps": mean["pc_base_enc"],
+        "per_core_apply_gbps": mean["pc_ours_apply"], "per_core_baseline_decode_gbps": mean["pc_base_dec"],
+        "encode_vs_baseline_1": mean["pc_ours_enc"] / mean["pc_base_enc"],
+        "apply_vs_baseline_verified_1": mean["pc_ours_apply"] / mean["pc_base_dec"],
+        "threads_all": threads_all, "kernels": kernels.active().name, **sums,
         "keyframe_ratio_ours": raw0 / key["bytes"], "keyframe_ratio_snapshot_zstd1": raw0 / snap["bytes"],
         "keyframe_encode_gbps_all": raw0 / key["encode_s"] / 1e9,
         "keyframe_ratio_zipnn": raw0 / zn["bytes"] if zn else None,
@@ -231,6 +298,21 @@ def table(results: list[dict]) -> str:
             f"{r['baseline_encode_gbps']:.2f} / {r['baseline_decode_gbps']:.2f} | "
             f"{r['keyframe_ratio_ours']:.3f}x / {r['keyframe_ratio_snapshot_zstd1']:.3f}x / "
             + (f"{r['keyframe_ratio_zipnn']:.3f}x |" if r.get("keyframe_ratio_zipnn") else "n/a |"))
+    return "\n".join(lines)
+
+
+def speed_table(results: list[dict]) -> str:
+    """Per-core speed against the baseline, same run, same bytes, interleaved (issue 11's CPU targets)."""
+    lines = ["| case | kernels | encode GB/s 1t (all) | baseline encode 1t | encode vs baseline "
+             "| verified apply in place GB/s 1t (all) | baseline verified decode 1t | apply vs baseline "
+             "| checksum GB/s 1t / all | xxh3-128 GB/s 1t |", "|" + "---|" * 10]
+    for r in results:
+        lines.append(
+            f"| {r['case']} | {r['kernels']} | {r['per_core_encode_gbps']:.2f} ({r['encode_gbps_all']:.2f}) | "
+            f"{r['per_core_baseline_encode_gbps']:.2f} | **{r['encode_vs_baseline_1']:.2f}x** | "
+            f"{r['per_core_apply_gbps']:.2f} ({r['apply_gbps_all']:.2f}) | "
+            f"{r['per_core_baseline_decode_gbps']:.2f} | **{r['apply_vs_baseline_verified_1']:.2f}x** | "
+            f"{r['checksum_gbps_1']:.2f} / {r['checksum_gbps_all']:.2f} | {r['xxh3_gbps_1']:.2f} |")
     return "\n".join(lines)
 
 
@@ -289,10 +371,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{case}: ours {r['ratio_ours']:.1f}x, baseline {r['ratio_baseline']:.1f}x, "
               f"bound {r['ratio_bound']:.1f}x ({r['pct_of_bound']:.1f} % of bound), "
               f"ours vs baseline {r['ours_vs_baseline']:.2f}x, encode {r['encode_gbps_1']:.2f} GB/s/core, "
-              f"apply in place {r['apply_gbps_1']:.2f} GB/s/core", flush=True)
+              f"apply in place {r['apply_gbps_1']:.2f} GB/s/core; per core vs baseline: encode "
+              f"{r['encode_vs_baseline_1']:.2f}x, verified apply {r['apply_vs_baseline_verified_1']:.2f}x", flush=True)
     doc = {"machine": machine(), "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "results": results}
     (args.out / "codec.json").write_text(json.dumps(doc, indent=1))
-    md = f"Machine: {doc['machine']}. Run: {doc['when']}.\n\n{table(results)}\n"
+    md = f"Machine: {doc['machine']}. Run: {doc['when']}.\n\n{table(results)}\n\n{speed_table(results)}\n"
     (args.out / "codec.md").write_text(md)
     for p in plots(results, args.out):
         print(f"wrote {p}")

@@ -3,22 +3,31 @@
 Chunking (docs/FORMAT.md §4.5): a tensor larger than ``chunk_bytes`` is cut into
 independently decodable frames; smaller segments of one dtype are grouped into a
 frame so thousands of tiny tensors do not make thousands of frames. Frames are
-encoded and decoded on a thread pool: zstd, xxhash and large numpy operations
-release the GIL, so this scales with cores.
+encoded and decoded on a thread pool: zstd, xxhash (above 64 KiB, python-xxhash
+>= 4) and the C kernels (codec/kernels.py) release the GIL, so this scales with cores.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
+import xxhash
 
 from weightsync.codec.checkpoint import Checkpoint, CheckpointFile, Segment
 from weightsync.codec.dtypes import DType
-from weightsync.codec.frame import DEFAULT_LEVEL, apply_frame, encode_delta, encode_key, xxh3_128
+from weightsync.codec.frame import (
+    DEFAULT_LEVEL,
+    apply_frame,
+    apply_frame_pieces,
+    encode_delta_pieces,
+    encode_key,
+    xxh3_128,
+)
 from weightsync.codec.manifest import FileEntry, FrameRef, Manifest, Piece, SegmentEntry
 from weightsync.errors import BaseMismatch, ChecksumMismatch, LimitExceeded
 
@@ -76,15 +85,6 @@ class _Plan:
         return sum(p.length for p in self.pieces)
 
 
-def _gather(files: list[np.ndarray], pieces: list[Piece] | tuple[Piece, ...],
-            offset_of: Callable[[Piece], int]) -> np.ndarray:
-    """The bytes of `pieces`, contiguous: a view for one piece, a copy for several."""
-    parts = [files[p.file][offset_of(p) : offset_of(p) + p.length] for p in pieces]
-    if len(parts) == 1:
-        return parts[0]
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint8)
-
-
 def _plan(entries: list[list[tuple[SegmentEntry, bool]]], chunk_bytes: int) -> list[_Plan]:
     plans: list[_Plan] = []
     open_groups: dict[tuple[bool, str], _Plan] = {}
@@ -108,6 +108,35 @@ def _plan(entries: list[list[tuple[SegmentEntry, bool]]], chunk_bytes: int) -> l
             group.pieces.append(Piece(fi, si, 0, seg.length))
     plans.extend(g for g in open_groups.values() if g.pieces)
     return plans
+
+
+class _Chain:
+    """The xxh3-128 of a segment cut into several frames, fed by the frames' tasks in chunk order.
+
+    Each task feeds its chunk right after coding it (the bytes are still in cache) once
+    the previous chunk has been fed; `feed` always releases the next chunk, even on error.
+    """
+
+    def __init__(self, *, base: bool) -> None:
+        self.new = xxhash.xxh3_128()
+        self.base = xxhash.xxh3_128() if base else None
+        self._fed: list[threading.Event] = []
+
+    def add_link(self) -> int:
+        """Reserve the next chunk's turn; returns its index."""
+        self._fed.append(threading.Event())
+        return len(self._fed) - 1
+
+    def feed(self, i: int, new: np.ndarray, base: np.ndarray | None) -> None:
+        """Hash chunk `i` after chunk i-1."""
+        try:
+            if i:
+                self._fed[i - 1].wait()
+            self.new.update(new.data)
+            if self.base is not None and base is not None:
+                self.base.update(base.data)
+        finally:
+            self._fed[i].set()
 
 
 class Encoder:
@@ -139,50 +168,103 @@ class Encoder:
         if keyframe:
             base = None
         base_files = self._match_files(new, base)
-        with ThreadPoolExecutor(self.threads) as pool:
-            hashes = self._hash_segments(pool, new.files)
-            # Per segment: (segment, its xxh3, base offset or None, known base xxh3 or None).
-            entries: list[list[tuple[Segment, str, int | None, str | None]]] = []
-            base_arrays: list[np.ndarray] = []
-            base_jobs: list[tuple[int, int, Future[bytes]]] = []
-            for fi, f in enumerate(new.files):
-                b = base_files[fi]
-                base_arrays.append(b.data if b is not None else np.zeros(0, dtype=np.uint8))
-                counterpart = {s.key: s for s in b.layout.segments} if b is not None else {}
-                row: list[tuple[Segment, str, int | None, str | None]] = []
-                for si, seg in enumerate(f.layout.segments):
-                    other = counterpart.get(seg.key)
-                    if (b is not None and other is not None and other.dtype is seg.dtype
-                            and other.shape == seg.shape and other.length == seg.length):
-                        known = (base_hashes or {}).get((b.layout.path, other.kind, other.name))
-                        if known is None:
-                            base_jobs.append((fi, si, pool.submit(xxh3_128, b.segment_bytes(other))))
-                        row.append((seg, hashes[fi][si], other.offset, known))
-                    else:
-                        row.append((seg, hashes[fi][si], None, None))
-                entries.append(row)
-            for fi, si, fut in base_jobs:
-                seg, h, bo, _ = entries[fi][si]
-                entries[fi][si] = (seg, h, bo, fut.result().hex())
-            seg_entries = [[(SegmentEntry(seg, h, bo, bh), bo is not None) for seg, h, bo, bh in row]
-                           for row in entries]
-            new_arrays = [f.data for f in new.files]
-            plans = _plan(seg_entries, self.chunk_bytes)
-            flat = [[e for e, _ in row] for row in seg_entries]
-
-            def run(plan: _Plan) -> EncodedFrame:
-                data = _gather(new_arrays, plan.pieces,
-                               lambda p: flat[p.file][p.seg].segment.offset + p.offset)
-                if plan.delta:
-                    old = _gather(base_arrays, plan.pieces,
-                                  lambda p: _base_offset(flat[p.file][p.seg]) + p.offset)
-                    blob = encode_delta(np.asarray(old), np.asarray(data), plan.dtype, level=self.level)
+        known = base_hashes or {}
+        # Per segment: (segment, base offset or None, known base xxh3 or None).
+        rows: list[list[tuple[Segment, int | None, str | None]]] = []
+        base_arrays: list[np.ndarray] = []
+        for fi, f in enumerate(new.files):
+            b = base_files[fi]
+            base_arrays.append(b.data if b is not None else np.zeros(0, dtype=np.uint8))
+            counterpart = {s.key: s for s in b.layout.segments} if b is not None else {}
+            row: list[tuple[Segment, int | None, str | None]] = []
+            for seg in f.layout.segments:
+                other = counterpart.get(seg.key)
+                if (b is not None and other is not None and other.dtype is seg.dtype
+                        and other.shape == seg.shape and other.length == seg.length):
+                    row.append((seg, other.offset, known.get((b.layout.path, other.kind, other.name))))
                 else:
-                    blob = encode_key(np.asarray(data), plan.dtype, level=self.level)
-                return EncodedFrame(blob, plan.delta, plan.dtype.name, plan.raw_len, tuple(plan.pieces))
+                    row.append((seg, None, None))
+            rows.append(row)
+        # Plans need offsets only; hashes are filled in below (placeholders until then).
+        seg_entries = [[(SegmentEntry(seg, "", bo, bh), bo is not None) for seg, bo, bh in row] for row in rows]
+        flat = [[e for e, _ in row] for row in seg_entries]
+        plans = _plan(seg_entries, self.chunk_bytes)
+        new_arrays = [f.data for f in new.files]
+        # Each byte is hashed once, while it is in cache (DESIGN.md "Native core"): the frame
+        # coder hashes what it codes, part by part, and hands back the hashes of the segments
+        # it holds whole; a segment cut across frames is hashed by its chunks' tasks, in
+        # order, each chunk right after it was coded (_Chain). Only empty segments are left.
+        in_frame = {(p.file, p.seg) for plan in plans for p in plan.pieces
+                    if p.offset == 0 and p.length == flat[p.file][p.seg].segment.length}
+        chains: dict[tuple[int, int], _Chain] = {}
+        links: list[tuple[_Chain, int] | None] = []
+        for plan in plans:
+            p = plan.pieces[0]
+            key = (p.file, p.seg)
+            if key in in_frame:
+                links.append(None)
+                continue
+            chain = chains.get(key)
+            if chain is None:
+                e = flat[p.file][p.seg]
+                chain = chains[key] = _Chain(base=e.base_offset is not None and e.base_xxh3 is None)
+            links.append((chain, chain.add_link()))
+        new_hash: dict[tuple[int, int], str] = {}
+        base_hash: dict[tuple[int, int], str] = {}
 
-            frames = list(pool.map(run, plans))
-        files = [FileEntry(f.layout.path, f.layout.size, tuple(row)) for f, row in zip(new.files, flat)]
+        def run(index: int) -> tuple[EncodedFrame, list[tuple[int, int, str, str | None]]]:
+            plan = plans[index]
+            # Pieces are coded where they lie (no scratch copy of a grouped frame's tensors).
+            news = [new_arrays[p.file][flat[p.file][p.seg].segment.offset + p.offset:][: p.length]
+                    for p in plan.pieces]
+            olds = None
+            if plan.delta:
+                olds = [base_arrays[p.file][_base_offset(flat[p.file][p.seg]) + p.offset:][: p.length]
+                        for p in plan.pieces]
+            if olds is not None:
+                piece_hashes: list[tuple[bytes, bytes]] = []
+                blob = encode_delta_pieces(olds, news, plan.dtype, level=self.level, piece_hashes=piece_hashes)
+            else:
+                piece_hashes = [(xxh3_128(x), b"") for x in news]
+                data = news[0] if len(news) == 1 else np.concatenate(news)
+                blob = encode_key(data, plan.dtype, level=self.level,
+                                  result_hash=piece_hashes[0][0] if len(news) == 1 else None)
+            hashed: list[tuple[int, int, str, str | None]] = []
+            for p, (h, bh) in zip(plan.pieces, piece_hashes, strict=True):
+                if (p.file, p.seg) in in_frame:
+                    e = flat[p.file][p.seg]
+                    known = e.base_xxh3 if e.base_xxh3 is not None else (bh.hex() if olds is not None else None)
+                    hashed.append((p.file, p.seg, h.hex(), known))
+            link = links[index]
+            if link is not None:
+                link[0].feed(link[1], news[0], olds[0] if olds is not None else None)
+            return EncodedFrame(blob, plan.delta, plan.dtype.name, plan.raw_len, tuple(plan.pieces)), hashed
+
+        with ThreadPoolExecutor(self.threads) as pool:
+            # map() queues the frames in plan order and workers take them in that order, so a
+            # chunk waiting for its predecessor's hash update waits only on a running task.
+            results = list(pool.map(run, range(len(plans))))
+        frames = [fr for fr, _ in results]
+        for fi, si, h, bh in [x for _, hs in results for x in hs]:
+            new_hash[fi, si] = h
+            if bh is not None:
+                base_hash[fi, si] = bh
+        for (fi, si), chain in chains.items():
+            new_hash[fi, si] = chain.new.hexdigest()
+            e = flat[fi][si]
+            if e.base_xxh3 is not None:
+                base_hash[fi, si] = e.base_xxh3
+            elif chain.base is not None:
+                base_hash[fi, si] = chain.base.hexdigest()
+        for fi, entries in enumerate(flat):  # empty segments: in no frame
+            for si, entry in enumerate(entries):
+                if (fi, si) not in new_hash:
+                    new_hash[fi, si] = xxh3_128(b"").hex()
+                    if entry.base_offset is not None:
+                        base_hash[fi, si] = entry.base_xxh3 or xxh3_128(b"").hex()
+        flat = [[SegmentEntry(e.segment, new_hash[fi, si], e.base_offset, base_hash.get((fi, si)))
+                 for si, e in enumerate(row)] for fi, row in enumerate(flat)]
+        files = [FileEntry(f.layout.path, f.layout.size, tuple(row)) for f, row in zip(new.files, flat, strict=True)]
         kind = "delta" if any(e.base_offset is not None for row in flat for e in row) else "keyframe"
         manifest = Manifest(kind=kind, single_file=new.single_file, files=files,
                             frames=[FrameRef(None, 0, len(fr.data), fr.delta, fr.dtype, fr.raw_len, fr.pieces)
@@ -197,11 +279,6 @@ class Encoder:
             return [base.files[0]]
         by_path = base.by_path()
         return [by_path.get(f.layout.path) for f in new.files]
-
-    @staticmethod
-    def _hash_segments(pool: ThreadPoolExecutor, files: list[CheckpointFile]) -> list[list[str]]:
-        futs = [[pool.submit(xxh3_128, f.segment_bytes(s)) for s in f.layout.segments] for f in files]
-        return [[fu.result().hex() for fu in row] for row in futs]
 
 
 class Decoder:
@@ -255,18 +332,17 @@ class Decoder:
                     # The segment-level check above already covered these base bytes.
                     apply_frame(blob, target, verify_base=False)
                     return
-                if ref.delta:
-                    scratch = np.array(_gather(base_arrays, pieces,
-                                               lambda p: _base_offset(manifest.files[p.file].segments[p.seg])
-                                               + p.offset), copy=True)
-                else:
-                    scratch = np.empty(ref.raw_len, dtype=np.uint8)
-                apply_frame(blob, scratch, verify_base=False)
-                pos = 0
+                # A grouped frame applies straight into each tensor's bytes (no scratch copy).
+                targets = []
                 for p in pieces:
-                    start = manifest.files[p.file].segments[p.seg].segment.offset + p.offset
-                    outputs[p.file][start : start + p.length] = scratch[pos : pos + p.length]
-                    pos += p.length
+                    entry = manifest.files[p.file].segments[p.seg]
+                    start = entry.segment.offset + p.offset
+                    target = outputs[p.file][start : start + p.length]
+                    if ref.delta and not in_place[p.file]:
+                        b0 = _base_offset(entry) + p.offset
+                        target[:] = base_arrays[p.file][b0 : b0 + p.length]
+                    targets.append(target)
+                apply_frame_pieces(blob, targets, verify_base=False)
 
             for _ in pool.map(run, manifest.frames):
                 pass

@@ -6,20 +6,26 @@ frame carries the xxh3-128 of the bytes it produces and, for deltas, of the
 base bytes it applies to, so applying to the wrong base or decoding corrupted
 bytes is an error, never silent drift (DESIGN.md invariant 4).
 
-Functions here are pure and thread-safe; zstd contexts are kept per thread.
+Functions here are pure and thread-safe; zstd contexts are kept per thread. The
+element loops are `kernels.active()`: C outside the GIL when built, else numpy.
 """
 
 from __future__ import annotations
 
 import struct
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import xxhash
 import zstandard
 
-from weightsync.codec.dtypes import SIGNED, DType, by_code
+from weightsync.codec import kernels
+from weightsync.codec.dtypes import DType, by_code
+from weightsync.codec.kernels import OP_ADD, OP_SET, OP_SUB, OP_XOR
+from weightsync.codec.kernels import unzigzag as unzigzag  # re-exported: values.py and benchmarks use them
+from weightsync.codec.kernels import zigzag as zigzag
 from weightsync.errors import (
     BadMagic,
     BaseMismatch,
@@ -172,23 +178,6 @@ class _Reader:
             raise CorruptData(f"{len(self.buf) - self.pos} unexpected bytes after the last section")
 
 
-# --- byte planes -----------------------------------------------------------------------
-
-
-def _split_planes(values: np.ndarray, width: int) -> list[np.ndarray]:
-    """Byte plane j holds byte j (little-endian) of every element (FORMAT §4.4)."""
-    if width == 1:
-        return [values.view(np.uint8)]
-    return [(values >> (8 * j)).astype(np.uint8) for j in range(width)]
-
-
-def _join_planes(planes: list[np.ndarray], dtype: np.dtype) -> np.ndarray:
-    out = planes[0].astype(dtype)
-    for j in range(1, len(planes)):
-        out |= planes[j].astype(dtype) << (8 * j)
-    return out
-
-
 # --- encode ----------------------------------------------------------------------------
 
 
@@ -214,19 +203,6 @@ def _finish(flags: int, dtype: DType, method: int, raw_len: int, parts: list[byt
     return b"".join([_header(flags, dtype, method, raw_len, payload_len, base_hash, result_hash), *parts])
 
 
-def zigzag(d: np.ndarray) -> np.ndarray:
-    """Map wrapping differences to unsigned so small magnitudes of either sign are small: 0,-1,1,-2 → 0,1,2,3."""
-    signed: np.ndarray = d.view(SIGNED[d.itemsize])
-    out: np.ndarray = ((signed << 1) ^ (signed >> (8 * d.itemsize - 1))).view(d.dtype)
-    return out
-
-
-def unzigzag(z: np.ndarray) -> np.ndarray:
-    """Inverse of `zigzag`, as wrapping unsigned differences."""
-    out: np.ndarray = (z >> 1) ^ (np.zeros_like(z) - (z & 1))
-    return out
-
-
 def uses_add(dtype: DType) -> bool:
     """Whether deltas of `dtype` code differences (FORMAT §4.2): every dtype but BOOL.
 
@@ -236,17 +212,19 @@ def uses_add(dtype: DType) -> bool:
     return dtype.name != "BOOL"
 
 
-def encode_key(data: np.ndarray, dtype: DType, *, level: int = DEFAULT_LEVEL) -> bytes:
+def encode_key(data: np.ndarray, dtype: DType, *, level: int = DEFAULT_LEVEL,
+               result_hash: bytes | None = None) -> bytes:
     """Encode `data` (raw tensor bytes, 1-D uint8) as a keyframe frame.
 
     Byte planes split the exponent-carrying byte from the mantissa bytes so zstd's
     entropy coder sees each distribution apart; stored raw when that does not help.
+    `result_hash`, when the caller already knows the xxh3-128 of `data`, skips hashing it again.
     """
     _check_encodable(data, dtype)
-    result_hash = xxh3_128(data)
-    values = data.view(dtype.numpy_uint)
+    data = np.ascontiguousarray(data)
+    result_hash = xxh3_128(data) if result_hash is None else result_hash
     parts: list[bytes] = []
-    for plane in _split_planes(values, dtype.width):
+    for plane in _planes(data, dtype.width):
         parts.extend(_section(plane, level))
     if sum(len(p) for p in parts) >= len(data):
         return _finish(0, dtype, METHOD_STORED, len(data), [data.tobytes()], ZERO_HASH, result_hash)
@@ -264,70 +242,189 @@ def encode_delta(base: np.ndarray, new: np.ndarray, dtype: DType, *, level: int 
     Hashes already known to the caller may be passed to avoid recomputing them.
     """
     _check_encodable(new, dtype)
-    if base.shape != new.shape or base.dtype != np.uint8:
-        raise LimitExceeded(f"base has {base.size} bytes, new has {new.size}")
-    if len(new) // dtype.width > MAX_FRAME_ELEMENTS:
+    return encode_delta_pieces([base], [new], dtype, level=level, base_hash=base_hash,
+                               result_hash=result_hash, add=add)
+
+
+def encode_delta_pieces(bases: Sequence[np.ndarray], news: Sequence[np.ndarray], dtype: DType, *,
+                        level: int = DEFAULT_LEVEL, base_hash: bytes | None = None,
+                        result_hash: bytes | None = None, add: bool | None = None,
+                        piece_hashes: list[tuple[bytes, bytes]] | None = None) -> bytes:
+    """`encode_delta` of the concatenations of `bases` and of `news` (pairwise equal lengths), without concatenating.
+
+    A frame grouping many small tensors (FORMAT §4.5) is coded piece by piece: each
+    piece is read once where it lies instead of being copied into a scratch buffer
+    first. The bytes equal `encode_delta(concat(bases), concat(news))`.
+
+    Every byte is hashed in the same pass that codes it, 512 KiB at a time while it is
+    in cache. `piece_hashes`, when given (a list), receives (xxh3-128 of the new piece,
+    of the base piece) for every piece, from that same pass: a caller that needs the
+    pieces' hashes too (the manifest's segment hashes) does not read them again.
+    """
+    if len(bases) != len(news) or not news:
+        raise LimitExceeded("one base piece per new piece, at least one")
+    for b, nw in zip(bases, news, strict=True):
+        if b.shape != nw.shape or b.dtype != np.uint8 or nw.dtype != np.uint8 or nw.ndim != 1:
+            raise LimitExceeded(f"base piece has {b.size} bytes, new piece has {nw.size}")
+        if len(nw) % dtype.width:
+            raise UnsupportedDtype(f"{len(nw)} bytes is not a whole number of {dtype.name} elements")
+    raw_len = sum(len(nw) for nw in news)
+    if raw_len > MAX_FRAME_RAW:
+        raise LimitExceeded(f"a frame holds at most {MAX_FRAME_RAW} bytes, got {raw_len}")
+    if raw_len // dtype.width > MAX_FRAME_ELEMENTS:
         raise LimitExceeded("too many elements for one frame")
-    bh = base_hash if base_hash is not None else xxh3_128(base)
-    rh = result_hash if result_hash is not None else xxh3_128(new)
+    bases = [np.ascontiguousarray(b) for b in bases]
+    news = [np.ascontiguousarray(nw) for nw in news]
     add = uses_add(dtype) if add is None else add
     flags = FLAG_DELTA | (FLAG_ADD if add else 0)
-    udt = dtype.numpy_uint
-    old_v, new_v = base.view(udt), new.view(udt)
-    changed = old_v != new_v  # nonzero() over a bool mask is several times faster than over ints
-    count = int(np.count_nonzero(changed))
-    n = len(new_v)
+    k = kernels.active()
+    width = dtype.width
+    n = raw_len // width
+    hashes = _Hashes(len(news), per_piece=piece_hashes is not None, new=result_hash is None,
+                     base=base_hash is None)
     parts: list[bytes] = []
-    if count <= SPARSE_MAX_DENSITY * n:
-        positions = np.flatnonzero(changed)
-        gaps = np.diff(positions, prepend=-1)
-        gaps -= 1
-        gaps = gaps.astype(np.uint32)
-        parts.append(_COUNT.pack(count))
-        for plane in _split_planes(gaps, GAP_WIDTH):
-            parts.extend(_section(plane, level))
-        values = _delta_values(old_v[positions], new_v[positions], add)
-        for plane in _split_planes(values, dtype.width):
+    sparse = _sparse_pieces(k, bases, news, width, add, int(SPARSE_MAX_DENSITY * n), hashes)
+    if sparse is not None:
+        gaps, values = sparse
+        parts.append(_COUNT.pack(len(gaps[0])))
+        for plane in (*gaps, *values):
             parts.extend(_section(plane, level))
         method = METHOD_SPARSE
+        bh = base_hash if base_hash is not None else hashes.frame_base()
+        rh = result_hash if result_hash is not None else hashes.frame_new()
+        if piece_hashes is not None:
+            piece_hashes.extend(hashes.of_pieces())
     else:
-        values = _delta_values(old_v, new_v, add)
-        for plane in _split_planes(values, dtype.width):
+        base, new = _concat(bases), _concat(news)
+        for plane in k.encode_dense(base, new, width, add):
             parts.extend(_section(plane, level))
         method = METHOD_PLANES
-    if sum(len(p) for p in parts) >= len(new):
-        values = _delta_values(old_v, new_v, add)
-        return _finish(flags, dtype, METHOD_STORED, len(new), [values.view(np.uint8).tobytes()], bh, rh)
-    return _finish(flags, dtype, method, len(new), parts, bh, rh)
+        bh = base_hash if base_hash is not None else _xxh3_128_pieces(bases)
+        rh = result_hash if result_hash is not None else _xxh3_128_pieces(news)
+        if piece_hashes is not None:
+            piece_hashes.extend((xxh3_128(nw), xxh3_128(b)) for b, nw in zip(bases, news, strict=True))
+    if sum(len(p) for p in parts) >= raw_len:
+        stored = k.join_planes(list(k.encode_dense(_concat(bases), _concat(news), width, add)), width)
+        return _finish(flags, dtype, METHOD_STORED, raw_len, [stored.tobytes()], bh, rh)
+    return _finish(flags, dtype, method, raw_len, parts, bh, rh)
 
 
-def _delta_values(old: np.ndarray, new: np.ndarray, add: bool) -> np.ndarray:
-    return zigzag(new - old) if add else np.bitwise_xor(old, new)
+_HOT_BYTES = 512 << 10
+"""Bytes coded and hashed together: small enough to stay in a core's L2 between the passes."""
 
 
-def _apply_values(view: np.ndarray, values: np.ndarray, add: bool, positions: np.ndarray | None,
-                  *, undo: bool = False) -> None:
-    """view[positions] ∘= values, where ∘ is XOR or wrapping add (subtract when undoing)."""
-    if add:
-        diff = unzigzag(values)
-        if undo:
-            diff = np.zeros_like(diff) - diff
-        if positions is None:
-            np.add(view, diff, out=view)
-        else:
-            view[positions] += diff
-    elif positions is None:
-        np.bitwise_xor(view, values, out=view)
-    else:
-        view[positions] ^= values
+class _Hashes:
+    """Streaming xxh3-128 of a frame's base and new bytes and, when asked, of each of its pieces."""
+
+    def __init__(self, pieces: int, *, per_piece: bool, new: bool, base: bool) -> None:
+        self.new = xxhash.xxh3_128() if new or (per_piece and pieces == 1) else None
+        self.base = xxhash.xxh3_128() if base or (per_piece and pieces == 1) else None
+        self.piece_new: list[xxhash.xxh3_128] = []
+        self.piece_base: list[xxhash.xxh3_128] = []
+        if per_piece and pieces > 1:
+            self.piece_new = [xxhash.xxh3_128() for _ in range(pieces)]
+            self.piece_base = [xxhash.xxh3_128() for _ in range(pieces)]
+        elif per_piece:  # one piece: its hashes are the frame's, no second hasher
+            assert self.new is not None and self.base is not None
+            self.piece_new, self.piece_base = [self.new], [self.base]
+        self.shared = per_piece and pieces == 1
+
+    def update(self, i: int, base: np.ndarray, new: np.ndarray) -> None:
+        """Feed the next bytes of piece `i` (pieces, and parts of a piece, in order)."""
+        if self.new is not None:
+            self.new.update(new.data)
+        if self.base is not None:
+            self.base.update(base.data)
+        if self.piece_new and not self.shared:
+            self.piece_new[i].update(new.data)
+            self.piece_base[i].update(base.data)
+
+    def frame_new(self) -> bytes:
+        """xxh3-128 of the frame's new bytes."""
+        assert self.new is not None
+        return self.new.digest()
+
+    def frame_base(self) -> bytes:
+        """xxh3-128 of the frame's base bytes."""
+        assert self.base is not None
+        return self.base.digest()
+
+    def of_pieces(self) -> list[tuple[bytes, bytes]]:
+        """(new, base) xxh3-128 of every piece."""
+        return [(n.digest(), b.digest()) for n, b in zip(self.piece_new, self.piece_base, strict=True)]
+
+
+def _concat(pieces: Sequence[np.ndarray]) -> np.ndarray:
+    return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+
+
+def _xxh3_128_pieces(pieces: Sequence[np.ndarray]) -> bytes:
+    if len(pieces) == 1:
+        return xxh3_128(pieces[0])
+    h = xxhash.xxh3_128()
+    for p in pieces:
+        h.update(p.data)
+    return h.digest()
+
+
+def _sparse_pieces(k: kernels.Kernels, bases: Sequence[np.ndarray], news: Sequence[np.ndarray], width: int,
+                   add: bool, cap: int, hashes: _Hashes) -> tuple[list[np.ndarray], list[np.ndarray]] | None:
+    """Sparse planes of the concatenated pieces, or None above `cap` changes (FORMAT §4.2).
+
+    Works through the pieces in parts of at most _HOT_BYTES, feeding `hashes` each part
+    right after coding it. Each part codes its first gap from its own start; the frame
+    counts from its previous change, so that one gap is rewritten.
+    """
+    gap_rows: list[list[np.ndarray]] = [[] for _ in range(kernels.GAP_PLANES)]
+    value_rows: list[list[np.ndarray]] = [[] for _ in range(width)]
+    count = 0
+    start = 0  # frame element index of the part's first element
+    last = -1  # frame element index of the previous change
+    for i, (piece_b, piece_n) in enumerate(zip(bases, news, strict=True)):
+        for off in range(0, len(piece_n), _HOT_BYTES):
+            b, nw = piece_b[off : off + _HOT_BYTES], piece_n[off : off + _HOT_BYTES]
+            found = k.encode_sparse(b, nw, width, add, cap - count)
+            if found is None:
+                return None
+            hashes.update(i, b, nw)
+            gaps, values = found
+            m = gaps.shape[1]
+            if m:
+                local_last = int(k.gap_positions(m, list(gaps))[-1])
+                if last != start - 1:
+                    first = int(gaps[0, 0]) | int(gaps[1, 0]) << 8 | int(gaps[2, 0]) << 16 | int(gaps[3, 0]) << 24
+                    first += start - last - 1
+                    gaps = np.array(gaps, copy=True)
+                    gaps[:, 0] = [(first >> (8 * j)) & 0xFF for j in range(kernels.GAP_PLANES)]
+                for j in range(kernels.GAP_PLANES):
+                    gap_rows[j].append(gaps[j])
+                for j in range(width):
+                    value_rows[j].append(values[j])
+                last = start + local_last
+            count += m
+            start += len(nw) // width
+    empty = np.zeros(0, dtype=np.uint8)
+    return ([_concat(r) if r else empty for r in gap_rows], [_concat(r) if r else empty for r in value_rows])
+
+
+def _planes(data: np.ndarray, width: int) -> list[np.ndarray]:
+    """Byte planes of raw elements (FORMAT §4.4); one plane is the data itself."""
+    if width == 1:
+        return [data]
+    return list(kernels.active().split_planes(data, width))
 
 
 # --- decode ----------------------------------------------------------------------------
 
 
-def parse_header(frame: bytes | memoryview) -> FrameHeader:
+def _view(frame: bytes | memoryview | np.ndarray) -> memoryview:
+    """Frame bytes as a byte memoryview (a numpy frame: its contiguous bytes)."""
+    return frame.data.cast("B") if isinstance(frame, np.ndarray) else memoryview(frame)
+
+
+def parse_header(frame: bytes | memoryview | np.ndarray) -> FrameHeader:
     """Parse and validate a frame header: the one place every header bound is checked."""
-    view = memoryview(frame)
+    view = _view(frame)
     if len(view) < HEADER_SIZE:
         if len(view) >= 4 and bytes(view[:4]) != MAGIC:
             raise BadMagic("not a weightsync frame")
@@ -364,7 +461,47 @@ def parse_header(frame: bytes | memoryview) -> FrameHeader:
     return FrameHeader(delta, add, dtype, method, raw_len, payload_len, bh, rh)
 
 
-def decode_payload(frame: bytes | memoryview, head: FrameHeader) -> tuple[np.ndarray | None, np.ndarray]:
+@dataclass(frozen=True)
+class _Payload:
+    """A frame payload's decoded sections: `values` planes, plus `gaps` planes when sparse.
+
+    STORED payloads have no planes: `stored` holds the raw values instead.
+    """
+
+    count: int | None
+    gaps: list[np.ndarray]
+    values: list[np.ndarray]
+    stored: np.ndarray | None
+
+
+def _read_payload(frame: bytes | memoryview | np.ndarray, head: FrameHeader) -> _Payload:
+    """Decompress a frame's sections, every length checked against the header first (FORMAT §4.3)."""
+    reader = _Reader(_view(frame)[HEADER_SIZE : HEADER_SIZE + head.payload_len])
+    width = head.dtype.width
+    n = head.raw_len // width
+    try:
+        if head.method == METHOD_STORED:
+            stored = np.frombuffer(reader.take(head.raw_len), dtype=np.uint8)
+            reader.done()
+            return _Payload(None, [], [], stored)
+        if head.method == METHOD_PLANES:
+            planes = [reader.section(n) for _ in range(width)]
+            reader.done()
+            return _Payload(None, [], planes, None)
+        (count,) = _COUNT.unpack(reader.take(_COUNT.size))
+        if count > n:
+            raise LimitExceeded(f"sparse frame declares {count} changes in {n} elements")
+        gaps = [reader.section(count) for _ in range(GAP_WIDTH)]
+        planes = [reader.section(count) for _ in range(width)]
+        reader.done()
+        return _Payload(count, gaps, planes, None)
+    except FormatError:
+        raise
+    except (ValueError, OverflowError, IndexError) as exc:  # defensive: malformed shapes
+        raise CorruptData(f"frame does not decode: {exc}") from None
+
+
+def decode_payload(frame: bytes | memoryview | np.ndarray, head: FrameHeader) -> tuple[np.ndarray | None, np.ndarray]:
     """Decode a frame's payload: (positions of changed elements or None when dense, values).
 
     `head` is `parse_header(frame)`. Values are the raw elements (keyframe) or the
@@ -372,39 +509,79 @@ def decode_payload(frame: bytes | memoryview, head: FrameHeader) -> tuple[np.nda
     of the dtype's width. Every section length is checked against the header
     before it is decompressed; only FormatError subclasses escape.
     """
-    reader = _Reader(memoryview(frame)[HEADER_SIZE : HEADER_SIZE + head.payload_len])
+    k = kernels.active()
     width = head.dtype.width
     udt = head.dtype.numpy_uint
-    n = head.raw_len // width
-    positions = None
-    try:
-        if head.method == METHOD_STORED:
-            values = np.frombuffer(reader.take(head.raw_len), dtype=udt)
-            reader.done()
-        elif head.method == METHOD_PLANES:
-            planes = [reader.section(n) for _ in range(width)]
-            reader.done()
-            values = _join_planes(planes, udt) if width > 1 else planes[0]
-        else:
-            (count,) = _COUNT.unpack(reader.take(_COUNT.size))
-            if count > n:
-                raise LimitExceeded(f"sparse frame declares {count} changes in {n} elements")
-            gaps = _join_planes([reader.section(count) for _ in range(GAP_WIDTH)], np.dtype("<u4"))
-            planes = [reader.section(count) for _ in range(width)]
-            reader.done()
-            positions = np.cumsum(gaps, dtype=np.int64)
-            positions += np.arange(0, count, dtype=np.int64)
-            if count and positions[-1] >= n:
-                raise CorruptData("sparse frame position past the end of the chunk")
-            values = _join_planes(planes, udt) if width > 1 else planes[0]
-    except FormatError:
-        raise
-    except (ValueError, OverflowError, IndexError) as exc:  # defensive: malformed shapes
-        raise CorruptData(f"frame does not decode: {exc}") from None
+    payload = _read_payload(frame, head)
+    if payload.stored is not None:
+        return None, payload.stored.view(udt)
+    values = k.join_planes(payload.values, width).view(udt)
+    if payload.count is None:
+        return None, values
+    positions = k.gap_positions(payload.count, payload.gaps)
+    if payload.count and positions[-1] >= head.raw_len // width:
+        raise CorruptData("sparse frame position past the end of the chunk")
     return positions, values
 
 
-def apply_frame(frame: bytes | memoryview, target: np.ndarray, *, verify_base: bool = True) -> FrameHeader:
+def _apply_payload(targets: Sequence[np.ndarray], head: FrameHeader, payload: _Payload, op: int) -> None:
+    """concat(targets) ∘= the payload's values (FORMAT §4.2); CorruptData, nothing written, on a bad position."""
+    k = kernels.active()
+    width = head.dtype.width
+    planes = payload.values
+    if payload.stored is not None:
+        # STORED holds values whole, not as planes: split them (rare: incompressible frames).
+        planes = [payload.stored] if width == 1 else list(k.split_planes(payload.stored, width))
+    if len(targets) == 1:
+        if payload.count is None:
+            k.apply_dense(targets[0], width, op, planes)
+        elif not k.apply_sparse(targets[0], width, op, payload.count, payload.gaps, planes):
+            raise CorruptData("sparse frame position past the end of the chunk")
+        return
+    bounds = np.cumsum([0] + [len(t) // width for t in targets])
+    if payload.count is None:
+        for t, lo, hi in zip(targets, bounds, bounds[1:], strict=False):
+            k.apply_dense(t, width, op, [p[lo:hi] for p in planes])
+        return
+    cuts, firsts, end = k.gap_cuts(payload.count, payload.gaps, bounds)
+    if end > bounds[-1]:
+        raise CorruptData("sparse frame position past the end of the chunk")
+    for t, e0, first_pos, lo, hi in zip(targets, bounds, firsts, cuts, cuts[1:], strict=False):
+        if hi == lo:
+            continue
+        gaps = [np.array(g[lo:hi], copy=True) for g in payload.gaps]
+        first = int(first_pos) - int(e0)  # the piece's first gap counts from its own start
+        for j, g in enumerate(gaps):
+            g[0] = (first >> (8 * j)) & 0xFF
+        k.apply_sparse(t, width, op, int(hi - lo), gaps, [p[lo:hi] for p in planes])
+
+
+def apply_frame_pieces(frame: bytes | memoryview | np.ndarray, targets: Sequence[np.ndarray], *,
+                       verify_base: bool = True) -> FrameHeader:
+    """`apply_frame` into the concatenation of `targets` (1-D writable uint8 views), without concatenating.
+
+    A frame grouping several tensors (FORMAT §4.5) applies straight into each tensor's
+    bytes; the same checks and undo on a result mismatch as `apply_frame`.
+    """
+    head = parse_header(frame)
+    if not targets or any(t.dtype != np.uint8 or t.ndim != 1 or not t.flags.c_contiguous
+                          or len(t) % head.dtype.width for t in targets):
+        raise LimitExceeded("frame targets must be contiguous 1-D uint8 arrays of whole elements")
+    if sum(len(t) for t in targets) != head.raw_len:
+        raise LimitExceeded(f"frame decodes to {head.raw_len} bytes, targets hold {sum(len(t) for t in targets)}")
+    if head.delta and verify_base and _xxh3_128_pieces(targets) != head.base_hash:
+        raise BaseMismatch("delta frame applied to a different base")
+    payload = _read_payload(frame, head)
+    op = (OP_ADD if head.add else OP_XOR) if head.delta else OP_SET
+    _apply_payload(targets, head, payload, op)
+    if _xxh3_128_pieces(targets) != head.result_hash:
+        if head.delta:
+            _apply_payload(targets, head, payload, OP_SUB if head.add else OP_XOR)
+        raise ChecksumMismatch("decoded frame does not match its result checksum")
+    return head
+
+
+def apply_frame(frame: bytes | memoryview | np.ndarray, target: np.ndarray, *, verify_base: bool = True) -> FrameHeader:
     """Decode `frame` into `target` (1-D writable uint8 of exactly the frame's raw length).
 
     For a keyframe frame `target` receives the bytes. For a delta frame `target`
@@ -416,22 +593,12 @@ def apply_frame(frame: bytes | memoryview, target: np.ndarray, *, verify_base: b
     head = parse_header(frame)
     if target.dtype != np.uint8 or target.ndim != 1 or len(target) != head.raw_len:
         raise LimitExceeded(f"frame decodes to {head.raw_len} bytes, target holds {target.size}")
-    if head.delta and verify_base and xxh3_128(target) != head.base_hash:
-        raise BaseMismatch("delta frame applied to a different base")
-    positions, values = decode_payload(frame, head)
-    view = target.view(head.dtype.numpy_uint)
-    if head.delta:
-        _apply_values(view, values, head.add, positions)
-    else:
-        view[:] = values
-    if xxh3_128(target) != head.result_hash:
-        if head.delta:
-            _apply_values(view, values, head.add, positions, undo=True)
-        raise ChecksumMismatch("decoded frame does not match its result checksum")
-    return head
+    if not target.flags.c_contiguous:
+        raise LimitExceeded("the target of a frame must be contiguous")
+    return apply_frame_pieces(frame, [target], verify_base=verify_base)
 
 
-def decode_frame(frame: bytes | memoryview, base: np.ndarray | None = None) -> np.ndarray:
+def decode_frame(frame: bytes | memoryview | np.ndarray, base: np.ndarray | None = None) -> np.ndarray:
     """Return the bytes `frame` produces (a new array); `base` is required for deltas."""
     head = parse_header(frame)
     if head.delta:

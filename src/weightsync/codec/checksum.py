@@ -1,0 +1,147 @@
+"""The tensor checksum of FORMAT v2 (docs/FORMAT.md §10): a position-weighted sum that CPU and GPU agree on.
+
+For a tensor of n elements of width W bytes, split every element into L words (bytes
+when W = 1, else L = W/2 little-endian u16) and keep one 64-bit lane per word index h:
+
+    lane[h] = Σ_i (word(i, h) + C) · (2·(start + i) + 1)   mod 2^64,   C = 0x9E3779B97F4A7C15
+
+The checksum is (n, lane[0..L-1]). What it guarantees (FORMAT §10.3 has the proofs): any
+change of one element, any swap of two different elements among the first 2^48, and any
+change of the element count are detected. It is linear, so the checksum of any split of
+a tensor's elements is the sum of its parts' checksums, each taken at its own `start`
+(:meth:`TensorSum.__add__`): fused parameters, tensor-parallel slices and chunks are
+checked piecewise. It is not a hash: crafted changes of several elements can cancel;
+storage keeps SHA-256 and frames keep xxh3-128.
+
+Three implementations give the same value: :func:`reference_sum` (numpy, the definition),
+the C kernel (:func:`tensor_sum`, GIL released, threads over parts) and
+`weightsync.devsum` (torch, any device).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from weightsync.codec import kernels
+from weightsync.errors import InvalidArgument
+
+CONSTANT = 0x9E3779B97F4A7C15
+"""C: added to every word so zero elements still weigh, and a part placed at the wrong position changes the sum."""
+MASK = (1 << 64) - 1
+WIDTHS = (1, 2, 4, 8)
+MAX_ELEMENTS = 1 << 48
+"""Swaps are guaranteed detected between positions closer than this (FORMAT §10.3)."""
+_REFERENCE_CHUNK = 1 << 20  # elements per step of the numpy reference: bounds its scratch memory
+
+
+def lanes_of(width: int) -> int:
+    """Lanes of the checksum of `width`-byte elements: 1 for 1- and 2-byte elements, else width/2."""
+    if width not in WIDTHS:
+        raise InvalidArgument(f"element width must be one of {WIDTHS}, got {width}")
+    return max(1, width // 2)
+
+
+@dataclass(frozen=True)
+class TensorSum:
+    """The checksum of `count` elements of `width` bytes: `lanes` are unsigned 64-bit ints.
+
+    Adding two sums of disjoint parts, each taken at its own start, gives the sum of
+    their union; the sum of a whole tensor equals the sum of any partition of it.
+    """
+
+    width: int
+    count: int
+    lanes: tuple[int, ...]
+
+    def __add__(self, other: TensorSum) -> TensorSum:
+        """The checksum of the union of two disjoint parts (same width)."""
+        if other.width != self.width:
+            raise InvalidArgument(f"cannot combine checksums of {self.width}- and {other.width}-byte elements")
+        return TensorSum(self.width, self.count + other.count,
+                         tuple((a + b) & MASK for a, b in zip(self.lanes, other.lanes, strict=True)))
+
+    def digest(self) -> bytes:
+        """The wire form (FORMAT §10.1): u64 count, then the lanes, all little-endian."""
+        return struct.pack(f"<Q{len(self.lanes)}Q", self.count, *self.lanes)
+
+    def hex(self) -> str:
+        """`digest()` as lowercase hex."""
+        return self.digest().hex()
+
+    @classmethod
+    def from_digest(cls, width: int, digest: bytes) -> TensorSum:
+        """Parse `digest()` bytes of a checksum of `width`-byte elements."""
+        n = lanes_of(width)
+        if len(digest) != 8 * (n + 1):
+            raise InvalidArgument(f"a checksum of {width}-byte elements is {8 * (n + 1)} bytes, got {len(digest)}")
+        count, *lanes = struct.unpack(f"<Q{n}Q", digest)
+        return cls(width, count, tuple(lanes))
+
+    @classmethod
+    def empty(cls, width: int) -> TensorSum:
+        """The checksum of no elements: the identity of `+`."""
+        return cls(width, 0, (0,) * lanes_of(width))
+
+
+def combine(parts: Iterable[TensorSum]) -> TensorSum:
+    """The checksum of a tensor from its parts' checksums (each taken at its start); at least one part."""
+    total: TensorSum | None = None
+    for p in parts:
+        total = p if total is None else total + p
+    if total is None:
+        raise InvalidArgument("combine needs at least one part")
+    return total
+
+
+def _as_bytes(data: np.ndarray | bytes | bytearray | memoryview, width: int) -> np.ndarray:
+    arr = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data
+    if arr.dtype != np.uint8 or arr.ndim != 1:
+        raise InvalidArgument("checksums are taken over 1-D uint8 arrays of raw element bytes")
+    if len(arr) % width:
+        raise InvalidArgument(f"{len(arr)} bytes is not a whole number of {width}-byte elements")
+    return np.ascontiguousarray(arr)
+
+
+def _check_start(start: int) -> None:
+    if not 0 <= start < (1 << 64):
+        raise InvalidArgument(f"start must be in [0, 2^64), got {start}")
+
+
+def reference_sum(data: np.ndarray | bytes | bytearray | memoryview, width: int, *, start: int = 0) -> TensorSum:
+    """The checksum as numpy computes it from the definition (the normative reference, FORMAT §10.1)."""
+    lanes_n = lanes_of(width)
+    arr = _as_bytes(data, width)
+    _check_start(start)
+    words = arr if width == 1 else arr.view("<u2")
+    n = len(arr) // width
+    lanes = np.zeros(lanes_n, dtype=np.uint64)
+    c = np.uint64(CONSTANT)
+    with np.errstate(over="ignore"):  # arithmetic is mod 2^64 by definition
+        for lo in range(0, n, _REFERENCE_CHUNK):
+            hi = min(n, lo + _REFERENCE_CHUNK)
+            u = words[lo * lanes_n : hi * lanes_n].reshape(-1, lanes_n).astype(np.uint64) + c
+            pos = np.arange(lo, hi, dtype=np.uint64) + np.uint64(start)
+            weights = pos * np.uint64(2) + np.uint64(1)
+            lanes += (u * weights[:, None]).sum(axis=0, dtype=np.uint64)
+    return TensorSum(width, n, tuple(int(x) for x in lanes))
+
+
+def tensor_sum(data: np.ndarray | bytes | bytearray | memoryview, width: int, *, start: int = 0,
+               threads: int = 1) -> TensorSum:
+    """The checksum of raw element bytes whose first element sits at position `start` of its tensor.
+
+    Runs the C kernel when built (GIL released; `threads` > 1 splits large inputs across
+    threads by the piecewise rule), else :func:`reference_sum`. Thread-safe.
+    """
+    ext = kernels.EXTENSION
+    if ext is None or kernels.active() is kernels.REFERENCE:
+        return reference_sum(data, width, start=start)
+    lanes_of(width)
+    arr = _as_bytes(data, width)
+    _check_start(start)
+    lanes = ext.checksum(arr, width, start, CONSTANT, max(1, threads))
+    return TensorSum(width, len(arr) // width, tuple(int(x) for x in lanes))
