@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Annotated
 
 import typer
 
 from weightsync.client.cli import register as register_client
+from weightsync.common import human_bytes
 from weightsync.errors import WeightsyncError, exit_code_of
 from weightsync.service.cli import register as register_service
 
@@ -25,14 +27,6 @@ def fail(message: str, code: int = 1) -> None:
     """Print a one-line error to stderr and exit with ``code`` (no traceback); README "Exit codes"."""
     typer.echo(f"weightsync: error: {message}", err=True)
     raise typer.Exit(code)
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return str(n)
 
 
 @app.command()
@@ -56,7 +50,7 @@ def diff(
         typer.echo(json.dumps({"raw_bytes": stats.raw_bytes, "bytes": stats.delta_bytes, "ratio": ratio,
                                "frames": stats.frames, "delta_frames": stats.delta_frames}))
     else:
-        typer.echo(f"{output}: {_human(stats.delta_bytes)} for {_human(stats.raw_bytes)} ({ratio:.1f}x)")
+        typer.echo(f"{output}: {human_bytes(stats.delta_bytes)} for {human_bytes(stats.raw_bytes)} ({ratio:.1f}x)")
 
 
 @app.command()
@@ -82,7 +76,7 @@ app.add_typer(bench_app, name="bench")
 _PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
 
 
-def _benchmarks(module: str):
+def _benchmarks(module: str) -> ModuleType:
     """Import benchmarks.<module> from the checkout this package is installed from (editable install)."""
     import importlib
 

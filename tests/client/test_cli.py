@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 import typer
 from _client_util import TinyTrainer, dir_size, free_port, tree_bytes, write_version
@@ -94,6 +95,42 @@ def test_push_pull_json(server, model, cli, tmp_path: Path) -> None:
     assert model in {m["name"] for m in _one_json(r)["models"]}
     r = cli("watch", model, "--after", 2, "--count", 1, "--json", env=env)
     assert r.exit_code == 0 and _one_json(r)["number"] == 3
+
+
+def test_json_output_is_the_servers_answer_byte_for_byte(server, model, cli, tmp_path: Path) -> None:
+    """--json of the listing, watch and admin commands prints the server's JSON (sorted keys), not a re-shaping."""
+    trainer = TinyTrainer(seed=33)
+    env = {"WEIGHTSYNC_SERVER": server.url}
+    for i in range(1, 3):
+        trainer.step()
+        r = cli("push", model, write_version(tmp_path / f"src{i}", trainer.export()), "--step", i,
+                "--metadata", json.dumps({"lr": 1e-6, "tags": ["a", i]}), env=env)
+        assert r.exit_code == 0, r.stderr
+
+    def printed(obj: object) -> str:
+        return json.dumps(obj, sort_keys=True, default=str) + "\n"
+
+    with httpx.Client(base_url=server.url) as http:
+        versions = http.get(f"/v1/models/{model}/versions").json()["versions"]
+        assert cli("log", model, "--json", env=env).stdout == printed({"model": model, "versions": versions})
+        assert cli("log", model, "--limit", 1, "--json", env=env).stdout == printed({"model": model,
+                                                                                     "versions": versions[-1:]})
+        assert cli("watch", model, "--after", 1, "--count", 1, "--json", env=env).stdout == printed(versions[1])
+        assert cli("models", "--json", env=env).stdout == printed(http.get("/v1/models").json())
+        fsck = http.post("/v1/admin/fsck", json={"read_data": True, "repair": False}).json()
+        assert cli("fsck", "--read-data", "--json", env=env).stdout == printed(fsck)
+        gc = http.post("/v1/admin/gc", json={"dry_run": True}).json()
+        assert cli("gc", "--dry-run", "--json", env=env).stdout == printed(gc)
+    assert versions[1]["metadata"] == {"lr": 1e-6, "tags": ["a", 2]} and "leases_purged" in gc
+    r = cli("log", model, env=env)  # the human form names every version, its timestamp as the API writes it
+    assert [line.split()[0] for line in r.stdout.splitlines()] == ["v1", "v2"]
+    assert r.stdout.splitlines()[1].endswith(versions[1]["committed_at"])
+    r = cli("fsck", env=env)
+    assert r.exit_code == 0 and r.stdout.splitlines()[-1].startswith("ok: ")
+    r = cli("gc", "--dry-run", env=env)
+    assert r.exit_code == 0 and r.stdout.startswith("would delete ") and "kept in grace" in r.stdout
+    r = cli("models", env=env)
+    assert any(line.split() == [model, "head=2"] for line in r.stdout.splitlines())
 
 
 def test_push_single_file(server, model, cli, tmp_path: Path) -> None:

@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
+import json
+import random
 import subprocess
 import sys
+import threading
+from typing import ClassVar
 
 import httpx
 import pytest
 
 from weightsync import errors
-from weightsync.client import _http
+from weightsync.client import _http, models
 from weightsync.client._http import Api, Retry, TokenBucket
+from weightsync.common import Backoff
 
 FAST = Retry(attempts=4, base=0.0, cap=0.0)
+MODEL = {"name": "m", "head": 3, "created_at": "2025-03-01T00:00:00Z", "keyframe_interval": 16,
+         "max_chain_ratio": 4.0, "keep_last": None}
+VERSION = {"model": "m", "number": 3, "parent": 2, "kind": "delta", "chain_base": 1, "step": None, "metadata": {},
+           "raw_bytes": 1000, "stored_bytes": 120, "manifest": "a" * 64, "committed_at": "2025-03-01T12:00:00Z"}
 
 
 def _problem(status: int, code: str, detail: str, **extra) -> httpx.Response:
@@ -34,10 +43,10 @@ def test_transient_failures_are_retried_then_succeed() -> None:
             raise httpx.ConnectError("refused", request=request)
         if len(calls) == 2:
             return _problem(503, "unavailable", "store down")
-        return httpx.Response(200, json={"models": [{"name": "m"}]})
+        return httpx.Response(200, json={"models": [MODEL]})
 
     api = _api(handler)
-    assert api.list_models() == [{"name": "m"}]
+    assert api.list_models() == [models.Model.from_json(MODEL)]
     assert len(calls) == 3
     assert calls[0].headers["authorization"] == "Bearer secret-token"
 
@@ -122,12 +131,62 @@ def test_presigned_upload_sends_exactly_its_headers_and_no_token() -> None:
         return httpx.Response(200)
 
     api = _api(handler)
-    api.put_object("a" * 64, b"x" * 1000, {"method": "PUT", "url": "http://s3.test/bucket/key?sig=1",
-                                             "headers": {"x-amz-checksum-sha256": "abc"}})
+    api.put_object("a" * 64, b"x" * 1000, models.PresignedPut(method="PUT", url="http://s3.test/bucket/key?sig=1",
+                                                                headers={"x-amz-checksum-sha256": "abc"}))
     (req,) = seen
     assert req.url.host == "s3.test" and "authorization" not in req.headers
     assert req.headers["x-amz-checksum-sha256"] == "abc" and req.headers["content-length"] == "1000"
     assert req.read() == b"x" * 1000
+
+
+def test_answers_are_typed_and_a_malformed_one_is_bad_response_without_retries() -> None:
+    calls: list[httpx.Request] = []
+    answer: dict[str, httpx.Response] = {}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request)
+        return answer["next"]
+
+    api = _api(handler)
+    answer["next"] = httpx.Response(200, json={**VERSION, "shards": 4})  # a newer server's extra field
+    head = api.head("m")
+    assert isinstance(head, models.Version) and head.number == 3 and head.to_dict() == VERSION
+    for bad in (httpx.Response(200, json={**VERSION, "number": "3"}),  # a known field mistyped
+                httpx.Response(200, json={k: v for k, v in VERSION.items() if k != "kind"}),  # one missing
+                httpx.Response(200, text="<html>proxy</html>"),  # not JSON at all
+                httpx.Response(200, json=[VERSION])):  # JSON, but not the object
+        answer["next"] = bad
+        calls.clear()
+        with pytest.raises(errors.BadResponse) as info:
+            api.get_version("m", 3)
+        assert len(calls) == 1, "a well-formed transfer of a malformed answer is not retried"
+        assert "\n" not in str(info.value) and info.value.exit_code == errors.EXIT_ERROR
+    answer["next"] = httpx.Response(200, json={"versions": [VERSION, {**VERSION, "number": None}]})
+    with pytest.raises(errors.BadResponse, match=r"versions\[1\]\.number"):
+        api.list_versions("m")
+
+
+def test_watch_answers_a_version_or_none_on_timeout() -> None:
+    answer: dict[str, httpx.Response] = {"next": httpx.Response(204)}
+    api = _api(lambda request: answer["next"])
+    assert api.watch("m", after=2, timeout=1) is None
+    answer["next"] = httpx.Response(200, json=VERSION)
+    assert api.watch("m", after=2, timeout=1) == models.Version.from_json(VERSION)
+
+
+def test_report_replica_sends_only_the_fields_given() -> None:
+    bodies: list[dict] = []
+    replica = {"model": "m", "subscriber": "s", "version": 3, "applied_at": "2025-03-01T12:00:00Z",
+               "pause_ms": None, "bytes": 10, "site": None, "host": "h", "extra": {}}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        bodies.append(json.loads(request.content))
+        return httpx.Response(201, json=replica)
+
+    api = _api(handler)
+    got = api.report_replica("m", subscriber="s", version=3, bytes=10, host="h", extra={})
+    assert got == models.Replica.from_json(replica) and got.pause_ms is None
+    assert bodies == [{"subscriber": "s", "version": 3, "bytes": 10, "host": "h", "extra": {}}]
 
 
 def test_token_bucket_waits_for_the_debt(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -152,3 +211,60 @@ def test_client_imports_no_server_layers_and_no_torch() -> None:
             "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# --- the watch reconnect loop: the client's one backoff policy -----------------------------------
+
+
+class _CountingBackoff(Backoff):
+    """The watch's backoff with no wait, recording which retry number each reconnect asked for."""
+
+    asked: ClassVar[list[int]] = []
+
+    def delay(self, attempt: int, retry_after: str | None = None, *, rng: random.Random | None = None) -> float:
+        self.asked.append(attempt)
+        return 0.0
+
+
+def test_watch_reconnects_with_backoff_reset_by_a_success(monkeypatch: pytest.MonkeyPatch) -> None:
+    from weightsync.client import subscriber
+
+    monkeypatch.setattr(subscriber, "WATCH_RECONNECT", _CountingBackoff(attempts=1, base=0.5, cap=10.0))
+    monkeypatch.setattr(_CountingBackoff, "asked", [])
+    script = [httpx.ConnectError("refused"), _problem(503, "unavailable", "restarting"), httpx.Response(204),
+              _problem(404, "not-found", "no model", resource="model"), httpx.Response(200, json=VERSION),
+              httpx.Response(200, json={**VERSION, "number": 2}),  # not newer than what was yielded: skipped
+              httpx.Response(200, json={**VERSION, "number": 5})]
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        step = script.pop(0)
+        if isinstance(step, Exception):
+            raise step
+        return step
+
+    with subscriber.Subscriber("http://weightsync.test", "m", retry=Retry(attempts=1), report=False,
+                               transport=httpx.MockTransport(handler)) as sub:
+        got = sub.watch(after=1, timeout=1)
+        assert [next(got).number, next(got).number] == [3, 5]
+    assert script == []
+    # Two failures in a row back off further (0, 1); the 204 is a success and starts over (0).
+    assert _CountingBackoff.asked == [0, 1, 0]
+    assert subscriber.WATCH_RECONNECT.ceiling(0) == 0.5 and subscriber.WATCH_RECONNECT.ceiling(9) == 10.0
+
+
+def test_watch_stops_during_a_reconnect_wait() -> None:
+    from weightsync.client import subscriber
+
+    stop = threading.Event()
+    polls: list[int] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        polls.append(1)
+        if len(polls) == 3:
+            stop.set()  # the server stays down; the caller gives up while the watch waits to reconnect
+        return _problem(503, "unavailable", "down")
+
+    with subscriber.Subscriber("http://weightsync.test", "m", retry=Retry(attempts=1), report=False,
+                               transport=httpx.MockTransport(handler)) as sub:
+        assert list(sub.watch(after=0, timeout=1, stop=stop)) == []
+    assert len(polls) == 3

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import types
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
@@ -33,7 +33,7 @@ def _wire_types() -> list[type[models.Wire]]:
 
 def test_round_trip_is_exact_and_typed() -> None:
     v = models.Version.from_json(VERSION)
-    assert v.committed_at == datetime(2025, 3, 1, 12, 0, 0, 250000, tzinfo=timezone.utc)
+    assert v.committed_at == datetime(2025, 3, 1, 12, 0, 0, 250000, tzinfo=UTC)
     assert v.to_dict() == VERSION
     plan = models.Plan.from_json(PLAN)
     assert [s.number for s in plan.steps] == [2, 3]
@@ -92,6 +92,22 @@ def test_nullable_and_defaulted_fields() -> None:
     m = models.Model.from_json({"name": "m", "head": None, "created_at": "2025-03-01T00:00:00Z",
                                 "keyframe_interval": 16, "max_chain_ratio": 4, "keep_last": None})
     assert m.head is None and m.max_chain_ratio == 4.0 and isinstance(m.max_chain_ratio, float)
+    # A server older than lease purging sends no leases_purged: it purged none.
+    gc = {"versions_deleted": {"m": [1]}, "pending_expired": 0, "objects_deleted": 2, "bytes_deleted": 9,
+          "objects_kept_in_grace": 1}
+    assert models.GcReport.from_json(gc).leases_purged == 0
+    assert models.GcReport.from_json({**gc, "leases_purged": 3}).to_dict() == {**gc, "leases_purged": 3}
+    with pytest.raises(errors.BadResponse, match=r"GcReport\.leases_purged"):
+        models.GcReport.from_json({**gc, "leases_purged": None})
+
+
+def test_list_answers_name_the_bad_item() -> None:
+    with pytest.raises(errors.BadResponse, match=r"VersionList\.versions\[1\]\.number"):
+        models.VersionList.from_json({"versions": [VERSION, {**VERSION, "number": "4"}]})
+    with pytest.raises(errors.BadResponse, match=r"ModelList\.models is missing"):
+        models.ModelList.from_json({"items": []})
+    assert models.VersionList.from_json({"versions": [VERSION], "next": 4}).versions == [
+        models.Version.from_json(VERSION)]
 
 
 # --- the service renders the same field names -------------------------------------------------
@@ -99,11 +115,13 @@ def test_nullable_and_defaulted_fields() -> None:
 
 def _pairs() -> list[tuple[type[models.Wire], type]]:
     schemas = pytest.importorskip("weightsync.service.schemas")
-    return [(models.Health, schemas.Health), (models.Model, schemas.ModelOut), (models.Version, schemas.VersionOut),
+    return [(models.Health, schemas.Health), (models.Model, schemas.ModelOut), (models.ModelList, schemas.ModelList),
+            (models.Version, schemas.VersionOut), (models.VersionList, schemas.VersionList),
             (models.PlanObject, schemas.PlanObject), (models.PlanStep, schemas.PlanStepOut),
             (models.Plan, schemas.PlanOut), (models.PublishBegin, schemas.BeginOut),
             (models.PresignedPut, schemas.PresignedPut), (models.CheckObjects, schemas.CheckOut),
-            (models.Replica, schemas.ReplicaOut), (models.FsckProblem, schemas.ProblemOut),
+            (models.Replica, schemas.ReplicaOut), (models.ReplicaList, schemas.ReplicaList),
+            (models.FsckProblem, schemas.ProblemOut),
             (models.FsckReport, schemas.FsckOut), (models.GcReport, schemas.GcOut)]
 
 
@@ -125,6 +143,7 @@ def test_client_types_have_the_service_schemas_field_names() -> None:
 
 
 def test_real_answers_parse_and_round_trip(server, model, tmp_path: Path) -> None:
+    """Every typed Api call equals, through ``to_dict``, the JSON the server sent (what the CLI prints)."""
     from weightsync.client import Publisher
 
     trainer = TinyTrainer(seed=53)
@@ -133,28 +152,42 @@ def test_real_answers_parse_and_round_trip(server, model, tmp_path: Path) -> Non
             trainer.step()
             pub.publish(write_version(tmp_path / f"v{i}", trainer.export()), step=i, metadata={"i": i})
     with Api(server.url) as api:
-        begun = api.begin_publish(model, parent=2, step=None, metadata=None, keyframe=False)
-        begin = models.PublishBegin.from_json(begun)
+
+        def raw(method: str, path: str, **kwargs: Any) -> Any:
+            return api.request(method, path, **kwargs).json()
+
+        base = f"/v1/models/{model}"
+        begin = api.begin_publish(model, parent=2, step=None, metadata=None, keyframe=False)
+        assert isinstance(begin, models.PublishBegin) and begin.kind == "delta" and begin.parent == 2
         check = api.check_objects(model, begin.publish_id, [("d" * 64, 5)])
-        assert models.CheckObjects.from_json(check) == models.CheckObjects(missing=["d" * 64])
+        assert check == models.CheckObjects(missing=["d" * 64])
         api.abort_publish(model, begin.publish_id)
-        plan = models.Plan.from_json(api.get_plan(model, have=None, holder="test"))
-        answers: list[tuple[type[models.Wire], Any]] = [
-            (models.Health, api.health()),
-            (models.Model, api.get_model(model)),
-            *((models.Model, m) for m in api.list_models()),
-            *((models.Version, v) for v in api.list_versions(model)),
-            (models.Version, api.watch(model, after=1, timeout=5)),
-            (models.Plan, api.get_plan(model, have=None, holder="test")),
-            (models.Plan, api.get_plan(model, have=1)),
-            (models.Replica, api.report_replica(model, {"subscriber": "s", "version": 2, "bytes": 10})),
-            *((models.Replica, r) for r in api.list_replicas(model)),
-            (models.PublishBegin, begun),
-            (models.FsckReport, api.fsck(read_data=False, repair=False)),
-            (models.GcReport, api.gc(dry_run=True)),
+        replica = api.report_replica(model, subscriber="s", version=2, bytes=10)
+        assert (replica.subscriber, replica.version, replica.bytes, replica.pause_ms) == ("s", 2, 10, None)
+        plan = api.get_plan(model, have=None, holder="test")
+        watched = api.watch(model, after=1, timeout=5)
+        pairs: list[tuple[Any, Any]] = [
+            (api.health(), raw("GET", "/healthz")),
+            (api.get_model(model), raw("GET", base)),
+            ([m.to_dict() for m in api.list_models()], raw("GET", "/v1/models")["models"]),
+            ([v.to_dict() for v in api.list_versions(model)], raw("GET", f"{base}/versions")["versions"]),
+            ([v.to_dict() for v in api.list_versions(model, after=1, limit=1)],
+             raw("GET", f"{base}/versions", params={"after": 1, "limit": 1})["versions"]),
+            (api.get_version(model, 1), raw("GET", f"{base}/versions/1")),
+            (api.head(model), raw("GET", f"{base}/versions/latest")),
+            (watched, raw("GET", f"{base}/watch", params={"after": 1, "timeout": 5})),
+            (api.get_plan(model, have=1), raw("GET", f"{base}/plan", params={"have": 1})),
+            ([r.to_dict() for r in api.list_replicas(model)], raw("GET", f"{base}/replicas")["replicas"]),
+            (api.fsck(read_data=False, repair=False), raw("POST", "/v1/admin/fsck",
+                                                          json={"read_data": False, "repair": False})),
+            (api.gc(dry_run=True), raw("POST", "/v1/admin/gc", json={"dry_run": True})),
         ]
-    for cls, answer in answers:
-        parsed = cls.from_json(answer)
-        assert parsed.to_dict() == answer, cls.__name__
+        assert api.head(model + "-missing") is None
+        assert api.watch(model, after=2, timeout=0.2) is None  # nothing newer: the poll times out (204)
+    for typed, answer in pairs:
+        got = typed.to_dict() if isinstance(typed, models.Wire) else typed
+        assert got == answer, answer
     assert plan.target == 2 and plan.lease_expires_at is not None and plan.bytes > 0
     assert [s.number for s in plan.steps] == [1, 2]
+    assert watched is not None and watched.number == 2 and watched.metadata == {"i": 1}
+    assert isinstance(pairs[-1][0], models.GcReport) and pairs[-1][0].leases_purged == 0  # a dry run purges none

@@ -11,6 +11,7 @@ from _client_util import FaultyTransport, Killed, TinyTrainer, dir_size, tree_by
 from weightsync import errors
 from weightsync.client import Publisher, Subscriber
 from weightsync.client.checkout import Checkout
+from weightsync.client.models import Replica
 
 SMALL = {"chunk_bytes": 16 << 10, "object_bytes": 48 << 10}  # several frames per tensor, several objects
 
@@ -48,8 +49,10 @@ def test_push_pull_end_to_end(server, model, tmp_path: Path) -> None:
             assert got.bytes_received > pulled.bytes_received or i == 1
         again = sub.pull(follow)
         assert again.mode == "current" and again.bytes_received == 0
-        replicas = {r["subscriber"]: r for r in _replicas(server.url, model)}
-        assert replicas["follower"]["version"] == 4 and replicas["follower"]["bytes"] > 0
+        replicas = {r.subscriber: r for r in _replicas(server.url, model)}
+        follower = replicas["follower"]
+        assert follower.version == 4 and follower.bytes is not None and follower.bytes > 0
+        assert follower.extra["mode"] == "delta" and follower.host  # what the subscriber reported with it
         # An older version on request, from a directory at a newer one: a full rebuild, byte-identical.
         old = sub.pull(tmp_path / "old", version=2)
         assert old.version == 2 and tree_bytes(tmp_path / "old") == tree_bytes(sources[1])
@@ -57,14 +60,11 @@ def test_push_pull_end_to_end(server, model, tmp_path: Path) -> None:
         assert back.mode == "full" and tree_bytes(follow) == tree_bytes(sources[2])
 
 
-def _replicas(url: str, model: str) -> list[dict]:
+def _replicas(url: str, model: str) -> list[Replica]:
     from weightsync.client._http import Api
 
-    api = Api(url)
-    try:
+    with Api(url) as api:
         return api.list_replicas(model, all=True)
-    finally:
-        api.close()
 
 
 def test_publish_state_dict_async_in_order(server, model, tmp_path: Path) -> None:

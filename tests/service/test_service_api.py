@@ -236,7 +236,8 @@ def test_admin_fsck_and_gc(service, model, versions):
     assert set(report) == {"ok", "versions_checked", "objects_checked", "bytes_verified", "problems"}
     gc = ok(c.post("/v1/admin/gc", json={"dry_run": True}), 200)
     assert set(gc) == {"versions_deleted", "pending_expired", "objects_deleted", "bytes_deleted",
-                       "objects_kept_in_grace"}
+                       "objects_kept_in_grace", "leases_purged"}
+    assert gc["leases_purged"] == 0  # a dry run changes nothing
     # Nothing a committed version needs is ever deleted.
     ok(c.post("/v1/admin/gc", json={"dry_run": False, "grace_s": 0}), 200)
     after = pull(c, model)

@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 
 from weightsync import __version__, errors
+from weightsync.client import models
 from weightsync.common import Backoff
 
 log = logging.getLogger("weightsync.client")
@@ -103,6 +104,9 @@ def problem_error(resp: httpx.Response, *, not_found: type[errors.WeightsyncErro
 class Api:
     """Typed calls for docs/API.md over one httpx connection pool. Thread-safe.
 
+    Each JSON answer comes back as its :mod:`weightsync.client.models` type (lists as
+    lists of it), parsed strictly: a known field missing or mistyped is BadResponse.
+
     ``limiter`` (a :class:`TokenBucket`) caps object and manifest bytes both
     ways; ``transport`` replaces httpx's (tests inject faults with it).
     ``on_bytes`` is called with every body chunk moved (progress reporting).
@@ -185,34 +189,31 @@ class Api:
         raise errors.ServerUnavailable(f"{where} unavailable after {self.retry.attempts} attempts: {last}")
 
     def _json(self, method: str, path: str, **kwargs: Any) -> Any:
-        resp = self.request(method, path, **kwargs)
-        if resp.status_code == 204 or not resp.content:
-            return None
-        try:
-            return resp.json()
-        except ValueError:
-            raise errors.ClientError(f"{method} {path}: answer is not JSON") from None
+        """The JSON body of a successful answer (None for an empty one); BadResponse if it is not JSON."""
+        return _decoded(self.request(method, path, **kwargs), f"{method} {path}")
 
     # --- models and versions ------------------------------------------------------------
 
-    def health(self) -> dict:
-        return self._json("GET", "/healthz")
+    def health(self) -> models.Health:
+        return models.Health.from_json(self._json("GET", "/healthz"))
 
-    def list_models(self) -> list[dict]:
-        return self._json("GET", "/v1/models")["models"]
+    def list_models(self) -> list[models.Model]:
+        return models.ModelList.from_json(self._json("GET", "/v1/models")).models
 
-    def get_model(self, model: str) -> dict:
-        return self._json("GET", f"/v1/models/{model}")
+    def get_model(self, model: str) -> models.Model:
+        return models.Model.from_json(self._json("GET", f"/v1/models/{model}"))
 
     def list_versions(self, model: str, *, limit: int | None = None, before: int | None = None,
-                      after: int | None = None) -> list[dict]:
+                      after: int | None = None) -> list[models.Version]:
         params = {k: v for k, v in (("limit", limit), ("before", before), ("after", after)) if v is not None}
-        return self._json("GET", f"/v1/models/{model}/versions", params=params)["versions"]
+        return models.VersionList.from_json(self._json("GET", f"/v1/models/{model}/versions",
+                                                       params=params)).versions
 
-    def get_version(self, model: str, number: int | str = "latest") -> dict:
-        return self._json("GET", f"/v1/models/{model}/versions/{number}", not_found=errors.VersionNotFound)
+    def get_version(self, model: str, number: int | str = "latest") -> models.Version:
+        return models.Version.from_json(self._json("GET", f"/v1/models/{model}/versions/{number}",
+                                                   not_found=errors.VersionNotFound))
 
-    def head(self, model: str) -> dict | None:
+    def head(self, model: str) -> models.Version | None:
         """The head Version, or None when the model does not exist or has no version yet."""
         try:
             return self.get_version(model, "latest")
@@ -220,7 +221,7 @@ class Api:
             return None
 
     def get_plan(self, model: str, *, have: int | None, want: int | None = None,
-                 holder: str | None = None) -> dict:
+                 holder: str | None = None) -> models.Plan:
         params: dict[str, Any] = {}
         if have is not None:
             params["have"] = have
@@ -228,42 +229,55 @@ class Api:
             params["want"] = want
         if holder:
             params["holder"] = holder
-        return self._json("GET", f"/v1/models/{model}/plan", params=params, not_found=errors.VersionNotFound)
+        return models.Plan.from_json(self._json("GET", f"/v1/models/{model}/plan", params=params,
+                                                not_found=errors.VersionNotFound))
 
-    def watch(self, model: str, *, after: int, timeout: float) -> dict | None:
+    def watch(self, model: str, *, after: int, timeout: float) -> models.Version | None:
+        """The head once it is newer than ``after``; None when ``timeout`` s pass first (a 204)."""
         resp = self.request("GET", f"/v1/models/{model}/watch", params={"after": after, "timeout": timeout},
                             ok=(200, 204), timeout=timeout + 30.0)
-        return resp.json() if resp.status_code == 200 else None
+        if resp.status_code != 200:
+            return None
+        return models.Version.from_json(_decoded(resp, f"GET /v1/models/{model}/watch"))
 
-    def report_replica(self, model: str, body: dict) -> dict:
-        return self._json("POST", f"/v1/models/{model}/replicas", json=body)
+    def report_replica(self, model: str, *, subscriber: str, version: int, bytes: int | None = None,
+                       pause_ms: float | None = None, site: str | None = None, host: str | None = None,
+                       extra: dict[str, Any] | None = None) -> models.Replica:
+        """Record in the ledger that ``subscriber`` applied ``version`` (``bytes`` received, ``pause_ms`` paused)."""
+        body: dict[str, Any] = {"subscriber": subscriber, "version": version}
+        optional = {"bytes": bytes, "pause_ms": pause_ms, "site": site, "host": host, "extra": extra}
+        body.update((k, v) for k, v in optional.items() if v is not None)
+        return models.Replica.from_json(self._json("POST", f"/v1/models/{model}/replicas", json=body))
 
-    def list_replicas(self, model: str, *, subscriber: str | None = None, all: bool = False) -> list[dict]:
+    def list_replicas(self, model: str, *, subscriber: str | None = None,
+                      all: bool = False) -> list[models.Replica]:
         params: dict[str, Any] = {"all": str(all).lower()}
         if subscriber:
             params["subscriber"] = subscriber
-        return self._json("GET", f"/v1/models/{model}/replicas", params=params)["replicas"]
+        return models.ReplicaList.from_json(self._json("GET", f"/v1/models/{model}/replicas",
+                                                       params=params)).replicas
 
     # --- publishing ---------------------------------------------------------------------
 
-    def begin_publish(self, model: str, *, parent: int | None, step: int | None, metadata: dict | None,
-                      keyframe: bool) -> dict:
+    def begin_publish(self, model: str, *, parent: int | None, step: int | None, metadata: dict[str, Any] | None,
+                      keyframe: bool) -> models.PublishBegin:
         body: dict[str, Any] = {"parent": parent, "keyframe": keyframe}
         if step is not None:
             body["step"] = step
         if metadata:
             body["metadata"] = metadata
-        return self._json("POST", f"/v1/models/{model}/publishes", json=body)
+        return models.PublishBegin.from_json(self._json("POST", f"/v1/models/{model}/publishes", json=body))
 
-    def check_objects(self, model: str, publish_id: str, objects: list[tuple[str, int]]) -> dict:
+    def check_objects(self, model: str, publish_id: str, objects: list[tuple[str, int]]) -> models.CheckObjects:
         body = {"objects": [{"digest": d, "size": s} for d, s in objects]}
-        return self._json("POST", f"/v1/models/{model}/publishes/{publish_id}/objects", json=body,
-                          not_found=errors.PublishNotFound)
+        return models.CheckObjects.from_json(self._json("POST", f"/v1/models/{model}/publishes/{publish_id}/objects",
+                                                        json=body, not_found=errors.PublishNotFound))
 
-    def commit_publish(self, model: str, publish_id: str, *, manifest: str, idempotency_key: str) -> dict:
-        return self._json("POST", f"/v1/models/{model}/publishes/{publish_id}/commit",
-                          json={"manifest": manifest, "idempotency_key": idempotency_key},
-                          headers={"Idempotency-Key": idempotency_key}, not_found=errors.PublishNotFound)
+    def commit_publish(self, model: str, publish_id: str, *, manifest: str, idempotency_key: str) -> models.Version:
+        return models.Version.from_json(self._json(
+            "POST", f"/v1/models/{model}/publishes/{publish_id}/commit",
+            json={"manifest": manifest, "idempotency_key": idempotency_key},
+            headers={"Idempotency-Key": idempotency_key}, not_found=errors.PublishNotFound))
 
     def abort_publish(self, model: str, publish_id: str) -> None:
         self.request("DELETE", f"/v1/models/{model}/publishes/{publish_id}", not_found=errors.PublishNotFound)
@@ -282,17 +296,17 @@ class Api:
 
         return chunks
 
-    def put_object(self, digest: str, data: bytes | memoryview, presigned: dict | None = None) -> None:
+    def put_object(self, digest: str, data: bytes | memoryview, presigned: models.PresignedPut | None = None) -> None:
         """Upload one object (the presigned request when given, else putObject)."""
-        if presigned:
-            headers = dict(presigned.get("headers") or {})
+        if presigned is not None:
+            headers = dict(presigned.headers)
             headers.setdefault("Content-Length", str(len(data)))
             ok: tuple[int, ...] = (200, 201, 204)
             if any(k.lower() == "if-none-match" and v.strip() == "*" for k, v in headers.items()):
                 # Create-once under the object's own digest: 412 says it is there already. That is
                 # also what a retry meets when the first attempt's reply was lost after the store acted.
                 ok += (412,)
-            self.request(presigned.get("method", "PUT"), presigned["url"], headers=headers,
+            self.request(presigned.method, presigned.url, headers=headers,
                          content=self._body(data), ok=ok, bare=True, not_found=errors.ObjectNotFound)
             return
         self.request("PUT", f"/v1/objects/{digest}", headers={"Content-Length": str(len(data)),
@@ -337,11 +351,22 @@ class Api:
 
     # --- admin --------------------------------------------------------------------------
 
-    def fsck(self, *, read_data: bool, repair: bool) -> dict:
-        return self._json("POST", "/v1/admin/fsck", json={"read_data": read_data, "repair": repair})
+    def fsck(self, *, read_data: bool, repair: bool) -> models.FsckReport:
+        return models.FsckReport.from_json(self._json("POST", "/v1/admin/fsck",
+                                                      json={"read_data": read_data, "repair": repair}))
 
-    def gc(self, *, dry_run: bool, grace_s: float | None = None) -> dict:
+    def gc(self, *, dry_run: bool, grace_s: float | None = None) -> models.GcReport:
         body: dict[str, Any] = {"dry_run": dry_run}
         if grace_s is not None:
             body["grace_s"] = grace_s
-        return self._json("POST", "/v1/admin/gc", json=body)
+        return models.GcReport.from_json(self._json("POST", "/v1/admin/gc", json=body))
+
+
+def _decoded(resp: httpx.Response, what: str) -> Any:
+    """The JSON body of ``resp`` (None when empty); BadResponse when it is not JSON."""
+    if resp.status_code == 204 or not resp.content:
+        return None
+    try:
+        return resp.json()
+    except ValueError:
+        raise errors.BadResponse(f"bad response from the server: {what}: the answer is not JSON") from None

@@ -23,6 +23,7 @@ import numpy as np
 from weightsync import errors
 from weightsync.client._http import Api
 from weightsync.client._pool import run_all
+from weightsync.codec.manifest import FrameRef
 
 DEFAULT_RANGE_BYTES = 16 << 20
 
@@ -315,19 +316,22 @@ class ObjectCache:
             shutil.rmtree(self._parts_dir(digest), ignore_errors=True)
 
 
-def object_reader(cache: ObjectCache) -> Callable:
+def object_reader(cache: ObjectCache) -> Callable[[FrameRef], memoryview | np.ndarray]:
     """A `read_frame(ref)` for the decoder: frame bytes sliced out of cached objects (maps kept open)."""
     opened: dict[str, memoryview | np.ndarray] = {}
     lock = threading.Lock()
 
-    def read(ref) -> memoryview | np.ndarray:
+    def read(ref: FrameRef) -> memoryview | np.ndarray:
+        digest = ref.object
+        if digest is None:  # only a delta container's frames live nowhere else; a stored manifest names objects
+            raise errors.FormatError("a stored manifest's frame names no object")
         with lock:
-            data = opened.get(ref.object)
+            data = opened.get(digest)
             if data is None:
-                data = opened[ref.object] = cache.read(ref.object)
+                data = opened[digest] = cache.read(digest)
         if ref.offset + ref.length > len(data):
             raise errors.TruncatedInput(f"frame at {ref.offset}+{ref.length} lies past the end of object "
-                                        f"{ref.object}")
+                                        f"{digest}")
         return data[ref.offset : ref.offset + ref.length]
 
     return read

@@ -23,6 +23,7 @@ import numpy as np
 from weightsync.client._http import Api
 from weightsync.client.checkout import Checkout
 from weightsync.client.decode import HeldFile, Tree
+from weightsync.client.models import Version
 from weightsync.client.pull import Meter, pull
 from weightsync.client.state import CheckoutState
 from weightsync.codec.checkpoint import Checkpoint, CheckpointFile, layout_of
@@ -84,11 +85,11 @@ class BaseKeeper:
             return state.number if state else None
         return None
 
-    def for_head(self, head: dict[str, Any] | None, meter: Meter) -> Base | None:
+    def for_head(self, head: Version | None, meter: Meter) -> Base | None:
         """The held version if it is the server's head; else catch up (download mode) or None (keyframe)."""
         if head is None:
             return None
-        number, digest = int(head["number"]), head.get("manifest")
+        number, digest = head.number, head.manifest
         if self._base is not None and self._base.state.number == number and self._base.state.manifest == digest:
             return self._base
         if self.checkout is not None:

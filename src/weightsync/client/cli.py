@@ -37,7 +37,9 @@ from typing import Annotated, Any
 import typer
 
 from weightsync import errors
-from weightsync.client._http import DEFAULT_SERVER
+from weightsync.client._http import DEFAULT_SERVER, Api, Retry
+from weightsync.client.models import Version, timestamp
+from weightsync.common import human_bytes
 from weightsync.errors import EXIT_AUTH, EXIT_CONFLICT, EXIT_ERROR, EXIT_NOT_FOUND, EXIT_UNAVAILABLE, EXIT_USAGE
 
 __all__ = ["EXIT_AUTH", "EXIT_CONFLICT", "EXIT_ERROR", "EXIT_NOT_FOUND", "EXIT_UNAVAILABLE", "EXIT_USAGE",
@@ -55,10 +57,8 @@ def _token() -> str | None:
     return os.environ.get("WEIGHTSYNC_TOKEN") or None
 
 
-def _retry():
+def _retry() -> Retry:
     """The retry policy: WEIGHTSYNC_RETRIES attempts in all (default 6) for transient failures."""
-    from weightsync.client._http import Retry
-
     text = os.environ.get("WEIGHTSYNC_RETRIES", "").strip()
     return Retry(attempts=max(1, int(text))) if text.isdigit() else Retry()
 
@@ -106,14 +106,6 @@ def _rate(text: str | None) -> float | None:
     return value
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return str(n)
-
-
 @contextmanager
 def _progress(label: str, enabled: bool) -> Iterator[Callable[[int, int], None] | None]:
     """A rich transfer bar (bytes, rate, ETA) on a terminal; nothing on pipes or with --json."""
@@ -121,8 +113,7 @@ def _progress(label: str, enabled: bool) -> Iterator[Callable[[int, int], None] 
         yield None
         return
     from rich.console import Console
-    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
-                               TransferSpeedColumn)
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
     bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                    TimeRemainingColumn(), console=Console(stderr=True), transient=True)
@@ -194,8 +185,8 @@ def register(app: typer.Typer) -> None:
         if as_json:
             _emit(result.to_dict())
         else:
-            typer.echo(f"{model} v{result.version} ({result.kind}): sent {_human(result.bytes_sent)} for "
-                       f"{_human(result.raw_bytes)} in {result.seconds:.1f}s "
+            typer.echo(f"{model} v{result.version} ({result.kind}): sent {human_bytes(result.bytes_sent)} for "
+                       f"{human_bytes(result.raw_bytes)} in {result.seconds:.1f}s "
                        f"({result.objects_uploaded}/{result.objects_total} objects uploaded)")
 
     @app.command()
@@ -216,11 +207,10 @@ def register(app: typer.Typer) -> None:
         from weightsync.client.subscriber import Subscriber
 
         rate = _rate(limit_rate)
-        with _errors():
-            with _progress(f"pull {model}", not as_json) as progress, \
-                    Subscriber(server, model, token=_token(), retry=_retry(), name=name, cache_dir=cache_dir,
-                               concurrency=concurrency, bandwidth=rate, progress=progress) as sub:
-                result = sub.pull(dir, version)
+        with _errors(), _progress(f"pull {model}", not as_json) as progress, \
+                Subscriber(server, model, token=_token(), retry=_retry(), name=name, cache_dir=cache_dir,
+                           concurrency=concurrency, bandwidth=rate, progress=progress) as sub:
+            result = sub.pull(dir, version)
         if as_json:
             _emit(result.to_dict())
         elif result.mode == "current":
@@ -228,7 +218,7 @@ def register(app: typer.Typer) -> None:
         else:
             extra = " (directory had changed: rebuilt)" if result.repaired else ""
             typer.echo(f"{dir}: {model} v{result.version} ({result.mode}, {result.steps} step"
-                       f"{'s' if result.steps != 1 else ''}): received {_human(result.bytes_received)} in "
+                       f"{'s' if result.steps != 1 else ''}): received {human_bytes(result.bytes_received)} in "
                        f"{result.seconds:.1f}s{extra}")
 
     @app.command()
@@ -247,20 +237,18 @@ def register(app: typer.Typer) -> None:
 
         with _errors(), Subscriber(server, model, token=_token(), retry=_retry()) as sub:
             sub.api.get_model(model)  # an unknown model is an error here, not an endless wait
-            seen = 0
-            for v in sub.watch(after):
+            for seen, v in enumerate(sub.watch(after), start=1):
                 out = v.to_dict()
+                line = f"{model} v{v.number} ({v.kind}) step={v.step} {human_bytes(v.stored_bytes)} stored"
                 if pull_dir is not None:
-                    out["pull"] = sub.pull(pull_dir, v.number).to_dict()
+                    pulled = sub.pull(pull_dir, v.number)
+                    out["pull"] = pulled.to_dict()
+                    line += f"; pulled into {pull_dir} ({human_bytes(pulled.bytes_received)} received)"
                 if as_json:
                     _emit(out)
                 else:
-                    line = f"{model} v{v.number} ({v.kind}) step={v.step} {_human(v.stored_bytes)} stored"
-                    if pull_dir is not None:
-                        line += f"; pulled into {pull_dir} ({_human(out['pull']['bytes'])} received)"
                     typer.echo(line)
                 sys.stdout.flush()
-                seen += 1
                 if count is not None and seen >= count:
                     return
 
@@ -272,30 +260,26 @@ def register(app: typer.Typer) -> None:
         as_json: JsonOpt = False,
     ) -> None:
         """List the committed versions of MODEL, oldest first."""
-        from weightsync.client._http import Api
-
         with _errors(), Api(server, _token(), retry=_retry()) as api:
             versions = _all_versions(api, model, limit)
         if as_json:
-            _emit({"model": model, "versions": versions})
+            _emit({"model": model, "versions": [v.to_dict() for v in versions]})
             return
         for v in versions:
-            typer.echo(f"v{v['number']:<6} {v.get('kind', ''):<8} parent={v.get('parent')!s:<6} "
-                       f"step={v.get('step')!s:<8} raw={_human(v.get('raw_bytes') or 0):>10} "
-                       f"stored={_human(v.get('stored_bytes') or 0):>10} {v.get('committed_at') or ''}")
+            typer.echo(f"v{v.number:<6} {v.kind:<8} parent={v.parent!s:<6} step={v.step!s:<8} "
+                       f"raw={human_bytes(v.raw_bytes):>10} stored={human_bytes(v.stored_bytes):>10} "
+                       f"{timestamp(v.committed_at)}")
 
     @app.command()
     def models(server: ServerOpt = DEFAULT_SERVER, as_json: JsonOpt = False) -> None:
         """List the models on the server."""
-        from weightsync.client._http import Api
-
         with _errors(), Api(server, _token(), retry=_retry()) as api:
             found = api.list_models()
         if as_json:
-            _emit({"models": found})
+            _emit({"models": [m.to_dict() for m in found]})
             return
         for m in found:
-            typer.echo(f"{m['name']:<32} head={m.get('head')}")
+            typer.echo(f"{m.name:<32} head={m.head}")
 
     @app.command()
     def fsck(
@@ -305,19 +289,16 @@ def register(app: typer.Typer) -> None:
         as_json: JsonOpt = False,
     ) -> None:
         """Check that catalog and store agree (admin). Exit 1 when problems remain."""
-        from weightsync.client._http import Api
-
         with _errors(), Api(server, _token(), timeout=3600, retry=_retry()) as api:
             report = api.fsck(read_data=read_data, repair=repair)
         if as_json:
-            _emit(report)
+            _emit(report.to_dict())
         else:
-            for p in report.get("problems") or []:
-                mark = "repaired" if p.get("repaired") else "problem"
-                typer.echo(f"{mark}: {p.get('code')}: {p.get('detail')}")
-            typer.echo(f"{'ok' if report.get('ok') else 'NOT OK'}: {report.get('versions_checked')} versions, "
-                       f"{report.get('objects_checked')} objects checked")
-        if not report.get("ok"):
+            for p in report.problems:
+                typer.echo(f"{'repaired' if p.repaired else 'problem'}: {p.code}: {p.detail}")
+            typer.echo(f"{'ok' if report.ok else 'NOT OK'}: {report.versions_checked} versions, "
+                       f"{report.objects_checked} objects checked")
+        if not report.ok:
             raise typer.Exit(EXIT_ERROR)
 
     @app.command()
@@ -329,28 +310,26 @@ def register(app: typer.Typer) -> None:
         as_json: JsonOpt = False,
     ) -> None:
         """Apply retention and delete unreferenced objects (admin)."""
-        from weightsync.client._http import Api
-
         with _errors(), Api(server, _token(), timeout=3600, retry=_retry()) as api:
             report = api.gc(dry_run=dry_run, grace_s=grace)
         if as_json:
-            _emit(report)
+            _emit(report.to_dict())
         else:
             prefix = "would delete" if dry_run else "deleted"
-            typer.echo(f"{prefix} {report.get('objects_deleted', 0)} objects "
-                       f"({_human(report.get('bytes_deleted') or 0)}); "
-                       f"{report.get('objects_kept_in_grace', 0)} kept in grace; versions: "
-                       f"{report.get('versions_deleted') or {}}")
+            purged = f"; {report.leases_purged} expired leases purged" if report.leases_purged else ""
+            typer.echo(f"{prefix} {report.objects_deleted} objects ({human_bytes(report.bytes_deleted)}); "
+                       f"{report.objects_kept_in_grace} kept in grace; versions: {report.versions_deleted}{purged}")
 
 
-def _all_versions(api: Any, model: str, limit: int | None) -> list[dict]:
+def _all_versions(api: Api, model: str, limit: int | None) -> list[Version]:
+    """The committed versions of `model`, oldest first: the last `limit`, else all (in pages of 500)."""
     if limit is not None:
         head = api.head(model)
         if head is None:
             api.get_model(model)  # raises ModelNotFound for an unknown model
             return []
-        return api.list_versions(model, after=max(0, int(head["number"]) - limit))
-    out: list[dict] = []
+        return api.list_versions(model, after=max(0, head.number - limit))
+    out: list[Version] = []
     after = 0
     api.get_model(model)
     while True:
@@ -358,7 +337,7 @@ def _all_versions(api: Any, model: str, limit: int | None) -> list[dict]:
         out.extend(page)
         if len(page) < 500:
             return out
-        after = int(page[-1]["number"])
+        after = page[-1].number
 
 
 def main() -> None:  # pragma: no cover - the lead wires register() into weightsync.cli

@@ -117,9 +117,14 @@ def _parse(tp: Any, value: object, where: str) -> Any:
     raise TypeError(f"no JSON parser for {tp!r} ({where})")  # a programming error in this module
 
 
+def timestamp(value: datetime) -> str:
+    """A timestamp as the API writes it: ISO 8601, ``Z`` for UTC (what ``to_dict`` and the CLI print)."""
+    return value.isoformat().replace("+00:00", "Z")
+
+
 def _json_value(value: object) -> object:
     if isinstance(value, datetime):
-        return value.isoformat().replace("+00:00", "Z")
+        return timestamp(value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: _json_value(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, list):
@@ -152,6 +157,13 @@ class Model(Wire):
 
 
 @dataclass(frozen=True)
+class ModelList(Wire):
+    """``GET /v1/models``: the models the caller may read."""
+
+    models: list[Model]
+
+
+@dataclass(frozen=True)
 class Version(Wire):
     """A committed version as the server describes it (docs/API.md, Version); also what commit and watch return."""
 
@@ -166,6 +178,13 @@ class Version(Wire):
     stored_bytes: int
     manifest: str
     committed_at: datetime
+
+
+@dataclass(frozen=True)
+class VersionList(Wire):
+    """``GET /v1/models/{model}/versions``: one page of committed versions, oldest first."""
+
+    versions: list[Version]
 
 
 @dataclass(frozen=True)
@@ -246,6 +265,13 @@ class Replica(Wire):
 
 
 @dataclass(frozen=True)
+class ReplicaList(Wire):
+    """``GET /v1/models/{model}/replicas``: ledger entries, newest per subscriber unless ``all``."""
+
+    replicas: list[Replica]
+
+
+@dataclass(frozen=True)
 class FsckProblem(Wire):
     """One finding of fsck, and whether ``repair`` fixed it."""
 
@@ -277,6 +303,7 @@ class GcReport(Wire):
     objects_deleted: int
     bytes_deleted: int
     objects_kept_in_grace: int
+    leases_purged: int = 0  # absent from servers older than lease purging, which purged none
 
 
 # --- results of push and pull ---------------------------------------------------------------

@@ -130,14 +130,13 @@ class Publisher:
             base = None if keyframe else self._base.for_head(head, catch_up)  # a keyframe needs no base
             if catch_up.bytes:
                 timings["catch_up_s"] = time.perf_counter() - t0
-            parent = int(head["number"]) if head else None
+            parent = head.number if head is not None else None
             begin = self.api.begin_publish(self.model, parent=parent, step=step, metadata=metadata,
                                            keyframe=base is None)
-            publish_id = begin["publish_id"]
+            publish_id = begin.publish_id
             try:
-                kind = begin["kind"]
-                use = base if kind == "delta" and base is not None else None
-                if use is not None and begin.get("parent_manifest") not in (None, use.state.manifest):
+                use = base if begin.kind == "delta" and base is not None else None
+                if use is not None and begin.parent_manifest not in (None, use.state.manifest):
                     use = None
                 t = time.perf_counter()
                 encoded = self.encoder.encode(checkpoint, use.checkpoint if use else None)
@@ -160,8 +159,8 @@ class Publisher:
                 unique = {o.digest: o.data for o in objects}
                 listed = [(d, len(b)) for d, b in unique.items()] + [(digest, len(manifest_bytes))]
                 check = self.api.check_objects(self.model, publish_id, listed)
-                missing = set(check.get("missing") or [])
-                uploads = check.get("uploads") or {}
+                missing = set(check.missing)
+                uploads = check.uploads or {}
                 todo = [(d, b) for d, b in unique.items() if d in missing]
                 meter.total = sum(len(b) for _, b in todo) + (len(manifest_bytes) if digest in missing else 0)
                 self.api.on_bytes = meter
@@ -175,8 +174,7 @@ class Publisher:
                 timings["upload_s"] = time.perf_counter() - t
                 t = time.perf_counter()
                 key = hashlib.sha256(f"{self.model}\0{publish_id}\0{digest}".encode()).hexdigest()[:32]
-                version = self.api.commit_publish(self.model, publish_id, manifest=digest, idempotency_key=key)
-                number = int(version["number"])
+                number = self.api.commit_publish(self.model, publish_id, manifest=digest, idempotency_key=key).number
                 timings["commit_s"] = time.perf_counter() - t
             except BaseException:
                 self._abort(publish_id)

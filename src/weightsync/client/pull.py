@@ -21,14 +21,13 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 from weightsync import errors
 from weightsync.client._http import Api
 from weightsync.client._objects import DEFAULT_RANGE_BYTES, FetchStats, ObjectCache, object_reader
 from weightsync.client.checkout import Checkout
 from weightsync.client.decode import Tree, check_bases, decode_step
-from weightsync.client.models import PullResult
+from weightsync.client.models import Plan, PlanStep, PullResult
 from weightsync.client.state import CheckoutState
 from weightsync.codec.manifest import Manifest
 
@@ -55,23 +54,22 @@ class Meter:
             self.progress(done, max(total, done))
 
 
-def step_objects(steps: list[dict[str, Any]]) -> tuple[dict[str, int], dict[str, int]]:
-    """(manifests, objects) of plan steps as digest → bytes to fetch."""
+def step_objects(steps: list[PlanStep]) -> tuple[dict[str, int], dict[str, int]]:
+    """(manifests, objects) of plan steps as digest → bytes to fetch (an object's largest extent)."""
     manifests: dict[str, int] = {}
     objects: dict[str, int] = {}
     for s in steps:
-        manifests[s["manifest"]] = int(s.get("manifest_bytes") or 0)
-        for o in s.get("objects") or []:
-            d, n = o["digest"], int(o["size"])
-            objects[d] = max(objects.get(d, 0), n)
+        manifests[s.manifest] = s.manifest_bytes
+        for o in s.objects:
+            objects[o.digest] = max(objects.get(o.digest, 0), o.size)
     return manifests, objects
 
 
-def fetch_plan(api: Api, cache: ObjectCache, plan: dict[str, Any], pool: ThreadPoolExecutor, *,
+def fetch_plan(api: Api, cache: ObjectCache, plan: Plan, pool: ThreadPoolExecutor, *,
                range_bytes: int, meter: Meter) -> FetchStats:
     """Make every manifest and object extent of `plan`'s steps present and verified in `cache`."""
-    manifests, objects = step_objects(plan.get("steps") or [])
-    meter.total = int(plan.get("bytes") or 0)
+    manifests, objects = step_objects(plan.steps)
+    meter.total = plan.bytes
     ms = cache.fetch(api, manifests, pool, range_bytes=range_bytes)
     os_ = cache.fetch(api, objects, pool, range_bytes=range_bytes)
     return FetchStats(fetched=ms.fetched + os_.fetched, cached=ms.cached + os_.cached)
@@ -127,15 +125,14 @@ def pull(api: Api, model: str, checkout: Checkout, *, version: int | None = None
                 t = time.perf_counter()
                 plan = api.get_plan(model, have=have, want=version, holder=holder)
                 timings["plan_s"] = time.perf_counter() - t
-                steps = plan.get("steps") or []
-                target = int(plan["target"])
+                steps, target = plan.steps, plan.target
                 if not steps and have == target:
                     assert state is not None
                     if not keep_objects and own_cache:
                         objects.clear()  # what a pull that crashed after its switch left behind
                     return PullResult(model=model, version=target, previous=have, mode="current", steps=0,
                                       bytes_received=meter.bytes, plan_bytes=0,
-                                      full_bytes=int(plan.get("full_bytes") or 0),
+                                      full_bytes=plan.full_bytes,
                                       raw_bytes=sum(f.size for f in state.files), files=len(state.files),
                                       objects_fetched=0, objects_cached=0, repaired=repaired,
                                       seconds=time.perf_counter() - t0, timings=timings)
@@ -148,7 +145,7 @@ def pull(api: Api, model: str, checkout: Checkout, *, version: int | None = None
                     tree = checkout.tree(state) if state is not None and have is not None else Tree(False)
                     manifest = None
                     for i, s in enumerate(steps):
-                        manifest = load_manifest(objects, s["manifest"])
+                        manifest = load_manifest(objects, s.manifest)
                         try:
                             check_bases(manifest, tree)
                         except errors.BaseMismatch:
@@ -159,7 +156,7 @@ def pull(api: Api, model: str, checkout: Checkout, *, version: int | None = None
                     timings["decode_s"] = time.perf_counter() - t
                     t = time.perf_counter()
                     assert manifest is not None
-                    checkout.install(tree, CheckoutState.of(model, target, steps[-1]["manifest"], manifest,
+                    checkout.install(tree, CheckoutState.of(model, target, steps[-1].manifest, manifest,
                                                             api.server), work)
                     timings["install_s"] = time.perf_counter() - t
                 except _Restart:
@@ -172,12 +169,12 @@ def pull(api: Api, model: str, checkout: Checkout, *, version: int | None = None
                 if not keep_objects and own_cache:
                     manifests, fetched = step_objects(steps)
                     objects.discard(list(fetched) + list(manifests))
-                incremental = have is not None and steps[0].get("kind") != "keyframe"
+                incremental = have is not None and steps[0].kind != "keyframe"
                 return PullResult(model=model, version=target,
                                   previous=state.number if state is not None and have is not None else None,
                                   mode="delta" if incremental else "full", steps=len(steps),
-                                  bytes_received=meter.bytes, plan_bytes=int(plan.get("bytes") or 0),
-                                  full_bytes=int(plan.get("full_bytes") or 0), raw_bytes=manifest.raw_bytes,
+                                  bytes_received=meter.bytes, plan_bytes=plan.bytes,
+                                  full_bytes=plan.full_bytes, raw_bytes=manifest.raw_bytes,
                                   files=len(manifest.files), objects_fetched=stats.fetched,
                                   objects_cached=stats.cached, repaired=repaired, seconds=time.perf_counter() - t0,
                                   timings=timings)

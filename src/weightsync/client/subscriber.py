@@ -27,10 +27,15 @@ from weightsync.client.checkout import Checkout
 from weightsync.client.inplace import Prepared, TensorUpdate
 from weightsync.client.models import PullResult, Version
 from weightsync.client.pull import Meter, Progress, fetch_plan, load_manifest, pull
+from weightsync.common import Backoff
 
 log = logging.getLogger("weightsync.client")
 
-__all__ = ["Prepared", "Progress", "Subscriber", "TensorUpdate"]
+__all__ = ["WATCH_RECONNECT", "Prepared", "Progress", "Subscriber", "TensorUpdate"]
+
+WATCH_RECONNECT = Backoff(attempts=1, base=0.5, cap=10.0)
+"""How `Subscriber.watch` waits before reconnecting after a failed poll: full jitter up to
+0.5 s doubling to 10 s (the client's one backoff policy; ``attempts`` is unused: watch never gives up)."""
 
 
 class Subscriber:
@@ -87,16 +92,12 @@ class Subscriber:
                 wait: bool = True) -> None:
         if not self.report:
             return
-        body: dict[str, Any] = {"subscriber": self.name, "version": version, "bytes": bytes_,
-                                "host": socket.gethostname(), "extra": extra or {}}
-        if pause_ms is not None:
-            body["pause_ms"] = pause_ms
-        if self.site:
-            body["site"] = self.site
 
         def send() -> None:
             try:
-                self.api.report_replica(self.model, body)
+                self.api.report_replica(self.model, subscriber=self.name, version=version, bytes=bytes_,
+                                        pause_ms=pause_ms, site=self.site or None, host=socket.gethostname(),
+                                        extra=extra or {})
             except errors.WeightsyncError as exc:  # the ledger is informative: never fail an update for it
                 log.warning("replica report for %s v%s failed: %s", self.model, version, exc)
 
@@ -156,14 +157,13 @@ class Subscriber:
                 fetch_plan(self.api, cache, plan, self._pool, range_bytes=self.range_bytes, meter=meter)
             finally:
                 self.api.on_bytes = None
-            target = int(plan["target"])
-            manifests = [load_manifest(cache, s["manifest"]) for s in plan.get("steps") or []]
+            manifests = [load_manifest(cache, s.manifest) for s in plan.steps]
             updates: dict[str, TensorUpdate] = {}
             specs: dict[str, Any] = {}
             if manifests:
                 with ThreadPoolExecutor(self.decode_threads or os.cpu_count() or 1) as dpool:
                     updates, specs = inplace.decode_updates(manifests, object_reader(cache), dpool)
-            prepared = Prepared(model=self.model, base=have, target=target, updates=updates, specs=specs,
+            prepared = Prepared(model=self.model, base=have, target=plan.target, updates=updates, specs=specs,
                                 steps=len(manifests), bytes_received=meter.bytes, seconds=time.perf_counter() - t0)
             if device is not None and manifests:
                 inplace.stage(prepared, device)
@@ -202,28 +202,30 @@ class Subscriber:
 
         Starts after `after`, else after :attr:`version`, else after the current
         head. When several versions commit between two polls only the newest is
-        yielded. Ends when `stop` is set (checked between polls).
+        yielded. A failed poll (server unavailable, model or version not found yet)
+        is retried after :data:`WATCH_RECONNECT`'s wait, which grows with consecutive
+        failures and starts over after a successful poll. Ends when `stop` is set
+        (checked between polls and during a reconnect wait).
         """
         if after is None:
             after = self.version
         if after is None:
             head = self.api.head(self.model)
-            after = int(head["number"]) if head else 0
-        backoff = 0.5
+            after = head.number if head is not None else 0
+        failures = 0  # consecutive failed polls: the reconnect backoff starts over after a success
         while stop is None or not stop.is_set():
             try:
-                v = self.api.watch(self.model, after=after, timeout=timeout)
-                backoff = 0.5
+                version = self.api.watch(self.model, after=after, timeout=timeout)
+                failures = 0
             except (errors.ServerUnavailable, errors.ModelNotFound, errors.VersionNotFound) as exc:
-                log.debug("watch %s: %s; reconnecting", self.model, exc)
-                if stop is not None and stop.wait(backoff):
+                delay = WATCH_RECONNECT.delay(failures)
+                failures += 1
+                log.debug("watch %s: %s; reconnecting in %.1fs", self.model, exc, delay)
+                if stop is not None and stop.wait(delay):
                     return
                 if stop is None:
-                    time.sleep(backoff)
-                backoff = min(backoff * 2, 10.0)
+                    time.sleep(delay)
                 continue
-            if v is not None:
-                version = Version.from_json(v)
-                if version.number > after:
-                    after = version.number
-                    yield version
+            if version is not None and version.number > after:
+                after = version.number
+                yield version

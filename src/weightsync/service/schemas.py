@@ -246,6 +246,7 @@ class GcOut(_Out):
     objects_deleted: int
     bytes_deleted: int
     objects_kept_in_grace: int
+    leases_purged: int = Field(description="Expired chain leases deleted (0 in a dry run: it changes nothing).")
 
 
 class ProblemDoc(BaseModel):
