@@ -1,0 +1,224 @@
+"""GPU-box probe for issue 11: the FORMAT v2 checksum on CUDA, and how the codec scales with cores.
+
+Run on the lent GPU machine (one script, a few minutes); prints one JSON object and writes it to
+``$OUT/device_probe.json`` when ``OUT`` is set. It measures, on real deltas from a real optimizer
+step of a Llama-style model (random init, fused AdamW, lr 1e-6, random tokens):
+
+- the checksum on the GPU equals the CPU kernels' (every element width, random starts, odd sizes)
+  and its speed and scratch memory on the model's tensors;
+- a STREAM-like host copy (1 and all threads): the memory bandwidth figure the issue compares to;
+- our encode and verified in-place apply with 1 and all threads, against per-tensor XOR + zstd-1
+  (encode 1 thread; decode + apply on all cores), same bytes, same run.
+
+    PYTHONPATH=src python3 benchmarks/device_probe.py --hidden 3072 --layers 26
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+import xxhash
+import zstandard
+
+from weightsync.codec import kernels
+from weightsync.codec.checkpoint import Checkpoint
+from weightsync.codec.checksum import tensor_sum as host_sum
+from weightsync.codec.encoder import Decoder, Encoder
+from weightsync.codec.manifest import FrameRef
+from weightsync.devsum import tensor_sum as device_sum
+
+
+def _timed(fn, repeats: int = 3) -> float:
+    times = []
+    for _ in range(repeats):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def checksum_agreement(device: str) -> dict:
+    """The GPU's sums equal the host kernels' for every width, odd sizes and random starts."""
+    rng = np.random.default_rng(7)
+    checked = 0
+    for dtype, width in [(torch.uint8, 1), (torch.bfloat16, 2), (torch.float16, 2), (torch.float32, 4),
+                         (torch.int64, 8), (torch.float8_e4m3fn, 1)]:
+        for n in [1, 7, 1000, 65_537, 3_000_001]:
+            start = int(rng.integers(0, 1 << 40))
+            raw = rng.integers(0, 256, size=n * width, dtype=np.uint8)
+            t = torch.from_numpy(raw).view(dtype).to(device)
+            if device_sum(t, start=start) != host_sum(raw, width, start=start):
+                raise AssertionError(f"checksum differs on {device}: {dtype} n={n} start={start}")
+            checked += 1
+    return {"cases": checked, "equal": True}
+
+
+def stream_copy(gb: float, threads: int) -> float:
+    """GB/s of a chunked numpy copy (read + write counted once, as STREAM's copy does)."""
+    n = int(gb * 1e9)
+    src = np.ones(n, dtype=np.uint8)
+    dst = np.empty_like(src)
+    chunk = -(-n // (threads * 8))
+
+    def part(i: int) -> None:
+        dst[i:i + chunk] = src[i:i + chunk]
+
+    with ThreadPoolExecutor(threads) as pool:
+        def run() -> None:
+            list(pool.map(part, range(0, n, chunk)))
+        run()
+        t = _timed(run)
+    return 2 * n / t / 1e9
+
+
+def model_step(hidden: int, layers: int, device: str) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """A real AdamW step of a random-init Llama-style model: (base, new) host copies of its bf16 weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 8 // 3 // 256 * 256,
+                      num_hidden_layers=layers, num_attention_heads=max(1, hidden // 128),
+                      num_key_value_heads=max(1, hidden // 128), tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(device=device, dtype=torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=device == "cuda")
+
+    def snapshot() -> dict[str, np.ndarray]:
+        return {k: v.detach().reshape(-1).view(torch.int16).cpu().numpy().view(np.uint8).copy()
+                for k, v in model.state_dict().items()}
+
+    def step() -> None:
+        tokens = torch.randint(0, cfg.vocab_size, (2, 256), device=device)
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()  # Adam's first step moves nearly everything by lr; the probe wants a steady-state step
+    base = snapshot()
+    step()
+    new = snapshot()
+    del model, opt
+    torch.cuda.empty_cache()
+    return base, new
+
+
+def _safetensors_bytes(tensors: dict[str, np.ndarray]) -> bytes:
+    header = {}
+    offset = 0
+    for name, arr in tensors.items():
+        header[name] = {"dtype": "BF16", "shape": [arr.size // 2], "data_offsets": [offset, offset + arr.size]}
+        offset += arr.size
+    h = json.dumps(header, separators=(",", ":")).encode()
+    h += b" " * (-len(h) % 8)
+    return len(h).to_bytes(8, "little") + h + b"".join(a.tobytes() for a in tensors.values())
+
+
+def codec_scaling(base: dict[str, np.ndarray], new: dict[str, np.ndarray], threads: int) -> dict:
+    raw = sum(a.size for a in new.values())
+    changed = sum(int(np.count_nonzero(base[k].view(np.uint16) != new[k].view(np.uint16))) for k in new)
+    base_ck = Checkpoint.from_bytes({"model.safetensors": _safetensors_bytes(base)})
+    new_ck = Checkpoint.from_bytes({"model.safetensors": _safetensors_bytes(new)})
+    out: dict = {"raw_bytes": raw, "density": changed / (raw // 2)}
+    for t in (1, threads):
+        enc = Encoder(threads=t)
+        encoded = enc.encode(new_ck, base_ck)
+        out[f"encode_s_{t}"] = _timed(lambda enc=enc: enc.encode(new_ck, base_ck), 2)
+        frames = [fr.data for fr in encoded.frames]
+        offsets = np.cumsum([0] + [len(f) for f in frames])
+        manifest = encoded.with_locations(lambda i, fr, offsets=offsets: (None, int(offsets[i])))
+        area = b"".join(frames)
+        out["delta_bytes"] = len(area)
+        out["manifest_bytes"] = len(manifest.encode())
+        dec = Decoder(threads=t)
+
+        def read(ref: FrameRef, area: bytes = area) -> memoryview:
+            return memoryview(area)[ref.offset : ref.offset + ref.length]
+
+        live = Checkpoint([type(f)(f.layout, f.data.copy()) for f in base_ck.files])
+        times = []
+        for _ in range(3):  # the subscriber already holds the base: the reset is not timed
+            for f, b in zip(live.files, base_ck.files, strict=True):
+                f.data[:] = b.data
+            t0 = time.perf_counter()
+            dec.decode(manifest, read, [f.data for f in live.files], live)  # base and result verified
+            times.append(time.perf_counter() - t0)
+        out[f"apply_s_{t}"] = statistics.median(times)
+        for f, n in zip(live.files, new_ck.files, strict=True):
+            if not np.array_equal(f.data, n.data):
+                raise AssertionError("our in-place apply is not exact")
+    # The baseline: per-tensor XOR + zstd-1; decode + XOR + xxh3 check on all cores.
+    cctx = zstandard.ZstdCompressor(level=1)
+    t0 = time.perf_counter()
+    peer = {k: (cctx.compress(np.bitwise_xor(base[k], new[k]).tobytes()), xxhash.xxh3_128_digest(new[k]))
+            for k in new}
+    out["baseline_encode_s_1"] = time.perf_counter() - t0
+    out["baseline_bytes"] = sum(len(v[0]) for v in peer.values())
+    local = threading.local()  # a ZstdDecompressor is not thread-safe: one per thread, as the peers do
+
+    def peer_decode(k: str) -> None:
+        dctx = getattr(local, "dctx", None) or zstandard.ZstdDecompressor()
+        local.dctx = dctx
+        x = np.frombuffer(dctx.decompress(peer[k][0], max_output_size=base[k].size), dtype=np.uint8)
+        res = np.bitwise_xor(base[k], x)
+        if xxhash.xxh3_128_digest(res) != peer[k][1]:
+            raise AssertionError("baseline decode is not exact")
+
+    for t in (1, threads):
+        with ThreadPoolExecutor(t) as pool:
+            out[f"baseline_decode_s_{t}"] = _timed(lambda pool=pool: list(pool.map(peer_decode, list(peer))), 2)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hidden", type=int, default=3072)
+    ap.add_argument("--layers", type=int, default=26)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    args = ap.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    res: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                 "cpus": os.cpu_count(), "kernels": type(kernels.active()).__name__,
+                 "xxhash": xxhash.VERSION, "torch": torch.__version__, "python": sys.version.split()[0]}
+    res["checksum_agreement"] = checksum_agreement(device)
+    res["stream_copy_gbps_1"] = stream_copy(2.0, 1)
+    res[f"stream_copy_gbps_{args.threads}"] = stream_copy(2.0, args.threads)
+    t0 = time.perf_counter()
+    base, new = model_step(args.hidden, args.layers, device)
+    res["model_step_s"] = time.perf_counter() - t0
+    # Checksum speed on the device: every tensor of the model, resident on the GPU.
+    resident = [torch.from_numpy(a).view(torch.bfloat16).to(device) for a in new.values()]
+    torch.cuda.reset_peak_memory_stats() if device == "cuda" else None
+    before = torch.cuda.memory_allocated() if device == "cuda" else 0
+    t = _timed(lambda: [device_sum(x) for x in resident])
+    res["device_checksum_s"] = t
+    res["device_checksum_gbps"] = sum(x.numel() * 2 for x in resident) / t / 1e9
+    if device == "cuda":
+        res["device_checksum_scratch_bytes"] = torch.cuda.max_memory_allocated() - before
+    host = list(new.values())
+    with ThreadPoolExecutor(args.threads) as pool:
+        res["host_checksum_gbps_all"] = sum(a.size for a in host) / _timed(
+            lambda: list(pool.map(lambda a: host_sum(a, 2), host)), 2) / 1e9
+    del resident
+    res["codec"] = codec_scaling(base, new, args.threads)
+    text = json.dumps(res, indent=1)
+    print(text)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "device_probe.json").write_text(text)
+
+
+if __name__ == "__main__":
+    main()
