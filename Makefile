@@ -19,8 +19,8 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(PY) scripts/demo.py
 
-# Everything (CI: .ci/run).
-test: $(STAMP)
+# Everything (CI: .ci/run): the lint gate first, then every test.
+test: lint
 	$(VENV)/bin/pytest
 
 # The inner loop: everything but the tests marked slow (wheel install, crash enumerations, long runs).

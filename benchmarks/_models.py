@@ -31,7 +31,7 @@ class BertConfig:
     layer_norm_eps: float = 1e-12
 
     @classmethod
-    def from_json(cls, d: dict) -> "BertConfig":
+    def from_json(cls, d: dict) -> BertConfig:
         if d.get("hidden_act", "gelu") != "gelu" or d.get("position_embedding_type", "absolute") != "absolute":
             raise ValueError("MiniBert implements only hidden_act=gelu with absolute position embeddings")
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
@@ -59,7 +59,9 @@ class MiniBert(nn.Module):
         return out
 
     def _ln(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
-        return F.layer_norm(x, (x.shape[-1],), self.w(prefix + ".weight"), self.w(prefix + ".bias"), self.cfg.layer_norm_eps)
+        return F.layer_norm(
+            x, (x.shape[-1],), self.w(prefix + ".weight"), self.w(prefix + ".bias"), self.cfg.layer_norm_eps
+        )
 
     def _lin(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
         return F.linear(x, self.w(prefix + ".weight"), self.w(prefix + ".bias"))

@@ -38,9 +38,15 @@ free_ports = _serve.free_ports
 
 
 @contextmanager
-def serve(workdir: Path, *, args: Sequence[str] = (), env: dict[str, str] | None = None,
-          timeout: float = 60.0) -> Iterator[str]:
+def serve(
+    workdir: Path, *, args: Sequence[str] = (), env: dict[str, str] | None = None, timeout: float = 60.0
+) -> Iterator[str]:
     """Run the server with data under `workdir/data` until /healthz answers; yield its URL; stop it after."""
-    with _serve.serving(["--data", str(workdir / "data"), *args], log_path=workdir / "server.log",
-                        env=env or dict(os.environ), timeout=timeout, stop_timeout=10) as server:
+    with _serve.serving(
+        ["--data", str(workdir / "data"), *args],
+        log_path=workdir / "server.log",
+        env=env or dict(os.environ),
+        timeout=timeout,
+        stop_timeout=10,
+    ) as server:
         yield server.url

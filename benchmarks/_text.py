@@ -80,7 +80,7 @@ class WordPiece:
         self.cls_id, self.sep_id, self.mask_id = vocab[CLS], vocab[SEP], vocab[MASK]
 
     @classmethod
-    def from_file(cls, path: str | Path) -> "WordPiece":
+    def from_file(cls, path: str | Path) -> WordPiece:
         lines = Path(path).read_text(encoding="utf-8").split("\n")
         if lines and lines[-1] == "":
             lines.pop()

@@ -191,8 +191,9 @@ def _timed(fn, repeats: int):
     return res, best
 
 
-def measure_xor_zstd1(base: dict, new: dict, level: int = 1, repeats: int = 1, verify: bool = True,
-                      checksum: bool = False) -> dict:
+def measure_xor_zstd1(
+    base: dict, new: dict, level: int = 1, repeats: int = 1, verify: bool = True, checksum: bool = False
+) -> dict:
     """Bytes and best-of-``repeats`` encode/decode times (MB/s over the new version's raw bytes).
 
     ``checksum=True`` is the verified variant: encode also hashes each new tensor (xxh3-128) and
@@ -205,8 +206,14 @@ def measure_xor_zstd1(base: dict, new: dict, level: int = 1, repeats: int = 1, v
             if not np.array_equal(dec[name], _norm(t)[2]):
                 raise AssertionError(f"xor_zstd1 round trip differs on {name}")
     mb = enc.raw_bytes / 1e6
-    return {"bytes": enc.compressed_bytes, "raw": enc.raw_bytes, "encode_s": te, "decode_s": td,
-            "encode_MBps": mb / te if te else float("inf"), "decode_MBps": mb / td if td else float("inf")}
+    return {
+        "bytes": enc.compressed_bytes,
+        "raw": enc.raw_bytes,
+        "encode_s": te,
+        "decode_s": td,
+        "encode_MBps": mb / te if te else float("inf"),
+        "decode_MBps": mb / td if td else float("inf"),
+    }
 
 
 def measure_snapshot_zstd1(new: dict, level: int = 1, repeats: int = 1) -> dict:

@@ -74,8 +74,11 @@ def diff_bound(base: dict, new: dict) -> float:
 def _load(path: Path) -> tuple[Checkpoint, dict]:
     blob = (path / "model.safetensors").read_bytes()
     ck = Checkpoint.from_bytes({"model.safetensors": blob})
-    tensors = {e.name: baselines.RawTensor(e.dtype.name, e.shape, ck.files[0].segment_bytes(e))
-               for e in ck.files[0].layout.segments if e.kind == "tensor"}
+    tensors = {
+        e.name: baselines.RawTensor(e.dtype.name, e.shape, ck.files[0].segment_bytes(e))
+        for e in ck.files[0].layout.segments
+        if e.kind == "tensor"
+    }
     return ck, tensors
 
 
@@ -93,7 +96,7 @@ def _ours_delta(base: Checkpoint, new: Checkpoint, threads: int, repeats: int) -
         return memoryview(area)[ref.offset : ref.offset + ref.length]
 
     _, t_dec = _best(lambda: dec.decode(manifest, read, outputs, base), repeats)
-    for out, f in zip(outputs, new.files):
+    for out, f in zip(outputs, new.files, strict=True):
         if not np.array_equal(out, f.data):
             raise AssertionError("our round trip is not exact")
 
@@ -105,11 +108,17 @@ def _ours_delta(base: Checkpoint, new: Checkpoint, threads: int, repeats: int) -
         return ck
 
     applied, t_apply = _best(in_place, repeats, setup=fresh_base)
-    for out, f in zip(applied.files, new.files):
+    for out, f in zip(applied.files, new.files, strict=True):
         if not np.array_equal(out.data, f.data):
             raise AssertionError("our in-place apply is not exact")
-    return {"frames_bytes": len(area), "manifest_bytes": len(manifest.encode()), "encode_s": t_enc,
-            "decode_s": t_dec, "apply_s": t_apply, "sparse_frames": sum(1 for fr in encoded.frames if fr.delta)}
+    return {
+        "frames_bytes": len(area),
+        "manifest_bytes": len(manifest.encode()),
+        "encode_s": t_enc,
+        "decode_s": t_dec,
+        "apply_s": t_apply,
+        "sparse_frames": sum(1 for fr in encoded.frames if fr.delta),
+    }
 
 
 def _per_core(base_ck: Checkpoint, new_ck: Checkpoint, base_t: dict, new_t: dict, repeats: int) -> dict:
@@ -130,8 +139,7 @@ def _per_core(base_ck: Checkpoint, new_ck: Checkpoint, base_t: dict, new_t: dict
         return memoryview(area)[ref.offset : ref.offset + ref.length]
 
     peer = baselines.xor_zstd1_encode(base_t, new_t, 1, checksum=True)
-    best = {"ours_enc": float("inf"), "base_enc": float("inf"), "ours_apply": float("inf"),
-            "base_dec": float("inf")}
+    best = {"ours_enc": float("inf"), "base_enc": float("inf"), "ours_apply": float("inf"), "base_dec": float("inf")}
     for _ in range(repeats):
         t0 = time.perf_counter()
         enc.encode(new_ck, base_ck)
@@ -154,8 +162,12 @@ def _per_core(base_ck: Checkpoint, new_ck: Checkpoint, base_t: dict, new_t: dict
 
 def _checksum_speed(new: Checkpoint, repeats: int, threads: int) -> dict:
     """GB/s of the tensor checksum (FORMAT §10) and of xxh3-128 over every segment of `new`, same bytes."""
-    segs = [(f.segment_bytes(s), s.dtype.width if s.dtype.width in (1, 2, 4, 8) else 1)
-            for f in new.files for s in f.layout.segments if s.length]
+    segs = [
+        (f.segment_bytes(s), s.dtype.width if s.dtype.width in (1, 2, 4, 8) else 1)
+        for f in new.files
+        for s in f.layout.segments
+        if s.length
+    ]
     raw = sum(len(b) for b, _ in segs)
     _, t1 = _best(lambda: [tensor_sum(b, w) for b, w in segs], repeats)
     _, tn = _best(lambda: [tensor_sum(b, w, threads=threads) for b, w in segs], repeats)
@@ -182,8 +194,11 @@ def _zipnn_key(tensors: dict, repeats: int) -> dict | None:
         groups.setdefault(kinds.get(t.dtype, "uint8"), []).append(t.data.tobytes())
     for kind, parts in groups.items():
         raw = b"".join(parts)
-        codec = zipnn.ZipNN(input_format="byte", bytearray_dtype=kind if kind != "uint8" else "bfloat16",
-                            method="zstd" if kind == "uint8" else "AUTO")
+        codec = zipnn.ZipNN(
+            input_format="byte",
+            bytearray_dtype=kind if kind != "uint8" else "bfloat16",
+            method="zstd" if kind == "uint8" else "AUTO",
+        )
         # ZipNN mutates its input buffer: every call gets a fresh copy (made outside the timing).
         best_e = best_d = float("inf")
         for _ in range(repeats):
@@ -207,7 +222,7 @@ def run_case(name: str, steps: int, pairs: int, repeats: int, cache: Path | None
     loaded = [_load(d) for d in dirs[: pairs + 1]]
     threads_all = os.cpu_count() or 1
     rows = []
-    for (base_ck, base_t), (new_ck, new_t) in zip(loaded, loaded[1:]):
+    for (base_ck, base_t), (new_ck, new_t) in zip(loaded, loaded[1:], strict=True):
         raw = sum(t.data.size for t in new_t.values())
         changed, total = 0, 0
         for tname, t in new_t.items():
@@ -223,17 +238,30 @@ def run_case(name: str, steps: int, pairs: int, repeats: int, cache: Path | None
         peer_v = baselines.measure_xor_zstd1(base_t, new_t, level=1, repeats=repeats, checksum=True)
         core = _per_core(base_ck, new_ck, base_t, new_t, repeats)
         bound = baselines.entropy_bound(base_t, new_t)
-        rows.append({"raw": raw, "density": changed / max(total, 1), "ours": one["frames_bytes"],
-                     "bound_diff": diff_bound(base_t, new_t),
-                     "apply1": raw / one["apply_s"] / 1e9, "applyN": raw / many["apply_s"] / 1e9,
-                     "ours_with_manifest": one["frames_bytes"] + one["manifest_bytes"],
-                     "baseline": peer["bytes"], "bound": bound,
-                     "enc1": raw / one["encode_s"] / 1e9, "encN": raw / many["encode_s"] / 1e9,
-                     "dec1": raw / one["decode_s"] / 1e9, "decN": raw / many["decode_s"] / 1e9,
-                     "base_enc": raw / peer["encode_s"] / 1e9, "base_dec": raw / peer["decode_s"] / 1e9,
-                     "base_dec_verified": raw / peer_v["decode_s"] / 1e9,
-                     "pc_ours_enc": core["ours_enc"], "pc_base_enc": core["base_enc"],
-                     "pc_ours_apply": core["ours_apply"], "pc_base_dec": core["base_dec"]})
+        rows.append(
+            {
+                "raw": raw,
+                "density": changed / max(total, 1),
+                "ours": one["frames_bytes"],
+                "bound_diff": diff_bound(base_t, new_t),
+                "apply1": raw / one["apply_s"] / 1e9,
+                "applyN": raw / many["apply_s"] / 1e9,
+                "ours_with_manifest": one["frames_bytes"] + one["manifest_bytes"],
+                "baseline": peer["bytes"],
+                "bound": bound,
+                "enc1": raw / one["encode_s"] / 1e9,
+                "encN": raw / many["encode_s"] / 1e9,
+                "dec1": raw / one["decode_s"] / 1e9,
+                "decN": raw / many["decode_s"] / 1e9,
+                "base_enc": raw / peer["encode_s"] / 1e9,
+                "base_dec": raw / peer["decode_s"] / 1e9,
+                "base_dec_verified": raw / peer_v["decode_s"] / 1e9,
+                "pc_ours_enc": core["ours_enc"],
+                "pc_base_enc": core["base_enc"],
+                "pc_ours_apply": core["ours_apply"],
+                "pc_base_dec": core["base_dec"],
+            }
+        )
     first_ck, first_t = loaded[0]
     sums = _checksum_speed(loaded[1][0], repeats, threads_all)
     key = _ours_key(first_ck, repeats, threads_all)
@@ -242,26 +270,42 @@ def run_case(name: str, steps: int, pairs: int, repeats: int, cache: Path | None
     raw0 = sum(t.data.size for t in first_t.values())
     mean = {k: statistics.fmean(r[k] for r in rows) for k in rows[0]}
     return {
-        "case": name, "pairs": len(rows), "tensors": len(first_t), "raw_bytes": raw0,
+        "case": name,
+        "pairs": len(rows),
+        "tensors": len(first_t),
+        "raw_bytes": raw0,
         "density": mean["density"],
-        "ours_bytes": mean["ours"], "ours_with_manifest_bytes": mean["ours_with_manifest"],
-        "baseline_bytes": mean["baseline"], "bound_bytes": mean["bound"],
-        "ratio_ours": mean["raw"] / mean["ours"], "ratio_baseline": mean["raw"] / mean["baseline"],
+        "ours_bytes": mean["ours"],
+        "ours_with_manifest_bytes": mean["ours_with_manifest"],
+        "baseline_bytes": mean["baseline"],
+        "bound_bytes": mean["bound"],
+        "ratio_ours": mean["raw"] / mean["ours"],
+        "ratio_baseline": mean["raw"] / mean["baseline"],
         "ratio_bound": mean["raw"] / mean["bound"] if mean["bound"] else float("inf"),
         "ours_vs_baseline": mean["baseline"] / mean["ours"],
         "pct_of_bound": mean["bound"] / mean["ours"] * 100,
-        "bound_diff_bytes": mean["bound_diff"], "pct_of_diff_bound": mean["bound_diff"] / mean["ours"] * 100,
-        "apply_gbps_1": mean["apply1"], "apply_gbps_all": mean["applyN"],
-        "encode_gbps_1": mean["enc1"], "encode_gbps_all": mean["encN"],
-        "decode_gbps_1": mean["dec1"], "decode_gbps_all": mean["decN"],
-        "baseline_encode_gbps": mean["base_enc"], "baseline_decode_gbps": mean["base_dec"],
+        "bound_diff_bytes": mean["bound_diff"],
+        "pct_of_diff_bound": mean["bound_diff"] / mean["ours"] * 100,
+        "apply_gbps_1": mean["apply1"],
+        "apply_gbps_all": mean["applyN"],
+        "encode_gbps_1": mean["enc1"],
+        "encode_gbps_all": mean["encN"],
+        "decode_gbps_1": mean["dec1"],
+        "decode_gbps_all": mean["decN"],
+        "baseline_encode_gbps": mean["base_enc"],
+        "baseline_decode_gbps": mean["base_dec"],
         "baseline_decode_verified_gbps": mean["base_dec_verified"],
-        "per_core_encode_gbps": mean["pc_ours_enc"], "per_core_baseline_encode_gbps": mean["pc_base_enc"],
-        "per_core_apply_gbps": mean["pc_ours_apply"], "per_core_baseline_decode_gbps": mean["pc_base_dec"],
+        "per_core_encode_gbps": mean["pc_ours_enc"],
+        "per_core_baseline_encode_gbps": mean["pc_base_enc"],
+        "per_core_apply_gbps": mean["pc_ours_apply"],
+        "per_core_baseline_decode_gbps": mean["pc_base_dec"],
         "encode_vs_baseline_1": mean["pc_ours_enc"] / mean["pc_base_enc"],
         "apply_vs_baseline_verified_1": mean["pc_ours_apply"] / mean["pc_base_dec"],
-        "threads_all": threads_all, "kernels": kernels.active().name, **sums,
-        "keyframe_ratio_ours": raw0 / key["bytes"], "keyframe_ratio_snapshot_zstd1": raw0 / snap["bytes"],
+        "threads_all": threads_all,
+        "kernels": kernels.active().name,
+        **sums,
+        "keyframe_ratio_ours": raw0 / key["bytes"],
+        "keyframe_ratio_snapshot_zstd1": raw0 / snap["bytes"],
         "keyframe_encode_gbps_all": raw0 / key["encode_s"] / 1e9,
         "keyframe_ratio_zipnn": raw0 / zn["bytes"] if zn else None,
         "zipnn_encode_gbps": raw0 / zn["encode_s"] / 1e9 if zn else None,
@@ -282,10 +326,13 @@ def machine() -> str:
 
 
 def table(results: list[dict]) -> str:
-    head = ("| case | density | raw MB | ours KB | baseline KB | XOR bound KB | ours vs baseline "
-            "| % of XOR bound | % of diff bound | encode GB/s 1t / all | apply in place GB/s 1t / all "
-            "| decode to new buffer GB/s 1t / all | baseline enc / dec GB/s | keyframe ours / zstd-1 / ZipNN |\n|"
-            + "---|" * 14)
+    head = (
+        "| case | density | raw MB | ours KB | baseline KB | XOR bound KB | ours vs baseline "
+        "| % of XOR bound | % of diff bound | encode GB/s 1t / all | apply in place GB/s 1t / all "
+        "| decode to new buffer GB/s 1t / all | baseline enc / dec GB/s | keyframe ours / zstd-1 / ZipNN |\n|"
+        + "---|"
+        * 14
+    )
     lines = [head]
     for r in results:
         lines.append(
@@ -297,22 +344,27 @@ def table(results: list[dict]) -> str:
             f"{r['decode_gbps_1']:.2f} / {r['decode_gbps_all']:.2f} | "
             f"{r['baseline_encode_gbps']:.2f} / {r['baseline_decode_gbps']:.2f} | "
             f"{r['keyframe_ratio_ours']:.3f}x / {r['keyframe_ratio_snapshot_zstd1']:.3f}x / "
-            + (f"{r['keyframe_ratio_zipnn']:.3f}x |" if r.get("keyframe_ratio_zipnn") else "n/a |"))
+            + (f"{r['keyframe_ratio_zipnn']:.3f}x |" if r.get("keyframe_ratio_zipnn") else "n/a |")
+        )
     return "\n".join(lines)
 
 
 def speed_table(results: list[dict]) -> str:
     """Per-core speed against the baseline, same run, same bytes, interleaved (issue 11's CPU targets)."""
-    lines = ["| case | kernels | encode GB/s 1t (all) | baseline encode 1t | encode vs baseline "
-             "| verified apply in place GB/s 1t (all) | baseline verified decode 1t | apply vs baseline "
-             "| checksum GB/s 1t / all | xxh3-128 GB/s 1t |", "|" + "---|" * 10]
+    lines = [
+        "| case | kernels | encode GB/s 1t (all) | baseline encode 1t | encode vs baseline "
+        "| verified apply in place GB/s 1t (all) | baseline verified decode 1t | apply vs baseline "
+        "| checksum GB/s 1t / all | xxh3-128 GB/s 1t |",
+        "|" + "---|" * 10,
+    ]
     for r in results:
         lines.append(
             f"| {r['case']} | {r['kernels']} | {r['per_core_encode_gbps']:.2f} ({r['encode_gbps_all']:.2f}) | "
             f"{r['per_core_baseline_encode_gbps']:.2f} | **{r['encode_vs_baseline_1']:.2f}x** | "
             f"{r['per_core_apply_gbps']:.2f} ({r['apply_gbps_all']:.2f}) | "
             f"{r['per_core_baseline_decode_gbps']:.2f} | **{r['apply_vs_baseline_verified_1']:.2f}x** | "
-            f"{r['checksum_gbps_1']:.2f} / {r['checksum_gbps_all']:.2f} | {r['xxh3_gbps_1']:.2f} |")
+            f"{r['checksum_gbps_1']:.2f} / {r['checksum_gbps_all']:.2f} | {r['xxh3_gbps_1']:.2f} |"
+        )
     return "\n".join(lines)
 
 
@@ -325,8 +377,13 @@ def plots(results: list[dict], out: Path) -> list[Path]:
     names = [r["case"] for r in results]
     x = np.arange(len(names))
     fig, ax = plt.subplots(figsize=(10, 4.5))
-    for i, (key, label) in enumerate([("ratio_baseline", "XOR + zstd-1 (peers)"), ("ratio_ours", "weightsync"),
-                                      ("ratio_bound", "zero-order entropy bound")]):
+    for i, (key, label) in enumerate(
+        [
+            ("ratio_baseline", "XOR + zstd-1 (peers)"),
+            ("ratio_ours", "weightsync"),
+            ("ratio_bound", "zero-order entropy bound"),
+        ]
+    ):
         ax.bar(x + (i - 1) * 0.27, [r[key] for r in results], 0.27, label=label)
     ax.set_xticks(x, names, rotation=15)
     ax.set_ylabel("compression ratio (raw / delta bytes)")
@@ -338,10 +395,16 @@ def plots(results: list[dict], out: Path) -> list[Path]:
     fig.savefig(ratio_png, dpi=110)
     plt.close(fig)
     fig, ax = plt.subplots(figsize=(10, 4.5))
-    for i, (key, label) in enumerate([("baseline_encode_gbps", "baseline encode"), ("encode_gbps_1", "ours encode 1t"),
-                                      ("encode_gbps_all", "ours encode all"), ("baseline_decode_gbps", "baseline decode"),
-                                      ("apply_gbps_1", "ours apply in place 1t"),
-                                      ("apply_gbps_all", "ours apply in place all")]):
+    for i, (key, label) in enumerate(
+        [
+            ("baseline_encode_gbps", "baseline encode"),
+            ("encode_gbps_1", "ours encode 1t"),
+            ("encode_gbps_all", "ours encode all"),
+            ("baseline_decode_gbps", "baseline decode"),
+            ("apply_gbps_1", "ours apply in place 1t"),
+            ("apply_gbps_all", "ours apply in place all"),
+        ]
+    ):
         ax.bar(x + (i - 2.5) * 0.14, [r[key] for r in results], 0.14, label=label)
     ax.set_xticks(x, names, rotation=15)
     ax.set_ylabel("GB/s of raw model bytes")
@@ -368,11 +431,14 @@ def main(argv: list[str] | None = None) -> int:
     for case in args.cases:
         r = run_case(case, args.steps, min(args.pairs, args.steps), args.repeats, args.cache)
         results.append(r)
-        print(f"{case}: ours {r['ratio_ours']:.1f}x, baseline {r['ratio_baseline']:.1f}x, "
-              f"bound {r['ratio_bound']:.1f}x ({r['pct_of_bound']:.1f} % of bound), "
-              f"ours vs baseline {r['ours_vs_baseline']:.2f}x, encode {r['encode_gbps_1']:.2f} GB/s/core, "
-              f"apply in place {r['apply_gbps_1']:.2f} GB/s/core; per core vs baseline: encode "
-              f"{r['encode_vs_baseline_1']:.2f}x, verified apply {r['apply_vs_baseline_verified_1']:.2f}x", flush=True)
+        print(
+            f"{case}: ours {r['ratio_ours']:.1f}x, baseline {r['ratio_baseline']:.1f}x, "
+            f"bound {r['ratio_bound']:.1f}x ({r['pct_of_bound']:.1f} % of bound), "
+            f"ours vs baseline {r['ours_vs_baseline']:.2f}x, encode {r['encode_gbps_1']:.2f} GB/s/core, "
+            f"apply in place {r['apply_gbps_1']:.2f} GB/s/core; per core vs baseline: encode "
+            f"{r['encode_vs_baseline_1']:.2f}x, verified apply {r['apply_vs_baseline_verified_1']:.2f}x",
+            flush=True,
+        )
     doc = {"machine": machine(), "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "results": results}
     (args.out / "codec.json").write_text(json.dumps(doc, indent=1))
     md = f"Machine: {doc['machine']}. Run: {doc['when']}.\n\n{table(results)}\n\n{speed_table(results)}\n"

@@ -82,6 +82,7 @@ _MINILM_1E6 = TrainSpec("minilm", 1e-6)
 _MINILM_1E5 = TrainSpec("minilm", 1e-5)
 _MOE = TrainSpec("moe", 1e-5, batch=2, seq_len=32)
 
+
 class _Cases(dict):
     """The fixed cases, plus "moe-bf16-xN": the MoE with N times the experts and N times their width.
 
@@ -109,14 +110,16 @@ def moe_config(spec: TrainSpec, vocab_size: int | None = None):
     return replace(base, experts=base.experts * spec.moe_scale, expert_hidden=base.expert_hidden * spec.moe_scale)
 
 
-CASES: dict[str, CaseSpec] = _Cases({
-    "bf16-lr1e-6": CaseSpec(_MINILM_1E6, "bf16"),
-    "bf16-lr1e-5": CaseSpec(_MINILM_1E5, "bf16"),
-    "fp8-lr1e-5": CaseSpec(_MINILM_1E5, "fp8"),
-    "mxfp4-lr1e-5": CaseSpec(_MINILM_1E5, "mxfp4"),
-    "nvfp4-lr1e-5": CaseSpec(_MINILM_1E5, "nvfp4"),
-    "moe-bf16": CaseSpec(_MOE, "bf16"),
-})
+CASES: dict[str, CaseSpec] = _Cases(
+    {
+        "bf16-lr1e-6": CaseSpec(_MINILM_1E6, "bf16"),
+        "bf16-lr1e-5": CaseSpec(_MINILM_1E5, "bf16"),
+        "fp8-lr1e-5": CaseSpec(_MINILM_1E5, "fp8"),
+        "mxfp4-lr1e-5": CaseSpec(_MINILM_1E5, "mxfp4"),
+        "nvfp4-lr1e-5": CaseSpec(_MINILM_1E5, "nvfp4"),
+        "moe-bf16": CaseSpec(_MOE, "bf16"),
+    }
+)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -393,13 +396,17 @@ def _generate_group(cases: list[str], steps: int, cache_dir: Path, log) -> None:
                         ch = experts_changed(prev[c], cur)
                         for layer, routed in enumerate(info["routed"]):
                             if set(ch.get(layer, [])) - set(routed):
-                                raise RuntimeError(f"step {i} layer {layer}: unrouted expert changed {ch[layer]} vs {routed}")
+                                raise RuntimeError(
+                                    f"step {i} layer {layer}: unrouted expert changed {ch[layer]} vs {routed}"
+                                )
                         rec["experts_changed"] = ch
                         n_ch = sum(len(v) for v in ch.values())
                         n_all = sum(1 for n in cur if n.endswith(".w1") and ".experts." in n)
                         rec["experts_changed_count"], rec["experts_total"] = n_ch, n_all
-                        msg += (f"  experts changed {n_ch}/{n_all} (per layer {[len(v) for v in ch.values()]}, "
-                                f"routed {[len(r) for r in info['routed']]}); unrouted bit-identical")
+                        msg += (
+                            f"  experts changed {n_ch}/{n_all} (per layer {[len(v) for v in ch.values()]}, "
+                            f"routed {[len(r) for r in info['routed']]}); unrouted bit-identical"
+                        )
                     log(msg)
                 records[c].append(rec)
                 prev[c] = cur
@@ -424,8 +431,9 @@ def _generate_group(cases: list[str], steps: int, cache_dir: Path, log) -> None:
             shutil.rmtree(d, ignore_errors=True)
 
 
-def ensure_cases(names: list[str], steps: int = DEFAULT_STEPS, cache_dir: str | Path = DEFAULT_CACHE,
-                 force: bool = False, log=None) -> dict[str, list[Path]]:
+def ensure_cases(
+    names: list[str], steps: int = DEFAULT_STEPS, cache_dir: str | Path = DEFAULT_CACHE, force: bool = False, log=None
+) -> dict[str, list[Path]]:
     """Generate whatever is missing (one training run per distinct trajectory); return version dirs per case."""
     log = log or (lambda s: None)
     cache_dir = Path(cache_dir)
@@ -468,7 +476,10 @@ def _case_list(values: list[str] | None) -> list[str]:
 
 def _stats(cases: list[str], steps: int, cache_dir: Path, pair: int | None) -> None:
     dirs = ensure_cases(cases, steps, cache_dir, log=lambda s: print(s, flush=True))
-    hdr = f"{'case':14} {'tensors':>7} {'raw B/ver':>11} {'chg/step':>8} | pair {'raw':>11} {'snap_zstd1':>11} {'xor_zstd1':>10} {'entropy':>10} {'enc MB/s':>8} {'dec MB/s':>8}"
+    hdr = (
+        f"{'case':14} {'tensors':>7} {'raw B/ver':>11} {'chg/step':>8} | pair {'raw':>11} {'snap_zstd1':>11} "
+        f"{'xor_zstd1':>10} {'entropy':>10} {'enc MB/s':>8} {'dec MB/s':>8}"
+    )
     print(hdr)
     for c in cases:
         meta = read_meta(c, cache_dir)
@@ -480,8 +491,10 @@ def _stats(cases: list[str], steps: int, cache_dir: Path, pair: int | None) -> N
         m = baselines.measure_xor_zstd1(base, new, repeats=3)
         eb = baselines.entropy_bound(base, new)
         fr = float(np.mean([r["changed_fraction"] for r in meta["records"][1 : steps + 1]]))
-        print(f"{c:14} {len(new):7d} {raw:11d} {100 * fr:7.3f}% | {i - 1}->{i} {raw:11d} {snap:11d} "
-              f"{m['bytes']:10d} {eb:10.0f} {m['encode_MBps']:8.0f} {m['decode_MBps']:8.0f}")
+        print(
+            f"{c:14} {len(new):7d} {raw:11d} {100 * fr:7.3f}% | {i - 1}->{i} {raw:11d} {snap:11d} "
+            f"{m['bytes']:10d} {eb:10.0f} {m['encode_MBps']:8.0f} {m['decode_MBps']:8.0f}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -514,8 +527,10 @@ def main(argv: list[str] | None = None) -> int:
         for c in cases:
             meta = read_meta(c, a.cache)
             fr = [r["changed_fraction"] for r in meta["records"][1 : a.steps + 1]]
-            print(f"{c}: {len(dirs[c])} versions in {dirs[c][0].parent}  mean changed/step {100 * np.mean(fr):.3f}% "
-                  f"(min {100 * min(fr):.3f}%, max {100 * max(fr):.3f}%)")
+            print(
+                f"{c}: {len(dirs[c])} versions in {dirs[c][0].parent}  mean changed/step {100 * np.mean(fr):.3f}% "
+                f"(min {100 * min(fr):.3f}%, max {100 * max(fr):.3f}%)"
+            )
         print(f"done in {time.perf_counter() - t0:.1f}s")
     else:
         _stats(cases, a.steps, a.cache, a.pair)

@@ -55,8 +55,14 @@ def checksum_agreement(device: str) -> dict:
     """The GPU's sums equal the host kernels' for every width, odd sizes and random starts."""
     rng = np.random.default_rng(7)
     checked = 0
-    for dtype, width in [(torch.uint8, 1), (torch.bfloat16, 2), (torch.float16, 2), (torch.float32, 4),
-                         (torch.int64, 8), (torch.float8_e4m3fn, 1)]:
+    for dtype, width in [
+        (torch.uint8, 1),
+        (torch.bfloat16, 2),
+        (torch.float16, 2),
+        (torch.float32, 4),
+        (torch.int64, 8),
+        (torch.float8_e4m3fn, 1),
+    ]:
         for n in [1, 7, 1000, 65_537, 3_000_001]:
             start = int(rng.integers(0, 1 << 40))
             raw = rng.integers(0, 256, size=n * width, dtype=np.uint8)
@@ -75,11 +81,13 @@ def stream_copy(gb: float, threads: int) -> float:
     chunk = -(-n // (threads * 8))
 
     def part(i: int) -> None:
-        dst[i:i + chunk] = src[i:i + chunk]
+        dst[i : i + chunk] = src[i : i + chunk]
 
     with ThreadPoolExecutor(threads) as pool:
+
         def run() -> None:
             list(pool.map(part, range(0, n, chunk)))
+
         run()
         t = _timed(run)
     return 2 * n / t / 1e9
@@ -89,16 +97,24 @@ def model_step(hidden: int, layers: int, device: str) -> tuple[dict[str, np.ndar
     """A real AdamW step of a random-init Llama-style model: (base, new) host copies of its bf16 weights."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 8 // 3 // 256 * 256,
-                      num_hidden_layers=layers, num_attention_heads=max(1, hidden // 128),
-                      num_key_value_heads=max(1, hidden // 128), tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=hidden,
+        intermediate_size=hidden * 8 // 3 // 256 * 256,
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, hidden // 128),
+        num_key_value_heads=max(1, hidden // 128),
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).to(device=device, dtype=torch.bfloat16)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=device == "cuda")
 
     def snapshot() -> dict[str, np.ndarray]:
-        return {k: v.detach().reshape(-1).view(torch.int16).cpu().numpy().view(np.uint8).copy()
-                for k, v in model.state_dict().items()}
+        return {
+            k: v.detach().reshape(-1).view(torch.int16).cpu().numpy().view(np.uint8).copy()
+            for k, v in model.state_dict().items()
+        }
 
     def step() -> None:
         tokens = torch.randint(0, cfg.vocab_size, (2, 256), device=device)
@@ -111,8 +127,6 @@ def model_step(hidden: int, layers: int, device: str) -> tuple[dict[str, np.ndar
     base = snapshot()
     step()
     new = snapshot()
-    del model, opt
-    torch.cuda.empty_cache()
     return base, new
 
 
@@ -163,8 +177,7 @@ def codec_scaling(base: dict[str, np.ndarray], new: dict[str, np.ndarray], threa
     # The baseline: per-tensor XOR + zstd-1; decode + XOR + xxh3 check on all cores.
     cctx = zstandard.ZstdCompressor(level=1)
     t0 = time.perf_counter()
-    peer = {k: (cctx.compress(np.bitwise_xor(base[k], new[k]).tobytes()), xxhash.xxh3_128_digest(new[k]))
-            for k in new}
+    peer = {k: (cctx.compress(np.bitwise_xor(base[k], new[k]).tobytes()), xxhash.xxh3_128_digest(new[k])) for k in new}
     out["baseline_encode_s_1"] = time.perf_counter() - t0
     out["baseline_bytes"] = sum(len(v[0]) for v in peer.values())
     local = threading.local()  # a ZstdDecompressor is not thread-safe: one per thread, as the peers do
@@ -190,9 +203,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    res: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-                 "cpus": os.cpu_count(), "kernels": type(kernels.active()).__name__,
-                 "xxhash": xxhash.VERSION, "torch": torch.__version__, "python": sys.version.split()[0]}
+    res: dict = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "cpus": os.cpu_count(),
+        "kernels": type(kernels.active()).__name__,
+        "xxhash": xxhash.VERSION,
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+    }
     res["checksum_agreement"] = checksum_agreement(device)
     res["stream_copy_gbps_1"] = stream_copy(2.0, 1)
     res[f"stream_copy_gbps_{args.threads}"] = stream_copy(2.0, args.threads)
@@ -210,9 +228,9 @@ def main() -> None:
         res["device_checksum_scratch_bytes"] = torch.cuda.max_memory_allocated() - before
     host = list(new.values())
     with ThreadPoolExecutor(args.threads) as pool:
-        res["host_checksum_gbps_all"] = sum(a.size for a in host) / _timed(
-            lambda: list(pool.map(lambda a: host_sum(a, 2), host)), 2) / 1e9
-    del resident
+        res["host_checksum_gbps_all"] = (
+            sum(a.size for a in host) / _timed(lambda: list(pool.map(lambda a: host_sum(a, 2), host)), 2) / 1e9
+        )
     res["codec"] = codec_scaling(base, new, args.threads)
     text = json.dumps(res, indent=1)
     print(text)

@@ -61,7 +61,7 @@ def subscriber_main(args: argparse.Namespace) -> int:
 
     from weightsync.client import Subscriber
 
-    out = open(args.out, "a", buffering=1)
+    out = open(args.out, "a", buffering=1)  # noqa: SIM115 - the follower's log, open until the process ends
     sub = Subscriber(args.server, args.model, name=args.name, bandwidth=args.bandwidth, report=True)
     first = sub.pull(args.dir)
     tensors = load_file(str(Path(args.dir) / "model.safetensors"))
@@ -76,8 +76,19 @@ def subscriber_main(args: argparse.Namespace) -> int:
             t1 = time.time()
             pause = sub.apply(tensors, prepared)
             t2 = time.time()
-            out.write(json.dumps({"version": v.number, "applied_at": t2, "prepare_s": t1 - t0, "pause_s": pause,
-                                  "apply_call_s": t2 - t1, "bytes": prepared.bytes_received}) + "\n")
+            out.write(
+                json.dumps(
+                    {
+                        "version": v.number,
+                        "applied_at": t2,
+                        "prepare_s": t1 - t0,
+                        "pause_s": pause,
+                        "apply_call_s": t2 - t1,
+                        "bytes": prepared.bytes_received,
+                    }
+                )
+                + "\n"
+            )
             current = v.number
             done += 1
             break
@@ -102,10 +113,31 @@ def run_mode(url: str, versions: list[Path], cap_name: str, mode: str, subscribe
     for i in range(subscribers):
         out = work / f"{model}-sub{i}.jsonl"
         outs.append(out)
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.sync_bench", "_subscriber", "--server", url, "--model", model,
-             "--name", f"sub{i}", "--bandwidth", str(cap), "--dir", str(work / f"{model}-sub{i}"),
-             "--versions", str(len(versions) - 1), "--out", str(out)], cwd=ROOT))
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "benchmarks.sync_bench",
+                    "_subscriber",
+                    "--server",
+                    url,
+                    "--model",
+                    model,
+                    "--name",
+                    f"sub{i}",
+                    "--bandwidth",
+                    str(cap),
+                    "--dir",
+                    str(work / f"{model}-sub{i}"),
+                    "--versions",
+                    str(len(versions) - 1),
+                    "--out",
+                    str(out),
+                ],
+                cwd=ROOT,
+            )
+        )
     try:
         _wait(lambda: all(any("ready" in r for r in _read_lines(o)) for o in outs), procs, 300)
         rows = []
@@ -113,18 +145,32 @@ def run_mode(url: str, versions: list[Path], cap_name: str, mode: str, subscribe
             t_call = time.time()
             res = pub.publish(vdir, step=i, keyframe=(mode == "full"))
             t_commit = time.time()
-            _wait(lambda: all(any(r.get("version") == res.version for r in _read_lines(o)) for o in outs), procs, 600)
+            _wait(
+                lambda res=res: all(any(r.get("version") == res.version for r in _read_lines(o)) for o in outs),
+                procs,
+                600,
+            )
             subs = [next(r for r in _read_lines(o) if r.get("version") == res.version) for o in outs]
             down = max(s["bytes"] for s in subs)
             floor = res.bytes_sent / cap + down / cap
             codec = res.timings.get("encode_s", 0.0) + statistics.fmean(s["apply_call_s"] for s in subs)
-            rows.append({"version": res.version, "kind": res.kind, "raw_bytes": res.raw_bytes,
-                         "apply_call_s": [s["apply_call_s"] for s in subs],
-                         "bytes_up": res.bytes_sent, "bytes_down": down,
-                         "latencies": [s["applied_at"] - t_call for s in subs], "publish_s": t_commit - t_call,
-                         "encode_s": res.timings.get("encode_s"), "pauses": [s["pause_s"] for s in subs],
-                         "prepare_s": [s["prepare_s"] for s in subs], "wire_floor_s": floor,
-                         "floor_plus_codec_s": floor + codec})
+            rows.append(
+                {
+                    "version": res.version,
+                    "kind": res.kind,
+                    "raw_bytes": res.raw_bytes,
+                    "apply_call_s": [s["apply_call_s"] for s in subs],
+                    "bytes_up": res.bytes_sent,
+                    "bytes_down": down,
+                    "latencies": [s["applied_at"] - t_call for s in subs],
+                    "publish_s": t_commit - t_call,
+                    "encode_s": res.timings.get("encode_s"),
+                    "pauses": [s["pause_s"] for s in subs],
+                    "prepare_s": [s["prepare_s"] for s in subs],
+                    "wire_floor_s": floor,
+                    "floor_plus_codec_s": floor + codec,
+                }
+            )
     finally:
         for p in procs:
             p.terminate()
@@ -136,18 +182,24 @@ def run_mode(url: str, versions: list[Path], cap_name: str, mode: str, subscribe
         pub.close()
     lat = sorted(x for r in rows for x in r["latencies"])
     pauses = sorted(x for r in rows for x in r["pauses"])
-    return {"cap": cap_name, "mode": mode, "versions": rows,
-            "latency_p50_s": _pct(lat, 50), "latency_p95_s": _pct(lat, 95),
-            "pause_p50_ms": _pct(pauses, 50) * 1e3, "pause_p95_ms": _pct(pauses, 95) * 1e3,
-            "bytes_up_mean": statistics.fmean(r["bytes_up"] for r in rows),
-            "bytes_down_mean": statistics.fmean(r["bytes_down"] for r in rows),
-            "wire_floor_mean_s": statistics.fmean(r["wire_floor_s"] for r in rows),
-            "floor_plus_codec_mean_s": statistics.fmean(r["floor_plus_codec_s"] for r in rows),
-            "publish_p50_s": _pct(sorted(r["publish_s"] for r in rows), 50),
-            "encode_p50_s": _pct(sorted(r["encode_s"] or 0.0 for r in rows), 50),
-            "prepare_p50_s": _pct(sorted(x for r in rows for x in r["prepare_s"]), 50),
-            "apply_call_p50_s": _pct(sorted(x for r in rows for x in r["apply_call_s"]), 50),
-            "raw_bytes": rows[0]["raw_bytes"]}
+    return {
+        "cap": cap_name,
+        "mode": mode,
+        "versions": rows,
+        "latency_p50_s": _pct(lat, 50),
+        "latency_p95_s": _pct(lat, 95),
+        "pause_p50_ms": _pct(pauses, 50) * 1e3,
+        "pause_p95_ms": _pct(pauses, 95) * 1e3,
+        "bytes_up_mean": statistics.fmean(r["bytes_up"] for r in rows),
+        "bytes_down_mean": statistics.fmean(r["bytes_down"] for r in rows),
+        "wire_floor_mean_s": statistics.fmean(r["wire_floor_s"] for r in rows),
+        "floor_plus_codec_mean_s": statistics.fmean(r["floor_plus_codec_s"] for r in rows),
+        "publish_p50_s": _pct(sorted(r["publish_s"] for r in rows), 50),
+        "encode_p50_s": _pct(sorted(r["encode_s"] or 0.0 for r in rows), 50),
+        "prepare_p50_s": _pct(sorted(x for r in rows for x in r["prepare_s"]), 50),
+        "apply_call_p50_s": _pct(sorted(x for r in rows for x in r["apply_call_s"]), 50),
+        "raw_bytes": rows[0]["raw_bytes"],
+    }
 
 
 def _pct(values: list[float], p: float) -> float:
@@ -170,24 +222,32 @@ def _wait(cond, procs, timeout: float) -> None:
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| backend | link | mode | bytes up / version | bytes down / subscriber | latency p50 / p95 s "
-             "| wire floor s | floor + codec s | latency ÷ (floor + codec) | pause p50 / p95 ms |",
-             "|" + "---|" * 10]
+    lines = [
+        "| backend | link | mode | bytes up / version | bytes down / subscriber | latency p50 / p95 s "
+        "| wire floor s | floor + codec s | latency ÷ (floor + codec) | pause p50 / p95 ms |",
+        "|" + "---|" * 10,
+    ]
     for r in results:
-        lines.append(f"| {r['backend']} | {r['cap']} | {r['mode']} | {r['bytes_up_mean'] / 1e6:.2f} MB | "
-                     f"{r['bytes_down_mean'] / 1e6:.2f} MB | {r['latency_p50_s']:.2f} / {r['latency_p95_s']:.2f} | "
-                     f"{r['wire_floor_mean_s']:.2f} | {r['floor_plus_codec_mean_s']:.2f} | "
-                     f"{r['latency_p50_s'] / r['floor_plus_codec_mean_s']:.2f} | "
-                     f"{r['pause_p50_ms']:.1f} / {r['pause_p95_ms']:.1f} |")
+        lines.append(
+            f"| {r['backend']} | {r['cap']} | {r['mode']} | {r['bytes_up_mean'] / 1e6:.2f} MB | "
+            f"{r['bytes_down_mean'] / 1e6:.2f} MB | {r['latency_p50_s']:.2f} / {r['latency_p95_s']:.2f} | "
+            f"{r['wire_floor_mean_s']:.2f} | {r['floor_plus_codec_mean_s']:.2f} | "
+            f"{r['latency_p50_s'] / r['floor_plus_codec_mean_s']:.2f} | "
+            f"{r['pause_p50_ms']:.1f} / {r['pause_p95_ms']:.1f} |"
+        )
     return "\n".join(lines)
 
 
 def breakdown(results: list[dict]) -> str:
-    lines = ["| backend | link | mode | publish call p50 s (encode) | subscriber prepare p50 s | apply call p50 s |",
-             "|" + "---|" * 6]
+    lines = [
+        "| backend | link | mode | publish call p50 s (encode) | subscriber prepare p50 s | apply call p50 s |",
+        "|" + "---|" * 6,
+    ]
     for r in results:
-        lines.append(f"| {r['backend']} | {r['cap']} | {r['mode']} | {r['publish_p50_s']:.3f} ({r['encode_p50_s']:.3f}) "
-                     f"| {r['prepare_p50_s']:.3f} | {r['apply_call_p50_s']:.3f} |")
+        lines.append(
+            f"| {r['backend']} | {r['cap']} | {r['mode']} | {r['publish_p50_s']:.3f} ({r['encode_p50_s']:.3f}) "
+            f"| {r['prepare_p50_s']:.3f} | {r['apply_call_p50_s']:.3f} |"
+        )
     return "\n".join(lines)
 
 
@@ -198,9 +258,11 @@ def speedups(results: list[dict]) -> str:
         if mode != "delta" or (backend, cap, "full") not in by:
             continue
         f = by[(backend, cap, "full")]
-        lines.append(f"| {backend} | {cap} | {f['latency_p50_s']:.2f} | {r['latency_p50_s']:.2f} | "
-                     f"**{f['latency_p50_s'] / r['latency_p50_s']:.1f}x** | "
-                     f"{f['bytes_down_mean'] / r['bytes_down_mean']:.0f}x |")
+        lines.append(
+            f"| {backend} | {cap} | {f['latency_p50_s']:.2f} | {r['latency_p50_s']:.2f} | "
+            f"**{f['latency_p50_s'] / r['latency_p50_s']:.1f}x** | "
+            f"{f['bytes_down_mean'] / r['bytes_down_mean']:.0f}x |"
+        )
     return "\n".join(lines)
 
 
@@ -213,7 +275,7 @@ def plots(results: list[dict], out: Path) -> list[Path]:
     paths = []
     groups = sorted({(r["backend"], r["cap"]) for r in results})
     fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 3.8), squeeze=False)
-    for ax, (backend, cap) in zip(axes[0], groups):
+    for ax, (backend, cap) in zip(axes[0], groups, strict=True):
         for r in results:
             if (r["backend"], r["cap"]) != (backend, cap):
                 continue
@@ -270,17 +332,27 @@ def main(argv: list[str] | None = None) -> int:
                     shutil.rmtree(work, ignore_errors=True)
                 r["backend"] = backend
                 results.append(r)
-                print(f"{backend} {cap} {mode}: p50 {r['latency_p50_s']:.2f}s p95 {r['latency_p95_s']:.2f}s, "
-                      f"floor {r['wire_floor_mean_s']:.2f}s, floor+codec {r['floor_plus_codec_mean_s']:.2f}s, "
-                      f"up {r['bytes_up_mean'] / 1e6:.2f} MB, down {r['bytes_down_mean'] / 1e6:.2f} MB, "
-                      f"pause p50 {r['pause_p50_ms']:.1f} ms", flush=True)
+                print(
+                    f"{backend} {cap} {mode}: p50 {r['latency_p50_s']:.2f}s p95 {r['latency_p95_s']:.2f}s, "
+                    f"floor {r['wire_floor_mean_s']:.2f}s, floor+codec {r['floor_plus_codec_mean_s']:.2f}s, "
+                    f"up {r['bytes_up_mean'] / 1e6:.2f} MB, down {r['bytes_down_mean'] / 1e6:.2f} MB, "
+                    f"pause p50 {r['pause_p50_ms']:.1f} ms",
+                    flush=True,
+                )
     from benchmarks.codec_bench import machine
 
-    doc = {"machine": machine(), "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "case": args.case,
-           "subscribers": args.subscribers, "results": results}
+    doc = {
+        "machine": machine(),
+        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "case": args.case,
+        "subscribers": args.subscribers,
+        "results": results,
+    }
     (args.out / "sync.json").write_text(json.dumps(doc, indent=1))
-    md = (f"Machine: {doc['machine']}. Run: {doc['when']}. Case {args.case}, {args.subscribers} subscribers, "
-          f"{args.versions} versions.\n\n{table(results)}\n\n{speedups(results)}\n\n{breakdown(results)}\n")
+    md = (
+        f"Machine: {doc['machine']}. Run: {doc['when']}. Case {args.case}, {args.subscribers} subscribers, "
+        f"{args.versions} versions.\n\n{table(results)}\n\n{speedups(results)}\n\n{breakdown(results)}\n"
+    )
     (args.out / "sync.md").write_text(md)
     for p in plots(results, args.out):
         print(f"wrote {p}")

@@ -49,10 +49,14 @@ def main() -> None:
             next(sub.watch(after=0))
         pulled = sub.pull(args.dir)
         tensors = load(args.dir)
-        probe = torch.randn(4, tensors[sorted(k for k in tensors if k.endswith(".weight"))[0]].shape[1],
-                           dtype=torch.bfloat16)
-        print(f"loaded v{pulled.version}: {len(tensors)} tensors ({pulled.bytes_received / 1024:.1f} KiB "
-              f"received); probe {forward(tensors, probe).float().norm():.6f}", flush=True)
+        probe = torch.randn(
+            4, tensors[sorted(k for k in tensors if k.endswith(".weight"))[0]].shape[1], dtype=torch.bfloat16
+        )
+        print(
+            f"loaded v{pulled.version}: {len(tensors)} tensors ({pulled.bytes_received / 1024:.1f} KiB "
+            f"received); probe {forward(tensors, probe).float().norm():.6f}",
+            flush=True,
+        )
         done = 0
         for version in sub.watch():
             try:
@@ -65,10 +69,12 @@ def main() -> None:
                 tensors = load(args.dir)
                 pause = time.perf_counter() - t
             else:
-                print(f"v{version.number} (step {version.step}): paused {pause * 1e3:.2f} ms to change "
-                      f"{prepared.changed_elements} elements; prepared in {prepared.seconds:.3f}s from "
-                      f"{prepared.bytes_received / 1024:.1f} KiB; probe {forward(tensors, probe).float().norm():.6f}",
-                      flush=True)
+                print(
+                    f"v{version.number} (step {version.step}): paused {pause * 1e3:.2f} ms to change "
+                    f"{prepared.changed_elements} elements; prepared in {prepared.seconds:.3f}s from "
+                    f"{prepared.bytes_received / 1024:.1f} KiB; probe {forward(tensors, probe).float().norm():.6f}",
+                    flush=True,
+                )
             done += 1
             if args.updates and done >= args.updates:
                 break

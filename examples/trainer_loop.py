@@ -25,8 +25,9 @@ from weightsync.client import Publisher
 
 
 def build_model(width: int, hidden: int) -> nn.Module:
-    return nn.Sequential(nn.Linear(width, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU(),
-                         nn.Linear(hidden, width))
+    return nn.Sequential(
+        nn.Linear(width, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, width)
+    )
 
 
 def export(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -49,7 +50,7 @@ def main() -> None:
     model = build_model(args.width, args.hidden)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     x = torch.randn(1024, args.width)
-    y = torch.sin(x @ torch.randn(args.width, args.width) / args.width ** 0.5)
+    y = torch.sin(x @ torch.randn(args.width, args.width) / args.width**0.5)
 
     def report(fut) -> None:
         try:
@@ -57,8 +58,11 @@ def main() -> None:
         except Exception as exc:  # noqa: BLE001 - show it and keep training
             print(f"publish failed: {exc}", flush=True)
             return
-        print(f"  published v{r.version} ({r.kind}, step {r.step}): sent {r.bytes_sent / 1024:.1f} KiB of "
-              f"{r.raw_bytes / 1024:.1f} KiB in {r.seconds:.2f}s", flush=True)
+        print(
+            f"  published v{r.version} ({r.kind}, step {r.step}): sent {r.bytes_sent / 1024:.1f} KiB of "
+            f"{r.raw_bytes / 1024:.1f} KiB in {r.seconds:.2f}s",
+            flush=True,
+        )
 
     with Publisher(args.server, args.model, token=os.environ.get("WEIGHTSYNC_TOKEN")) as pub:
         futures = []
@@ -71,8 +75,10 @@ def main() -> None:
             fut = pub.publish_async(export(model), step=step, metadata={"loss": round(loss.item(), 6)})
             fut.add_done_callback(report)
             futures.append(fut)
-            print(f"step {step}: loss {loss.item():.5f} (handed off in {(time.perf_counter() - t) * 1e3:.1f} ms)",
-                  flush=True)
+            print(
+                f"step {step}: loss {loss.item():.5f} (handed off in {(time.perf_counter() - t) * 1e3:.1f} ms)",
+                flush=True,
+            )
             if args.step_seconds:
                 time.sleep(args.step_seconds)
         for fut in futures:

@@ -27,8 +27,7 @@ from benchmarks.corpus import ensure_case  # noqa: E402
 
 
 def cli(*args: str, env: dict[str, str]) -> dict:
-    out = subprocess.run([sys.executable, "-m", "weightsync", *args, "--json"], capture_output=True, text=True,
-                         env=env)
+    out = subprocess.run([sys.executable, "-m", "weightsync", *args, "--json"], capture_output=True, text=True, env=env)
     if out.returncode:
         sys.exit(f"demo failed: weightsync {' '.join(args)}: {out.stderr.strip()}")
     return json.loads(out.stdout)
@@ -42,8 +41,9 @@ def same_tree(a: Path, b: Path) -> bool:
 
 def main() -> None:
     steps = 5
-    print(f"generating {steps} real AdamW steps of all-MiniLM-L6-v2 (bf16 cast of fp32 masters, lr 1e-6)...",
-          flush=True)
+    print(
+        f"generating {steps} real AdamW steps of all-MiniLM-L6-v2 (bf16 cast of fp32 masters, lr 1e-6)...", flush=True
+    )
     versions = ensure_case("bf16-lr1e-6", steps)
     work = Path(tempfile.mkdtemp(prefix="weightsync-demo-"))
     env = {**os.environ, "WEIGHTSYNC_CACHE": str(work / "push-cache")}
@@ -72,16 +72,19 @@ def run_demo(versions: list[Path], work: Path, env: dict[str, str]) -> None:
             pushed_total += push["bytes"]
             pulled_total += pull["bytes"]
             full_total += size
-        print(f"{push['version']:>7} {push['kind']:>9} {size / 1e6:>8.1f}MB {push['bytes'] / 1e6:>8.2f}MB "
-              f"{pull['bytes'] / 1e6:>8.2f}MB  bit-identical")
+        print(
+            f"{push['version']:>7} {push['kind']:>9} {size / 1e6:>8.1f}MB {push['bytes'] / 1e6:>8.2f}MB "
+            f"{pull['bytes'] / 1e6:>8.2f}MB  bit-identical"
+        )
     fresh = work / "fresh"
     pull = cli("pull", "demo", str(fresh), env=env)
     if not same_tree(versions[-1], fresh):
         sys.exit("demo failed: the fresh pull differs from the last version")
-    print(f"\nfresh pull of version {pull['version']}: {pull['bytes'] / 1e6:.1f} MB (keyframe + deltas), "
-          f"bit-identical")
-    print(f"versions 2-{len(versions)}: pushed {pushed_total / 1e6:.2f} MB and pulled {pulled_total / 1e6:.2f} MB "
-          f"instead of {full_total / 1e6:.1f} MB each way ({full_total / max(pulled_total, 1):.0f}x less)")
+    print(f"\nfresh pull of version {pull['version']}: {pull['bytes'] / 1e6:.1f} MB (keyframe + deltas), bit-identical")
+    print(
+        f"versions 2-{len(versions)}: pushed {pushed_total / 1e6:.2f} MB and pulled {pulled_total / 1e6:.2f} MB "
+        f"instead of {full_total / 1e6:.1f} MB each way ({full_total / max(pulled_total, 1):.0f}x less)"
+    )
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ def mutate(rng: np.random.Generator, data: np.ndarray, width: int, changed: int)
     return out
 
 
-def safetensors_file(tensors: dict[str, tuple[str, tuple[int, ...], np.ndarray]],
-                     metadata: dict[str, str] | None = None) -> bytes:
-    return serialize([(name, dt, shape, data.tobytes()) for name, (dt, shape, data) in tensors.items()],
-                     metadata)
+def safetensors_file(
+    tensors: dict[str, tuple[str, tuple[int, ...], np.ndarray]], metadata: dict[str, str] | None = None
+) -> bytes:
+    return serialize([(name, dt, shape, data.tobytes()) for name, (dt, shape, data) in tensors.items()], metadata)

@@ -15,9 +15,20 @@ class Stopped(Exception):
     """The simulated publisher stopped here."""
 
 
-async def publish(ops, model: str, ck: Checkpoint, base: Checkpoint | None, parent: int | None, *,
-                  keyframe: bool = False, stop_after: str | None = None, step: int | None = None,
-                  idempotency_key: str | None = None, chunk_bytes: int = 1 << 16, object_bytes: int = 1 << 17):
+async def publish(
+    ops,
+    model: str,
+    ck: Checkpoint,
+    base: Checkpoint | None,
+    parent: int | None,
+    *,
+    keyframe: bool = False,
+    stop_after: str | None = None,
+    step: int | None = None,
+    idempotency_key: str | None = None,
+    chunk_bytes: int = 1 << 16,
+    object_bytes: int = 1 << 17,
+):
     begin = await ops.begin_publish(model, parent=parent, keyframe=keyframe, step=step)
     if stop_after == "begin":
         raise Stopped(begin.publish_id)
@@ -37,6 +48,5 @@ async def publish(ops, model: str, ck: Checkpoint, base: Checkpoint | None, pare
     digest = (await ops.put_bytes(manifest.encode())).digest
     if stop_after == "manifest":
         raise Stopped(begin.publish_id)
-    version = await ops.commit_publish(model, begin.publish_id, manifest_digest=digest,
-                                       idempotency_key=idempotency_key)
+    version = await ops.commit_publish(model, begin.publish_id, manifest_digest=digest, idempotency_key=idempotency_key)
     return version, begin, digest

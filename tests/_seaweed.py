@@ -101,9 +101,7 @@ def _wait_ready(server: SeaweedServer, proc: subprocess.Popen[bytes], timeout_s:
     last: Exception | None = None
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(
-                f"weed exited with {proc.returncode} during startup:\n{_log_tail(server.log_path)}"
-            )
+            raise RuntimeError(f"weed exited with {proc.returncode} during startup:\n{_log_tail(server.log_path)}")
         try:
             try:
                 client.create_bucket(Bucket=bucket)

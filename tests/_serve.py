@@ -98,8 +98,16 @@ class ServeProcess:
     The constructor starts it and returns at once; :meth:`wait_ready` waits for it to answer.
     """
 
-    def __init__(self, args: Sequence[str], *, log_path: Path, command: Sequence[str] = SERVE_CLI,
-                 port: int | None = None, env: Mapping[str, str] | None = None, cwd: Path | None = None) -> None:
+    def __init__(
+        self,
+        args: Sequence[str],
+        *,
+        log_path: Path,
+        command: Sequence[str] = SERVE_CLI,
+        port: int | None = None,
+        env: Mapping[str, str] | None = None,
+        cwd: Path | None = None,
+    ) -> None:
         """Run ``COMMAND serve ARGS --port P`` (``env``: the whole environment, default :func:`clean_env`)."""
         self.port = port if port is not None else free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -107,9 +115,14 @@ class ServeProcess:
         cmd = [*command, "serve", *args, "--port", str(self.port)]
         with open(log_path, "wb") as log:
             self.proc: subprocess.Popen[bytes] = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=dict(env) if env is not None else clean_env(), cwd=cwd,
-                start_new_session=True)  # its own process group: stop() can end workers too
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=dict(env) if env is not None else clean_env(),
+                cwd=cwd,
+                start_new_session=True,
+            )  # its own process group: stop() can end workers too
 
     def log(self) -> str:
         """Return what the server has written so far (stdout and stderr)."""
@@ -140,18 +153,36 @@ class ServeProcess:
         return stop_process(self.proc, timeout)
 
 
-def spawn_serve(args: Sequence[str], *, log_path: Path, command: Sequence[str] = SERVE_CLI,
-                port: int | None = None, env: Mapping[str, str] | None = None, cwd: Path | None = None,
-                wait: bool = True, timeout: float = 60.0, ready_path: str = "/healthz") -> ServeProcess:
+def spawn_serve(
+    args: Sequence[str],
+    *,
+    log_path: Path,
+    command: Sequence[str] = SERVE_CLI,
+    port: int | None = None,
+    env: Mapping[str, str] | None = None,
+    cwd: Path | None = None,
+    wait: bool = True,
+    timeout: float = 60.0,
+    ready_path: str = "/healthz",
+) -> ServeProcess:
     """Start ``COMMAND serve ARGS --port P``; with ``wait``, return once ``ready_path`` answers 200."""
     server = ServeProcess(args, log_path=log_path, command=command, port=port, env=env, cwd=cwd)
     return server.wait_ready(timeout, path=ready_path) if wait else server
 
 
 @contextmanager
-def serving(args: Sequence[str], *, log_path: Path, command: Sequence[str] = SERVE_CLI, port: int | None = None,
-            env: Mapping[str, str] | None = None, cwd: Path | None = None, timeout: float = 60.0,
-            ready_path: str = "/healthz", stop_timeout: float = 20.0) -> Iterator[ServeProcess]:
+def serving(
+    args: Sequence[str],
+    *,
+    log_path: Path,
+    command: Sequence[str] = SERVE_CLI,
+    port: int | None = None,
+    env: Mapping[str, str] | None = None,
+    cwd: Path | None = None,
+    timeout: float = 60.0,
+    ready_path: str = "/healthz",
+    stop_timeout: float = 20.0,
+) -> Iterator[ServeProcess]:
     """:func:`spawn_serve` as a context manager: yield the ready server, stop it (and its group) on exit."""
     server = ServeProcess(args, log_path=log_path, command=command, port=port, env=env, cwd=cwd)
     try:

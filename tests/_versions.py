@@ -30,5 +30,6 @@ def next_step(tensors, seed: int, fraction: float = 0.02):
 
 
 def checkpoint(tensors, step: int = 0) -> Checkpoint:
-    return Checkpoint.from_bytes({"model.safetensors": safetensors_file(tensors, {"step": str(step)}),
-                                  "config.json": b'{"hidden": 96}'})
+    return Checkpoint.from_bytes(
+        {"model.safetensors": safetensors_file(tensors, {"step": str(step)}), "config.json": b'{"hidden": 96}'}
+    )

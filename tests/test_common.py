@@ -76,9 +76,18 @@ def test_backoff_refuses_nonsense() -> None:
         Backoff(base=-1)
 
 
-@pytest.mark.parametrize(("n", "text"), [(0, "0 B"), (1023, "1023 B"), (1024, "1.0 KiB"), (1536, "1.5 KiB"),
-                                         (47_600_000, "45.4 MiB"), (3 * 1024**4, "3.0 TiB"),
-                                         (5 * 1024**6, "5120.0 PiB")])
+@pytest.mark.parametrize(
+    ("n", "text"),
+    [
+        (0, "0 B"),
+        (1023, "1023 B"),
+        (1024, "1.0 KiB"),
+        (1536, "1.5 KiB"),
+        (47_600_000, "45.4 MiB"),
+        (3 * 1024**4, "3.0 TiB"),
+        (5 * 1024**6, "5120.0 PiB"),
+    ],
+)
 def test_human_bytes(n: int, text: str) -> None:
     assert human_bytes(n) == text
 

@@ -13,10 +13,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # README "Exit codes": 0 ok, 1 error, 2 usage, 3 conflict (stale parent), 4 auth, 5 server unavailable, 6 not found.
 EXPECTED_EXIT = {
-    errors.StaleParent: 3, errors.Conflict: 3, errors.BaseMismatch: 3, errors.IncompletePublish: 3,
-    errors.AuthError: 4, errors.Forbidden: 4,
-    errors.ServerUnavailable: 5, errors.StoreUnavailable: 5, errors.CatalogUnavailable: 5,
-    errors.ModelNotFound: 6, errors.VersionNotFound: 6, errors.NotFound: 6,
+    errors.StaleParent: 3,
+    errors.Conflict: 3,
+    errors.BaseMismatch: 3,
+    errors.IncompletePublish: 3,
+    errors.AuthError: 4,
+    errors.Forbidden: 4,
+    errors.ServerUnavailable: 5,
+    errors.StoreUnavailable: 5,
+    errors.CatalogUnavailable: 5,
+    errors.ModelNotFound: 6,
+    errors.VersionNotFound: 6,
+    errors.NotFound: 6,
 }
 # The wire format of docs/API.md, pinned: (code, resource) -> (status, class a client raises).
 EXPECTED_WIRE = {
@@ -60,8 +68,9 @@ def test_the_table_is_the_documented_wire_format() -> None:
 @pytest.mark.parametrize("cls", _all_classes(), ids=lambda c: c.__name__)
 def test_every_class_has_a_coherent_contract(cls: type[errors.WeightsyncError]) -> None:
     assert cls.exit_code == EXPECTED_EXIT.get(cls, errors.EXIT_ERROR)
-    assert errors.exit_code_of(cls("x") if cls is not errors.StaleParent else cls("x", current_head=None)) \
-        == cls.exit_code
+    assert (
+        errors.exit_code_of(cls("x") if cls is not errors.StaleParent else cls("x", current_head=None)) == cls.exit_code
+    )
     assert 400 <= cls.status < 600 and cls.code and cls.title
     assert (cls.resource is not None) == (issubclass(cls, errors.NotFound) and cls is not errors.NotFound)
     if cls.status >= 500 and cls.status != 503:
@@ -90,8 +99,9 @@ def test_a_second_class_claiming_a_problem_is_refused_at_definition() -> None:
         type("AnotherModelNotFound", (errors.NotFound,), {"resource": "model"})
     assert errors.problem_class("conflict") is errors.Conflict
     # A server-side cause may share a code when it says a client raises another class for it.
-    alias = type("QueueUnavailable", (errors.WeightsyncError,),
-                 {"code": "unavailable", "status": 503, "client_raises": False})
+    alias = type(
+        "QueueUnavailable", (errors.WeightsyncError,), {"code": "unavailable", "status": 503, "client_raises": False}
+    )
     assert errors.problem_class("unavailable") is errors.ServerUnavailable and alias.code == "unavailable"
 
 
@@ -119,7 +129,15 @@ def test_docs_api_errors_table_lists_every_code() -> None:
 
 def test_readme_exit_codes_match() -> None:
     readme = (ROOT / "README.md").read_text()
-    assert ("Exit codes: 0 ok, 1 error, 2 usage, 3 conflict (stale parent), 4 auth,\n"
-            "5 server unavailable, 6 not found") in readme
-    assert (errors.EXIT_OK, errors.EXIT_ERROR, errors.EXIT_USAGE, errors.EXIT_CONFLICT, errors.EXIT_AUTH,
-            errors.EXIT_UNAVAILABLE, errors.EXIT_NOT_FOUND) == (0, 1, 2, 3, 4, 5, 6)
+    assert (
+        "Exit codes: 0 ok, 1 error, 2 usage, 3 conflict (stale parent), 4 auth,\n5 server unavailable, 6 not found"
+    ) in readme
+    assert (
+        errors.EXIT_OK,
+        errors.EXIT_ERROR,
+        errors.EXIT_USAGE,
+        errors.EXIT_CONFLICT,
+        errors.EXIT_AUTH,
+        errors.EXIT_UNAVAILABLE,
+        errors.EXIT_NOT_FOUND,
+    ) == (0, 1, 2, 3, 4, 5, 6)

@@ -28,8 +28,12 @@ INSTALL_HINT = "pip install 'weightsync[server]'"
 
 
 def _source_files(root: Path, patterns: tuple[str, ...]) -> set[str]:
-    return {p.relative_to(root).as_posix() for pattern in patterns for p in root.rglob(pattern)
-            if "__pycache__" not in p.parts}
+    return {
+        p.relative_to(root).as_posix()
+        for pattern in patterns
+        for p in root.rglob(pattern)
+        if "__pycache__" not in p.parts
+    }
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +50,12 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
         shutil.copytree(ROOT / name, src / name, ignore=ignore)
     out = tmp / "dist"
     # No build isolation: setuptools comes from this venv (dev extra), so the build needs no network.
-    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                            "-w", str(out), str(src)], capture_output=True, text=True, timeout=300)
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(src)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert build.returncode == 0, build.stdout + build.stderr
     (built,) = out.glob("weightsync-*.whl")
     return built
@@ -65,8 +73,9 @@ def test_the_wheel_carries_every_module_and_every_migration(wheel: Path) -> None
     assert not [n for n in names if n.startswith(("tests/", "benchmarks/", "_serve", "conftest"))]
 
 
-def test_migrations_are_found_in_the_source_tree_and_by_override(tmp_path: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_migrations_are_found_in_the_source_tree_and_by_override(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv(migrate.MIGRATIONS_ENV, raising=False)
     assert migrate.migrations_dir() == MIGRATIONS  # editable install: the package has no copy
     copy = tmp_path / "scripts"
@@ -82,8 +91,9 @@ def _run_without(modules: list[str], argv: list[str], cwd: Path) -> subprocess.C
     """Run the CLI with ``modules`` unimportable, as in an install that lacks them."""
     blocked = "; ".join(f"sys.modules[{m!r}] = None" for m in modules)  # makes `import m` fail
     code = f"import sys; {blocked}; sys.argv = {['weightsync', *argv]!r}; from weightsync.cli import main; main()"
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=cwd,
-                          env=clean_env())
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=cwd, env=clean_env()
+    )
 
 
 def _assert_one_line_naming_the_extra(result: subprocess.CompletedProcess[str], *, only: bool = True) -> None:
@@ -106,11 +116,25 @@ def test_serve_without_the_server_extra_says_what_to_install(tmp_path: Path, mis
 
 def test_drivers_loaded_on_demand_name_the_extra_too(tmp_path: Path) -> None:
     """psycopg (a postgresql:// catalog) and aioboto3 (an s3:// store) are imported only when used."""
-    pg = _run_without(["psycopg", "psycopg2"], ["serve", "--catalog", "postgresql://postgres@127.0.0.1:1/x",
-                                                "--data", str(tmp_path / "a")], tmp_path)
+    pg = _run_without(
+        ["psycopg", "psycopg2"],
+        ["serve", "--catalog", "postgresql://postgres@127.0.0.1:1/x", "--data", str(tmp_path / "a")],
+        tmp_path,
+    )
     _assert_one_line_naming_the_extra(pg, only=False)  # after the start-up log lines
-    s3 = _run_without(["aioboto3"], ["serve", "--store", "s3://bucket/prefix", "--s3-endpoint",
-                                     "http://127.0.0.1:1", "--data", str(tmp_path / "b")], tmp_path)
+    s3 = _run_without(
+        ["aioboto3"],
+        [
+            "serve",
+            "--store",
+            "s3://bucket/prefix",
+            "--s3-endpoint",
+            "http://127.0.0.1:1",
+            "--data",
+            str(tmp_path / "b"),
+        ],
+        tmp_path,
+    )
     _assert_one_line_naming_the_extra(s3, only=False)
 
 
@@ -119,8 +143,13 @@ def _pip(venv: Path, *args: str, env: dict[str, str]) -> None:
 
     No byte-compiling: the server's dependencies hold thousands of modules this test never imports.
     """
-    result = subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install",
-                             "-q", "--no-compile", *args], capture_output=True, text=True, env=env, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "-q", "--no-compile", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 
@@ -138,21 +167,44 @@ def test_the_wheel_installs_and_serves_from_outside_the_source_tree(wheel: Path,
 
     # The bare install: the SDK and the client commands, no server.
     _pip(venv, str(wheel), env=env)
-    bare = subprocess.run([str(exe), "serve", "--data", str(outside / "data")], capture_output=True, text=True,
-                          cwd=outside, env=env, timeout=120)
+    bare = subprocess.run(
+        [str(exe), "serve", "--data", str(outside / "data")],
+        capture_output=True,
+        text=True,
+        cwd=outside,
+        env=env,
+        timeout=120,
+    )
     _assert_one_line_naming_the_extra(bare)
 
     # With the server extra: the migrations come from the installed package, not from this tree.
     _pip(venv, f"{wheel}[server]", env=env)
-    where = subprocess.run([str(venv / "bin" / "python"), "-c",
-                            "import weightsync; from weightsync.catalog.migrate import migrations_dir;"
-                            " print(weightsync.__file__); print(migrations_dir())"],
-                           capture_output=True, text=True, cwd=outside, env=env, timeout=120, check=True)
+    where = subprocess.run(
+        [
+            str(venv / "bin" / "python"),
+            "-c",
+            "import weightsync; from weightsync.catalog.migrate import migrations_dir;"
+            " print(weightsync.__file__); print(migrations_dir())",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=outside,
+        env=env,
+        timeout=120,
+        check=True,
+    )
     package_file, scripts = (Path(line) for line in where.stdout.splitlines())
     assert venv in package_file.parents and venv in scripts.parents, where.stdout
 
-    server = spawn_serve(["--data", str(outside / "data"), "--log-level", "warning"], log_path=tmp_path / "serve.log",
-                         command=[str(exe)], cwd=outside, env=env, timeout=120, ready_path="/readyz")
+    server = spawn_serve(
+        ["--data", str(outside / "data"), "--log-level", "warning"],
+        log_path=tmp_path / "serve.log",
+        command=[str(exe)],
+        cwd=outside,
+        env=env,
+        timeout=120,
+        ready_path="/readyz",
+    )
     code = server.stop()
     # uvicorn re-raises the SIGTERM it handled once it has shut down cleanly: -15 is a clean exit.
     assert code in (0, -signal.SIGTERM), server.log()[-3000:]

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from weightsync.common import VERSION as __version__
+
 __all__ = ["Publisher", "Subscriber", "__version__"]
 
 

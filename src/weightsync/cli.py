@@ -15,8 +15,9 @@ from weightsync.common import human_bytes
 from weightsync.errors import WeightsyncError, exit_code_of
 from weightsync.service.cli import register as register_service
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="Store and replicate model weights as exact compressed deltas.")
+app = typer.Typer(
+    add_completion=False, no_args_is_help=True, help="Store and replicate model weights as exact compressed deltas."
+)
 # Both modules import their heavy dependencies inside the commands, so the client-only
 # install (no server extra, no torch) can run every client command.
 register_service(app)
@@ -47,8 +48,17 @@ def diff(
         fail(_describe(exc), exit_code_of(exc))
     ratio = stats.raw_bytes / max(stats.delta_bytes, 1)
     if as_json:
-        typer.echo(json.dumps({"raw_bytes": stats.raw_bytes, "bytes": stats.delta_bytes, "ratio": ratio,
-                               "frames": stats.frames, "delta_frames": stats.delta_frames}))
+        typer.echo(
+            json.dumps(
+                {
+                    "raw_bytes": stats.raw_bytes,
+                    "bytes": stats.delta_bytes,
+                    "ratio": ratio,
+                    "frames": stats.frames,
+                    "delta_frames": stats.delta_frames,
+                }
+            )
+        )
     else:
         typer.echo(f"{output}: {human_bytes(stats.delta_bytes)} for {human_bytes(stats.raw_bytes)} ({ratio:.1f}x)")
 
@@ -70,8 +80,9 @@ def patch(
         fail(_describe(exc), exit_code_of(exc))
 
 
-bench_app = typer.Typer(help="Benchmarks against baselines (needs a source checkout: benchmarks/).",
-                        no_args_is_help=True)
+bench_app = typer.Typer(
+    help="Benchmarks against baselines (needs a source checkout: benchmarks/).", no_args_is_help=True
+)
 app.add_typer(bench_app, name="bench")
 _PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
 

@@ -43,11 +43,17 @@ def test_racing_committers_one_wins(catalog: Catalog, db_url: str, engines: str)
 
         def committer(c: Catalog, publish_id: str, i: int) -> Callable[[], Version]:
             return lambda: c.commit_version(
-                "m", publish_id, parent=1, manifest_digest=digest(f"man{i}"), objects=[(digest(f"pack{i}"), i)],
-                raw_bytes=10, stored_bytes=i, kind="delta",
+                "m",
+                publish_id,
+                parent=1,
+                manifest_digest=digest(f"man{i}"),
+                objects=[(digest(f"pack{i}"), i)],
+                raw_bytes=10,
+                stored_bytes=i,
+                kind="delta",
             )
 
-        results = _race([committer(c, p.publish_id, i) for i, (c, p) in enumerate(zip(cats, pending))])
+        results = _race([committer(c, p.publish_id, i) for i, (c, p) in enumerate(zip(cats, pending, strict=True))])
     finally:
         if engines == "per-thread":
             for c in cats:
@@ -72,8 +78,15 @@ def test_racing_retries_of_one_commit_agree(catalog: Catalog) -> None:
 
     def commit() -> Version:
         return catalog.commit_version(
-            "m", p.publish_id, parent=None, manifest_digest=digest("man"), objects=[(digest("pack"), 1)],
-            raw_bytes=1, stored_bytes=1, kind="keyframe", idempotency_key="k",
+            "m",
+            p.publish_id,
+            parent=None,
+            manifest_digest=digest("man"),
+            objects=[(digest("pack"), 1)],
+            raw_bytes=1,
+            stored_bytes=1,
+            kind="keyframe",
+            idempotency_key="k",
         )
 
     results = _race([commit] * THREADS)
@@ -96,8 +109,14 @@ def test_contending_publishers_build_a_linear_history(catalog: Catalog) -> None:
                 p = catalog.begin_version("m", parent=head, kind=kind)
                 try:
                     catalog.commit_version(
-                        "m", p.publish_id, parent=head, manifest_digest=digest(f"{i}-{done}"), objects=[],
-                        raw_bytes=1, stored_bytes=1, kind=kind,
+                        "m",
+                        p.publish_id,
+                        parent=head,
+                        manifest_digest=digest(f"{i}-{done}"),
+                        objects=[],
+                        raw_bytes=1,
+                        stored_bytes=1,
+                        kind=kind,
                     )
                     done += 1
                 except errors.StaleParent:

@@ -10,7 +10,7 @@ part (every row of every table survives, column for column) needs nothing per mi
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -23,7 +23,7 @@ from weightsync.catalog import Catalog, make_engine
 from weightsync.catalog import migrate as migrations
 from weightsync.catalog.engine import writer
 
-T = datetime(2030, 1, 1, tzinfo=timezone.utc)
+T = datetime(2030, 1, 1, tzinfo=UTC)
 D = {name: (name * 64)[:64] for name in ("a", "b", "c", "d", "e", "f")}
 
 
@@ -63,31 +63,117 @@ def _snapshot(conn: Connection) -> dict[str, list[dict[str, Any]]]:
 def seed_0001(conn: Connection) -> None:
     """One model: a committed keyframe and delta, a pending and a deleted publish; objects, a lease, the ledger."""
     t = _tables(conn)
-    conn.execute(insert(t["models"]), [dict(id=1, name="m", created_at=T, head=2, keyframe_interval=20,
-                                            max_chain_ratio=0.5, keep_last=None)])
-    common = dict(model_id=1, step=None, metadata={"lr": 0.1}, idempotency_key=None, created_at=T, expires_at=None,
-                  deleted_at=None)
-    conn.execute(insert(t["versions"]), [
-        dict(common, id=1, number=1, parent=None, kind="keyframe", chain_base=1, state="committed", raw_bytes=100,
-             stored_bytes=60, manifest_digest=D["a"], publish_id="p1", committed_at=T),
-        dict(common, id=2, number=2, parent=1, kind="delta", chain_base=1, state="committed", raw_bytes=100,
-             stored_bytes=6, manifest_digest=D["b"], publish_id="p2", committed_at=T, idempotency_key="k2"),
-        dict(common, id=3, number=None, parent=2, kind="delta", chain_base=None, state="pending", raw_bytes=None,
-             stored_bytes=None, manifest_digest=None, publish_id="p3", committed_at=None, expires_at=T),
-        dict(common, id=4, number=None, parent=2, kind="delta", chain_base=None, state="deleted", raw_bytes=None,
-             stored_bytes=None, manifest_digest=None, publish_id="p4", committed_at=None, expires_at=T, deleted_at=T),
-    ])
-    conn.execute(insert(t["objects"]), [
-        dict(digest=D[k], size=size, first_seen=T, unreferenced_since=since)
-        for k, size, since in (("a", 10, None), ("b", 11, None), ("c", 60, None), ("d", 6, None), ("e", 7, T))
-    ])
-    conn.execute(insert(t["version_objects"]), [
-        dict(version_id=1, digest=D["c"], size=60), dict(version_id=2, digest=D["d"], size=6),
-        dict(version_id=3, digest=D["d"], size=6),
-    ])
+    conn.execute(
+        insert(t["models"]),
+        [dict(id=1, name="m", created_at=T, head=2, keyframe_interval=20, max_chain_ratio=0.5, keep_last=None)],
+    )
+    common = dict(
+        model_id=1,
+        step=None,
+        metadata={"lr": 0.1},
+        idempotency_key=None,
+        created_at=T,
+        expires_at=None,
+        deleted_at=None,
+    )
+    conn.execute(
+        insert(t["versions"]),
+        [
+            dict(
+                common,
+                id=1,
+                number=1,
+                parent=None,
+                kind="keyframe",
+                chain_base=1,
+                state="committed",
+                raw_bytes=100,
+                stored_bytes=60,
+                manifest_digest=D["a"],
+                publish_id="p1",
+                committed_at=T,
+            ),
+            dict(
+                common,
+                id=2,
+                number=2,
+                parent=1,
+                kind="delta",
+                chain_base=1,
+                state="committed",
+                raw_bytes=100,
+                stored_bytes=6,
+                manifest_digest=D["b"],
+                publish_id="p2",
+                committed_at=T,
+                idempotency_key="k2",
+            ),
+            dict(
+                common,
+                id=3,
+                number=None,
+                parent=2,
+                kind="delta",
+                chain_base=None,
+                state="pending",
+                raw_bytes=None,
+                stored_bytes=None,
+                manifest_digest=None,
+                publish_id="p3",
+                committed_at=None,
+                expires_at=T,
+            ),
+            dict(
+                common,
+                id=4,
+                number=None,
+                parent=2,
+                kind="delta",
+                chain_base=None,
+                state="deleted",
+                raw_bytes=None,
+                stored_bytes=None,
+                manifest_digest=None,
+                publish_id="p4",
+                committed_at=None,
+                expires_at=T,
+                deleted_at=T,
+            ),
+        ],
+    )
+    conn.execute(
+        insert(t["objects"]),
+        [
+            dict(digest=D[k], size=size, first_seen=T, unreferenced_since=since)
+            for k, size, since in (("a", 10, None), ("b", 11, None), ("c", 60, None), ("d", 6, None), ("e", 7, T))
+        ],
+    )
+    conn.execute(
+        insert(t["version_objects"]),
+        [
+            dict(version_id=1, digest=D["c"], size=60),
+            dict(version_id=2, digest=D["d"], size=6),
+            dict(version_id=3, digest=D["d"], size=6),
+        ],
+    )
     conn.execute(insert(t["leases"]), [dict(id=1, model_id=1, number=2, holder="reader", acquired_at=T, expires_at=T)])
-    conn.execute(insert(t["replicas"]), [dict(id=1, model_id=1, subscriber="host-a", number=2, applied_at=T,
-                                              pause_ms=1.5, bytes_received=6, site="us", host=None, extra={"x": 1})])
+    conn.execute(
+        insert(t["replicas"]),
+        [
+            dict(
+                id=1,
+                model_id=1,
+                subscriber="host-a",
+                number=2,
+                applied_at=T,
+                pause_ms=1.5,
+                bytes_received=6,
+                site="us",
+                host=None,
+                extra={"x": 1},
+            )
+        ],
+    )
 
 
 SEEDS: dict[str, Callable[[Connection], None]] = {"0001": seed_0001}
@@ -110,8 +196,9 @@ def check_0002(conn: Connection, url: str) -> None:
         assert cat.get_version("m", 2).parent == 1 and cat.get_model("m").head == 2
         # The unreferenced object can be tombstoned, and then no publish may reference it.
         assert cat.begin_object_deletion([(D["e"], 7, T)], unreferenced_before=T, now=T) == [D["e"]]
-        assert cat.reference_objects("m", "p3", [(D["e"], 7)], now=datetime(2020, 1, 1, tzinfo=timezone.utc)
-                                      ).deleting == (D["e"],)
+        assert cat.reference_objects("m", "p3", [(D["e"], 7)], now=datetime(2020, 1, 1, tzinfo=UTC)).deleting == (
+            D["e"],
+        )
         assert cat.begin_object_deletion([(D["c"], 60, T)], unreferenced_before=T, now=T) == []  # referenced
 
 

@@ -43,8 +43,9 @@ def test_object_records_and_gc_grace(catalog: Catalog) -> None:
     catalog.record_object(a, 10, now=T0 + timedelta(minutes=10))
     assert catalog.get_object(a).unreferenced_since == T0 + timedelta(minutes=10)
     stamp = T0 + timedelta(minutes=11)
-    assert catalog.begin_object_deletion([(a, 10, T0), (man, 99, T0)], unreferenced_before=T0 + timedelta(minutes=5),
-                                         now=stamp) == [man]
+    assert catalog.begin_object_deletion(
+        [(a, 10, T0), (man, 99, T0)], unreferenced_before=T0 + timedelta(minutes=5), now=stamp
+    ) == [man]
     assert catalog.finish_object_deletion([man], stamp=stamp) == 1
     catalog.record_object(man, 99, now=T0)
 
@@ -54,15 +55,19 @@ def test_object_records_and_gc_grace(catalog: Catalog) -> None:
     assert catalog.get_object(man).unreferenced_since is None  # the manifest counts as referenced
     late = T0 + timedelta(days=1)
     # Still referenced (the manifest too): nothing to delete.
-    assert catalog.begin_object_deletion([(a, 10, T0), (b, 20, T0), (man, 99, T0)], unreferenced_before=late,
-                                         now=late) == []
+    assert (
+        catalog.begin_object_deletion([(a, 10, T0), (b, 20, T0), (man, 99, T0)], unreferenced_before=late, now=late)
+        == []
+    )
 
     gone = T0 + timedelta(hours=1)
     assert catalog.mark_deleted("m", [1], force=True, now=gone) == [1]
     assert {d: o.unreferenced_since for d, o in catalog.get_objects([a, b, man]).items()} == {
-        a: gone, b: gone, man: gone}
-    assert catalog.begin_object_deletion([(a, 10, T0)], unreferenced_before=gone - timedelta(seconds=1),
-                                         now=late) == []
+        a: gone,
+        b: gone,
+        man: gone,
+    }
+    assert catalog.begin_object_deletion([(a, 10, T0)], unreferenced_before=gone - timedelta(seconds=1), now=late) == []
     assert catalog.begin_object_deletion([(a, 10, T0)], unreferenced_before=gone, now=late) == [a]
     assert catalog.get_object(a).state == "deleting" and catalog.get_object(a).deleting_since == late
     assert catalog.finish_object_deletion([a], stamp=late) == 1
@@ -85,8 +90,15 @@ def test_commit_replaces_pending_references(catalog: Catalog) -> None:
     p = catalog.begin_version("m", parent=None, kind="keyframe", now=T0)
     catalog.reference_objects("m", p.publish_id, [(digest("draft"), 1), (digest("final"), 2)], now=T0)
     catalog.commit_version(
-        "m", p.publish_id, parent=None, manifest_digest=digest("man"), objects=[(digest("final"), 2)],
-        raw_bytes=2, stored_bytes=2, kind="keyframe", now=T0,
+        "m",
+        p.publish_id,
+        parent=None,
+        manifest_digest=digest("man"),
+        objects=[(digest("final"), 2)],
+        raw_bytes=2,
+        stored_bytes=2,
+        kind="keyframe",
+        now=T0,
     )
     assert digest("draft") not in catalog.referenced_digests()
     assert catalog.get_object(digest("draft")).unreferenced_since == T0
@@ -145,7 +157,13 @@ def test_replica_ledger(catalog: Catalog) -> None:
     catalog.record_replica("m", "host-a", 1, applied_at=T0, pause_ms=12.5, bytes_received=1000, site="us")
     catalog.record_replica("m", "host-b", 1, applied_at=T0 + timedelta(seconds=1), host="10.0.0.2")
     r = catalog.record_replica(
-        "m", "host-a", 2, applied_at=T0 + timedelta(minutes=10), pause_ms=3.0, bytes_received=50, site="us",
+        "m",
+        "host-a",
+        2,
+        applied_at=T0 + timedelta(minutes=10),
+        pause_ms=3.0,
+        bytes_received=50,
+        site="us",
         extra={"gpu": "h100", "ranks": [0, 1]},
     )
     assert (r.model, r.subscriber, r.number, r.pause_ms) == ("m", "host-a", 2, 3.0)
@@ -204,8 +222,10 @@ def test_gc_tombstones_unrecorded_objects_and_resumes_stale_ones(catalog: Catalo
     cutoff = T0 + timedelta(minutes=5)
     # Objects the catalog never recorded count from when the store wrote them.
     turned = catalog.begin_object_deletion(
-        [(orphan, 1, T0), (young, 2, cutoff + timedelta(seconds=1)), (held, 1, T0)], unreferenced_before=cutoff,
-        now=cutoff)
+        [(orphan, 1, T0), (young, 2, cutoff + timedelta(seconds=1)), (held, 1, T0)],
+        unreferenced_before=cutoff,
+        now=cutoff,
+    )
     assert turned == [orphan]
     assert catalog.get_object(young).state == "live"  # recorded now, in its grace period
     assert catalog.get_object(held).unreferenced_since is None

@@ -20,8 +20,17 @@ def _build(cat: Catalog) -> None:
     for i in range(1, 9):
         kind = "keyframe" if i in (1, 5) else "delta"
         objects = [(digest(f"p{i}-{j}"), 100 * i + j) for j in range(3)] + [(digest("shared"), 42)]
-        publish(cat, "policy-7b", parent=parent, kind=kind, tag=f"v{i}", objects=objects, step=i * 10,
-                metadata={"i": i, "tags": ["a", "b"]}, now=T0)
+        publish(
+            cat,
+            "policy-7b",
+            parent=parent,
+            kind=kind,
+            tag=f"v{i}",
+            objects=objects,
+            step=i * 10,
+            metadata={"i": i, "tags": ["a", "b"]},
+            now=T0,
+        )
         parent = i
     publish(cat, "other", parent=None, tag="o1")
     cat.begin_version("policy-7b", parent=8, kind="delta")  # pending: not part of the dump
@@ -34,9 +43,16 @@ def _manifests(dump: dict) -> list[tuple[str, ImportedVersion]]:
         (
             v["model"],
             ImportedVersion(
-                number=v["number"], parent=v["parent"], kind=v["kind"], chain_base=v["chain_base"],
-                manifest_digest=v["manifest_digest"], raw_bytes=v["raw_bytes"], stored_bytes=v["stored_bytes"],
-                objects=[(d, n) for d, n in v["objects"]], step=v["step"], metadata=v["metadata"],
+                number=v["number"],
+                parent=v["parent"],
+                kind=v["kind"],
+                chain_base=v["chain_base"],
+                manifest_digest=v["manifest_digest"],
+                raw_bytes=v["raw_bytes"],
+                stored_bytes=v["stored_bytes"],
+                objects=[(d, n) for d, n in v["objects"]],
+                step=v["step"],
+                metadata=v["metadata"],
             ),
         )
         for v in dump["versions"]
@@ -65,8 +81,9 @@ def test_rebuilt_catalog_equals_original(catalog: Catalog, tmp_path: Path) -> No
         # Importing again is harmless; a different manifest under a taken number is not.
         model, rec = records[0]
         assert rebuilt.import_version(model, rec).manifest_digest == rec.manifest_digest
-        clash = ImportedVersion(**{**{f: getattr(rec, f) for f in rec.__dataclass_fields__},
-                                   "manifest_digest": digest("clash")})
+        clash = ImportedVersion(
+            **{**{f: getattr(rec, f) for f in rec.__dataclass_fields__}, "manifest_digest": digest("clash")}
+        )
         with pytest.raises(errors.Conflict):
             rebuilt.import_version(model, clash)
         # Publishing continues on the rebuilt catalog from the restored head.

@@ -11,7 +11,6 @@ from conftest import T0
 from weightsync import errors
 from weightsync.catalog import DEFAULT_SETTINGS, Catalog
 
-
 # --- models ---------------------------------------------------------------------------
 
 
@@ -53,7 +52,12 @@ def test_settings(catalog: Catalog) -> None:
     m = catalog.update_model_settings("m", keyframe_interval=7)
     assert (m.keyframe_interval, m.keep_last) == (7, None)
     assert catalog.get_model("m") == m
-    bad_settings = [{"keyframe_interval": 0}, {"max_chain_ratio": -1.0}, {"keep_last": 0}, {"max_chain_ratio": float("nan")}]
+    bad_settings = [
+        {"keyframe_interval": 0},
+        {"max_chain_ratio": -1.0},
+        {"keep_last": 0},
+        {"max_chain_ratio": float("nan")},
+    ]
     for bad in bad_settings:
         with pytest.raises(errors.InvalidArgument):
             catalog.update_model_settings("m", **bad)
@@ -139,8 +143,14 @@ def test_stale_parent_conflict_leaves_head(catalog: Catalog) -> None:
     assert catalog.get_model("m").head == 2
     with pytest.raises(errors.StaleParent) as info:
         catalog.commit_version(
-            "m", late.publish_id, parent=1, manifest_digest=digest("late"), objects=[(digest("late-pack"), 5)],
-            raw_bytes=1, stored_bytes=5, kind="delta",
+            "m",
+            late.publish_id,
+            parent=1,
+            manifest_digest=digest("late"),
+            objects=[(digest("late-pack"), 5)],
+            raw_bytes=1,
+            stored_bytes=5,
+            kind="delta",
         )
     assert isinstance(info.value, errors.Conflict)
     assert info.value.current_head == 2 and "head is 2" in str(info.value)
@@ -150,7 +160,13 @@ def test_stale_parent_conflict_leaves_head(catalog: Catalog) -> None:
     # The loser is still pending: it can rebase on the new head and commit.
     assert catalog.get_pending("m", late.publish_id).state == "pending"
     v = catalog.commit_version(
-        "m", late.publish_id, parent=2, manifest_digest=digest("late"), objects=[], raw_bytes=1, stored_bytes=5,
+        "m",
+        late.publish_id,
+        parent=2,
+        manifest_digest=digest("late"),
+        objects=[],
+        raw_bytes=1,
+        stored_bytes=5,
         kind="delta",
     )
     assert v.number == 3
@@ -162,7 +178,13 @@ def test_parent_none_means_no_head_yet(catalog: Catalog) -> None:
     publish(catalog, "m", parent=None, tag="first")
     with pytest.raises(errors.StaleParent) as info:
         catalog.commit_version(
-            "m", p.publish_id, parent=None, manifest_digest=digest("x"), objects=[], raw_bytes=1, stored_bytes=1,
+            "m",
+            p.publish_id,
+            parent=None,
+            manifest_digest=digest("x"),
+            objects=[],
+            raw_bytes=1,
+            stored_bytes=1,
             kind="keyframe",
         )
     assert info.value.current_head == 1
@@ -172,7 +194,11 @@ def test_commit_retry_is_idempotent(catalog: Catalog) -> None:
     catalog.create_model("m")
     p = catalog.begin_version("m", parent=None, kind="keyframe")
     args = dict(
-        parent=None, manifest_digest=digest("m1"), objects=[(digest("o1"), 3)], raw_bytes=9, stored_bytes=3,
+        parent=None,
+        manifest_digest=digest("m1"),
+        objects=[(digest("o1"), 3)],
+        raw_bytes=9,
+        stored_bytes=3,
         kind="keyframe",
     )
     first = catalog.commit_version("m", p.publish_id, **args)
@@ -228,8 +254,15 @@ def test_expired_publish_cannot_commit_and_is_swept(catalog: Catalog) -> None:
     late = T0 + timedelta(minutes=5)
     with pytest.raises(errors.PublishNotFound, match="expired"):
         catalog.commit_version(
-            "m", p.publish_id, parent=None, manifest_digest=digest("x"), objects=[], raw_bytes=1, stored_bytes=1,
-            kind="keyframe", now=late,
+            "m",
+            p.publish_id,
+            parent=None,
+            manifest_digest=digest("x"),
+            objects=[],
+            raw_bytes=1,
+            stored_bytes=1,
+            kind="keyframe",
+            now=late,
         )
     assert catalog.expire_pending(T0) == []
     expired = catalog.expire_pending(late)

@@ -21,8 +21,14 @@ class Server:
     log: Path
 
 
-def start_server(root: Path, *, tokens: list[dict] | None = None, args: list[str] | None = None,
-                 env: dict[str, str] | None = None, timeout: float = 60.0) -> Server:
+def start_server(
+    root: Path,
+    *,
+    tokens: list[dict] | None = None,
+    args: list[str] | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float = 60.0,
+) -> Server:
     """`python -m weightsync.service serve` on a free loopback port with its own data dir; waits for /healthz."""
     root.mkdir(parents=True, exist_ok=True)
     cmd = ["--data", str(root / "data"), "--host", "127.0.0.1", "--log-level", "warning", *(args or [])]
@@ -86,8 +92,7 @@ class TinyTrainer:
         self.torch = torch
         g = torch.Generator().manual_seed(seed)
         torch.manual_seed(seed)
-        self.model = nn.Sequential(nn.Linear(width, hidden), nn.LayerNorm(hidden), nn.GELU(),
-                                   nn.Linear(hidden, width))
+        self.model = nn.Sequential(nn.Linear(width, hidden), nn.LayerNorm(hidden), nn.GELU(), nn.Linear(hidden, width))
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr)
         self.x = torch.randn(256, width, generator=g)
         self.y = torch.randn(256, width, generator=g)

@@ -42,8 +42,10 @@ def auth_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """A server with tokens: an admin token and a read-only token."""
     if not _service_available():
         pytest.skip("the service (weightsync[server]) is not installed")
-    tokens = [{"name": "admin", "token": TOKENS["admin"], "scopes": ["admin"]},
-              {"name": "reader", "token": TOKENS["reader"], "scopes": ["read"]}]
+    tokens = [
+        {"name": "admin", "token": TOKENS["admin"], "scopes": ["admin"]},
+        {"name": "reader", "token": TOKENS["reader"], "scopes": ["read"]},
+    ]
     srv = start_server(tmp_path_factory.mktemp("auth-server"), tokens=tokens)
     try:
         yield srv

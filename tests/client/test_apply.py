@@ -58,8 +58,14 @@ def test_apply_in_place_is_bit_identical(server, model, tmp_path: Path) -> None:
     try:
         sub.pull(tmp_path / "boot", version=1)
         tensors = st.load_file(str(tmp_path / "boot" / "model.safetensors"))
-        assert {t.dtype for t in tensors.values()} >= {torch.bfloat16, torch.float32, torch.float8_e4m3fn,
-                                                          torch.uint8, torch.int64, torch.bool}
+        assert {t.dtype for t in tensors.values()} >= {
+            torch.bfloat16,
+            torch.float32,
+            torch.float8_e4m3fn,
+            torch.uint8,
+            torch.int64,
+            torch.bool,
+        }
         pointers = {k: v.data_ptr() for k, v in tensors.items()}
         for v in (2, 3, 4):
             prepared = sub.prepare(v)

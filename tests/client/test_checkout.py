@@ -28,8 +28,12 @@ def _shard(seed: int, n: int = 3000) -> bytes:
 
 VERSIONS = [  # what a training run might do: same shards, then a file added, a rename, files dropped
     {"model.safetensors": _shard(0), "config.json": b'{"h": 1}', "tok/vocab.json": b'{"a": 1}'},
-    {"model.safetensors": _shard(1), "config.json": b'{"h": 1}', "tok/vocab.json": b'{"a": 1}',
-     "tok/extra/merges.txt": b"a b\n" * 50},
+    {
+        "model.safetensors": _shard(1),
+        "config.json": b'{"h": 1}',
+        "tok/vocab.json": b'{"a": 1}',
+        "tok/extra/merges.txt": b"a b\n" * 50,
+    },
     {"shards/model.safetensors": _shard(2), "generation.json": b"{}", "tok/extra/merges.txt": b"a b\n" * 50},
 ]
 

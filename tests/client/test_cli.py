@@ -103,8 +103,16 @@ def test_json_output_is_the_servers_answer_byte_for_byte(server, model, cli, tmp
     env = {"WEIGHTSYNC_SERVER": server.url}
     for i in range(1, 3):
         trainer.step()
-        r = cli("push", model, write_version(tmp_path / f"src{i}", trainer.export()), "--step", i,
-                "--metadata", json.dumps({"lr": 1e-6, "tags": ["a", i]}), env=env)
+        r = cli(
+            "push",
+            model,
+            write_version(tmp_path / f"src{i}", trainer.export()),
+            "--step",
+            i,
+            "--metadata",
+            json.dumps({"lr": 1e-6, "tags": ["a", i]}),
+            env=env,
+        )
         assert r.exit_code == 0, r.stderr
 
     def printed(obj: object) -> str:
@@ -113,8 +121,9 @@ def test_json_output_is_the_servers_answer_byte_for_byte(server, model, cli, tmp
     with httpx.Client(base_url=server.url) as http:
         versions = http.get(f"/v1/models/{model}/versions").json()["versions"]
         assert cli("log", model, "--json", env=env).stdout == printed({"model": model, "versions": versions})
-        assert cli("log", model, "--limit", 1, "--json", env=env).stdout == printed({"model": model,
-                                                                                     "versions": versions[-1:]})
+        assert cli("log", model, "--limit", 1, "--json", env=env).stdout == printed(
+            {"model": model, "versions": versions[-1:]}
+        )
         assert cli("watch", model, "--after", 1, "--count", 1, "--json", env=env).stdout == printed(versions[1])
         assert cli("models", "--json", env=env).stdout == printed(http.get("/v1/models").json())
         fsck = http.post("/v1/admin/fsck", json={"read_data": True, "repair": False}).json()
@@ -202,9 +211,13 @@ def test_real_process_unreachable_server(tmp_path: Path) -> None:
     """In a real process: one stderr line, exit status 5, no traceback."""
     code = "import typer; from weightsync.client.cli import register; app = typer.Typer(); register(app); app()"
     env = {"PATH": "/usr/bin:/bin", "WEIGHTSYNC_RETRIES": "2", "WEIGHTSYNC_CACHE": str(tmp_path)}
-    proc = subprocess.run([sys.executable, "-c", code, "pull", "some-model", str(tmp_path / "d"), "--json"],
-                          env={**env, "WEIGHTSYNC_SERVER": f"http://127.0.0.1:{free_port()}"},
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, "pull", "some-model", str(tmp_path / "d"), "--json"],
+        env={**env, "WEIGHTSYNC_SERVER": f"http://127.0.0.1:{free_port()}"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == EXIT_UNAVAILABLE
     assert proc.stdout == ""
     lines = proc.stderr.strip().splitlines()
@@ -226,24 +239,27 @@ def _raising_app(exc: BaseException) -> typer.Typer:
     return raising
 
 
-@pytest.mark.parametrize("exc,code", [
-    (errors.StaleParent("parent 1 is not the head", current_head=2), EXIT_CONFLICT),
-    (errors.Conflict("another weightsync process is updating this directory"), EXIT_CONFLICT),
-    (errors.BaseMismatch("other base"), EXIT_CONFLICT),
-    (errors.IncompletePublish("object missing"), EXIT_CONFLICT),
-    (errors.AuthError("unknown token"), EXIT_AUTH),
-    (errors.Forbidden("lacks the publish scope"), EXIT_AUTH),
-    (errors.ServerUnavailable("unreachable"), EXIT_UNAVAILABLE),
-    (errors.ModelNotFound("no model named 'x'"), EXIT_NOT_FOUND),
-    (errors.VersionNotFound("no version 9"), EXIT_NOT_FOUND),
-    (errors.PublishNotFound("publish expired"), EXIT_ERROR),
-    (errors.ObjectNotFound("object gone"), EXIT_ERROR),
-    (errors.InvalidArgument("bad value"), EXIT_ERROR),
-    (errors.BadResponse("bad response from the server: Version.number: expected an integer, got str"), EXIT_ERROR),
-    (errors.ChecksumMismatch("tensor 'w' does not match"), EXIT_ERROR),
-    (FileNotFoundError(2, "No such file or directory", "missing.safetensors"), EXIT_ERROR),
-    (ValueError("not a number"), EXIT_ERROR),
-])
+@pytest.mark.parametrize(
+    "exc,code",
+    [
+        (errors.StaleParent("parent 1 is not the head", current_head=2), EXIT_CONFLICT),
+        (errors.Conflict("another weightsync process is updating this directory"), EXIT_CONFLICT),
+        (errors.BaseMismatch("other base"), EXIT_CONFLICT),
+        (errors.IncompletePublish("object missing"), EXIT_CONFLICT),
+        (errors.AuthError("unknown token"), EXIT_AUTH),
+        (errors.Forbidden("lacks the publish scope"), EXIT_AUTH),
+        (errors.ServerUnavailable("unreachable"), EXIT_UNAVAILABLE),
+        (errors.ModelNotFound("no model named 'x'"), EXIT_NOT_FOUND),
+        (errors.VersionNotFound("no version 9"), EXIT_NOT_FOUND),
+        (errors.PublishNotFound("publish expired"), EXIT_ERROR),
+        (errors.ObjectNotFound("object gone"), EXIT_ERROR),
+        (errors.InvalidArgument("bad value"), EXIT_ERROR),
+        (errors.BadResponse("bad response from the server: Version.number: expected an integer, got str"), EXIT_ERROR),
+        (errors.ChecksumMismatch("tensor 'w' does not match"), EXIT_ERROR),
+        (FileNotFoundError(2, "No such file or directory", "missing.safetensors"), EXIT_ERROR),
+        (ValueError("not a number"), EXIT_ERROR),
+    ],
+)
 def test_exit_codes_come_from_the_error_table(exc: BaseException, code: int) -> None:
     r = CliRunner().invoke(_raising_app(exc), ["fail-with"], catch_exceptions=False)
     assert r.exit_code == code
@@ -266,11 +282,17 @@ def test_top_level_patch_against_the_wrong_base_exits_as_a_conflict(tmp_path: Pa
     for name in ("a", "b", "c"):
         (tmp_path / f"{name}.safetensors").write_bytes(safetensors_file(tensors()))
     runner = CliRunner()
-    r = runner.invoke(main_app, ["diff", str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors"),
-                                 "-o", str(tmp_path / "d.wsd")], catch_exceptions=False)
+    r = runner.invoke(
+        main_app,
+        ["diff", str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors"), "-o", str(tmp_path / "d.wsd")],
+        catch_exceptions=False,
+    )
     assert r.exit_code == 0, r.stderr
-    r = runner.invoke(main_app, ["patch", str(tmp_path / "c.safetensors"), str(tmp_path / "d.wsd"),
-                                 "-o", str(tmp_path / "x.safetensors")], catch_exceptions=False)
+    r = runner.invoke(
+        main_app,
+        ["patch", str(tmp_path / "c.safetensors"), str(tmp_path / "d.wsd"), "-o", str(tmp_path / "x.safetensors")],
+        catch_exceptions=False,
+    )
     assert r.exit_code == EXIT_CONFLICT == errors.BaseMismatch.exit_code
     _one_error_line(r)
     assert not (tmp_path / "x.safetensors").exists()

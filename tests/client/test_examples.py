@@ -18,17 +18,44 @@ def test_trainer_and_inference_examples(server, model, tmp_path: Path) -> None:
     env = {**os.environ, "WEIGHTSYNC_SERVER": server.url}
     env.pop("WEIGHTSYNC_TOKEN", None)
     inference = subprocess.Popen(
-        [sys.executable, str(EXAMPLES / "inference_loop.py"), "--model", model, "--dir", str(tmp_path / "w"),
-         "--updates", "2"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            str(EXAMPLES / "inference_loop.py"),
+            "--model",
+            model,
+            "--dir",
+            str(tmp_path / "w"),
+            "--updates",
+            "2",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     trainer = None
     try:
         assert inference.stdout is not None
         first = inference.stdout.readline()
         assert "waiting for the first version" in first, first
         trainer = subprocess.Popen(
-            [sys.executable, str(EXAMPLES / "trainer_loop.py"), "--model", model, "--steps", "60",
-             "--step-seconds", "0.3", "--hidden", "256"],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            [
+                sys.executable,
+                str(EXAMPLES / "trainer_loop.py"),
+                "--model",
+                model,
+                "--steps",
+                "60",
+                "--step-seconds",
+                "0.3",
+                "--hidden",
+                "256",
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         out, _ = inference.communicate(timeout=90)
         assert inference.returncode == 0, out
         lines = [first, *out.splitlines()]
@@ -45,4 +72,3 @@ def test_trainer_and_inference_examples(server, model, tmp_path: Path) -> None:
     assert trainer is not None
     out, _ = trainer.communicate(timeout=30)
     assert "published v1 (keyframe" in out and "(delta" in out, out
-

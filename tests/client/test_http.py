@@ -18,10 +18,27 @@ from weightsync.client._http import Api, Retry, TokenBucket
 from weightsync.common import Backoff
 
 FAST = Retry(attempts=4, base=0.0, cap=0.0)
-MODEL = {"name": "m", "head": 3, "created_at": "2025-03-01T00:00:00Z", "keyframe_interval": 16,
-         "max_chain_ratio": 4.0, "keep_last": None}
-VERSION = {"model": "m", "number": 3, "parent": 2, "kind": "delta", "chain_base": 1, "step": None, "metadata": {},
-           "raw_bytes": 1000, "stored_bytes": 120, "manifest": "a" * 64, "committed_at": "2025-03-01T12:00:00Z"}
+MODEL = {
+    "name": "m",
+    "head": 3,
+    "created_at": "2025-03-01T00:00:00Z",
+    "keyframe_interval": 16,
+    "max_chain_ratio": 4.0,
+    "keep_last": None,
+}
+VERSION = {
+    "model": "m",
+    "number": 3,
+    "parent": 2,
+    "kind": "delta",
+    "chain_base": 1,
+    "step": None,
+    "metadata": {},
+    "raw_bytes": 1000,
+    "stored_bytes": 120,
+    "manifest": "a" * 64,
+    "committed_at": "2025-03-01T12:00:00Z",
+}
 
 
 def _problem(status: int, code: str, detail: str, **extra) -> httpx.Response:
@@ -57,33 +74,36 @@ def test_retries_exhausted_raise_server_unavailable() -> None:
         api.list_models()
 
 
-@pytest.mark.parametrize("status,code,detail,extra,exc", [
-    (409, "stale-parent", "parent 1 is not the head (3)", {"current_head": 3}, errors.StaleParent),
-    (409, "conflict", "idempotency key reused", {}, errors.Conflict),
-    (404, "not-found", "no model named 'x'", {"resource": "model"}, errors.ModelNotFound),
-    (404, "not-found", "model 'x' has no committed version 9", {"resource": "version"}, errors.VersionNotFound),
-    (404, "not-found", "no publish 'p' for model 'x'", {"resource": "publish"}, errors.PublishNotFound),
-    (404, "not-found", "no object 'abc'", {"resource": "object"}, errors.ObjectNotFound),
-    # The resource decides, never the text: a detail that talks of a model about a missing version.
-    (404, "not-found", "no model version 3", {"resource": "version"}, errors.VersionNotFound),
-    (404, "not-found", "Not Found", {}, errors.NotFound),  # an unknown route: no resource
-    (404, "not-found", "no relay 'r'", {"resource": "relay"}, errors.NotFound),  # a newer server's resource
-    (404, "not-supported", "no presigned URLs here", {}, errors.Unsupported),
-    (401, "unauthorized", "unknown bearer token", {}, errors.AuthError),
-    (403, "forbidden", "token 'r' lacks the 'publish' scope", {}, errors.Forbidden),
-    (422, "invalid-name", "bad model name", {}, errors.InvalidName),
-    (422, "invalid-digest", "not a digest", {}, errors.InvalidDigest),
-    (422, "invalid-argument", "pause_ms must be >= 0", {}, errors.InvalidArgument),
-    (422, "digest-mismatch", "bytes hash to something else", {}, errors.DigestMismatch),
-    (422, "bad-manifest", "not a manifest", {}, errors.FormatError),
-    (409, "base-mismatch", "diffed against other bytes", {}, errors.BaseMismatch),
-    (409, "incomplete-publish", "object missing", {}, errors.IncompletePublish),
-    (413, "too-large", "over the cap", {}, errors.TooLarge),
-    (416, "bad-range", "bytes 9-10 of 4", {}, errors.InvalidRange),
-    (422, "validation", "parent: not an int", {}, errors.ClientError),
-    (409, "some-future-conflict", "a code this client does not know", {}, errors.Conflict),
-    (418, "teapot", "a code and status this client does not know", {}, errors.ClientError),
-])
+@pytest.mark.parametrize(
+    "status,code,detail,extra,exc",
+    [
+        (409, "stale-parent", "parent 1 is not the head (3)", {"current_head": 3}, errors.StaleParent),
+        (409, "conflict", "idempotency key reused", {}, errors.Conflict),
+        (404, "not-found", "no model named 'x'", {"resource": "model"}, errors.ModelNotFound),
+        (404, "not-found", "model 'x' has no committed version 9", {"resource": "version"}, errors.VersionNotFound),
+        (404, "not-found", "no publish 'p' for model 'x'", {"resource": "publish"}, errors.PublishNotFound),
+        (404, "not-found", "no object 'abc'", {"resource": "object"}, errors.ObjectNotFound),
+        # The resource decides, never the text: a detail that talks of a model about a missing version.
+        (404, "not-found", "no model version 3", {"resource": "version"}, errors.VersionNotFound),
+        (404, "not-found", "Not Found", {}, errors.NotFound),  # an unknown route: no resource
+        (404, "not-found", "no relay 'r'", {"resource": "relay"}, errors.NotFound),  # a newer server's resource
+        (404, "not-supported", "no presigned URLs here", {}, errors.Unsupported),
+        (401, "unauthorized", "unknown bearer token", {}, errors.AuthError),
+        (403, "forbidden", "token 'r' lacks the 'publish' scope", {}, errors.Forbidden),
+        (422, "invalid-name", "bad model name", {}, errors.InvalidName),
+        (422, "invalid-digest", "not a digest", {}, errors.InvalidDigest),
+        (422, "invalid-argument", "pause_ms must be >= 0", {}, errors.InvalidArgument),
+        (422, "digest-mismatch", "bytes hash to something else", {}, errors.DigestMismatch),
+        (422, "bad-manifest", "not a manifest", {}, errors.FormatError),
+        (409, "base-mismatch", "diffed against other bytes", {}, errors.BaseMismatch),
+        (409, "incomplete-publish", "object missing", {}, errors.IncompletePublish),
+        (413, "too-large", "over the cap", {}, errors.TooLarge),
+        (416, "bad-range", "bytes 9-10 of 4", {}, errors.InvalidRange),
+        (422, "validation", "parent: not an int", {}, errors.ClientError),
+        (409, "some-future-conflict", "a code this client does not know", {}, errors.Conflict),
+        (418, "teapot", "a code and status this client does not know", {}, errors.ClientError),
+    ],
+)
 def test_problems_map_to_named_errors(status, code, detail, extra, exc) -> None:
     api = _api(lambda request: _problem(status, code, detail, **extra))
     with pytest.raises(exc) as info:
@@ -110,15 +130,23 @@ def test_every_problem_in_the_table_decodes_to_its_class() -> None:
 
 def test_a_404_that_is_no_weightsync_problem_is_the_endpoints_default() -> None:
     # The object store or a proxy answers 404 without problem+json: what the endpoint looks up is missing.
-    api = _api(lambda request: httpx.Response(404, text="<Error><Code>NoSuchKey</Code></Error>",
-                                              headers={"content-type": "application/xml"}))
+    api = _api(
+        lambda request: httpx.Response(
+            404, text="<Error><Code>NoSuchKey</Code></Error>", headers={"content-type": "application/xml"}
+        )
+    )
     with pytest.raises(errors.ObjectNotFound):
         api.head_object("a" * 64)
     with pytest.raises(errors.VersionNotFound):
         api.get_manifest("x", 1)
     # A problem whose type is not a weightsync one is not matched by its last path segment.
-    api = _api(lambda request: httpx.Response(404, json={"type": "https://example.com/conflict", "detail": "d"},
-                                              headers={"content-type": "application/problem+json"}))
+    api = _api(
+        lambda request: httpx.Response(
+            404,
+            json={"type": "https://example.com/conflict", "detail": "d"},
+            headers={"content-type": "application/problem+json"},
+        )
+    )
     with pytest.raises(errors.VersionNotFound):
         api.get_version("x", 1)
 
@@ -131,8 +159,13 @@ def test_presigned_upload_sends_exactly_its_headers_and_no_token() -> None:
         return httpx.Response(200)
 
     api = _api(handler)
-    api.put_object("a" * 64, b"x" * 1000, models.PresignedPut(method="PUT", url="http://s3.test/bucket/key?sig=1",
-                                                                headers={"x-amz-checksum-sha256": "abc"}))
+    api.put_object(
+        "a" * 64,
+        b"x" * 1000,
+        models.PresignedPut(
+            method="PUT", url="http://s3.test/bucket/key?sig=1", headers={"x-amz-checksum-sha256": "abc"}
+        ),
+    )
     (req,) = seen
     assert req.url.host == "s3.test" and "authorization" not in req.headers
     assert req.headers["x-amz-checksum-sha256"] == "abc" and req.headers["content-length"] == "1000"
@@ -151,10 +184,12 @@ def test_answers_are_typed_and_a_malformed_one_is_bad_response_without_retries()
     answer["next"] = httpx.Response(200, json={**VERSION, "shards": 4})  # a newer server's extra field
     head = api.head("m")
     assert isinstance(head, models.Version) and head.number == 3 and head.to_dict() == VERSION
-    for bad in (httpx.Response(200, json={**VERSION, "number": "3"}),  # a known field mistyped
-                httpx.Response(200, json={k: v for k, v in VERSION.items() if k != "kind"}),  # one missing
-                httpx.Response(200, text="<html>proxy</html>"),  # not JSON at all
-                httpx.Response(200, json=[VERSION])):  # JSON, but not the object
+    for bad in (
+        httpx.Response(200, json={**VERSION, "number": "3"}),  # a known field mistyped
+        httpx.Response(200, json={k: v for k, v in VERSION.items() if k != "kind"}),  # one missing
+        httpx.Response(200, text="<html>proxy</html>"),  # not JSON at all
+        httpx.Response(200, json=[VERSION]),
+    ):  # JSON, but not the object
         answer["next"] = bad
         calls.clear()
         with pytest.raises(errors.BadResponse) as info:
@@ -176,8 +211,17 @@ def test_watch_answers_a_version_or_none_on_timeout() -> None:
 
 def test_report_replica_sends_only_the_fields_given() -> None:
     bodies: list[dict] = []
-    replica = {"model": "m", "subscriber": "s", "version": 3, "applied_at": "2025-03-01T12:00:00Z",
-               "pause_ms": None, "bytes": 10, "site": None, "host": "h", "extra": {}}
+    replica = {
+        "model": "m",
+        "subscriber": "s",
+        "version": 3,
+        "applied_at": "2025-03-01T12:00:00Z",
+        "pause_ms": None,
+        "bytes": 10,
+        "site": None,
+        "host": "h",
+        "extra": {},
+    }
 
     def handler(request: httpx.Request) -> httpx.Response:
         bodies.append(json.loads(request.content))
@@ -205,10 +249,12 @@ def test_token_bucket_waits_for_the_debt(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_client_imports_no_server_layers_and_no_torch() -> None:
-    code = ("import sys, weightsync.client, weightsync.client.cli; "
-            "bad = [m for m in sys.modules if m.split('.')[:2] in (['weightsync','service'], ['weightsync','catalog'],"
-            " ['weightsync','store'], ['weightsync','ops'])] + [m for m in ('torch', 'fastapi', 'sqlalchemy') "
-            "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
+    code = (
+        "import sys, weightsync.client, weightsync.client.cli; "
+        "bad = [m for m in sys.modules if m.split('.')[:2] in (['weightsync','service'], ['weightsync','catalog'],"
+        " ['weightsync','store'], ['weightsync','ops'])] + [m for m in ('torch', 'fastapi', 'sqlalchemy') "
+        "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
@@ -231,10 +277,15 @@ def test_watch_reconnects_with_backoff_reset_by_a_success(monkeypatch: pytest.Mo
 
     monkeypatch.setattr(subscriber, "WATCH_RECONNECT", _CountingBackoff(attempts=1, base=0.5, cap=10.0))
     monkeypatch.setattr(_CountingBackoff, "asked", [])
-    script = [httpx.ConnectError("refused"), _problem(503, "unavailable", "restarting"), httpx.Response(204),
-              _problem(404, "not-found", "no model", resource="model"), httpx.Response(200, json=VERSION),
-              httpx.Response(200, json={**VERSION, "number": 2}),  # not newer than what was yielded: skipped
-              httpx.Response(200, json={**VERSION, "number": 5})]
+    script = [
+        httpx.ConnectError("refused"),
+        _problem(503, "unavailable", "restarting"),
+        httpx.Response(204),
+        _problem(404, "not-found", "no model", resource="model"),
+        httpx.Response(200, json=VERSION),
+        httpx.Response(200, json={**VERSION, "number": 2}),  # not newer than what was yielded: skipped
+        httpx.Response(200, json={**VERSION, "number": 5}),
+    ]
 
     def handler(request: httpx.Request) -> httpx.Response:
         step = script.pop(0)
@@ -242,8 +293,9 @@ def test_watch_reconnects_with_backoff_reset_by_a_success(monkeypatch: pytest.Mo
             raise step
         return step
 
-    with subscriber.Subscriber("http://weightsync.test", "m", retry=Retry(attempts=1), report=False,
-                               transport=httpx.MockTransport(handler)) as sub:
+    with subscriber.Subscriber(
+        "http://weightsync.test", "m", retry=Retry(attempts=1), report=False, transport=httpx.MockTransport(handler)
+    ) as sub:
         got = sub.watch(after=1, timeout=1)
         assert [next(got).number, next(got).number] == [3, 5]
     assert script == []
@@ -264,7 +316,8 @@ def test_watch_stops_during_a_reconnect_wait() -> None:
             stop.set()  # the server stays down; the caller gives up while the watch waits to reconnect
         return _problem(503, "unavailable", "down")
 
-    with subscriber.Subscriber("http://weightsync.test", "m", retry=Retry(attempts=1), report=False,
-                               transport=httpx.MockTransport(handler)) as sub:
+    with subscriber.Subscriber(
+        "http://weightsync.test", "m", retry=Retry(attempts=1), report=False, transport=httpx.MockTransport(handler)
+    ) as sub:
         assert list(sub.watch(after=0, timeout=1, stop=stop)) == []
     assert len(polls) == 3

@@ -16,19 +16,44 @@ from weightsync import errors
 from weightsync.client import models
 from weightsync.client._http import Api
 
-VERSION = {"model": "m", "number": 3, "parent": 2, "kind": "delta", "chain_base": 1, "step": 30,
-           "metadata": {"loss": 0.5, "tags": ["a"]}, "raw_bytes": 1000, "stored_bytes": 120,
-           "manifest": "a" * 64, "committed_at": "2025-03-01T12:00:00.250000Z"}
-PLAN = {"model": "m", "have": 1, "target": 3, "bytes": 240, "full_bytes": 900,
-        "lease_expires_at": "2025-03-01T12:05:00Z",
-        "steps": [{"number": n, "kind": "delta", "manifest": f"{n}" * 64, "manifest_bytes": 80, "stored_bytes": 120,
-                   "objects": [{"digest": "b" * 64, "size": 40}, {"digest": "c" * 64, "size": 0}]}
-                  for n in (2, 3)]}
+VERSION = {
+    "model": "m",
+    "number": 3,
+    "parent": 2,
+    "kind": "delta",
+    "chain_base": 1,
+    "step": 30,
+    "metadata": {"loss": 0.5, "tags": ["a"]},
+    "raw_bytes": 1000,
+    "stored_bytes": 120,
+    "manifest": "a" * 64,
+    "committed_at": "2025-03-01T12:00:00.250000Z",
+}
+PLAN = {
+    "model": "m",
+    "have": 1,
+    "target": 3,
+    "bytes": 240,
+    "full_bytes": 900,
+    "lease_expires_at": "2025-03-01T12:05:00Z",
+    "steps": [
+        {
+            "number": n,
+            "kind": "delta",
+            "manifest": f"{n}" * 64,
+            "manifest_bytes": 80,
+            "stored_bytes": 120,
+            "objects": [{"digest": "b" * 64, "size": 40}, {"digest": "c" * 64, "size": 0}],
+        }
+        for n in (2, 3)
+    ],
+}
 
 
 def _wire_types() -> list[type[models.Wire]]:
-    return [c for c in vars(models).values() if isinstance(c, type) and issubclass(c, models.Wire)
-            and c is not models.Wire]
+    return [
+        c for c in vars(models).values() if isinstance(c, type) and issubclass(c, models.Wire) and c is not models.Wire
+    ]
 
 
 def test_round_trip_is_exact_and_typed() -> None:
@@ -49,17 +74,20 @@ def test_unknown_fields_are_ignored() -> None:
     assert models.Plan.from_json(plan) == models.Plan.from_json(PLAN)
 
 
-@pytest.mark.parametrize("field,value,expected", [
-    ("number", "3", "integer"),
-    ("number", True, "integer"),  # a bool is not an integer here
-    ("number", 3.0, "integer"),
-    ("number", None, "integer"),
-    ("kind", 1, "string"),
-    ("metadata", [], "object"),
-    ("committed_at", "yesterday", "ISO 8601"),
-    ("committed_at", 1700000000, "ISO 8601"),
-    ("parent", "2", "integer"),
-])
+@pytest.mark.parametrize(
+    "field,value,expected",
+    [
+        ("number", "3", "integer"),
+        ("number", True, "integer"),  # a bool is not an integer here
+        ("number", 3.0, "integer"),
+        ("number", None, "integer"),
+        ("kind", 1, "string"),
+        ("metadata", [], "object"),
+        ("committed_at", "yesterday", "ISO 8601"),
+        ("committed_at", 1700000000, "ISO 8601"),
+        ("parent", "2", "integer"),
+    ],
+)
 def test_a_mistyped_known_field_is_bad_response(field: str, value: Any, expected: str) -> None:
     with pytest.raises(errors.BadResponse) as info:
         models.Version.from_json({**VERSION, field: value})
@@ -79,22 +107,46 @@ def test_bad_response_names_the_nested_field() -> None:
         with pytest.raises(errors.BadResponse):
             models.Model.from_json(not_an_object)
     with pytest.raises(errors.BadResponse, match=r"GcReport\.versions_deleted\['m'\]\[1\]"):
-        models.GcReport.from_json({"versions_deleted": {"m": [1, "2"]}, "pending_expired": 0, "objects_deleted": 0,
-                                   "bytes_deleted": 0, "objects_kept_in_grace": 0})
+        models.GcReport.from_json(
+            {
+                "versions_deleted": {"m": [1, "2"]},
+                "pending_expired": 0,
+                "objects_deleted": 0,
+                "bytes_deleted": 0,
+                "objects_kept_in_grace": 0,
+            }
+        )
 
 
 def test_nullable_and_defaulted_fields() -> None:
     check = models.CheckObjects.from_json({"missing": ["a" * 64]})  # "uploads" absent: the store does not presign
     assert check.uploads is None
-    signed = models.CheckObjects.from_json({"missing": ["a" * 64], "uploads": {
-        "a" * 64: {"method": "PUT", "url": "http://s3/x", "headers": {"If-None-Match": "*"}}}})
+    signed = models.CheckObjects.from_json(
+        {
+            "missing": ["a" * 64],
+            "uploads": {"a" * 64: {"method": "PUT", "url": "http://s3/x", "headers": {"If-None-Match": "*"}}},
+        }
+    )
     assert signed.uploads == {"a" * 64: models.PresignedPut("PUT", "http://s3/x", {"If-None-Match": "*"})}
-    m = models.Model.from_json({"name": "m", "head": None, "created_at": "2025-03-01T00:00:00Z",
-                                "keyframe_interval": 16, "max_chain_ratio": 4, "keep_last": None})
+    m = models.Model.from_json(
+        {
+            "name": "m",
+            "head": None,
+            "created_at": "2025-03-01T00:00:00Z",
+            "keyframe_interval": 16,
+            "max_chain_ratio": 4,
+            "keep_last": None,
+        }
+    )
     assert m.head is None and m.max_chain_ratio == 4.0 and isinstance(m.max_chain_ratio, float)
     # A server older than lease purging sends no leases_purged: it purged none.
-    gc = {"versions_deleted": {"m": [1]}, "pending_expired": 0, "objects_deleted": 2, "bytes_deleted": 9,
-          "objects_kept_in_grace": 1}
+    gc = {
+        "versions_deleted": {"m": [1]},
+        "pending_expired": 0,
+        "objects_deleted": 2,
+        "bytes_deleted": 9,
+        "objects_kept_in_grace": 1,
+    }
     assert models.GcReport.from_json(gc).leases_purged == 0
     assert models.GcReport.from_json({**gc, "leases_purged": 3}).to_dict() == {**gc, "leases_purged": 3}
     with pytest.raises(errors.BadResponse, match=r"GcReport\.leases_purged"):
@@ -107,7 +159,8 @@ def test_list_answers_name_the_bad_item() -> None:
     with pytest.raises(errors.BadResponse, match=r"ModelList\.models is missing"):
         models.ModelList.from_json({"items": []})
     assert models.VersionList.from_json({"versions": [VERSION], "next": 4}).versions == [
-        models.Version.from_json(VERSION)]
+        models.Version.from_json(VERSION)
+    ]
 
 
 # --- the service renders the same field names -------------------------------------------------
@@ -115,14 +168,24 @@ def test_list_answers_name_the_bad_item() -> None:
 
 def _pairs() -> list[tuple[type[models.Wire], type]]:
     schemas = pytest.importorskip("weightsync.service.schemas")
-    return [(models.Health, schemas.Health), (models.Model, schemas.ModelOut), (models.ModelList, schemas.ModelList),
-            (models.Version, schemas.VersionOut), (models.VersionList, schemas.VersionList),
-            (models.PlanObject, schemas.PlanObject), (models.PlanStep, schemas.PlanStepOut),
-            (models.Plan, schemas.PlanOut), (models.PublishBegin, schemas.BeginOut),
-            (models.PresignedPut, schemas.PresignedPut), (models.CheckObjects, schemas.CheckOut),
-            (models.Replica, schemas.ReplicaOut), (models.ReplicaList, schemas.ReplicaList),
-            (models.FsckProblem, schemas.ProblemOut),
-            (models.FsckReport, schemas.FsckOut), (models.GcReport, schemas.GcOut)]
+    return [
+        (models.Health, schemas.Health),
+        (models.Model, schemas.ModelOut),
+        (models.ModelList, schemas.ModelList),
+        (models.Version, schemas.VersionOut),
+        (models.VersionList, schemas.VersionList),
+        (models.PlanObject, schemas.PlanObject),
+        (models.PlanStep, schemas.PlanStepOut),
+        (models.Plan, schemas.PlanOut),
+        (models.PublishBegin, schemas.BeginOut),
+        (models.PresignedPut, schemas.PresignedPut),
+        (models.CheckObjects, schemas.CheckOut),
+        (models.Replica, schemas.ReplicaOut),
+        (models.ReplicaList, schemas.ReplicaList),
+        (models.FsckProblem, schemas.ProblemOut),
+        (models.FsckReport, schemas.FsckOut),
+        (models.GcReport, schemas.GcOut),
+    ]
 
 
 def _nullable(annotation: Any) -> bool:
@@ -171,15 +234,19 @@ def test_real_answers_parse_and_round_trip(server, model, tmp_path: Path) -> Non
             (api.get_model(model), raw("GET", base)),
             ([m.to_dict() for m in api.list_models()], raw("GET", "/v1/models")["models"]),
             ([v.to_dict() for v in api.list_versions(model)], raw("GET", f"{base}/versions")["versions"]),
-            ([v.to_dict() for v in api.list_versions(model, after=1, limit=1)],
-             raw("GET", f"{base}/versions", params={"after": 1, "limit": 1})["versions"]),
+            (
+                [v.to_dict() for v in api.list_versions(model, after=1, limit=1)],
+                raw("GET", f"{base}/versions", params={"after": 1, "limit": 1})["versions"],
+            ),
             (api.get_version(model, 1), raw("GET", f"{base}/versions/1")),
             (api.head(model), raw("GET", f"{base}/versions/latest")),
             (watched, raw("GET", f"{base}/watch", params={"after": 1, "timeout": 5})),
             (api.get_plan(model, have=1), raw("GET", f"{base}/plan", params={"have": 1})),
             ([r.to_dict() for r in api.list_replicas(model)], raw("GET", f"{base}/replicas")["replicas"]),
-            (api.fsck(read_data=False, repair=False), raw("POST", "/v1/admin/fsck",
-                                                          json={"read_data": False, "repair": False})),
+            (
+                api.fsck(read_data=False, repair=False),
+                raw("POST", "/v1/admin/fsck", json={"read_data": False, "repair": False}),
+            ),
             (api.gc(dry_run=True), raw("POST", "/v1/admin/gc", json={"dry_run": True})),
         ]
         assert api.head(model + "-missing") is None

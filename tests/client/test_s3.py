@@ -14,12 +14,16 @@ pytestmark = pytest.mark.s3
 
 @pytest.fixture(scope="module")
 def s3_server(seaweed, tmp_path_factory: pytest.TempPathFactory):
-    env = {"WEIGHTSYNC_S3_ACCESS_KEY_ID": seaweed.access_key,
-           "WEIGHTSYNC_S3_SECRET_ACCESS_KEY": seaweed.secret_key,
-           "WEIGHTSYNC_S3_REGION": seaweed.region}
-    srv = start_server(tmp_path_factory.mktemp("s3-server"),
-                       args=["--store", "s3://weightsync-client-tests/objects", "--s3-endpoint", seaweed.endpoint_url],
-                       env=env)
+    env = {
+        "WEIGHTSYNC_S3_ACCESS_KEY_ID": seaweed.access_key,
+        "WEIGHTSYNC_S3_SECRET_ACCESS_KEY": seaweed.secret_key,
+        "WEIGHTSYNC_S3_REGION": seaweed.region,
+    }
+    srv = start_server(
+        tmp_path_factory.mktemp("s3-server"),
+        args=["--store", "s3://weightsync-client-tests/objects", "--s3-endpoint", seaweed.endpoint_url],
+        env=env,
+    )
     try:
         yield srv
     finally:
@@ -30,8 +34,10 @@ def test_presigned_uploads(s3_server, model, tmp_path: Path) -> None:
     trainer = TinyTrainer(seed=47)
     # Count the requests that reach the weightsync server's object route: none when uploads are presigned.
     direct = FaultyTransport("PUT", "/v1/objects/")
-    with Publisher(s3_server.url, model, transport=direct, chunk_bytes=16 << 10, object_bytes=48 << 10) as pub, \
-            Subscriber(s3_server.url, model) as sub:
+    with (
+        Publisher(s3_server.url, model, transport=direct, chunk_bytes=16 << 10, object_bytes=48 << 10) as pub,
+        Subscriber(s3_server.url, model) as sub,
+    ):
         for i in range(1, 3):
             trainer.step()
             src = write_version(tmp_path / f"src{i}", trainer.export())

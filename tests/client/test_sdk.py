@@ -92,8 +92,9 @@ def test_publish_state_dict_async_in_order(server, model, tmp_path: Path) -> Non
 def test_push_resumes_after_crash(server, model, tmp_path: Path) -> None:
     sources = _versions(tmp_path, 2)
     faulty = FaultyTransport("PUT", "/v1/objects/")
-    with Publisher(server.url, model, transport=faulty, concurrency=1, chunk_bytes=16 << 10,
-                   object_bytes=8 << 10) as pub:
+    with Publisher(
+        server.url, model, transport=faulty, concurrency=1, chunk_bytes=16 << 10, object_bytes=8 << 10
+    ) as pub:
         pub.publish(sources[0])
         faulty.limit, faulty.count = 2, 0
         with pytest.raises(Killed):
@@ -133,8 +134,10 @@ def test_pull_resumes_after_crash_and_keeps_old_version(server, model, tmp_path:
         sub.pull(dest, version=1)
     before = tree_bytes(dest)
     faulty = FaultyTransport("GET", "/v1/objects/", limit=3)
-    with Subscriber(server.url, model, transport=faulty, concurrency=2, range_bytes=8 << 10) as crashing, \
-            pytest.raises(Killed):
+    with (
+        Subscriber(server.url, model, transport=faulty, concurrency=2, range_bytes=8 << 10) as crashing,
+        pytest.raises(Killed),
+    ):
         crashing.pull(dest, version=None)
     assert tree_bytes(dest) == before, "a failed pull leaves the old version intact"
     assert Checkout(dest).state().number == 1

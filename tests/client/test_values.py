@@ -23,8 +23,13 @@ def _pair(rng: np.random.Generator, dtype: str, n: int, changed: int) -> tuple[n
 
 
 @settings(max_examples=60, deadline=None)
-@given(dtype=st.sampled_from(DTYPES), n=st.integers(1, 3000), density=st.floats(0, 1), add=st.booleans(),
-       seed=st.integers(0, 2**32 - 1))
+@given(
+    dtype=st.sampled_from(DTYPES),
+    n=st.integers(1, 3000),
+    density=st.floats(0, 1),
+    add=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
 def test_decode_values_matches_apply_frame(dtype: str, n: int, density: float, add: bool, seed: int) -> None:
     rng = np.random.default_rng(seed)
     base, new = _pair(rng, dtype, n, int(n * density))

@@ -43,8 +43,12 @@ def vector_bytes(v: dict) -> bytes:
 def all_sums(data: np.ndarray, width: int, start: int = 0) -> list[TensorSum]:
     """The checksum by every implementation: numpy, C (1 and 3 threads), torch."""
     t = torch.from_numpy(data.copy().view(NUMPY_DTYPE[width]))
-    return [reference_sum(data, width, start=start), tensor_sum(data, width, start=start),
-            tensor_sum(data, width, start=start, threads=3), devsum.tensor_sum(t, start=start, chunk=777)]
+    return [
+        reference_sum(data, width, start=start),
+        tensor_sum(data, width, start=start),
+        tensor_sum(data, width, start=start, threads=3),
+        devsum.tensor_sum(t, start=start, chunk=777),
+    ]
 
 
 def test_the_constant_is_the_specified_one():
@@ -173,8 +177,9 @@ def test_torch_sums_any_dtype_from_its_bytes():
         t = (torch.randn(37, 11) * 10).to(dtype)
         raw = t.contiguous().view(-1).view(torch.uint8).numpy()
         assert devsum.tensor_sum(t) == tensor_sum(raw, t.element_size())
-        assert devsum.tensor_sum(t.t()) == tensor_sum(t.t().contiguous().view(-1).view(torch.uint8).numpy(),
-                                                      t.element_size())
+        assert devsum.tensor_sum(t.t()) == tensor_sum(
+            t.t().contiguous().view(-1).view(torch.uint8).numpy(), t.element_size()
+        )
 
 
 def test_bad_arguments_are_named_errors():

@@ -24,10 +24,17 @@ def _chain(rng: np.random.Generator, dtype: str, n: int, k: int, density: float)
 
 
 @settings(max_examples=80, deadline=None)
-@given(dtype=st.sampled_from(DTYPES), n=st.integers(1, 2000), k=st.integers(1, 6), density=st.floats(0, 1),
-       kinds=st.lists(st.booleans(), min_size=6, max_size=6), seed=st.integers(0, 2**32 - 1))
-def test_composed_deltas_equal_deltas_applied_one_by_one(dtype: str, n: int, k: int, density: float,
-                                                         kinds: list[bool], seed: int) -> None:
+@given(
+    dtype=st.sampled_from(DTYPES),
+    n=st.integers(1, 2000),
+    k=st.integers(1, 6),
+    density=st.floats(0, 1),
+    kinds=st.lists(st.booleans(), min_size=6, max_size=6),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_composed_deltas_equal_deltas_applied_one_by_one(
+    dtype: str, n: int, k: int, density: float, kinds: list[bool], seed: int
+) -> None:
     rng = np.random.default_rng(seed)
     dt = by_name(dtype)
     versions = _chain(rng, dtype, n, k, density)
@@ -53,8 +60,13 @@ def test_composed_deltas_equal_deltas_applied_one_by_one(dtype: str, n: int, k: 
 
 
 @settings(max_examples=40, deadline=None)
-@given(dtype=st.sampled_from(DTYPES), n=st.integers(2, 1500), k=st.integers(1, 4), split=st.floats(0, 1),
-       seed=st.integers(0, 2**32 - 1))
+@given(
+    dtype=st.sampled_from(DTYPES),
+    n=st.integers(2, 1500),
+    k=st.integers(1, 4),
+    split=st.floats(0, 1),
+    seed=st.integers(0, 2**32 - 1),
+)
 def test_pieces_of_frames_compose_into_one_target(dtype: str, n: int, k: int, split: float, seed: int) -> None:
     """A tensor covered by two frames per step (pieces placed at offsets) composes as the whole would."""
     rng = np.random.default_rng(seed)

@@ -192,10 +192,12 @@ def test_cli_diff_patch_and_one_line_errors(tmp_path):
     r = _cli("patch", "a.safetensors", "d.wsd", "-o", "c.safetensors", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "c.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
-    for args in (["patch", "b.safetensors", "d.wsd", "-o", "x.safetensors"],
-                 ["patch", "a.safetensors", "a.safetensors", "-o", "x.safetensors"],
-                 ["patch", "a.safetensors", "missing.wsd", "-o", "x.safetensors"],
-                 ["diff", "a.safetensors", "nope.safetensors", "-o", "x.wsd"]):
+    for args in (
+        ["patch", "b.safetensors", "d.wsd", "-o", "x.safetensors"],
+        ["patch", "a.safetensors", "a.safetensors", "-o", "x.safetensors"],
+        ["patch", "a.safetensors", "missing.wsd", "-o", "x.safetensors"],
+        ["diff", "a.safetensors", "nope.safetensors", "-o", "x.wsd"],
+    ):
         r = _cli(*args, cwd=tmp_path)
         assert r.returncode != 0
         lines = r.stderr.strip().splitlines()

@@ -157,7 +157,7 @@ def _forge(frame: bytes, **fields) -> bytes:
     import xxhash
 
     names = ["magic", "version", "flags", "dtype", "method", "raw_len", "payload_len", "base", "result", "check"]
-    vals = dict(zip(names, fr._HEADER.unpack(frame[: fr.HEADER_SIZE])))
+    vals = dict(zip(names, fr._HEADER.unpack(frame[: fr.HEADER_SIZE]), strict=True))
     vals.update(fields)
     head = fr._HEADER.pack(*[vals[n] for n in names])[: fr.HEADER_SIZE - 8]
     return head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head)) + frame[fr.HEADER_SIZE :]
@@ -210,4 +210,4 @@ def test_zigzag_inverts(values):
     d = np.array(values, dtype=np.int16).view(np.uint16)
     z = fr.zigzag(d)
     assert fr.unzigzag(z).tolist() == d.tolist()
-    assert all(int(a) == (2 * abs(v) - (v < 0)) for a, v in zip(z, values))
+    assert all(int(a) == (2 * abs(v) - (v < 0)) for a, v in zip(z, values, strict=True))

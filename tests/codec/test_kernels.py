@@ -55,8 +55,9 @@ def pair(draw, widths=(1, 2, 4, 8)):
     mask = rng.random(n) < density
     view = new.view(UINT[width])
     small = rng.integers(-2, 3, n).astype(np.int64).astype(UINT[width])
-    view[mask] = view[mask] + np.where(rng.random(int(mask.sum())) < 0.5, small[mask], rng.integers(
-        0, 255, int(mask.sum())).astype(UINT[width]))
+    view[mask] = view[mask] + np.where(
+        rng.random(int(mask.sum())) < 0.5, small[mask], rng.integers(0, 255, int(mask.sum())).astype(UINT[width])
+    )
     return width, base, new
 
 
@@ -200,6 +201,7 @@ def test_a_result_mismatch_undoes_every_piece():
     import struct
 
     import xxhash
+
     blob[56:64] = struct.pack("<Q", xxhash.xxh3_64_intdigest(bytes(blob[:56])))
     for impl in IMPLS:
         with kernels.using(impl):
@@ -239,6 +241,7 @@ def _with_raw_len(blob: bytes, raw_len: int) -> bytes:
     import struct
 
     import xxhash
+
     b = bytearray(blob)
     b[8:16] = struct.pack("<Q", raw_len)
     b[56:64] = struct.pack("<Q", xxhash.xxh3_64_intdigest(bytes(b[:56])))
@@ -269,8 +272,13 @@ base = np.zeros(4096, np.uint8); new = base.copy(); new[::100] = 7
 blob = frame.encode_delta(base, new, dtypes.by_name("BF16"))
 assert frame.decode_frame(blob, base).tobytes() == new.tobytes()
 """
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "WEIGHTSYNC_NATIVE": "1"})
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "WEIGHTSYNC_NATIVE": "1"},
+    )
     assert out.returncode == 0, out.stderr
     warnings = [line for line in out.stderr.splitlines() if "C kernels not built" in line]
     assert len(warnings) == 1, out.stderr
@@ -316,6 +324,7 @@ def test_hashing_in_the_coding_pass_gives_every_segments_own_hash(threads, keyfr
     manifest = encoded.with_locations(lambda i, _: (None, int(offsets[i])))
     area = b"".join(frames)
     out = [np.empty(f.layout.size, dtype=np.uint8) for f in new.files]
-    Decoder(threads=threads).decode(manifest, lambda r: area[r.offset : r.offset + r.length], out, base,
-                                    verify_segments=True)
+    Decoder(threads=threads).decode(
+        manifest, lambda r: area[r.offset : r.offset + r.length], out, base, verify_segments=True
+    )
     assert out[0].tobytes() == new.files[0].data.tobytes()

@@ -31,8 +31,13 @@ def header(doc: dict) -> bytes:
         ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 0]}}, 4),  # reversed
         ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, 8),  # trailing bytes
         ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, 8),  # hole at start
-        ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
-          "b": {"dtype": "F32", "shape": [1], "data_offsets": [2, 6]}}, 6),  # overlap
+        (
+            {
+                "a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+                "b": {"dtype": "F32", "shape": [1], "data_offsets": [2, 6]},
+            },
+            6,
+        ),  # overlap
         ({"__metadata__": {"k": 1}}, 0),  # non-string metadata
         ({"a": {"dtype": "F4", "shape": [3], "data_offsets": [0, 1]}}, 1),  # partial byte
         ({"a": [1, 2]}, 0),  # entry not an object
@@ -61,8 +66,9 @@ def test_safetensors_round_trip_with_library():
     assert safetensors_numpy.load(ours)["a"].tolist() == a.tolist()
 
 
-@pytest.mark.parametrize("path", ["", "/etc/passwd", "../x", "a/../b", "a//b", "a\\b", ".weightsync/state",
-                                  "a/./b", "x\x00y", "a" * 2000])
+@pytest.mark.parametrize(
+    "path", ["", "/etc/passwd", "../x", "a/../b", "a//b", "a\\b", ".weightsync/state", "a/./b", "x\x00y", "a" * 2000]
+)
 def test_unsafe_paths_rejected(path):
     with pytest.raises(InvalidName):
         check_path(path)
@@ -81,22 +87,25 @@ def test_manifest_round_trip():
     assert again.to_json() == m.to_json()
 
 
-@pytest.mark.parametrize("mutation", [
-    lambda d: d.update(version=2),
-    lambda d: d.update(format="other"),
-    lambda d: d["files"][0].update(path="../escape"),
-    lambda d: d["files"][0].update(size=d["files"][0]["size"] + 1),
-    lambda d: d["files"][0]["segments"][1].update(offset=1),
-    lambda d: d["files"][0]["segments"][1].update(dtype="F32"),
-    lambda d: d["files"][0]["segments"][1].update(xxh3="XYZ"),
-    lambda d: d["frames"][0].update(raw_len=d["frames"][0]["raw_len"] + 2),
-    lambda d: d["frames"][0]["pieces"][0].__setitem__(0, 5),
-    lambda d: d["frames"][0]["pieces"].append(list(d["frames"][0]["pieces"][0])),
-    lambda d: d["frames"].pop(),
-    lambda d: d["frames"][0].update(object="../../etc"),
-    lambda d: d["frames"][0].update(raw_len=-1),
-    lambda d: d.update(files="nope"),
-])
+@pytest.mark.parametrize(
+    "mutation",
+    [
+        lambda d: d.update(version=2),
+        lambda d: d.update(format="other"),
+        lambda d: d["files"][0].update(path="../escape"),
+        lambda d: d["files"][0].update(size=d["files"][0]["size"] + 1),
+        lambda d: d["files"][0]["segments"][1].update(offset=1),
+        lambda d: d["files"][0]["segments"][1].update(dtype="F32"),
+        lambda d: d["files"][0]["segments"][1].update(xxh3="XYZ"),
+        lambda d: d["frames"][0].update(raw_len=d["frames"][0]["raw_len"] + 2),
+        lambda d: d["frames"][0]["pieces"][0].__setitem__(0, 5),
+        lambda d: d["frames"][0]["pieces"].append(list(d["frames"][0]["pieces"][0])),
+        lambda d: d["frames"].pop(),
+        lambda d: d["frames"][0].update(object="../../etc"),
+        lambda d: d["frames"][0].update(raw_len=-1),
+        lambda d: d.update(files="nope"),
+    ],
+)
 def test_manifest_rejects(mutation):
     doc = _manifest().to_dict()
     mutation(doc)

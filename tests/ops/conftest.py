@@ -3,25 +3,28 @@
 from __future__ import annotations
 
 import uuid
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
-from _versions import checkpoint, model_files, next_step
 from _pg import fresh_database
+from _versions import checkpoint, model_files, next_step
 
 from weightsync.catalog import Catalog
 from weightsync.ops import Ops, OpsSettings
 
-COMBOS = ["sqlite-fs", pytest.param("sqlite-s3", marks=pytest.mark.s3),
-          pytest.param("pg-fs", marks=pytest.mark.postgres),
-          pytest.param("pg-s3", marks=[pytest.mark.postgres, pytest.mark.s3])]
+COMBOS = [
+    "sqlite-fs",
+    pytest.param("sqlite-s3", marks=pytest.mark.s3),
+    pytest.param("pg-fs", marks=pytest.mark.postgres),
+    pytest.param("pg-s3", marks=[pytest.mark.postgres, pytest.mark.s3]),
+]
 
 
 class Clock:
     """A settable clock so grace periods and expiry are tested without sleeping."""
 
     def __init__(self) -> None:
-        self.now = datetime.now(timezone.utc)
+        self.now = datetime.now(UTC)
 
     def __call__(self) -> datetime:
         return self.now
@@ -38,9 +41,15 @@ def make_store(kind: str, tmp_path, request):
     from weightsync.store.s3 import S3Store
 
     server = request.getfixturevalue("seaweed")
-    return S3Store("weightsync-ops-tests", f"t-{uuid.uuid4().hex}", endpoint_url=server.endpoint_url,
-                   access_key_id=server.access_key, secret_access_key=server.secret_key, region=server.region,
-                   create_bucket=True)
+    return S3Store(
+        "weightsync-ops-tests",
+        f"t-{uuid.uuid4().hex}",
+        endpoint_url=server.endpoint_url,
+        access_key_id=server.access_key,
+        secret_access_key=server.secret_key,
+        region=server.region,
+        create_bucket=True,
+    )
 
 
 @pytest.fixture(params=COMBOS)
@@ -51,7 +60,7 @@ def backends(request, tmp_path):
         try:
             ctx = fresh_database()
             url = ctx.__enter__()
-        except Exception as exc:  # pragma: no cover - server absent
+        except Exception as exc:  # noqa: BLE001  # pragma: no cover - server absent
             pytest.skip(f"PostgreSQL unavailable: {exc}")
         request.addfinalizer(lambda: ctx.__exit__(None, None, None))
     else:

@@ -25,8 +25,9 @@ pytestmark = pytest.mark.anyio
 class StepBefore(ForwardingStore):
     """Runs `step` once, just before GC deletes the first of `targets` (or when a listing ends)."""
 
-    def __init__(self, inner: ObjectStore, targets: set[str], step: Callable[[], Awaitable[None]], *,
-                 at: str = "delete") -> None:
+    def __init__(
+        self, inner: ObjectStore, targets: set[str], step: Callable[[], Awaitable[None]], *, at: str = "delete"
+    ) -> None:
         super().__init__(inner)
         self.targets, self.step, self.at = targets, step, at
         self.fired = False

@@ -133,10 +133,12 @@ async def test_crash_inside_the_commit_transaction_leaves_nothing_visible(db, tm
         ops = Ops(catalog, FsStore(tmp_path / "store"), OpsSettings(), clock=clock)
         await publish(ops, "m", checkpoint(model_files(), 0), None, None)
         tests = str(Path(__file__).resolve().parents[1])
-        script = CRASHER.format(tests=tests, ops_tests=str(Path(__file__).parent), url=url,
-                                store=str(tmp_path / "store"))
-        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                              env={**os.environ})
+        script = CRASHER.format(
+            tests=tests, ops_tests=str(Path(__file__).parent), url=url, store=str(tmp_path / "store")
+        )
+        proc = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env={**os.environ}
+        )
         assert proc.returncode == 17, proc.stderr
         assert [v.number for v in await ops.list_versions("m")] == [1]
         assert (await ops.get_version("m")).number == 1
@@ -188,8 +190,9 @@ async def test_gc_finishes_what_a_dead_gc_tombstoned(ops, clock, versions):
     assert garbage
     # A GC tombstones the objects and dies before deleting anything.
     died_at = clock()
-    marked = await ops.begin_object_deletion([(i.digest, i.size, i.mtime) for i in garbage],
-                                             unreferenced_before=died_at, now=died_at)
+    marked = await ops.begin_object_deletion(
+        [(i.digest, i.size, i.mtime) for i in garbage], unreferenced_before=died_at, now=died_at
+    )
     assert set(marked) == {i.digest for i in garbage}
     # Within the grace period a later GC leaves the tombstones alone (their GC may still be deleting)...
     clock.advance(minutes=1)

@@ -35,7 +35,7 @@ async def test_publish_chain_materializes_byte_for_byte(ops, versions):
     committed = await publish_all(ops, versions)
     assert [v.number for v in committed] == [1, 2, 3, 4, 5]
     assert [v.kind for v in committed] == ["keyframe"] + ["delta"] * 4
-    for v, ck in zip(committed, versions):
+    for v, ck in zip(committed, versions, strict=True):
         got = await ops.materialize("m", v.number)
         assert {p: a.tobytes() for p, a in got.files.items()} == files_of(ck)
     raw = versions[1].raw_bytes

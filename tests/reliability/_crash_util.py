@@ -72,7 +72,7 @@ def _short(path: Any, root: str) -> str:
     except TypeError:
         return "?"
     if root and p.startswith(root):
-        p = p[len(root):].lstrip("/")
+        p = p[len(root) :].lstrip("/")
     p = re.sub(r"\b[0-9a-f]{2}/[0-9a-f]{2}/", "", p)
     p = _HEX.sub("<h>", p)
     p = re.sub(r"\.\d+\.\d+\.tmp$", ".tmp", p)
@@ -94,7 +94,7 @@ class CrashPoints:
     def report(self, doc: dict) -> None:
         data = (json.dumps(doc) + "\n").encode()
         while data:
-            data = data[_os_write(self.fd, data):]
+            data = data[_os_write(self.fd, data) :]
 
     def _die(self, n: int, when: str) -> None:
         self.report({"crashed": n, "phase": when, "label": self.labels[n - 1], "labels": self.labels})
@@ -165,6 +165,7 @@ def install_fs_hooks(cp: CrashPoints) -> None:
     def wrap(name: str, fn, describe=lambda *a, **k: _short(a[0], root) if a else ""):
         def hooked(*args, **kwargs):
             return cp.call(f"{name} {describe(*args, **kwargs)}".strip(), fn, *args, **kwargs)
+
         hooked.__wrapped__ = fn
         return hooked
 
@@ -200,10 +201,25 @@ def install_fs_hooks(cp: CrashPoints) -> None:
     io.open = hooked_open
 
 
-CATALOG_WRITES = ("create_model", "update_model_settings", "begin_version", "reference_objects", "commit_version",
-                  "abort_pending", "expire_pending", "mark_deleted", "record_object", "begin_object_deletion",
-                  "finish_object_deletion", "resume_object_deletions",
-                  "acquire_lease", "release_lease", "purge_expired_leases", "record_replica", "import_version")
+CATALOG_WRITES = (
+    "create_model",
+    "update_model_settings",
+    "begin_version",
+    "reference_objects",
+    "commit_version",
+    "abort_pending",
+    "expire_pending",
+    "mark_deleted",
+    "record_object",
+    "begin_object_deletion",
+    "finish_object_deletion",
+    "resume_object_deletions",
+    "acquire_lease",
+    "release_lease",
+    "purge_expired_leases",
+    "record_replica",
+    "import_version",
+)
 
 
 def install_catalog_hooks(cp: CrashPoints, catalog) -> None:
@@ -261,11 +277,15 @@ def sharded_versions(count: int, *, seed: int = 7):
     a, b = model_files(seed, n=4), model_files(seed + 1, n=2)
     out = []
     for i in range(count):
-        out.append(Checkpoint.from_bytes({
-            "shard-1.safetensors": safetensors_file(a, {"step": str(i)}),
-            "shard-2.safetensors": safetensors_file(b, {"step": str(i)}),
-            "config.json": b'{"hidden": 96}',
-        }))
+        out.append(
+            Checkpoint.from_bytes(
+                {
+                    "shard-1.safetensors": safetensors_file(a, {"step": str(i)}),
+                    "shard-2.safetensors": safetensors_file(b, {"step": str(i)}),
+                    "config.json": b'{"hidden": 96}',
+                }
+            )
+        )
         a, b = next_step(a, 100 + i), next_step(b, 200 + i)
     return out
 
@@ -290,8 +310,12 @@ def reshaped_versions(count: int, *, seed: int = 11):
     extra = bytes(range(256)) * 9
     layouts = [
         {"shard-1.safetensors": shards[0], "config.json": b'{"hidden": 64}', "sub/tokenizer.json": b'{"v": 1}'},
-        {"shard-1.safetensors": shards[1], "config.json": b'{"hidden": 64}', "sub/tokenizer.json": b'{"v": 1}',
-         "sub/deep/extra.bin": extra},
+        {
+            "shard-1.safetensors": shards[1],
+            "config.json": b'{"hidden": 64}',
+            "sub/tokenizer.json": b'{"v": 1}',
+            "sub/deep/extra.bin": extra,
+        },
         {"shards/shard-1.safetensors": shards[2], "generation.json": b'{"top_p": 0.9}', "sub/deep/extra.bin": extra},
     ]
     return [Checkpoint.from_bytes(files) for files in layouts[:count]]
@@ -377,10 +401,18 @@ def open_ops(work: Path, env: Env, clock: Clock, *, migrate: bool = False, seque
 
         prefix = (work / "store.prefix").read_text().strip()
         s = env.s3
-        store = S3Store(s["bucket"], prefix, endpoint_url=s["endpoint"], access_key_id=s["access_key"],
-                        secret_access_key=s["secret_key"], region=s["region"], create_bucket=True)
+        store = S3Store(
+            s["bucket"],
+            prefix,
+            endpoint_url=s["endpoint"],
+            access_key_id=s["access_key"],
+            secret_access_key=s["secret_key"],
+            region=s["region"],
+            create_bucket=True,
+        )
     ops = Ops(catalog, store, _ops_settings(), clock=clock)
     if sequential:
+
         async def inline(fn, *args, **kwargs):
             return fn(*args, **kwargs)
 
@@ -483,8 +515,15 @@ async def _publish_versions(ops, versions, numbers: list[int]) -> None:
 
     for n in numbers:
         base = versions[n - 2] if n > 1 else None
-        await publish(ops, MODEL, versions[n - 1], base, n - 1 if n > 1 else None, object_bytes=OBJECT_BYTES,
-                      chunk_bytes=CHUNK_BYTES)
+        await publish(
+            ops,
+            MODEL,
+            versions[n - 1],
+            base,
+            n - 1 if n > 1 else None,
+            object_bytes=OBJECT_BYTES,
+            chunk_bytes=CHUNK_BYTES,
+        )
 
 
 OBJECT_BYTES = 48 << 10  # a keyframe spans several data objects, so "after some objects" states exist
@@ -522,8 +561,15 @@ class PublishScenario(Scenario):
             else:
                 install_store_hooks(cp, ops.store)
             parent = self.before[-1] if self.before else None
-            await publish(ops, MODEL, versions[self.new - 1], versions[parent - 1] if parent else None, parent,
-                          object_bytes=OBJECT_BYTES, chunk_bytes=CHUNK_BYTES)
+            await publish(
+                ops,
+                MODEL,
+                versions[self.new - 1],
+                versions[parent - 1] if parent else None,
+                parent,
+                object_bytes=OBJECT_BYTES,
+                chunk_bytes=CHUNK_BYTES,
+            )
             cp.completed()
 
         asyncio.run(go())
@@ -547,14 +593,15 @@ class PublishScenario(Scenario):
             else:
                 return [f"partially visible: versions {nums}, head {head} (before {self.before})"]
             for n in nums:
-                if (msg := await materializes(ops, n, files_of(versions[n - 1]))):
+                if msg := await materializes(ops, n, files_of(versions[n - 1])):
                     out.append(msg)
             out += await fsck_no_dangling(ops)
             if landed:  # the publisher died before it saw the reply: its retried commit is idempotent
                 v = await ops.get_version(MODEL, self.new)
                 try:
-                    again = await ops.commit_publish(MODEL, v.publish_id, manifest_digest=v.manifest_digest,
-                                                     idempotency_key=v.idempotency_key)
+                    again = await ops.commit_publish(
+                        MODEL, v.publish_id, manifest_digest=v.manifest_digest, idempotency_key=v.idempotency_key
+                    )
                     if again.number != self.new or (await visible(ops)) != (nums, head):
                         out.append(f"retried commit answered v{again.number} and moved the catalog")
                 except Exception as exc:  # noqa: BLE001
@@ -562,19 +609,25 @@ class PublishScenario(Scenario):
             else:  # the publisher restarts and publishes again: nothing may be wedged
                 parent = self.before[-1] if self.before else None
                 try:
-                    v, _, _ = await publish(ops, MODEL, versions[self.new - 1],
-                                            versions[parent - 1] if parent else None, parent,
-                                            object_bytes=OBJECT_BYTES, chunk_bytes=CHUNK_BYTES)
+                    v, _, _ = await publish(
+                        ops,
+                        MODEL,
+                        versions[self.new - 1],
+                        versions[parent - 1] if parent else None,
+                        parent,
+                        object_bytes=OBJECT_BYTES,
+                        chunk_bytes=CHUNK_BYTES,
+                    )
                     if v.number != self.new:
                         out.append(f"re-run publish landed as v{v.number}, not v{self.new}")
                 except Exception as exc:  # noqa: BLE001
                     out.append(f"re-run publish failed: {type(exc).__name__}: {exc}")
-                if (msg := await materializes(ops, self.new, files_of(versions[self.new - 1]))):
+                if msg := await materializes(ops, self.new, files_of(versions[self.new - 1])):
                     out.append("after re-run: " + msg)
             out += await fsck_clean_after_repair(ops, clock)
             out += await rebuild_matches(ops, work, env.empty_catalog)
             for n in range(1, self.new + 1):
-                if (msg := await materializes(ops, n, files_of(versions[n - 1]))):
+                if msg := await materializes(ops, n, files_of(versions[n - 1])):
                     out.append("after repair: " + msg)
         finally:
             await close_ops(ops)
@@ -606,8 +659,17 @@ class GcScenario(Scenario):
                 other = sharded_versions(1, seed=99)[0]
                 for stop, ck in (("manifest", versions[4]), ("some-objects", other)):
                     try:
-                        await publish(ops, MODEL, ck, versions[3], 4, stop_after=stop, keyframe=True,
-                                      object_bytes=OBJECT_BYTES, chunk_bytes=CHUNK_BYTES)
+                        await publish(
+                            ops,
+                            MODEL,
+                            ck,
+                            versions[3],
+                            4,
+                            stop_after=stop,
+                            keyframe=True,
+                            object_bytes=OBJECT_BYTES,
+                            chunk_bytes=CHUNK_BYTES,
+                        )
                         raise AssertionError("the publish was meant to stop")
                     except Stopped as s:
                         if stop == "manifest":
@@ -651,7 +713,7 @@ class GcScenario(Scenario):
             if not set(self.kept) <= set(nums) <= {1, 2, 3, 4} or head != 4:
                 return [f"gc crash left versions {nums}, head {head}"]
             for n in nums:
-                if (msg := await materializes(ops, n, files_of(versions[n - 1]))):
+                if msg := await materializes(ops, n, files_of(versions[n - 1])):
                     out.append(msg)
             out += await fsck_no_dangling(ops)
             await gc(ops)  # the re-run
@@ -663,7 +725,7 @@ class GcScenario(Scenario):
             out += await fsck_clean_after_repair(ops, clock)
             out += await rebuild_matches(ops, work, env.empty_catalog)
             for n in self.kept:
-                if (msg := await materializes(ops, n, files_of(versions[n - 1]))):
+                if msg := await materializes(ops, n, files_of(versions[n - 1])):
                     out.append("after repair: " + msg)
         finally:
             await close_ops(ops)
@@ -690,8 +752,9 @@ class PullScenario(Scenario):
         from weightsync.client import Subscriber
 
         # One connection and one decode thread: the actions happen in one order on every run.
-        return Subscriber(env.server, self.model, name="crash-puller", concurrency=1, decode_threads=1,
-                          report=False, timeout=30.0)
+        return Subscriber(
+            env.server, self.model, name="crash-puller", concurrency=1, decode_threads=1, report=False, timeout=30.0
+        )
 
     def setup(self, work: Path, env: Env) -> None:
         (work / "checkout").mkdir(parents=True)
@@ -731,8 +794,7 @@ def reader_violations(root: Path, old: dict[str, bytes], new: dict[str, bytes]) 
     file read through the one current version (client/checkout.py)."""
     held = checkout_files(root)
     if held != old and held != new:
-        mixed = {p: ("new" if new.get(p) == b else "old" if old.get(p) == b else "other")
-                 for p, b in held.items()}
+        mixed = {p: ("new" if new.get(p) == b else "old" if old.get(p) == b else "other") for p, b in held.items()}
         return [f"checkout is a mix of versions: {mixed}, absent {sorted((old.keys() | new.keys()) - held.keys())}"]
     current = root / ".weightsync" / "current"
     if held and not current.is_symlink():
@@ -752,9 +814,13 @@ def checkout_leftovers(root: Path, old: dict[str, bytes], new: dict[str, bytes])
         kept = {str(p.relative_to(v / "data")): p.read_bytes() for p in (v / "data").rglob("*") if p.is_file()}
         if kept != old or len(others) > 1:
             out.append(f"leftover version directory after re-run pull: {v.name}")
-    stray = [str(p.relative_to(root)) for p in meta.rglob("*")
-             if (p.is_file() or p.is_symlink()) and not p.is_relative_to(meta / "versions")
-             and p.name not in ("state.json", "lock", "current")]
+    stray = [
+        str(p.relative_to(root))
+        for p in meta.rglob("*")
+        if (p.is_file() or p.is_symlink())
+        and not p.is_relative_to(meta / "versions")
+        and p.name not in ("state.json", "lock", "current")
+    ]
     if stray:
         out.append(f"leftover files after re-run pull: {stray}")
     dangling = [str(p.relative_to(root)) for p in root.rglob("*") if p.is_symlink() and not p.exists()]
@@ -771,11 +837,19 @@ def checkout_leftovers(root: Path, old: dict[str, bytes], new: dict[str, bytes])
     return out
 
 
-SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
-    PublishScenario([]), PublishScenario([1, 2]), GcScenario(),
-    PullScenario(2, 3), PullScenario(1, 3), PullScenario(None, 3),
-    PullScenario(2, 3, reshaped=True), PullScenario(1, 3, reshaped=True),
-)}
+SCENARIOS: dict[str, Scenario] = {
+    s.name: s
+    for s in (
+        PublishScenario([]),
+        PublishScenario([1, 2]),
+        GcScenario(),
+        PullScenario(2, 3),
+        PullScenario(1, 3),
+        PullScenario(None, 3),
+        PullScenario(2, 3, reshaped=True),
+        PullScenario(1, 3, reshaped=True),
+    )
+}
 
 
 # --- the zygote (child side) --------------------------------------------------------------------------------------
@@ -918,9 +992,9 @@ class Zygote:
         env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
         self._log = open(log_path, "ab")  # noqa: SIM115
         args = [sys.executable, str(Path(__file__).resolve()), "zygote"] + ([str(warm_dir)] if warm_dir else [])
-        self.proc = subprocess.Popen(args,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=env,
-                                     text=True, bufsize=1)
+        self.proc = subprocess.Popen(
+            args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=env, text=True, bufsize=1
+        )
 
     def call(self, cmd: dict) -> dict:
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -1017,12 +1091,22 @@ class Tally:
         return dict(sorted(out.items()))
 
     def line(self) -> str:
-        return (f"{self.scenario}: {self.n} crash points x 2 = {self.runs} crash runs, {self.states} checker "
-                f"runs (crashes that left identical states share one) -> {len(self.violations)} violations")
+        return (
+            f"{self.scenario}: {self.n} crash points x 2 = {self.runs} crash runs, {self.states} checker "
+            f"runs (crashes that left identical states share one) -> {len(self.violations)} violations"
+        )
 
 
-def enumerate_crashes(zygotes: list[Zygote], scenario: str, base: Path, scratch: Path, env: Env,
-                      prepare=None, cleanup=None, max_points: int = 400) -> Tally:
+def enumerate_crashes(
+    zygotes: list[Zygote],
+    scenario: str,
+    base: Path,
+    scratch: Path,
+    env: Env,
+    prepare=None,
+    cleanup=None,
+    max_points: int = 400,
+) -> Tally:
     """Crash `scenario` before and after every action, k = 1.. until a run completes; check each outcome.
 
     Each case starts from a copy of the baseline `base` (``prepare(base, work)`` makes it; default
@@ -1086,8 +1170,10 @@ def enumerate_crashes(zygotes: list[Zygote], scenario: str, base: Path, scratch:
         except BaseException as exc:  # noqa: BLE001
             failures.append(exc)
 
-    threads = [threading.Thread(target=phase_loop, args=(zygotes[i % len(zygotes)], phase))
-               for i, phase in enumerate(("before", "after"))]
+    threads = [
+        threading.Thread(target=phase_loop, args=(zygotes[i % len(zygotes)], phase))
+        for i, phase in enumerate(("before", "after"))
+    ]
     for t in threads:
         t.start()
         if len(zygotes) == 1:
@@ -1096,10 +1182,13 @@ def enumerate_crashes(zygotes: list[Zygote], scenario: str, base: Path, scratch:
         t.join()
     if failures:
         raise failures[0]
-    if tally.points.get("before") != tally.points.get("after") or \
-            tally.labels.get("before") != tally.labels.get("after"):
-        tally.violations.append(f"{scenario}: the two phases saw different actions "
-                                f"({tally.points.get('before')} vs {tally.points.get('after')}): not deterministic")
+    if tally.points.get("before") != tally.points.get("after") or tally.labels.get("before") != tally.labels.get(
+        "after"
+    ):
+        tally.violations.append(
+            f"{scenario}: the two phases saw different actions "
+            f"({tally.points.get('before')} vs {tally.points.get('after')}): not deterministic"
+        )
     return tally
 
 
@@ -1109,8 +1198,15 @@ def enumerate_crashes(zygotes: list[Zygote], scenario: str, base: Path, scratch:
 class Served(ServeProcess):
     """`weightsync serve` in a subprocess on a free loopback port (the shared helper, preset for these suites)."""
 
-    def __init__(self, data: Path, *, catalog: str | None = None, log_path: Path, extra: list[str] | None = None,
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        data: Path,
+        *,
+        catalog: str | None = None,
+        log_path: Path,
+        extra: list[str] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         exe = Path(sys.executable).with_name("weightsync")
         cmd = (str(exe),) if exe.exists() else SERVE_CLI
         args = ["--data", str(data), "--log-level", "warning"]

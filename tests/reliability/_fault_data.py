@@ -18,8 +18,9 @@ from weightsync.codec import Checkpoint
 __all__ = ["ClientStats", "RecordingTransport", "kind_of", "checkpoint_of", "digests_of", "make_versions"]
 
 
-def make_versions(n: int, *, seed: int, big: int = 2 << 20, small: int = 4, fraction: float = 0.02
-                  ) -> list[dict[str, bytes]]:
+def make_versions(
+    n: int, *, seed: int, big: int = 2 << 20, small: int = 4, fraction: float = 0.02
+) -> list[dict[str, bytes]]:
     """``n`` consecutive versions (file name → bytes): two ``big``-byte BF16 tensors and ``small``
     little F32 ones; each step flips one bit in ``fraction`` of the bytes, like a training step."""
     rng = np.random.default_rng(seed)
@@ -38,8 +39,12 @@ def make_versions(n: int, *, seed: int, big: int = 2 << 20, small: int = 4, frac
                 d[idx] ^= 1
                 nxt[name] = (dt, shape, d)
             tensors = nxt
-        out.append({"model.safetensors": safetensors_file(tensors, {"step": str(step)}),
-                    "config.json": b'{"hidden": 1024, "step": %d}' % step})
+        out.append(
+            {
+                "model.safetensors": safetensors_file(tensors, {"step": str(step)}),
+                "config.json": b'{"hidden": 1024, "step": %d}' % step,
+            }
+        )
     return out
 
 

@@ -98,8 +98,9 @@ class _Request:
         if "X-Amz-Signature=" in query:
             return f"{self.method} presigned"
         if "uploadId=" in query:
-            return {"PUT": "UploadPart", "POST": "CompleteMultipartUpload",
-                    "DELETE": "AbortMultipartUpload"}.get(self.method, f"{self.method} multipart")
+            return {"PUT": "UploadPart", "POST": "CompleteMultipartUpload", "DELETE": "AbortMultipartUpload"}.get(
+                self.method, f"{self.method} multipart"
+            )
         if "uploads" in query.split("&"):
             return "CreateMultipartUpload"
         if "list-type=2" in query:
@@ -108,8 +109,9 @@ class _Request:
             return f"{self.method} bucket"
         if "/probe/" in path:
             return f"{self.method} probe"
-        return {"GET": "GetObject", "HEAD": "HeadObject", "PUT": "PutObject",
-                "DELETE": "DeleteObject"}.get(self.method, self.method)
+        return {"GET": "GetObject", "HEAD": "HeadObject", "PUT": "PutObject", "DELETE": "DeleteObject"}.get(
+            self.method, self.method
+        )
 
 
 def _parse_headers(lines: list[bytes]) -> list[tuple[str, str]]:
@@ -165,22 +167,32 @@ async def _read_request(reader: asyncio.StreamReader, writer: asyncio.StreamWrit
 
 
 def _error_response(method: str, status: int, reason: str, code: str, message: str) -> bytes:
-    body = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
-            f"<Message>{message}</Message><RequestId>fault-proxy</RequestId></Error>").encode()
+    body = (
+        f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
+        f"<Message>{message}</Message><RequestId>fault-proxy</RequestId></Error>"
+    ).encode()
     if method == "HEAD":
         body = b""  # a HEAD answer never has a body (S3 sends the status alone)
-    head = _build_head(f"HTTP/1.1 {status} {reason}", [("Content-Type", "application/xml"),
-                                                       ("Content-Length", str(len(body))),
-                                                       ("x-amz-request-id", "fault-proxy")])
+    head = _build_head(
+        f"HTTP/1.1 {status} {reason}",
+        [("Content-Type", "application/xml"), ("Content-Length", str(len(body))), ("x-amz-request-id", "fault-proxy")],
+    )
     return head + body
 
 
 class S3FaultProxy:
     """A loopback HTTP proxy in front of ``upstream`` (an S3 endpoint URL) that injects seeded faults."""
 
-    def __init__(self, upstream: str, *, seed: int, rate: float = 0.0, stall_s: float = 1.5,
-                 kinds: tuple[str, ...] = FAULT_KINDS,
-                 credentials: tuple[str, str, str] | None = None) -> None:
+    def __init__(
+        self,
+        upstream: str,
+        *,
+        seed: int,
+        rate: float = 0.0,
+        stall_s: float = 1.5,
+        kinds: tuple[str, ...] = FAULT_KINDS,
+        credentials: tuple[str, str, str] | None = None,
+    ) -> None:
         parts = urlsplit(upstream)
         self.upstream = (parts.hostname or "127.0.0.1", parts.port or 80)
         self.seed = seed
@@ -230,6 +242,7 @@ class S3FaultProxy:
 
     def force_op(self, op: str, *kinds: str) -> None:
         """Inject these faults into the next requests of S3 operation ``op`` (a :meth:`_Request.label`)."""
+
         def add() -> None:
             self._targeted.setdefault(op, deque()).extend(kinds)
 
@@ -242,9 +255,14 @@ class S3FaultProxy:
         return sum(self.faults.values())
 
     def snapshot(self) -> dict[str, Any]:
-        return {"requests": self.total_requests(), "by_op": dict(self.requests),
-                "faults": self.total_faults(), "faults_by_kind": dict(self.faults),
-                "faults_by_op": dict(self.faults_by_op), "stripped_if_none_match": self.stripped}
+        return {
+            "requests": self.total_requests(),
+            "by_op": dict(self.requests),
+            "faults": self.total_faults(),
+            "faults_by_kind": dict(self.faults),
+            "faults_by_op": dict(self.faults_by_op),
+            "stripped_if_none_match": self.stripped,
+        }
 
     # --- the proxy (on its loop) ----------------------------------------------------------
 
@@ -279,13 +297,13 @@ class S3FaultProxy:
                     self.faults[fault] += 1
                     self.faults_by_op[op] += 1
                 if fault == "error-500":
-                    writer.write(_error_response(req.method, 500, "Internal Server Error", "InternalError",
-                                                 "injected"))
+                    writer.write(_error_response(req.method, 500, "Internal Server Error", "InternalError", "injected"))
                     await writer.drain()
                     continue
                 if fault == "slowdown-503":
-                    writer.write(_error_response(req.method, 503, "Slow Down", "SlowDown",
-                                                 "injected: reduce your request rate"))
+                    writer.write(
+                        _error_response(req.method, 503, "Slow Down", "SlowDown", "injected: reduce your request rate")
+                    )
                     await writer.drain()
                     continue
                 if fault == "stall":
@@ -313,15 +331,19 @@ class S3FaultProxy:
                 up_w.close()
 
     def _outgoing(self, req: _Request) -> bytes:
-        if not (self.strip_if_none_match and req.header("if-none-match") is not None
-                and "X-Amz-Signature=" not in req.target):
+        if not (
+            self.strip_if_none_match
+            and req.header("if-none-match") is not None
+            and "X-Amz-Signature=" not in req.target
+        ):
             return req.raw_head + req.body
         self.stripped += 1
         headers = _resign(req, self.credentials)
         return _build_head(f"{req.method} {req.target} {req.version}", headers) + req.body
 
-    async def _relay(self, up: asyncio.StreamReader, client: asyncio.StreamWriter, method: str,
-                     fault: str | None) -> bool:
+    async def _relay(
+        self, up: asyncio.StreamReader, client: asyncio.StreamWriter, method: str, fault: str | None
+    ) -> bool:
         """Relay one response (applying a reply-side fault); return whether the connection stays usable."""
         while True:
             head = await up.readuntil(b"\r\n\r\n")

@@ -19,8 +19,9 @@ __all__ = ["Serve", "file_digests", "log_records", "serve"]
 Serve = ServeProcess
 
 
-def serve(args: list[str], log_path: Path, *, env: dict[str, str] | None = None, wait: bool = True,
-          timeout: float = 60.0) -> Serve:
+def serve(
+    args: list[str], log_path: Path, *, env: dict[str, str] | None = None, wait: bool = True, timeout: float = 60.0
+) -> Serve:
     """Start ``python -m weightsync serve ARGS --port P``; with ``wait``, until /healthz answers 200.
 
     RuntimeError (with the log's tail) if the process exits first or time runs out.

@@ -38,8 +38,7 @@ def _zstd_of(byte: bytes, size: int, *, content_size: bool = True) -> bytes:
 def _frame(method: int, raw_len: int, payload: bytes, *, flags: int = 0, dtype_code: int = 2) -> bytes:
     # A delta's base hash is that of the all-zero base the probe decodes onto, so the base check passes.
     base = xxhash.xxh3_128_digest(bytes(raw_len)) if flags & 1 and raw_len <= GIB else bytes(16)
-    head = struct.pack("<4sBBBBQQ16s16s", b"WSFR", 1, flags, dtype_code, method, raw_len, len(payload),
-                       base, bytes(16))
+    head = struct.pack("<4sBBBBQQ16s16s", b"WSFR", 1, flags, dtype_code, method, raw_len, len(payload), base, bytes(16))
     return head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head)) + payload
 
 
@@ -89,8 +88,15 @@ def build(name: str) -> tuple[bytes, str, int]:
     raise ValueError(name)
 
 
-BOMBS = ["frame-section-declares-1GiB", "frame-section-without-size", "frame-raw-over-cap", "frame-sparse-count",
-         "manifest-over-cap", "manifest-body-declares-1GiB", "manifest-in-cap-64MiB"]
+BOMBS = [
+    "frame-section-declares-1GiB",
+    "frame-section-without-size",
+    "frame-raw-over-cap",
+    "frame-sparse-count",
+    "manifest-over-cap",
+    "manifest-body-declares-1GiB",
+    "manifest-in-cap-64MiB",
+]
 
 
 def _status_kib(field: str, pid: str = "self") -> int:

@@ -17,7 +17,7 @@ import random
 import struct
 import sys
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -35,7 +35,8 @@ from weightsync.codec import safetensors as stf  # noqa: E402
 from weightsync.codec.checkpoint import Checkpoint  # noqa: E402
 from weightsync.codec.container import read_container  # noqa: E402
 from weightsync.codec.encoder import Decoder  # noqa: E402
-from weightsync.codec.manifest import ENVELOPE_SIZE, MAGIC as MANIFEST_MAGIC, Manifest  # noqa: E402
+from weightsync.codec.manifest import ENVELOPE_SIZE, Manifest  # noqa: E402
+from weightsync.codec.manifest import MAGIC as MANIFEST_MAGIC  # noqa: E402
 from weightsync.errors import WeightsyncError  # noqa: E402
 from weightsync.ops.records import CommitRecord  # noqa: E402
 
@@ -80,8 +81,12 @@ def sample_manifests() -> list[Manifest]:
     from weightsync.codec import Encoder
 
     rng = np.random.default_rng(3)
-    data = safetensors_file({"w": ("BF16", (64,), rng.integers(0, 256, 128, dtype=np.uint8)),
-                             "b": ("F32", (4,), rng.integers(0, 256, 16, dtype=np.uint8))})
+    data = safetensors_file(
+        {
+            "w": ("BF16", (64,), rng.integers(0, 256, 128, dtype=np.uint8)),
+            "b": ("F32", (4,), rng.integers(0, 256, 16, dtype=np.uint8)),
+        }
+    )
     ck = Checkpoint.from_bytes({"m.safetensors": data, "config.json": b"{}"})
     key = Encoder().encode(ck, None).with_locations(lambda i, f: ("a" * 64, i * 100))
     key.model, key.number, key.parent, key.step = "policy-x", 1, None, 3
@@ -89,14 +94,23 @@ def sample_manifests() -> list[Manifest]:
 
 
 def sample_safetensors_header() -> bytes:
-    return stf.serialize_header([("a", "BF16", (4, 4), 32), ("b", "F32", (3,), 12), ("c", "F4", (8,), 4)],
-                                {"format": "pt"})
+    return stf.serialize_header(
+        [("a", "BF16", (4, 4), 32), ("b", "F32", (3,), 12), ("c", "F4", (8,), 4)], {"format": "pt"}
+    )
 
 
 def sample_record() -> bytes:
-    return CommitRecord(model="policy-x", number=3, parent=2, kind="delta", chain_base=1, manifest="b" * 64,
-                        step=1200, metadata={"run": "a"},
-                        committed_at=datetime(2026, 11, 22, 1, 2, 3, tzinfo=timezone.utc)).encode()
+    return CommitRecord(
+        model="policy-x",
+        number=3,
+        parent=2,
+        kind="delta",
+        chain_base=1,
+        manifest="b" * 64,
+        step=1200,
+        metadata={"run": "a"},
+        committed_at=datetime(2026, 11, 22, 1, 2, 3, tzinfo=UTC),
+    ).encode()
 
 
 def seeds() -> dict[str, list[bytes]]:
@@ -122,7 +136,7 @@ def reseal_frame(data: bytes) -> bytes:
     if len(data) < fr.HEADER_SIZE:
         return data
     head = bytes(data[: fr.HEADER_SIZE - 8])
-    return head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head)) + bytes(data[fr.HEADER_SIZE:])
+    return head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head)) + bytes(data[fr.HEADER_SIZE :])
 
 
 def reseal_manifest(body: bytes) -> bytes:
@@ -132,8 +146,11 @@ def reseal_manifest(body: bytes) -> bytes:
 
 
 def reseal_container(manifest_stored: bytes, area: bytes) -> bytes:
-    return struct.pack("<8sHHIQQ", b"WSYNCDLT", 1, 0, 0, len(manifest_stored),
-                       xxhash.xxh3_64_intdigest(manifest_stored)) + manifest_stored + area
+    return (
+        struct.pack("<8sHHIQQ", b"WSYNCDLT", 1, 0, 0, len(manifest_stored), xxhash.xxh3_64_intdigest(manifest_stored))
+        + manifest_stored
+        + area
+    )
 
 
 # --- targets ---------------------------------------------------------------------------------------------
@@ -240,8 +257,9 @@ def mutate(rng: random.Random, data: bytes, target: str) -> bytes:
         buf[i:i] = rng.randbytes(rng.randint(1, 16))
     elif op == 3 and len(buf) >= 8:  # overwrite a little-endian integer with an extreme value
         i = rng.randrange(len(buf) - 7)
-        buf[i : i + 8] = struct.pack("<Q", rng.choice([0, 1, 2**31, 2**32 - 1, 2**32, 2**62, 2**64 - 1,
-                                                        1 << 30, (1 << 30) + 1]))
+        buf[i : i + 8] = struct.pack(
+            "<Q", rng.choice([0, 1, 2**31, 2**32 - 1, 2**32, 2**62, 2**64 - 1, 1 << 30, (1 << 30) + 1])
+        )
     elif op == 4:
         buf = bytearray(rng.randbytes(rng.randint(0, 256)))
     elif op == 5 and buf:  # splice with itself
@@ -288,8 +306,14 @@ def memory_run(seed: int, n: int) -> dict:
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     rss1 = _status_kib("VmHWM")
-    return {"seed": seed, "executions": executed, "accepted": accepted, "largest_input": biggest,
-            "tracemalloc_peak": peak, "rss_growth": max(0, rss1 - rss0) * 1024}
+    return {
+        "seed": seed,
+        "executions": executed,
+        "accepted": accepted,
+        "largest_input": biggest,
+        "tracemalloc_peak": peak,
+        "rss_growth": max(0, rss1 - rss0) * 1024,
+    }
 
 
 # --- atheris ----------------------------------------------------------------------------------------------

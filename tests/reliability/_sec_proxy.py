@@ -27,8 +27,17 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
 KINDS = ("bitflip", "truncate", "cut", "empty", "swap", "rewrite")
-_HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade",
-        "content-length", "host"}
+_HOP = {
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "transfer-encoding",
+    "te",
+    "trailer",
+    "upgrade",
+    "content-length",
+    "host",
+}
 
 
 @dataclass
@@ -77,8 +86,9 @@ class _Handler(BaseHTTPRequestHandler):
                         return f
         return None
 
-    def _forward(self, method: str, path: str, headers: dict[str, str], body: bytes | None
-                 ) -> tuple[int, str, list[tuple[str, str]], bytes]:
+    def _forward(
+        self, method: str, path: str, headers: dict[str, str], body: bytes | None
+    ) -> tuple[int, str, list[tuple[str, str]], bytes]:
         host, port = self.server.state.upstream
         conn = http.client.HTTPConnection(host, port, timeout=60)
         try:

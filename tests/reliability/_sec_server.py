@@ -73,8 +73,14 @@ class SecServer:
         return self.store_root / "objects" / digest[:2] / digest[2:4] / digest
 
 
-def start_server(root: Path, *, env: dict[str, str] | None = None, log_level: str = "info",
-                 tokens: dict[str, str] | None = None, timeout: float = 60.0) -> SecServer:
+def start_server(
+    root: Path,
+    *,
+    env: dict[str, str] | None = None,
+    log_level: str = "info",
+    tokens: dict[str, str] | None = None,
+    timeout: float = 60.0,
+) -> SecServer:
     """``python -m weightsync.service serve`` on a free loopback port, tokens from a JSON file (clear tokens
     for publisher/reader/other, a hash for admin); waits for /healthz."""
     root.mkdir(parents=True, exist_ok=True)
@@ -89,12 +95,22 @@ def start_server(root: Path, *, env: dict[str, str] | None = None, log_level: st
         entries.append(entry)
     token_file = root / "tokens.json"
     token_file.write_text(json.dumps(entries))
-    environ = clean_env({"WEIGHTSYNC_WATCH_POLL_S": "0.05", "WEIGHTSYNC_SSE_KEEPALIVE_S": "0.5",
-                         "WEIGHTSYNC_SHUTDOWN_GRACE_S": "1", **(env or {})})
+    environ = clean_env(
+        {
+            "WEIGHTSYNC_WATCH_POLL_S": "0.05",
+            "WEIGHTSYNC_SSE_KEEPALIVE_S": "0.5",
+            "WEIGHTSYNC_SHUTDOWN_GRACE_S": "1",
+            **(env or {}),
+        }
+    )
     log_path = root / "server.log"
-    spawned = spawn_serve(["--data", str(root / "data"), "--host", "127.0.0.1", "--tokens", str(token_file),
-                           "--log-level", log_level], log_path=log_path, command=SERVICE_CLI, env=environ,
-                          timeout=timeout)
+    spawned = spawn_serve(
+        ["--data", str(root / "data"), "--host", "127.0.0.1", "--tokens", str(token_file), "--log-level", log_level],
+        log_path=log_path,
+        command=SERVICE_CLI,
+        env=environ,
+        timeout=timeout,
+    )
     return SecServer(spawned.url, spawned.proc, root, tokens, log_path, env or {})
 
 
@@ -123,8 +139,12 @@ def version_files(n: int, seed: int = 0) -> list[dict[str, bytes]]:
     tensors = model_files(seed)
     out = []
     for i in range(n):
-        out.append({"model.safetensors": safetensors_file(tensors, {"step": str(i)}),
-                    "config.json": json.dumps({"hidden": 96, "step": i}).encode()})
+        out.append(
+            {
+                "model.safetensors": safetensors_file(tensors, {"step": str(i)}),
+                "config.json": json.dumps({"hidden": 96, "step": i}).encode(),
+            }
+        )
         tensors = next_step(tensors, seed * 1000 + i + 1)
     return out
 
@@ -152,8 +172,15 @@ def read_tree(root: Path) -> dict[str, bytes]:
     return out
 
 
-def publish_versions(server: SecServer, model: str, versions: list[dict[str, bytes]], work: Path, *,
-                     who: str = "publisher", url: str | None = None) -> list[dict]:
+def publish_versions(
+    server: SecServer,
+    model: str,
+    versions: list[dict[str, bytes]],
+    work: Path,
+    *,
+    who: str = "publisher",
+    url: str | None = None,
+) -> list[dict]:
     """Publish ``versions`` in order with the SDK (small chunks and objects: several objects per version).
 
     ``url`` sends the SDK's requests elsewhere (a proxy). Returns, per version,
@@ -164,8 +191,15 @@ def publish_versions(server: SecServer, model: str, versions: list[dict[str, byt
     from weightsync.codec.manifest import Manifest
 
     out = []
-    with Publisher(url or server.url, model, token=server.token(who), chunk_bytes=1 << 13, object_bytes=1 << 14,
-                   concurrency=2, encoder_threads=1) as pub:
+    with Publisher(
+        url or server.url,
+        model,
+        token=server.token(who),
+        chunk_bytes=1 << 13,
+        object_bytes=1 << 14,
+        concurrency=2,
+        encoder_threads=1,
+    ) as pub:
         for i, files in enumerate(versions):
             src = write_tree(work / f"{model}-v{i}", files)
             res = pub.publish(src, step=i)
@@ -188,14 +222,21 @@ class RawResponse:
     body: bytes
 
 
-def raw_request(url: str, method: str, target: str | bytes, *, headers: dict[str, str] | None = None,
-                body: bytes = b"", send_body: int | None = None, timeout: float = 30.0) -> RawResponse:
+def raw_request(
+    url: str,
+    method: str,
+    target: str | bytes,
+    *,
+    headers: dict[str, str] | None = None,
+    body: bytes = b"",
+    send_body: int | None = None,
+    timeout: float = 30.0,
+) -> RawResponse:
     """Send one HTTP/1.1 request with ``target`` byte for byte; ``send_body`` sends only that many body bytes
     (the declared Content-Length stays whatever ``headers`` say). The connection is closed afterwards."""
     host, port = url.removeprefix("http://").rsplit(":", 1)
     target_b = target if isinstance(target, bytes) else target.encode("latin-1")
-    lines = [method.encode() + b" " + target_b + b" HTTP/1.1", f"Host: {host}:{port}".encode(),
-             b"Connection: close"]
+    lines = [method.encode() + b" " + target_b + b" HTTP/1.1", f"Host: {host}:{port}".encode(), b"Connection: close"]
     hdrs = dict(headers or {})
     if body and not any(k.lower() in ("content-length", "transfer-encoding") for k in hdrs):
         hdrs["Content-Length"] = str(len(body))
@@ -212,15 +253,21 @@ def raw_request(url: str, method: str, target: str | bytes, *, headers: dict[str
         while True:
             try:
                 part = s.recv(1 << 16)
-            except (ConnectionResetError, socket.timeout):
+            except (TimeoutError, ConnectionResetError):
                 break
             if not part:
                 break
             data += part
             head, sep, rest = data.partition(b"\r\n\r\n")
             if sep:
-                length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")[1:]
-                               if line.lower().startswith(b"content-length:")), None)
+                length = next(
+                    (
+                        int(line.split(b":", 1)[1])
+                        for line in head.split(b"\r\n")[1:]
+                        if line.lower().startswith(b"content-length:")
+                    ),
+                    None,
+                )
                 if length is not None and len(rest) >= length:
                     break
     head, _, rest = data.partition(b"\r\n\r\n")

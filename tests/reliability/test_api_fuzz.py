@@ -44,8 +44,13 @@ from schemathesis.checks import (  # noqa: E402
 SEED = int(os.environ.get("WEIGHTSYNC_FUZZ_SEED", "20261122"))
 MODEL = "policy-fuzz"
 OTHER = "other-fuzz"
-CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_headers_conformance,
-          response_schema_conformance]
+CHECKS = [
+    not_a_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_headers_conformance,
+    response_schema_conformance,
+]
 # Server-Sent Events never end: the security matrix covers streamEvents with a streamed request instead.
 SKIP = {"streamEvents"}
 
@@ -63,18 +68,27 @@ class Fixture:
 @pytest.fixture(scope="module")
 def api(tmp_path_factory) -> Iterator[Fixture]:
     root = tmp_path_factory.mktemp("api-fuzz")
-    server = start_server(root / "server", log_level="warning",
-                          env={"WEIGHTSYNC_MAX_UPLOAD_BODY": str(1 << 20), "WEIGHTSYNC_MAX_JSON_BODY": str(64 << 10),
-                               "WEIGHTSYNC_GC_GRACE_S": "3600"})
+    server = start_server(
+        root / "server",
+        log_level="warning",
+        env={
+            "WEIGHTSYNC_MAX_UPLOAD_BODY": str(1 << 20),
+            "WEIGHTSYNC_MAX_JSON_BODY": str(64 << 10),
+            "WEIGHTSYNC_GC_GRACE_S": "3600",
+        },
+    )
     try:
         published = publish_versions(server, MODEL, version_files(2, seed=11), root / "src")
         publish_versions(server, OTHER, version_files(1, seed=12), root / "src-other", who="admin")
         with httpx.Client(base_url=server.url, headers=server.headers("admin"), timeout=30) as c:
             begin = c.post(f"/v1/models/{MODEL}/publishes", json={"parent": 2, "keyframe": False})
             assert begin.status_code == 201, begin.text
-        pins = {"model": [MODEL, OTHER], "number": ["1", "2", "latest"],
-                "digest": [published[1]["manifest"], *published[1]["objects"][:2]],
-                "publish_id": [begin.json()["publish_id"]]}
+        pins = {
+            "model": [MODEL, OTHER],
+            "number": ["1", "2", "latest"],
+            "digest": [published[1]["manifest"], *published[1]["objects"][:2]],
+            "publish_id": [begin.json()["publish_id"]],
+        }
         schema = schemathesis.openapi.from_url(server.url + "/openapi.json")
         yield Fixture(server, schema, pins)
     finally:
@@ -85,11 +99,14 @@ def _operation_strategy(op, pins: dict[str, list[str]]):
     """Positive and negative cases, with generated path parameters or ones pinned to existing things."""
     names = [p.name for p in op.path_parameters] if op.path_parameters else []
     pinned = st.fixed_dictionaries({n: st.sampled_from(pins[n]) for n in names if n in pins})
-    strategies = [op.as_strategy(generation_mode=GenerationMode.POSITIVE),
-                  op.as_strategy(generation_mode=GenerationMode.NEGATIVE)]
+    strategies = [
+        op.as_strategy(generation_mode=GenerationMode.POSITIVE),
+        op.as_strategy(generation_mode=GenerationMode.NEGATIVE),
+    ]
     if names:
-        strategies.append(pinned.flatmap(
-            lambda pp: op.as_strategy(generation_mode=GenerationMode.POSITIVE, path_parameters=pp)))
+        strategies.append(
+            pinned.flatmap(lambda pp: op.as_strategy(generation_mode=GenerationMode.POSITIVE, path_parameters=pp))
+        )
     return st.one_of(*strategies)
 
 
@@ -124,10 +141,10 @@ def test_api_fuzz(api: Fixture, long_run: bool):
             continue
 
         @seed(SEED)
-        @settings(max_examples=examples, deadline=None, database=None,
-                  suppress_health_check=list(HealthCheck))
+        @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
         @given(case=_operation_strategy(op, api.pins), caller=st.sampled_from(CALLERS))
         def run(case, caller: str) -> None:
+            # Runs inside this iteration (run() below), so the loop variable is the current one.
             if operation_id == "watchModel":
                 _cap_watch(case)
             headers = dict(case.headers or {})
@@ -146,17 +163,22 @@ def test_api_fuzz(api: Fixture, long_run: bool):
             where = f"{operation_id} as {caller}: {case.method} {case.formatted_path} -> {response.status_code}"
             if response.status_code >= 500:
                 api.violations.append(f"5xx: {where}: {response.text[:200]}")
-            if 200 <= response.status_code < 300 and allowed(operation_id, caller, _model_of(operation_id, case)) \
-                    is False:
+            if (
+                200 <= response.status_code < 300
+                and allowed(operation_id, caller, _model_of(operation_id, case)) is False
+            ):
                 api.violations.append(f"authorization bypass: {where}")
             try:
                 case.validate_response(response, checks=CHECKS, headers=headers)
             except BaseExceptionGroup as exc:  # schemathesis's FailureGroup of named failures
-                api.violations.append(f"schema: {where}: " + "; ".join(
-                    f"{type(e).__name__}: {str(e)[:300]}" for e in exc.exceptions))
+                api.violations.append(
+                    f"schema: {where}: " + "; ".join(f"{type(e).__name__}: {str(e)[:300]}" for e in exc.exceptions)
+                )
 
         run()
 
-    print(f"\nFIGURE api-fuzz: {api.sent} requests, {len(api.violations)} violations, seed {SEED}, "
-          f"status classes {dict(sorted((f'{k}xx' if isinstance(k, int) else k, v) for k, v in api.by_status.items()))}")
+    print(
+        f"\nFIGURE api-fuzz: {api.sent} requests, {len(api.violations)} violations, seed {SEED}, "
+        f"status classes {dict(sorted((f'{k}xx' if isinstance(k, int) else k, v) for k, v in api.by_status.items()))}"
+    )
     assert not api.violations, json.dumps(api.violations[:20], indent=1)

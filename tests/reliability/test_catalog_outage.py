@@ -50,12 +50,14 @@ class Env:
         self.url = svc.url
         self.stats = ClientStats()
 
-    def publisher(self, model: str, *, retry: Retry = CLIENT_RETRY,
-                  hook: Callable[[httpx.Request], None] | None = None) -> Publisher:
+    def publisher(
+        self, model: str, *, retry: Retry = CLIENT_RETRY, hook: Callable[[httpx.Request], None] | None = None
+    ) -> Publisher:
         return Publisher(self.url, model, retry=retry, transport=self.stats.transport(hook))
 
-    def subscriber(self, model: str, *, retry: Retry = CLIENT_RETRY,
-                   hook: Callable[[httpx.Request], None] | None = None) -> Subscriber:
+    def subscriber(
+        self, model: str, *, retry: Retry = CLIENT_RETRY, hook: Callable[[httpx.Request], None] | None = None
+    ) -> Subscriber:
         return Subscriber(self.url, model, name="puller", retry=retry, transport=self.stats.transport(hook))
 
     def versions(self, model: str) -> list[int]:
@@ -84,8 +86,9 @@ def _fsck(url: str, *, repair: bool) -> dict:
 class Trigger:
     """A transport hook: once armed, runs ``action`` before the first request ``pred`` accepts."""
 
-    def __init__(self, pred: Callable[[httpx.Request], bool] | None = None,
-                 action: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self, pred: Callable[[httpx.Request], bool] | None = None, action: Callable[[], None] | None = None
+    ) -> None:
         self.fired = threading.Event()
         self._lock = threading.Lock()
         self._pred, self._action = pred, action
@@ -107,6 +110,7 @@ class Trigger:
 
 def _outage(proxy: PgProxy, seconds: float | None) -> Callable[[], None]:
     """Take the catalog down now, and back up after ``seconds`` (None: until the test says so)."""
+
     def go() -> None:
         proxy.down()
         if seconds is not None:
@@ -130,8 +134,11 @@ def env(tmp_path_factory) -> Iterator[Env]:
         catalog = f"postgresql://{user}@127.0.0.1:{port}/{db}?sslmode=disable&connect_timeout=5"
         svc = None
         try:
-            svc = serve(["--data", str(tmp / "data"), "--catalog", catalog], tmp / "serve.log",
-                        env={"WEIGHTSYNC_GC_GRACE_S": "0", "WEIGHTSYNC_LOG_LEVEL": "warning"})
+            svc = serve(
+                ["--data", str(tmp / "data"), "--catalog", catalog],
+                tmp / "serve.log",
+                env={"WEIGHTSYNC_GC_GRACE_S": "0", "WEIGHTSYNC_LOG_LEVEL": "warning"},
+            )
             yield Env(svc, proxy, db)
         finally:
             if svc is not None:
@@ -147,9 +154,8 @@ def test_publish_fails_closed_during_an_outage_and_commits_after(env, tmp_path):
     hook = Trigger(lambda r: r.method == "PUT" and r.url.path.startswith("/v1/objects/"), _outage(env.proxy, None))
     before_503 = env.stats.count(503)
     try:
-        with env.publisher(model, retry=FAST_RETRY, hook=hook) as pub:
-            with pytest.raises(errors.ServerUnavailable):
-                pub.publish(checkpoint_of(VERSIONS[1]), step=1)
+        with env.publisher(model, retry=FAST_RETRY, hook=hook) as pub, pytest.raises(errors.ServerUnavailable):
+            pub.publish(checkpoint_of(VERSIONS[1]), step=1)
         assert hook.fired.is_set()
         # While it is down: every catalog call is a retryable 503 problem with Retry-After.
         r = httpx.post(f"{env.url}/v1/models/{model}/publishes", json={"parent": 1}, timeout=30)
@@ -163,10 +169,12 @@ def test_publish_fails_closed_during_an_outage_and_commits_after(env, tmp_path):
     with env.publisher(model) as pub:
         assert pub.publish(checkpoint_of(VERSIONS[1]), step=1).version == 2
     repaired = env.check_intact(model, tmp_path)
-    print(f"\n[catalog-outage publish] failed closed with {env.stats.count(503) - before_503} x 503 "
-          f"(Retry-After {set(env.stats.retry_after)}); committed after recovery; "
-          f"fsck before repair: {[p['code'] for p in repaired['problems']]}; proxy severed={env.proxy.severed} "
-          f"refused={env.proxy.refused}")
+    print(
+        f"\n[catalog-outage publish] failed closed with {env.stats.count(503) - before_503} x 503 "
+        f"(Retry-After {set(env.stats.retry_after)}); committed after recovery; "
+        f"fsck before repair: {[p['code'] for p in repaired['problems']]}; proxy severed={env.proxy.severed} "
+        f"refused={env.proxy.refused}"
+    )
 
 
 def test_short_outage_mid_publish_is_ridden_out(env, tmp_path):
@@ -181,8 +189,10 @@ def test_short_outage_mid_publish_is_ridden_out(env, tmp_path):
     assert fired.is_set() and env.stats.count_kind("commit", 503) > before
     assert env.versions(model) == [1, 2]
     env.check_intact(model, tmp_path)
-    print(f"\n[catalog-outage short] commit answered 503 {env.stats.count_kind('commit', 503) - before}x "
-          f"during a 2 s outage, then committed v2")
+    print(
+        f"\n[catalog-outage short] commit answered 503 {env.stats.count_kind('commit', 503) - before}x "
+        f"during a 2 s outage, then committed v2"
+    )
 
 
 @pytest.mark.parametrize("deliver", [False, True], ids=["before-server-commit", "after-server-commit"])
@@ -199,8 +209,10 @@ def test_connection_cut_at_the_commit_lands_exactly_once(env, tmp_path, deliver)
     assert env.stats.count_kind("commit", 503) > before  # the cut surfaced as a retryable 503
     assert result.version == 2 and env.versions(model) == [1, 2]  # exactly once, no gap, no duplicate
     env.check_intact(model, tmp_path)
-    print(f"\n[catalog-outage cut {'after' if deliver else 'before'} the server's COMMIT] commit answered 503 "
-          f"{env.stats.count_kind('commit', 503) - before}x, then v2 exactly once")
+    print(
+        f"\n[catalog-outage cut {'after' if deliver else 'before'} the server's COMMIT] commit answered 503 "
+        f"{env.stats.count_kind('commit', 503) - before}x, then v2 exactly once"
+    )
 
 
 def test_pull_in_progress_survives_an_outage(env, tmp_path):
@@ -236,9 +248,8 @@ def test_pull_in_progress_survives_an_outage(env, tmp_path):
         sub.pull(tmp_path / "c", 1)
     hook = Trigger(lambda r: r.url.path.endswith("/plan"), _outage(env.proxy, None))
     try:
-        with env.subscriber(model, retry=FAST_RETRY, hook=hook) as sub:
-            with pytest.raises(errors.ServerUnavailable):
-                sub.pull(tmp_path / "c", 3)
+        with env.subscriber(model, retry=FAST_RETRY, hook=hook) as sub, pytest.raises(errors.ServerUnavailable):
+            sub.pull(tmp_path / "c", 3)
         assert file_digests(tmp_path / "c") == digests_of(VERSIONS[0])
     finally:
         env.proxy.up()
@@ -251,8 +262,11 @@ def test_pull_in_progress_survives_an_outage(env, tmp_path):
     import psycopg
 
     with psycopg.connect(ADMIN_URL, autocommit=True) as admin:
-        killed = admin.execute("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-                               "WHERE datname = %s AND pid <> pg_backend_pid()", (env.db,)).fetchone()[0]
+        killed = admin.execute(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+            "WHERE datname = %s AND pid <> pg_backend_pid()",
+            (env.db,),
+        ).fetchone()[0]
     with env.subscriber(model) as sub:
         sub.pull(tmp_path / "d", 2)
     assert file_digests(tmp_path / "d") == digests_of(VERSIONS[1])

@@ -24,8 +24,8 @@ from collections import Counter
 
 import httpx
 import pytest
-from _crash_util import FATAL, Served, checkout_files
 from _ckpt import safetensors_file
+from _crash_util import FATAL, Served, checkout_files
 from _versions import model_files, next_step
 
 from weightsync import errors
@@ -103,8 +103,9 @@ def test_racing_publishers_one_winner_per_parent(service, tmp_path, capsys, long
 
     def worker(i: int) -> None:
         try:
-            with Publisher(service.url, MODEL, on_mismatch="download", transport=gates[i], concurrency=2,
-                           encoder_threads=1) as pub:
+            with Publisher(
+                service.url, MODEL, on_mismatch="download", transport=gates[i], concurrency=2, encoder_threads=1
+            ) as pub:
                 for j in range(items):
                     ck, _ = content[(i, j)]
                     start.wait(BARRIER_TIMEOUT)
@@ -152,10 +153,12 @@ def test_racing_publishers_one_winner_per_parent(service, tmp_path, capsys, long
             assert _digest(checkout_files(tmp_path / "check")) == want, f"v{v['number']}"
     all_409 = sum(1 for g in gates for _, s in g.commits if s == 409)
     with capsys.disabled():
-        print(f"\n[concurrency] {service_kind(service)}: {publishers} publishers x {items} items: "
-              f"{len(versions)} versions, gapless, one winner per parent; {all_409} commits got 409 "
-              f"({(publishers - 1) * items} at the barriers), StaleParent retries {sum(stale.values())}; "
-              f"kinds {dict(kinds)}")
+        print(
+            f"\n[concurrency] {service_kind(service)}: {publishers} publishers x {items} items: "
+            f"{len(versions)} versions, gapless, one winner per parent; {all_409} commits got 409 "
+            f"({(publishers - 1) * items} at the barriers), StaleParent retries {sum(stale.values())}; "
+            f"kinds {dict(kinds)}"
+        )
 
 
 def service_kind(service: Served) -> str:
@@ -171,8 +174,9 @@ def test_concurrent_pullers_see_only_committed_versions(service, tmp_path, capsy
     gc_runs = Counter()
 
     with httpx.Client(base_url=service.url, timeout=60) as http:
-        http.post("/v1/models", json={"name": MODEL, "keyframe_interval": 4,
-                                      "keep_last": 2 if long_run else None}).raise_for_status()
+        http.post(
+            "/v1/models", json={"name": MODEL, "keyframe_interval": 4, "keep_last": 2 if long_run else None}
+        ).raise_for_status()
     tensors = model_files(5, n=4)
     with Publisher(service.url, MODEL, encoder_threads=1) as pub:
         ck, digest = _checkpoint(tensors)
@@ -181,8 +185,9 @@ def test_concurrent_pullers_see_only_committed_versions(service, tmp_path, capsy
         def puller(k: int) -> None:
             root = tmp_path / f"puller-{k}"
             try:
-                with Subscriber(service.url, MODEL, name=f"puller-{k}", concurrency=2, decode_threads=1,
-                                report=(k % 2 == 0)) as sub:
+                with Subscriber(
+                    service.url, MODEL, name=f"puller-{k}", concurrency=2, decode_threads=1, report=(k % 2 == 0)
+                ) as sub:
                     while True:
                         r = sub.pull(root)
                         seen[k].append((r.version, r.mode, _digest(checkout_files(root))))
@@ -226,6 +231,8 @@ def test_concurrent_pullers_see_only_committed_versions(service, tmp_path, capsy
         report = http.post("/v1/admin/fsck", json={"read_data": True, "repair": False}).json()
     assert not [p for p in report["problems"] if p["code"] in FATAL], report["problems"]
     with capsys.disabled():
-        print(f"\n[concurrency] {service_kind(service)}: {pullers} pullers x {len(expected)} versions: {total} "
-              f"pulls ({dict(modes)}), all byte-identical to a committed version"
-              + (f"; {sum(gc_runs.values())} concurrent GC runs {dict(gc_runs)}" if long_run else ""))
+        print(
+            f"\n[concurrency] {service_kind(service)}: {pullers} pullers x {len(expected)} versions: {total} "
+            f"pulls ({dict(modes)}), all byte-identical to a committed version"
+            + (f"; {sum(gc_runs.values())} concurrent GC runs {dict(gc_runs)}" if long_run else "")
+        )

@@ -32,10 +32,14 @@ MODEL = "policy-corruption"
 # Quick retries: the cases exercise the retry paths many times.
 FAST = Retry(attempts=3, base=0.01, cap=0.05)
 
-REST_KINDS = {"data": ["bitflip", "truncate", "empty", "swap"],
-              "manifest": ["bitflip", "truncate", "empty", "swap", "wrong-manifest"]}
-TRANSIT_KINDS = {"data": ["bitflip", "truncate", "cut", "empty", "swap"],
-                 "manifest": ["bitflip", "truncate", "cut", "empty", "swap", "wrong-manifest"]}
+REST_KINDS = {
+    "data": ["bitflip", "truncate", "empty", "swap"],
+    "manifest": ["bitflip", "truncate", "empty", "swap", "wrong-manifest"],
+}
+TRANSIT_KINDS = {
+    "data": ["bitflip", "truncate", "cut", "empty", "swap"],
+    "manifest": ["bitflip", "truncate", "cut", "empty", "swap", "wrong-manifest"],
+}
 MODES = ["full", "incremental"]
 
 
@@ -81,9 +85,11 @@ def env(tmp_path_factory) -> Iterator[Env]:
             tally = by_where.setdefault(c.split("-", 1)[0], [0, 0])
             tally[0] += o == "detected"
             tally[1] += 1
-        print(f"\nFIGURE corruption: {sum(o == 'detected' for _, o in e.outcomes)}/{len(e.outcomes)} detected "
-              f"({', '.join(f'{w} {d}/{n}' for w, (d, n) in by_where.items())}); "
-              f"needed a second pull after repair: {e.recoveries or 'none'}")
+        print(
+            f"\nFIGURE corruption: {sum(o == 'detected' for _, o in e.outcomes)}/{len(e.outcomes)} detected "
+            f"({', '.join(f'{w} {d}/{n}' for w, (d, n) in by_where.items())}); "
+            f"needed a second pull after repair: {e.recoveries or 'none'}"
+        )
     finally:
         stop_server(server)
         if e is not None and e.server is not server:  # restarted by the cold-cache case
@@ -91,8 +97,16 @@ def env(tmp_path_factory) -> Iterator[Env]:
 
 
 def _pull(url: str, env: Env, dest: Path) -> None:
-    with Subscriber(url, MODEL, token=env.server.token("reader"), retry=FAST, report=False, concurrency=2,
-                    decode_threads=1, range_bytes=1 << 12) as sub:
+    with Subscriber(
+        url,
+        MODEL,
+        token=env.server.token("reader"),
+        retry=FAST,
+        report=False,
+        concurrency=2,
+        decode_threads=1,
+        range_bytes=1 << 12,
+    ) as sub:
         sub.pull(dest, version=2)
 
 
@@ -222,8 +236,7 @@ def _fault(env: Env, target: str, kind: str, times: int | None) -> Fault:
 TRANSIT_CASES = [(t, k, m) for t, ks in TRANSIT_KINDS.items() for k in ks for m in MODES]
 
 
-@pytest.mark.parametrize("target, kind, mode", TRANSIT_CASES,
-                         ids=[f"transit-{t}-{k}-{m}" for t, k, m in TRANSIT_CASES])
+@pytest.mark.parametrize("target, kind, mode", TRANSIT_CASES, ids=[f"transit-{t}-{k}-{m}" for t, k, m in TRANSIT_CASES])
 def test_corruption_in_transit_is_detected(env: Env, target: str, kind: str, mode: str):
     case = f"transit-{target}-{kind}-{mode}"
     dest, before = _prepare_dir(env, mode, case)
@@ -245,8 +258,9 @@ def test_corruption_in_transit_is_detected(env: Env, target: str, kind: str, mod
 TRANSIENT_CASES = [(t, k, n) for t, ks in TRANSIT_KINDS.items() for k in ks for n in (1, 2)]
 
 
-@pytest.mark.parametrize("target, kind, times", TRANSIENT_CASES,
-                         ids=[f"transient-{t}-{k}-x{n}" for t, k, n in TRANSIENT_CASES])
+@pytest.mark.parametrize(
+    "target, kind, times", TRANSIENT_CASES, ids=[f"transient-{t}-{k}-x{n}" for t, k, n in TRANSIENT_CASES]
+)
 def test_transient_corruption_is_recovered_by_retry(env: Env, target: str, kind: str, times: int):
     """Only the first `times` answers are damaged: the SDK's retry or the caller's next pull recovers."""
     case = f"transient-{target}-{kind}-x{times}"

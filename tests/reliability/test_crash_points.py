@@ -89,8 +89,9 @@ class Lab:
                         pub.publish(ck)
         return self.server.url
 
-    def run(self, scenario: str, env: Env | None = None, *, prepare=None, cleanup=None, key: str | None = None
-            ) -> Tally:
+    def run(
+        self, scenario: str, env: Env | None = None, *, prepare=None, cleanup=None, key: str | None = None
+    ) -> Tally:
         key = key or scenario
         if key in self.tallies:
             return self.tallies[key]
@@ -105,8 +106,7 @@ class Lab:
         reply = self.zygotes[0].call({"op": "setup", "scenario": scenario, "work": str(base), "env": env.__dict__})
         assert reply["exit"] == 0, reply
         try:
-            tally = enumerate_crashes(self.zygotes, scenario, base, self.root, env, prepare=prepare,
-                                      cleanup=cleanup)
+            tally = enumerate_crashes(self.zygotes, scenario, base, self.root, env, prepare=prepare, cleanup=cleanup)
         finally:
             if cleanup:
                 cleanup(base)
@@ -151,7 +151,8 @@ def test_publish_and_gc_crash_points(lab, capsys, scenario):
 
 def _pull_scenarios(long_run: bool) -> list[str]:
     return ["pull-v2-to-v3", "pull-reshaped-v2-to-v3"] + (
-        ["pull-v1-to-v3", "pull-v0-to-v3", "pull-reshaped-v1-to-v3"] if long_run else [])
+        ["pull-v1-to-v3", "pull-v0-to-v3", "pull-reshaped-v1-to-v3"] if long_run else []
+    )
 
 
 def test_pull_crash_points(lab, capsys, long_run):
@@ -174,8 +175,11 @@ def test_a_reader_never_sees_a_mixed_checkout(lab, long_run):
         labels = tally.labels["before"]
         switch = [i for i, label in enumerate(labels) if label == "os.replace checkout/.weightsync/current"]
         assert len(switch) == 1, f"{scenario}: one switch of the current version, got {len(switch)}"
-        links = [i for i, label in enumerate(labels) if label.startswith("os.replace checkout/")
-                 and not label.startswith("os.replace checkout/.weightsync/")]
+        links = [
+            i
+            for i, label in enumerate(labels)
+            if label.startswith("os.replace checkout/") and not label.startswith("os.replace checkout/.weightsync/")
+        ]
         if "reshaped" in scenario:  # the reshaped versions add paths: their links precede the switch
             assert links and max(links) < switch[0], (scenario, [labels[i] for i in links])
             dropped = [i for i, label in enumerate(labels) if label.startswith("os.unlink") and i > switch[0]]
@@ -197,8 +201,13 @@ def test_publish_crash_points_postgres_s3(lab, capsys, long_run, request, scenar
 
     server = request.getfixturevalue("seaweed")
     bucket = "weightsync-crash-tests"
-    s3 = {"bucket": bucket, "endpoint": server.endpoint_url, "access_key": server.access_key,
-          "secret_key": server.secret_key, "region": server.region}
+    s3 = {
+        "bucket": bucket,
+        "endpoint": server.endpoint_url,
+        "access_key": server.access_key,
+        "secret_key": server.secret_key,
+        "region": server.region,
+    }
     env = lab.env(catalog="postgresql", store="s3", s3=s3)
     client = server.boto3_client()
     try:
@@ -223,15 +232,18 @@ def test_publish_crash_points_postgres_s3(lab, capsys, long_run, request, scenar
                 admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
                 base_db["name"], base_db["prefix"] = name, prefix
             else:
-                admin.execute(sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
-                    sql.Identifier(name), sql.Identifier(base_db["name"])))
+                admin.execute(
+                    sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
+                        sql.Identifier(name), sql.Identifier(base_db["name"])
+                    )
+                )
         finally:
             admin.close()
         if base is not None:
             pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=base_db["prefix"] + "/")
             for page in pages:
                 for obj in page.get("Contents", []):
-                    key = prefix + obj["Key"][len(base_db["prefix"]):]
+                    key = prefix + obj["Key"][len(base_db["prefix"]) :]
                     client.copy_object(Bucket=bucket, Key=key, CopySource={"Bucket": bucket, "Key": obj["Key"]})
         (work / "catalog.url").write_text(f"{pg_base}/{name}")
         (work / "store.prefix").write_text(prefix)
@@ -242,8 +254,9 @@ def test_publish_crash_points_postgres_s3(lab, capsys, long_run, request, scenar
             return
         admin = _connect_admin()
         try:
-            admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
-                sql.Identifier(url.rsplit("/", 1)[1])))
+            admin.execute(
+                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(url.rsplit("/", 1)[1]))
+            )
         finally:
             admin.close()
 

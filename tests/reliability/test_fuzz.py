@@ -29,7 +29,6 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 from weightsync.codec import frame as fr
-from weightsync.codec.manifest import Manifest
 from weightsync.errors import WeightsyncError
 
 SEED = int(os.environ.get("WEIGHTSYNC_FUZZ_SEED", "20261122"))
@@ -55,8 +54,28 @@ def _run(name: str, data: bytes) -> None:
 
 # --- byte-level mutation ------------------------------------------------------------------------------------
 
-EXTREMES = [0, 1, 2, 3, 7, 63, 64, 65, 255, 256, 2**16, 2**31 - 1, 2**31, 2**32 - 1, 2**32, (1 << 30),
-            (1 << 30) + 2, 2**62, 2**63, 2**64 - 1]
+EXTREMES = [
+    0,
+    1,
+    2,
+    3,
+    7,
+    63,
+    64,
+    65,
+    255,
+    256,
+    2**16,
+    2**31 - 1,
+    2**31,
+    2**32 - 1,
+    2**32,
+    (1 << 30),
+    (1 << 30) + 2,
+    2**62,
+    2**63,
+    2**64 - 1,
+]
 
 
 @st.composite
@@ -95,22 +114,33 @@ def mutated(draw, target: str) -> bytes:
 @st.composite
 def frame_fields(draw) -> bytes:
     """A frame whose header fields are drawn (then sealed) over a random or golden payload."""
-    payload = draw(st.one_of(st.binary(max_size=512),
-                             st.sampled_from(SEEDS["frame"]).map(lambda f: f[fr.HEADER_SIZE:])))
-    head = struct.pack("<4sBBBBQQ16s16s", b"WSFR", draw(st.sampled_from([1, 1, 1, 0, 2, 255])),
-                       draw(st.integers(0, 255)), draw(st.integers(0, 24)), draw(st.integers(0, 4)),
-                       draw(st.one_of(st.sampled_from(EXTREMES), st.integers(0, 4096))),
-                       draw(st.one_of(st.just(len(payload)), st.sampled_from(EXTREMES))),
-                       draw(st.one_of(st.just(bytes(16)), st.binary(min_size=16, max_size=16))),
-                       draw(st.binary(min_size=16, max_size=16)))
+    payload = draw(
+        st.one_of(st.binary(max_size=512), st.sampled_from(SEEDS["frame"]).map(lambda f: f[fr.HEADER_SIZE :]))
+    )
+    head = struct.pack(
+        "<4sBBBBQQ16s16s",
+        b"WSFR",
+        draw(st.sampled_from([1, 1, 1, 0, 2, 255])),
+        draw(st.integers(0, 255)),
+        draw(st.integers(0, 24)),
+        draw(st.integers(0, 4)),
+        draw(st.one_of(st.sampled_from(EXTREMES), st.integers(0, 4096))),
+        draw(st.one_of(st.just(len(payload)), st.sampled_from(EXTREMES))),
+        draw(st.one_of(st.just(bytes(16)), st.binary(min_size=16, max_size=16))),
+        draw(st.binary(min_size=16, max_size=16)),
+    )
     return fz.reseal_frame(head + bytes(8) + payload)
 
 
 @pytest.mark.parametrize("target", sorted(fz.TARGETS))
 def test_mutated_samples_raise_only_named_errors(target: str, long_run: bool):
     @seed(SEED)
-    @settings(max_examples=examples(long_run, 150), deadline=None, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @settings(
+        max_examples=examples(long_run, 150),
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
     @given(mutated(target))
     def run(data: bytes) -> None:
         _run(target, data)
@@ -120,9 +150,14 @@ def test_mutated_samples_raise_only_named_errors(target: str, long_run: bool):
 
 @pytest.mark.parametrize("target", sorted(fz.TARGETS))
 def test_random_bytes_raise_only_named_errors(target: str, long_run: bool):
-    magic = {"frame": b"WSFR\x01", "container": b"WSYNCDLT\x01\x00", "manifest": b"WSMF\x01\x00\x00\x00",
-             "manifest_json": b'{"format":"weightsync.manifest","version":1,', "safetensors": b"",
-             "record": b"WSCR\x01"}[target]
+    magic = {
+        "frame": b"WSFR\x01",
+        "container": b"WSYNCDLT\x01\x00",
+        "manifest": b"WSMF\x01\x00\x00\x00",
+        "manifest_json": b'{"format":"weightsync.manifest","version":1,',
+        "safetensors": b"",
+        "record": b"WSCR\x01",
+    }[target]
 
     @seed(SEED)
     @settings(max_examples=examples(long_run, 60), deadline=None, database=None)
@@ -146,12 +181,35 @@ def test_frame_header_fields_raise_only_named_errors(long_run: bool):
 # --- structural mutation of the JSON documents ----------------------------------------------------------------
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.sampled_from(EXTREMES + [-1])
-    | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=12)
-    | st.sampled_from(["", "..", "../../etc/passwd", "/abs", "a\x00b", ".weightsync/x", "F4", "BF16", "U8",
-                       "a" * 64, "0" * 32, "header", "tensor", "blob", "delta", "keyframe"]),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.sampled_from(EXTREMES + [-1])
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=12)
+    | st.sampled_from(
+        [
+            "",
+            "..",
+            "../../etc/passwd",
+            "/abs",
+            "a\x00b",
+            ".weightsync/x",
+            "F4",
+            "BF16",
+            "U8",
+            "a" * 64,
+            "0" * 32,
+            "header",
+            "tensor",
+            "blob",
+            "delta",
+            "keyframe",
+        ]
+    ),
     lambda ch: st.lists(ch, max_size=4) | st.dictionaries(st.text(max_size=8), ch, max_size=4),
-    max_leaves=8)
+    max_leaves=8,
+)
 
 
 def _slots(node, out: list) -> list:
@@ -196,8 +254,9 @@ def test_edited_manifest_documents_raise_only_named_errors(long_run: bool):
     docs = [json.loads(m) for m in SEEDS["manifest_json"]]
 
     @seed(SEED)
-    @settings(max_examples=examples(long_run, 300), deadline=None, database=None,
-              suppress_health_check=[HealthCheck.too_slow])
+    @settings(
+        max_examples=examples(long_run, 300), deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
+    )
     @given(st.sampled_from(range(len(docs))).flatmap(lambda i: edited_document(docs[i])), st.booleans())
     def run(doc, stored: bool) -> None:
         body = _dumps(doc)
@@ -217,8 +276,9 @@ def test_edited_container_manifests_raise_only_named_errors(long_run: bool):
     doc = manifest.to_dict()
 
     @seed(SEED)
-    @settings(max_examples=examples(long_run, 150), deadline=None, database=None,
-              suppress_health_check=[HealthCheck.too_slow])
+    @settings(
+        max_examples=examples(long_run, 150), deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
+    )
     @given(edited_document(doc))
     def run(edited) -> None:
         _run("container", fz.reseal_container(fz.reseal_manifest(_dumps(edited)), bytes(area)))
@@ -265,8 +325,12 @@ def _nested(depth: int) -> bytes:
 def test_deeply_nested_json_is_a_named_error(target: str):
     """A few hundred KB of nested objects overflow the JSON parser's stack: a named error, not RecursionError."""
     body = _nested(100_000)  # 600 KB: under every cap (commit records: 1 MiB)
-    data = {"manifest_json": body, "manifest": fz.reseal_manifest(body),
-            "safetensors": struct.pack("<Q", len(body)) + body, "record": b"WSCR\x01" + body}[target]
+    data = {
+        "manifest_json": body,
+        "manifest": fz.reseal_manifest(body),
+        "safetensors": struct.pack("<Q", len(body)) + body,
+        "record": b"WSCR\x01" + body,
+    }[target]
     with pytest.raises(WeightsyncError):
         fz.TARGETS[target](data)
 
@@ -279,8 +343,13 @@ MEMORY_BOUND = 256 << 20
 def test_fuzzing_memory_is_bounded(long_run: bool):
     """A subprocess decodes thousands of mutated inputs (< 1 MiB each); its peak RSS grows by less than 256 MiB."""
     n = 2000 if long_run else 300
-    out = subprocess.run([sys.executable, str(HERE / "_sec_fuzz.py"), "memory", str(SEED), str(n)],
-                         capture_output=True, text=True, timeout=600, cwd=HERE)
+    out = subprocess.run(
+        [sys.executable, str(HERE / "_sec_fuzz.py"), "memory", str(SEED), str(n)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=HERE,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     figures = json.loads(out.stdout.strip().splitlines()[-1])
     print(f"\nFIGURE fuzz-memory: {figures}")
@@ -297,12 +366,30 @@ def test_atheris_coverage_guided(tmp_path: Path, long_run: bool):
     """Coverage-guided libFuzzer run over every target (skipped without atheris); a crash fails the test."""
     pytest.importorskip("atheris")
     corpus = tmp_path / "corpus"
-    subprocess.run([sys.executable, str(HERE / "_sec_atheris.py"), "--write-corpus", str(corpus)], check=True,
-                   capture_output=True, timeout=120, cwd=HERE)
+    subprocess.run(
+        [sys.executable, str(HERE / "_sec_atheris.py"), "--write-corpus", str(corpus)],
+        check=True,
+        capture_output=True,
+        timeout=120,
+        cwd=HERE,
+    )
     budget = ["-max_total_time=600"] if long_run else ["-runs=30000"]
-    out = subprocess.run([sys.executable, str(HERE / "_sec_atheris.py"), *budget, f"-seed={SEED % 2**31}",
-                          "-rss_limit_mb=1024", "-max_len=65536", f"-artifact_prefix={tmp_path}/", str(corpus)],
-                         capture_output=True, text=True, timeout=900, cwd=HERE)
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(HERE / "_sec_atheris.py"),
+            *budget,
+            f"-seed={SEED % 2**31}",
+            "-rss_limit_mb=1024",
+            "-max_len=65536",
+            f"-artifact_prefix={tmp_path}/",
+            str(corpus),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=HERE,
+    )
     log = out.stdout + out.stderr
     done = [line for line in log.splitlines() if line.startswith("Done ")]
     if out.returncode != 0:
@@ -321,6 +408,8 @@ def test_atheris_coverage_guided(tmp_path: Path, long_run: bool):
 def test_fuzz_summary():
     """The figures: executions per target and crashes (every crash has already failed its test)."""
     total = sum(EXECUTIONS.values())
-    print(f"\nFIGURE fuzz: {total} executions, {sum(CRASHES.values())} crashes, seed {SEED}; "
-          + ", ".join(f"{k} {v}" for k, v in sorted(EXECUTIONS.items())))
+    print(
+        f"\nFIGURE fuzz: {total} executions, {sum(CRASHES.values())} crashes, seed {SEED}; "
+        + ", ".join(f"{k} {v}" for k, v in sorted(EXECUTIONS.items()))
+    )
     assert not CRASHES, dict(CRASHES)

@@ -23,7 +23,6 @@ import uuid
 from dataclasses import dataclass, field
 
 import httpx
-import pytest
 from _fault_data import checkpoint_of, make_versions
 from _fault_service import serve
 
@@ -55,11 +54,15 @@ class Phase:
         rate = self.ops / self.seconds if self.seconds else 0.0
         mb = f", {self.bytes / self.seconds / 1e6:.1f} MB/s" if self.bytes else ""
         every = [x for xs in self.latencies.values() for x in xs]
-        out = [f"{self.name}: {self.ops} requests in {self.seconds:.1f} s = {rate:.0f}/s{mb}; "
-               f"p50 {_pct(every, 0.50):.1f} ms, p99 {_pct(every, 0.99):.1f} ms; errors {len(self.errors)}"]
+        out = [
+            f"{self.name}: {self.ops} requests in {self.seconds:.1f} s = {rate:.0f}/s{mb}; "
+            f"p50 {_pct(every, 0.50):.1f} ms, p99 {_pct(every, 0.99):.1f} ms; errors {len(self.errors)}"
+        ]
         for kind, xs in sorted(self.latencies.items()):
-            out.append(f"    {kind}: {len(xs)} ({len(xs) / self.seconds:.0f}/s), "
-                       f"p50 {_pct(xs, 0.50):.1f} ms, p99 {_pct(xs, 0.99):.1f} ms")
+            out.append(
+                f"    {kind}: {len(xs)} ({len(xs) / self.seconds:.0f}/s), "
+                f"p50 {_pct(xs, 0.50):.1f} ms, p99 {_pct(xs, 0.99):.1f} ms"
+            )
         return out
 
 
@@ -89,8 +92,7 @@ async def _run(phase: Phase, workers: int, duration: float, one) -> None:
 
 def test_load_manifests_and_ranged_downloads(tmp_path, long_run):
     duration = 60.0 if long_run else 10.0
-    svc = serve(["--data", str(tmp_path / "data")], tmp_path / "serve.log",
-                env={"WEIGHTSYNC_LOG_LEVEL": "warning"})
+    svc = serve(["--data", str(tmp_path / "data")], tmp_path / "serve.log", env={"WEIGHTSYNC_LOG_LEVEL": "warning"})
     model = "load-" + uuid.uuid4().hex[:8]
     try:
         versions = make_versions(3, seed=SEED, big=4 << 20)
@@ -146,8 +148,10 @@ def test_load_manifests_and_ranged_downloads(tmp_path, long_run):
     finally:
         svc.stop()
     stored = sum(len(b) for b in objects.values())
-    print(f"\n[load {duration:.0f}s per phase, embedded sqlite+fs, 1 worker; {len(digests)} objects "
-          f"{stored / 1e6:.1f} MB; {METADATA_WORKERS}/{DATA_WORKERS} concurrent]")
+    print(
+        f"\n[load {duration:.0f}s per phase, embedded sqlite+fs, 1 worker; {len(digests)} objects "
+        f"{stored / 1e6:.1f} MB; {METADATA_WORKERS}/{DATA_WORKERS} concurrent]"
+    )
     print("\n".join("  " + line for line in meta.lines() + dl.lines()))
     assert meta.errors == [] and dl.errors == []
     assert meta.ops > 0 and dl.ops > 0

@@ -135,9 +135,12 @@ class OpsMachine(RuleBasedStateMachine):
         from weightsync.store.fs import FsStore
 
         self.loop = asyncio.new_event_loop()
-        self.ops = Ops(Catalog(make_engine(f"sqlite:///{db}")), FsStore(self.dir / "store", fsync=False),
-                       OpsSettings(gc_grace=GRACE, pending_ttl=PENDING_TTL, lease_ttl=LEASE_TTL, store_concurrency=4),
-                       clock=self.clock)
+        self.ops = Ops(
+            Catalog(make_engine(f"sqlite:///{db}")),
+            FsStore(self.dir / "store", fsync=False),
+            OpsSettings(gc_grace=GRACE, pending_ttl=PENDING_TTL, lease_ttl=LEASE_TTL, store_concurrency=4),
+            clock=self.clock,
+        )
         self.committed: dict[int, Ref] = {}
         self.head: int | None = None
         self.top = 0  # numbers are never reused, deleted ones included
@@ -169,9 +172,18 @@ class OpsMachine(RuleBasedStateMachine):
             t = next_step(self.committed[self.head].tensors, seed, fraction=0.01 + (seed % 5) / 100)
         return t, checkpoint(t, seed)
 
-    async def _publish(self, ck: Checkpoint, base: Checkpoint | None, parent: int | None, *, keyframe: bool = False,
-                       stop: str | None = None, publish_id: str | None = None, object_bytes: int = 1 << 15,
-                       key: str | None = None):
+    async def _publish(
+        self,
+        ck: Checkpoint,
+        base: Checkpoint | None,
+        parent: int | None,
+        *,
+        keyframe: bool = False,
+        stop: str | None = None,
+        publish_id: str | None = None,
+        object_bytes: int = 1 << 15,
+        key: str | None = None,
+    ):
         """The SDK's protocol over Ops: begin, encode, check objects, upload the missing, manifest, commit."""
         ops = self.ops
         begin = await ops.begin_publish(MODEL, parent=parent, keyframe=keyframe, publish_id=publish_id)
@@ -196,8 +208,9 @@ class OpsMachine(RuleBasedStateMachine):
             await ops.put_bytes(data, expected_digest=digest)
         if stop == "manifest":
             raise Stopped(begin, digest)
-        version = await ops.commit_publish(MODEL, begin.publish_id, manifest_digest=digest,
-                                           idempotency_key=key or begin.publish_id)
+        version = await ops.commit_publish(
+            MODEL, begin.publish_id, manifest_digest=digest, idempotency_key=key or begin.publish_id
+        )
         return version, begin, digest
 
     def _land(self, version, tensors, ck, parent, publish_id, digest) -> None:
@@ -205,8 +218,9 @@ class OpsMachine(RuleBasedStateMachine):
         assert version.number == expected, f"committed as v{version.number}, expected v{expected}"
         assert version.parent == parent
         self.top = version.number
-        self.committed[version.number] = Ref(parent, version.kind, tensors, ck, files_digest(ck_files(ck)),
-                                             publish_id, digest)
+        self.committed[version.number] = Ref(
+            parent, version.kind, tensors, ck, files_digest(ck_files(ck)), publish_id, digest
+        )
         self.head = version.number
 
     # --- rules --------------------------------------------------------------------------
@@ -216,8 +230,12 @@ class OpsMachine(RuleBasedStateMachine):
         m = self.run(self.ops.create_model(MODEL, keyframe_interval=KEYFRAME_INTERVAL))
         assert m.created_at == self.clock.now  # the Ops clock, like every other timestamp
 
-    @rule(seed=st.integers(0, 10_000), keyframe=st.booleans(), fresh=st.booleans(),
-          object_bytes=st.sampled_from([1 << 12, 1 << 15, 1 << 20]))
+    @rule(
+        seed=st.integers(0, 10_000),
+        keyframe=st.booleans(),
+        fresh=st.booleans(),
+        object_bytes=st.sampled_from([1 << 12, 1 << 15, 1 << 20]),
+    )
     def publish(self, seed, keyframe, fresh, object_bytes) -> None:
         Stats.count("publish")
         tensors, ck = self._content(seed, fresh)
@@ -319,8 +337,9 @@ class OpsMachine(RuleBasedStateMachine):
         nums = sorted(self.committed)
         n = nums[which % len(nums)]
         ref = self.committed[n]
-        v = self.run(self.ops.commit_publish(MODEL, ref.publish_id, manifest_digest=ref.manifest,
-                                             idempotency_key=ref.publish_id))
+        v = self.run(
+            self.ops.commit_publish(MODEL, ref.publish_id, manifest_digest=ref.manifest, idempotency_key=ref.publish_id)
+        )
         assert v.number == n
 
     @rule(minutes=st.sampled_from([0, 1, 4, 6, 20, 45, 120]))
@@ -452,8 +471,10 @@ async def _apply_plan(ops, plan, start) -> dict[str, bytes]:
         blobs = {d: await ops.fetch_verified(d) for d in step.objects}
         base = None
         if current is not None and manifest.kind == "delta":
-            base = Checkpoint([CheckpointFile(f.layout, current.files[f.path]) for f in current.manifest.files],
-                              single_file=current.manifest.single_file)
+            base = Checkpoint(
+                [CheckpointFile(f.layout, current.files[f.path]) for f in current.manifest.files],
+                single_file=current.manifest.single_file,
+            )
         outputs = [np.empty(f.size, dtype=np.uint8) for f in manifest.files]
 
         def read(ref: FrameRef, blobs=blobs) -> memoryview:
@@ -462,7 +483,7 @@ async def _apply_plan(ops, plan, start) -> dict[str, bytes]:
         decoder.decode(manifest, read, outputs, base, verify_segments=True)
         from weightsync.ops import Materialized
 
-        current = Materialized(manifest, {f.path: out for f, out in zip(manifest.files, outputs)})
+        current = Materialized(manifest, {f.path: out for f, out in zip(manifest.files, outputs, strict=True)})
     assert current is not None
     return {p: a.tobytes() for p, a in current.files.items()}
 
@@ -484,13 +505,24 @@ def test_model_based_sequences(tmp_path, capsys, long_run):
         OpsMachine.scratch, OpsMachine.template = scratch, template
         Stats.reset()
         examples, steps = (200, 40) if long_run else (15, 15)
-        run_state_machine_as_test(OpsMachine, settings=settings(
-            max_examples=examples, stateful_step_count=steps, derandomize=True, deadline=None, database=None,
-            suppress_health_check=list(HealthCheck), print_blob=True))
+        run_state_machine_as_test(
+            OpsMachine,
+            settings=settings(
+                max_examples=examples,
+                stateful_step_count=steps,
+                derandomize=True,
+                deadline=None,
+                database=None,
+                suppress_health_check=list(HealthCheck),
+                print_blob=True,
+            ),
+        )
         with capsys.disabled():
-            print(f"\n[model-based] {Stats.sequences} sequences x <= {steps} steps = {Stats.steps} rule steps "
-                  f"(max_examples={examples}, derandomize=True) -> 0 violations; rules: "
-                  f"{dict(sorted(Stats.rules.items()))}")
+            print(
+                f"\n[model-based] {Stats.sequences} sequences x <= {steps} steps = {Stats.steps} rule steps "
+                f"(max_examples={examples}, derandomize=True) -> 0 violations; rules: "
+                f"{dict(sorted(Stats.rules.items()))}"
+            )
     finally:
         if scratch != tmp_path:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -503,8 +535,9 @@ def test_resumed_begin_returns_the_pending_publish(tmp_path):
 
     async def go() -> None:
         clock = Clock(datetime.fromisoformat(T0))
-        ops = Ops(Catalog.open(f"sqlite:///{tmp_path / 'c.db'}"), FsStore(tmp_path / "store"), OpsSettings(),
-                  clock=clock)
+        ops = Ops(
+            Catalog.open(f"sqlite:///{tmp_path / 'c.db'}"), FsStore(tmp_path / "store"), OpsSettings(), clock=clock
+        )
         try:
             t = model_files(1, n=2)
             first = await ops.begin_publish(MODEL, parent=None)

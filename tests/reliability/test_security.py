@@ -83,9 +83,11 @@ def _files(n: int, seed: int) -> list[dict[str, bytes]]:
 @pytest.fixture(scope="module")
 def sec(tmp_path_factory) -> Iterator[Sec]:
     root = tmp_path_factory.mktemp("security")
-    server = start_server(root / "server", log_level="debug",
-                          env={"WEIGHTSYNC_MAX_UPLOAD_BODY": str(UPLOAD_CAP),
-                               "WEIGHTSYNC_MAX_JSON_BODY": str(JSON_CAP)})
+    server = start_server(
+        root / "server",
+        log_level="debug",
+        env={"WEIGHTSYNC_MAX_UPLOAD_BODY": str(UPLOAD_CAP), "WEIGHTSYNC_MAX_JSON_BODY": str(JSON_CAP)},
+    )
     try:
         with CorruptingProxy(server.url) as proxy:
             versions = _files(2, seed=21)
@@ -112,20 +114,49 @@ def _outside_untouched(sec: Sec) -> None:
 # Each decodes to a name breaking `[a-z0-9][a-z0-9._-]{0,127}` (DESIGN "Concepts"). ("policy-%2e%2e" is not here:
 # it decodes to "policy-..", a legal name — model names are catalog keys, never paths.)
 
-BAD_MODEL_TARGETS = ["..", "%2e%2e", "%2E%2E", ".", "..%2f..%2f..%2fetc%2fpasswd", "%2e%2e%2f%2e%2e%2fetc",
-                     "..%5c..%5cetc", "a%00b", "%c0%ae%c0%ae", "Policy-Sec", "-policy", ".policy", "_x", "a" * 200,
-                     "policy-sec%2f..%2f..%2fother-sec", "policy sec", "%ff%fe"]
+BAD_MODEL_TARGETS = [
+    "..",
+    "%2e%2e",
+    "%2E%2E",
+    ".",
+    "..%2f..%2f..%2fetc%2fpasswd",
+    "%2e%2e%2f%2e%2e%2fetc",
+    "..%5c..%5cetc",
+    "a%00b",
+    "%c0%ae%c0%ae",
+    "Policy-Sec",
+    "-policy",
+    ".policy",
+    "_x",
+    "a" * 200,
+    "policy-sec%2f..%2f..%2fother-sec",
+    "policy sec",
+    "%ff%fe",
+]
 
 
 @pytest.mark.parametrize("name", BAD_MODEL_TARGETS)
 def test_traversal_in_model_names_is_refused(sec: Sec, name: str):
-    for method, suffix, body in [("GET", "", b""), ("GET", "/versions/latest/manifest", b""),
-                                 ("POST", "/publishes", b'{"parent": null, "keyframe": true}')]:
-        r = raw_request(sec.server.url, method, f"/v1/models/{name}{suffix}",
-                        headers={**sec.server.headers("admin"), "Content-Type": "application/json"}, body=body)
+    for method, suffix, body in [
+        ("GET", "", b""),
+        ("GET", "/versions/latest/manifest", b""),
+        ("POST", "/publishes", b'{"parent": null, "keyframe": true}'),
+    ]:
+        r = raw_request(
+            sec.server.url,
+            method,
+            f"/v1/models/{name}{suffix}",
+            headers={**sec.server.headers("admin"), "Content-Type": "application/json"},
+            body=body,
+        )
         assert 400 <= r.status < 500, (method, name, suffix, r.status, r.body[:200])
-    r = raw_request(sec.server.url, "POST", "/v1/models", headers={**sec.server.headers("admin"),
-                    "Content-Type": "application/json"}, body=json.dumps({"name": name}).encode())
+    r = raw_request(
+        sec.server.url,
+        "POST",
+        "/v1/models",
+        headers={**sec.server.headers("admin"), "Content-Type": "application/json"},
+        body=json.dumps({"name": name}).encode(),
+    )
     assert r.status == 422, (name, r.status, r.body[:200])
     with sec.client() as c:
         names = {m["name"] for m in c.get("/v1/models").json()["models"]}
@@ -135,8 +166,19 @@ def test_traversal_in_model_names_is_refused(sec: Sec, name: str):
 
 # --- path traversal: file names inside manifests -------------------------------------------------------------
 
-EVIL_PATHS = ["../escape.bin", "../../etc/passwd", "sub/../../escape.bin", "/tmp/weightsync-abs.bin",
-              ".weightsync/state.json", "sub\\..\\..\\escape.bin", "./x", "a//b", "x\x00y", "..", "a/\x1b[2J"]
+EVIL_PATHS = [
+    "../escape.bin",
+    "../../etc/passwd",
+    "sub/../../escape.bin",
+    "/tmp/weightsync-abs.bin",
+    ".weightsync/state.json",
+    "sub\\..\\..\\escape.bin",
+    "./x",
+    "a//b",
+    "x\x00y",
+    "..",
+    "a/\x1b[2J",
+]
 
 
 def _evil_manifest(sec: Sec, path: str, *, parent: int | None = None) -> tuple[str, bytes]:
@@ -179,8 +221,9 @@ def test_manifest_naming_an_unsafe_path_is_refused_by_the_sdk(sec: Sec, path: st
         plan["steps"][0]["manifest"] = digest
         return json.dumps(plan).encode()
 
-    sec.proxy.set_faults(Fault("rewrite", lambda m, p: m == "GET" and p.startswith(f"/v1/models/{MODEL}/plan"),
-                               rewrite=evil_plan))
+    sec.proxy.set_faults(
+        Fault("rewrite", lambda m, p: m == "GET" and p.startswith(f"/v1/models/{MODEL}/plan"), rewrite=evil_plan)
+    )
     dest = sec.root / "pulls" / f"evil-{uuid.uuid4().hex[:8]}" / "checkout"
     try:
         with Subscriber(sec.proxy.url, MODEL, token=sec.server.token("reader"), retry=FAST, report=False) as sub:
@@ -218,10 +261,27 @@ def test_a_symlink_in_the_checkout_does_not_redirect_writes_outside(sec: Sec):
 
 
 def _digest_targets(digest: str) -> list[str]:
-    return ["../../../../etc/passwd", "..%2f..%2f..%2f..%2fetc%2fpasswd", "%2e%2e%2f%2e%2e%2fetc%2fpasswd",
-            "%2e%2e", "..", ".", digest.upper(), digest[:63], digest + "0", digest + "/..", digest + "%2f..",
-            digest + "%00", "0" * 1000, "a" * 8000, digest[:62] + "%2e%2e", "%30" * 64,
-            "\uff10".encode().hex() * 16, digest + ";x", digest.replace(digest[0], "g", 1)]
+    return [
+        "../../../../etc/passwd",
+        "..%2f..%2f..%2f..%2fetc%2fpasswd",
+        "%2e%2e%2f%2e%2e%2fetc%2fpasswd",
+        "%2e%2e",
+        "..",
+        ".",
+        digest.upper(),
+        digest[:63],
+        digest + "0",
+        digest + "/..",
+        digest + "%2f..",
+        digest + "%00",
+        "0" * 1000,
+        "a" * 8000,
+        digest[:62] + "%2e%2e",
+        "%30" * 64,
+        "\uff10".encode().hex() * 16,
+        digest + ";x",
+        digest.replace(digest[0], "g", 1),
+    ]
 
 
 @pytest.mark.parametrize("method", ["GET", "HEAD", "PUT", "GET /url"])
@@ -247,16 +307,28 @@ def test_bad_digests_in_urls_are_refused(sec: Sec, method: str):
 def test_oversized_upload_is_refused_before_the_body_is_read(sec: Sec):
     """Content-Length of 1 GiB against a 1 MiB cap: 413 after only 64 KiB were sent."""
     digest = "ab" * 32
-    r = raw_request(sec.server.url, "PUT", f"/v1/objects/{digest}",
-                    headers={**sec.server.headers("publisher"), "Content-Length": str(1 << 30),
-                             "Content-Type": "application/octet-stream"},
-                    body=b"\0" * (64 << 10), timeout=30)
+    r = raw_request(
+        sec.server.url,
+        "PUT",
+        f"/v1/objects/{digest}",
+        headers={
+            **sec.server.headers("publisher"),
+            "Content-Length": str(1 << 30),
+            "Content-Type": "application/octet-stream",
+        },
+        body=b"\0" * (64 << 10),
+        timeout=30,
+    )
     assert r.status == 413, (r.status, r.body[:200])
     sec.figures["upload-413-after-bytes"] = 64 << 10
     # Chunked (no Content-Length): 411, nothing stored.
-    r = raw_request(sec.server.url, "PUT", f"/v1/objects/{digest}",
-                    headers={**sec.server.headers("publisher"), "Transfer-Encoding": "chunked"},
-                    body=b"5\r\nhello\r\n0\r\n\r\n")
+    r = raw_request(
+        sec.server.url,
+        "PUT",
+        f"/v1/objects/{digest}",
+        headers={**sec.server.headers("publisher"), "Transfer-Encoding": "chunked"},
+        body=b"5\r\nhello\r\n0\r\n\r\n",
+    )
     assert r.status == 411, (r.status, r.body[:200])
     # A declared length that is right but a body over the cap is cut off as it streams.
     data = os.urandom(UPLOAD_CAP + 1)
@@ -271,8 +343,14 @@ def test_oversized_upload_is_refused_before_the_body_is_read(sec: Sec):
 def test_oversized_json_is_refused(sec: Sec, path: str):
     hdrs = {**sec.server.headers("admin"), "Content-Type": "application/json"}
     # Declared too large: 413 before the body is read.
-    r = raw_request(sec.server.url, "POST", path, headers={**hdrs, "Content-Length": str(100 << 20)},
-                    body=b"{" + b" " * (16 << 10), timeout=30)
+    r = raw_request(
+        sec.server.url,
+        "POST",
+        path,
+        headers={**hdrs, "Content-Length": str(100 << 20)},
+        body=b"{" + b" " * (16 << 10),
+        timeout=30,
+    )
     assert r.status == 413, (r.status, r.body[:200])
     # Chunked and too large: cut off at the cap.
     big = b'{"name":"' + b"a" * (JSON_CAP + 10) + b'"}'
@@ -286,8 +364,9 @@ def test_oversized_json_is_refused(sec: Sec, path: str):
 
 
 def test_oversized_headers_do_not_break_the_server(sec: Sec):
-    r = raw_request(sec.server.url, "GET", "/v1/models",
-                    headers={**sec.server.headers("admin"), "X-Big": "a" * (256 << 10)})
+    r = raw_request(
+        sec.server.url, "GET", "/v1/models", headers={**sec.server.headers("admin"), "X-Big": "a" * (256 << 10)}
+    )
     assert r.status == 0 or 400 <= r.status < 500, r.status
     assert httpx.get(sec.server.url + "/healthz").status_code == 200
 
@@ -314,16 +393,31 @@ def _out_of_range_requests(pid: str) -> list[tuple[str, str, dict]]:
     return [
         ("POST", "/v1/models", {"json": {"name": "policy-sec-big", "keyframe_interval": BIG}}),
         ("POST", "/v1/models", {"json": {"name": "policy-sec-big", "keep_last": 2**63}}),
-        ("POST", "/v1/models", {"content": b'{"name": "policy-sec-big", "max_chain_ratio": Infinity}',
-                                "headers": {"Content-Type": "application/json"}}),
+        (
+            "POST",
+            "/v1/models",
+            {
+                "content": b'{"name": "policy-sec-big", "max_chain_ratio": Infinity}',
+                "headers": {"Content-Type": "application/json"},
+            },
+        ),
         ("POST", f"/v1/models/{MODEL}/publishes", {"json": {"parent": 1, "step": 2**63}}),
         ("POST", f"/v1/models/{MODEL}/publishes", {"json": {"parent": BIG}}),
-        ("POST", f"/v1/models/{MODEL}/publishes/{pid}/objects", {"json": {"objects": [{"digest": "a" * 64,
-                                                                                      "size": 2**63}]}}),
+        (
+            "POST",
+            f"/v1/models/{MODEL}/publishes/{pid}/objects",
+            {"json": {"objects": [{"digest": "a" * 64, "size": 2**63}]}},
+        ),
         ("POST", f"/v1/models/{MODEL}/replicas", {"json": {"subscriber": "x", "version": BIG}}),
         ("POST", f"/v1/models/{MODEL}/replicas", {"json": {"subscriber": "x", "version": 1, "bytes": 2**63}}),
-        ("POST", f"/v1/models/{MODEL}/replicas", {"content": b'{"subscriber": "x", "version": 1, "pause_ms": NaN}',
-                                                  "headers": {"Content-Type": "application/json"}}),
+        (
+            "POST",
+            f"/v1/models/{MODEL}/replicas",
+            {
+                "content": b'{"subscriber": "x", "version": 1, "pause_ms": NaN}',
+                "headers": {"Content-Type": "application/json"},
+            },
+        ),
         ("GET", f"/v1/models/{MODEL}/versions", {"params": {"before": BIG}}),
         ("GET", f"/v1/models/{MODEL}/versions", {"params": {"after": -BIG}}),
         ("GET", f"/v1/models/{MODEL}/plan", {"params": {"want": BIG}}),
@@ -362,13 +456,20 @@ REFUSED_BOUND = 16 << 20  # a refused bomb grows peak memory by less than this
 def test_decompression_bombs_are_refused_before_allocating(sec: Sec, name: str, tmp_path: Path):
     data, kind, declared = bombs.build(name)
     (tmp_path / "bomb").write_bytes(data)
-    out = subprocess.run([sys.executable, str(HERE / "_sec_bombs.py"), str(tmp_path / "bomb"), kind],
-                         capture_output=True, text=True, timeout=120, cwd=HERE)
+    out = subprocess.run(
+        [sys.executable, str(HERE / "_sec_bombs.py"), str(tmp_path / "bomb"), kind],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=HERE,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout)
     sec.figures[f"bomb {name}"] = got
-    print(f"\nFIGURE bomb {name}: input {got['input_bytes']} B, declares {declared} B, "
-          f"peak RSS +{got['rss_growth'] / (1 << 20):.1f} MiB, {got['refused']}")
+    print(
+        f"\nFIGURE bomb {name}: input {got['input_bytes']} B, declares {declared} B, "
+        f"peak RSS +{got['rss_growth'] / (1 << 20):.1f} MiB, {got['refused']}"
+    )
     assert got["refused"], got
     if name.startswith("manifest-in-cap-"):
         # Within the 256 MiB cap the JSON is decoded: memory follows the declared size (bytes + str copies).
@@ -395,8 +496,10 @@ def test_manifest_bombs_at_commit(sec: Sec):
             c.delete(f"/v1/models/{MODEL}/publishes/{begin['publish_id']}")
         assert r.status_code == 422, (name, r.status_code, r.text[:300])
         results[name] = growth
-        print(f"\nFIGURE server bomb {name}: {len(data)} B upload, declares {declared} B, "
-              f"server peak RSS +{growth / (1 << 20):.1f} MiB, {r.status_code} {r.json()['type']}")
+        print(
+            f"\nFIGURE server bomb {name}: {len(data)} B upload, declares {declared} B, "
+            f"server peak RSS +{growth / (1 << 20):.1f} MiB, {r.status_code} {r.json()['type']}"
+        )
         if name.startswith("manifest-in-cap-"):
             assert growth < 3 * declared + (64 << 20)
         else:
@@ -438,8 +541,12 @@ def _builders(sec: Sec) -> dict[str, Callable[[httpx.Client, str], Call]]:
         data = m.encode()
         digest = hashlib.sha256(data).hexdigest()
         assert c.put(f"/v1/objects/{digest}", content=data).status_code in (200, 201)
-        return Call("POST", f"/v1/models/{model}/publishes/{r.json()['publish_id']}/commit",
-                    {"json": {"manifest": digest}}, (201,))
+        return Call(
+            "POST",
+            f"/v1/models/{model}/publishes/{r.json()['publish_id']}/commit",
+            {"json": {"manifest": digest}},
+            (201,),
+        )
 
     def put(c: httpx.Client, model: str) -> Call:
         data = secrets.token_bytes(100)
@@ -451,19 +558,29 @@ def _builders(sec: Sec) -> dict[str, Callable[[httpx.Client, str], Call]]:
         "ready": lambda c, m: Call("GET", "/readyz"),
         "metrics": lambda c, m: Call("GET", "/metrics"),
         "listModels": lambda c, m: Call("GET", "/v1/models"),
-        "createModel": lambda c, m: Call("POST", "/v1/models", {"json": {"name": f"{m}-{uuid.uuid4().hex[:8]}"}},
-                                         (201,)),
+        "createModel": lambda c, m: Call(
+            "POST", "/v1/models", {"json": {"name": f"{m}-{uuid.uuid4().hex[:8]}"}}, (201,)
+        ),
         "getModel": lambda c, m: Call("GET", f"/v1/models/{m}"),
         "listVersions": lambda c, m: Call("GET", f"/v1/models/{m}/versions"),
         "getVersion": lambda c, m: Call("GET", f"/v1/models/{m}/versions/1"),
         "getLineage": lambda c, m: Call("GET", f"/v1/models/{m}/versions/2/lineage"),
         "getManifest": lambda c, m: Call("GET", f"/v1/models/{m}/versions/2/manifest"),
         "getPlan": lambda c, m: Call("GET", f"/v1/models/{m}/plan", {"params": {"have": 1, "want": 2}}),
-        "beginPublish": lambda c, m: Call("POST", f"/v1/models/{m}/publishes",
-                                          {"json": {"parent": _head(c, m), "keyframe": True}}, (201,)),
-        "checkObjects": lambda c, m: Call("POST", f"/v1/models/{m}/publishes/{begin(c, m)}/objects",
-                                          {"json": {"objects": [{"digest": obj(m), "size": int(
-                                              c.head(f"/v1/objects/{obj(m)}").headers["content-length"])}]}}),
+        "beginPublish": lambda c, m: Call(
+            "POST", f"/v1/models/{m}/publishes", {"json": {"parent": _head(c, m), "keyframe": True}}, (201,)
+        ),
+        "checkObjects": lambda c, m: Call(
+            "POST",
+            f"/v1/models/{m}/publishes/{begin(c, m)}/objects",
+            {
+                "json": {
+                    "objects": [
+                        {"digest": obj(m), "size": int(c.head(f"/v1/objects/{obj(m)}").headers["content-length"])}
+                    ]
+                }
+            },
+        ),
         "commitPublish": commit,
         "abortPublish": lambda c, m: Call("DELETE", f"/v1/models/{m}/publishes/{begin(c, m)}", ok=(204,)),
         "watchModel": lambda c, m: Call("GET", f"/v1/models/{m}/watch", {"params": {"after": 0, "timeout": 0.1}}),
@@ -473,8 +590,9 @@ def _builders(sec: Sec) -> dict[str, Callable[[httpx.Client, str], Call]]:
         "headObject": lambda c, m: Call("HEAD", f"/v1/objects/{obj(m)}"),
         # The filesystem store does not presign: an allowed caller gets 404 not-supported, a denied one 401/403.
         "presignObject": lambda c, m: Call("GET", f"/v1/objects/{obj(m)}/url", ok=(404,)),
-        "reportReplica": lambda c, m: Call("POST", f"/v1/models/{m}/replicas",
-                                           {"json": {"subscriber": "sec-matrix", "version": 1}}, (201,)),
+        "reportReplica": lambda c, m: Call(
+            "POST", f"/v1/models/{m}/replicas", {"json": {"subscriber": "sec-matrix", "version": 1}}, (201,)
+        ),
         "listReplicas": lambda c, m: Call("GET", f"/v1/models/{m}/replicas"),
         "fsck": lambda c, m: Call("POST", "/v1/admin/fsck", {"json": {"read_data": False, "repair": False}}),
         "gc": lambda c, m: Call("POST", "/v1/admin/gc", {"json": {"dry_run": True}}),
@@ -516,15 +634,19 @@ def test_authorization_matrix(sec: Sec):
                         good = r.status_code == denial
                     if not good:
                         wrong += 1
-                        failures.append(f"{op_id} {model} as {caller}: {r.status_code} (expected "
-                                        f"{denial or call.ok}) {r.text[:150] if not call.stream else ''}")
+                        failures.append(
+                            f"{op_id} {model} as {caller}: {r.status_code} (expected "
+                            f"{denial or call.ok}) {r.text[:150] if not call.stream else ''}"
+                        )
                     if denial is not None and op_id == "createModel":
                         assert admin.get(f"/v1/models/{call.kwargs['json']['name']}").status_code == 404
                     if denial is not None and op_id == "putObject":
                         assert admin.head(call.path).status_code == 404
     sec.figures["matrix"] = (cells, wrong)
-    print(f"\nFIGURE authz-matrix: {len(ids)} operations x {len(CALLERS)} callers x 2 model patterns = {cells} "
-          f"cells, {wrong} wrong")
+    print(
+        f"\nFIGURE authz-matrix: {len(ids)} operations x {len(CALLERS)} callers x 2 model patterns = {cells} "
+        f"cells, {wrong} wrong"
+    )
     assert not failures, "\n".join(failures)
 
 
@@ -543,11 +665,21 @@ def test_tokens_never_in_logs_urls_or_answers(sec: Sec):
     tokens = sec.server.tokens
     answers = []
     # Tokens presented in odd places: no answer echoes them.
-    for header in [f"Bearer {tokens['bad']}", f"Basic {tokens['reader']}", tokens["publisher"],
-                   f"Bearer {tokens['reader']} {tokens['admin']}", f"bearer  {tokens['other']}"]:
+    for header in [
+        f"Bearer {tokens['bad']}",
+        f"Basic {tokens['reader']}",
+        tokens["publisher"],
+        f"Bearer {tokens['reader']} {tokens['admin']}",
+        f"bearer  {tokens['other']}",
+    ]:
         for method, path in [("GET", f"/v1/models/{MODEL}"), ("POST", "/v1/admin/gc"), ("GET", "/v1/nope")]:
-            r = raw_request(sec.server.url, method, path, headers={"Authorization": header,
-                            "Content-Type": "application/json"}, body=b"{}" if method == "POST" else b"")
+            r = raw_request(
+                sec.server.url,
+                method,
+                path,
+                headers={"Authorization": header, "Content-Type": "application/json"},
+                body=b"{}" if method == "POST" else b"",
+            )
             answers.append(r.body.decode("latin-1") + json.dumps(r.headers))
     # The SDK's errors name no token.
     with Subscriber(sec.server.url, MODEL, token=tokens["bad"], retry=FAST, report=False) as sub:
@@ -555,8 +687,9 @@ def test_tokens_never_in_logs_urls_or_answers(sec: Sec):
             sub.pull(sec.root / "pulls" / "bad-token")
     answers.append(str(info.value) + repr(info.value))
     # A token in the query string is not logged either (the access log records the route, not the URL).
-    raw_request(sec.server.url, "GET", f"/v1/models?access_token={tokens['reader']}",
-                headers=sec.server.headers("reader"))
+    raw_request(
+        sec.server.url, "GET", f"/v1/models?access_token={tokens['reader']}", headers=sec.server.headers("reader")
+    )
     log = sec.server.log()
     assert "weightsync.access" in log, "debug/access logging did not run"
     for name, token in tokens.items():
@@ -566,5 +699,7 @@ def test_tokens_never_in_logs_urls_or_answers(sec: Sec):
             assert token not in path, f"the {name} token is in a URL the SDK sent: {method} {path[:80]}"
     assert sec.proxy.requests, "the SDK's requests were not recorded"
     sec.figures["token-grep"] = (len(log.splitlines()), len(sec.proxy.requests))
-    print(f"\nFIGURE tokens: 0 of {len(tokens)} tokens in {len(log.splitlines())} server log lines "
-          f"(debug level) and in {len(sec.proxy.requests)} SDK request URLs")
+    print(
+        f"\nFIGURE tokens: 0 of {len(tokens)} tokens in {len(log.splitlines())} server log lines "
+        f"(debug level) and in {len(sec.proxy.requests)} SDK request URLs"
+    )

@@ -47,8 +47,12 @@ CLIENT_RETRY = Retry(attempts=6, base=0.1, cap=0.5)
 
 @pytest.fixture(scope="module")
 def proxy(seaweed):
-    p = S3FaultProxy(seaweed.endpoint_url, seed=SEED, stall_s=0.3,
-                     credentials=(seaweed.access_key, seaweed.secret_key, seaweed.region))
+    p = S3FaultProxy(
+        seaweed.endpoint_url,
+        seed=SEED,
+        stall_s=0.3,
+        credentials=(seaweed.access_key, seaweed.secret_key, seaweed.region),
+    )
     p.start()
     yield p
     p.stop()
@@ -57,11 +61,18 @@ def proxy(seaweed):
 def _serve_s3(seaweed, proxy: S3FaultProxy, tmp: Path, *, presign: bool = True, name: str = "serve") -> Serve:
     data = tmp / name
     data.mkdir()
-    env = {"WEIGHTSYNC_S3_ACCESS_KEY_ID": seaweed.access_key, "WEIGHTSYNC_S3_SECRET_ACCESS_KEY": seaweed.secret_key,
-           "WEIGHTSYNC_S3_REGION": seaweed.region, "WEIGHTSYNC_PRESIGN": str(presign).lower(),
-           "WEIGHTSYNC_LOG_LEVEL": "warning"}
-    return serve(["--data", str(data), "--store", f"s3://{BUCKET}/{uuid.uuid4().hex}", "--s3-endpoint", proxy.url],
-                 tmp / f"{name}.log", env=env)
+    env = {
+        "WEIGHTSYNC_S3_ACCESS_KEY_ID": seaweed.access_key,
+        "WEIGHTSYNC_S3_SECRET_ACCESS_KEY": seaweed.secret_key,
+        "WEIGHTSYNC_S3_REGION": seaweed.region,
+        "WEIGHTSYNC_PRESIGN": str(presign).lower(),
+        "WEIGHTSYNC_LOG_LEVEL": "warning",
+    }
+    return serve(
+        ["--data", str(data), "--store", f"s3://{BUCKET}/{uuid.uuid4().hex}", "--s3-endpoint", proxy.url],
+        tmp / f"{name}.log",
+        env=env,
+    )
 
 
 def _delta(before: dict, after: dict) -> dict:
@@ -69,8 +80,9 @@ def _delta(before: dict, after: dict) -> dict:
     out: dict = {}
     for key, value in after.items():
         if isinstance(value, dict):
-            out[key] = {k: v - before.get(key, {}).get(k, 0) for k, v in value.items()
-                        if v - before.get(key, {}).get(k, 0)}
+            out[key] = {
+                k: v - before.get(key, {}).get(k, 0) for k, v in value.items() if v - before.get(key, {}).get(k, 0)
+            }
         else:
             out[key] = value - before.get(key, 0)
     return out
@@ -92,8 +104,9 @@ def _fsck(url: str) -> dict:
     return r.json()
 
 
-def _publish_fail_cleanly(pub: Publisher, url: str, model: str, files: dict[str, bytes], step: int,
-                          outcomes: Counter[str]) -> int:
+def _publish_fail_cleanly(
+    pub: Publisher, url: str, model: str, files: dict[str, bytes], step: int, outcomes: Counter[str]
+) -> int:
     """Publish once without client retries; on failure check nothing is visible, then retry until it commits."""
     before_head, before = _head(url, model), _versions(url, model)
     pub.api.retry = Retry(attempts=1)
@@ -131,8 +144,15 @@ def test_pulls_and_publishes_survive_s3_faults(seaweed, proxy, tmp_path, long_ru
         # Publishes with the client's retries: every one commits (presigned uploads go through the proxy too).
         numbers = []
         outcomes: Counter[str] = Counter()
-        with Publisher(svc.url, model, concurrency=4, object_bytes=512 << 10, chunk_bytes=128 << 10,
-                       retry=CLIENT_RETRY, transport=seen.transport()) as pub:
+        with Publisher(
+            svc.url,
+            model,
+            concurrency=4,
+            object_bytes=512 << 10,
+            chunk_bytes=128 << 10,
+            retry=CLIENT_RETRY,
+            transport=seen.transport(),
+        ) as pub:
             # The first upload's reply is lost after SeaweedFS stored it: the retry meets 412 (it exists).
             proxy.force_op("PUT presigned", "reset-after")
             for step in range(4):
@@ -153,8 +173,15 @@ def test_pulls_and_publishes_survive_s3_faults(seaweed, proxy, tmp_path, long_ru
         def pull(job_index: int) -> str:
             first, then = jobs[job_index]
             root = tmp_path / f"pull-{job_index}"
-            with Subscriber(svc.url, model, name=f"sub-{job_index % 4}", concurrency=4, range_bytes=128 << 10,
-                            retry=CLIENT_RETRY, transport=seen.transport()) as sub:
+            with Subscriber(
+                svc.url,
+                model,
+                name=f"sub-{job_index % 4}",
+                concurrency=4,
+                range_bytes=128 << 10,
+                retry=CLIENT_RETRY,
+                transport=seen.transport(),
+            ) as sub:
                 try:
                     got = sub.pull(root, first)
                     assert file_digests(root) == expected[first - 1]
@@ -177,11 +204,13 @@ def test_pulls_and_publishes_survive_s3_faults(seaweed, proxy, tmp_path, long_ru
     finally:
         proxy.rate = 0.0
         svc.stop()
-    print(f"\n[store-faults seed={SEED} rate={RATE}] S3 requests={during['requests']} "
-          f"faults={during['faults']} by kind={during['faults_by_kind']} by op={during['faults_by_op']}; "
-          f"publishes={len(numbers)} ({dict(outcomes)}); pulls={pulls} in {pull_s:.1f}s failed={len(failures)}; "
-          f"client saw 5xx={sum(seen.count(s) for s in (500, 502, 503, 504))} "
-          f"transport errors={dict(seen.errors)}; fsck ok={report['ok']} problems={report['problems']}")
+    print(
+        f"\n[store-faults seed={SEED} rate={RATE}] S3 requests={during['requests']} "
+        f"faults={during['faults']} by kind={during['faults_by_kind']} by op={during['faults_by_op']}; "
+        f"publishes={len(numbers)} ({dict(outcomes)}); pulls={pulls} in {pull_s:.1f}s failed={len(failures)}; "
+        f"client saw 5xx={sum(seen.count(s) for s in (500, 502, 503, 504))} "
+        f"transport errors={dict(seen.errors)}; fsck ok={report['ok']} problems={report['problems']}"
+    )
     assert failures == [] and results.count("ok") == len(jobs)
     assert during["faults"] > 0
     assert seen.count_kind("presigned", 412) >= 1  # the lost-reply upload was retried and found in place
@@ -201,8 +230,14 @@ def test_uploads_through_the_service_survive_s3_faults(seaweed, proxy, tmp_path)
         # Replies lost after SeaweedFS acted, on a single PUT and on the completion of a multipart upload.
         proxy.force_op("PutObject", "reset-after")
         proxy.force_op("CompleteMultipartUpload", "reset-after")
-        with Publisher(svc.url, model, concurrency=2, object_bytes=24 << 20, retry=Retry(attempts=10, cap=0.5),
-                       transport=seen.transport()) as pub:
+        with Publisher(
+            svc.url,
+            model,
+            concurrency=2,
+            object_bytes=24 << 20,
+            retry=Retry(attempts=10, cap=0.5),
+            transport=seen.transport(),
+        ) as pub:
             numbers = [pub.publish(checkpoint_of(v), step=i).version for i, v in enumerate(versions)]
         with Subscriber(svc.url, model, retry=CLIENT_RETRY) as sub:  # the head decodes the whole chain
             sub.pull(tmp_path / "head")
@@ -213,11 +248,15 @@ def test_uploads_through_the_service_survive_s3_faults(seaweed, proxy, tmp_path)
     finally:
         proxy.rate = 0.0
         svc.stop()
-    mp = {k: during["by_op"].get(k, 0)
-          for k in ("CreateMultipartUpload", "UploadPart", "CompleteMultipartUpload", "AbortMultipartUpload")}
-    print(f"\n[store-faults via service seed={SEED}] S3 requests={during['requests']} "
-          f"faults={during['faults']} by kind={during['faults_by_kind']} multipart={mp}; "
-          f"client saw 503={seen.count(503)}; fsck ok={report['ok']}")
+    mp = {
+        k: during["by_op"].get(k, 0)
+        for k in ("CreateMultipartUpload", "UploadPart", "CompleteMultipartUpload", "AbortMultipartUpload")
+    }
+    print(
+        f"\n[store-faults via service seed={SEED}] S3 requests={during['requests']} "
+        f"faults={during['faults']} by kind={during['faults_by_kind']} multipart={mp}; "
+        f"client saw 503={seen.count(503)}; fsck ok={report['ok']}"
+    )
     assert numbers == [1, 2, 3]
     assert mp["CompleteMultipartUpload"] >= 1
     assert report["ok"], report["problems"]
@@ -230,9 +269,18 @@ def test_s3_timeouts_and_lost_replies_are_retried(seaweed, proxy):
     proxy.stall_s = 20.0  # far beyond the client's read timeout: only the timeout can end the wait
 
     def s3(**kw) -> S3Store:
-        return S3Store(BUCKET, f"timeouts-{uuid.uuid4().hex}", endpoint_url=proxy.url, region=seaweed.region,
-                       access_key_id=seaweed.access_key, secret_access_key=seaweed.secret_key, create_bucket=True,
-                       read_timeout_s=0.5, connect_timeout_s=0.5, **kw)
+        return S3Store(
+            BUCKET,
+            f"timeouts-{uuid.uuid4().hex}",
+            endpoint_url=proxy.url,
+            region=seaweed.region,
+            access_key_id=seaweed.access_key,
+            secret_access_key=seaweed.secret_key,
+            create_bucket=True,
+            read_timeout_s=0.5,
+            connect_timeout_s=0.5,
+            **kw,
+        )
 
     async def run() -> None:
         async with s3() as bare:
@@ -266,8 +314,11 @@ def test_store_ignoring_if_none_match_is_detected_at_start(seaweed, proxy, tmp_p
     try:
         svc = _serve_s3(seaweed, proxy, tmp_path, presign=False, name="serve-inm")
         try:
-            warnings = [r for r in log_records(svc.log())
-                        if r.get("level") == "warning" and "ignores If-None-Match" in r.get("msg", "")]
+            warnings = [
+                r
+                for r in log_records(svc.log())
+                if r.get("level") == "warning" and "ignores If-None-Match" in r.get("msg", "")
+            ]
             # Once by the start-up check, once by the worker's own open: a warning, not a refusal.
             assert len(warnings) >= 1 and warnings[0]["logger"] == "weightsync.store.s3"
             versions = make_versions(2, seed=SEED + 2, big=256 << 10)
@@ -283,8 +334,14 @@ def test_store_ignoring_if_none_match_is_detected_at_start(seaweed, proxy, tmp_p
             svc.stop()
 
         async def probe() -> tuple[bool, bool | None]:
-            async with S3Store(BUCKET, "probe", endpoint_url=proxy.url, region=seaweed.region,
-                               access_key_id=seaweed.access_key, secret_access_key=seaweed.secret_key) as s:
+            async with S3Store(
+                BUCKET,
+                "probe",
+                endpoint_url=proxy.url,
+                region=seaweed.region,
+                access_key_id=seaweed.access_key,
+                secret_access_key=seaweed.secret_key,
+            ) as s:
                 return await s.check_conditional_writes(), s.capabilities.atomic_create
 
         assert asyncio.run(probe()) == (False, False)
@@ -293,5 +350,7 @@ def test_store_ignoring_if_none_match_is_detected_at_start(seaweed, proxy, tmp_p
     finally:
         proxy.strip_if_none_match = False
     assert proxy.stripped > stripped
-    print(f"\n[if-none-match] stripped {proxy.stripped - stripped} conditional writes; serve warned "
-          f"{len(warnings)}x and kept serving")
+    print(
+        f"\n[if-none-match] stripped {proxy.stripped - stripped} conditional writes; serve warned "
+        f"{len(warnings)}x and kept serving"
+    )

@@ -57,11 +57,25 @@ def upload(client: httpx.Client, digest: str, data: bytes, uploads: dict | None,
     return False
 
 
-def publish(client: httpx.Client, model: str, ck: Checkpoint, base: Checkpoint | None, parent: int | None, *,
-            via: str = "auto", keyframe: bool = False, step: int | None = None, commit: bool = True) -> Published:
-    begin = ok(client.post(f"/v1/models/{model}/publishes",
-                           json={"parent": parent, "keyframe": keyframe, "step": step, "metadata": {"by": "test"}}),
-               201)
+def publish(
+    client: httpx.Client,
+    model: str,
+    ck: Checkpoint,
+    base: Checkpoint | None,
+    parent: int | None,
+    *,
+    via: str = "auto",
+    keyframe: bool = False,
+    step: int | None = None,
+    commit: bool = True,
+) -> Published:
+    begin = ok(
+        client.post(
+            f"/v1/models/{model}/publishes",
+            json={"parent": parent, "keyframe": keyframe, "step": step, "metadata": {"by": "test"}},
+        ),
+        201,
+    )
     encoded = Encoder(chunk_bytes=1 << 16, threads=2).encode(ck, base if begin["kind"] == "delta" else None)
     manifest, objects = pack(encoded, target_bytes=1 << 17)
     manifest.model, manifest.parent, manifest.step = model, parent, step
@@ -70,15 +84,21 @@ def publish(client: httpx.Client, model: str, ck: Checkpoint, base: Checkpoint |
     mdigest = hashlib.sha256(mbytes).hexdigest()
     blobs = {o.digest: o.data for o in objects}
     blobs[mdigest] = mbytes
-    check = ok(client.post(f"/v1/models/{model}/publishes/{begin['publish_id']}/objects",
-                           json={"objects": [{"digest": d, "size": len(b)} for d, b in blobs.items()]}), 200)
+    check = ok(
+        client.post(
+            f"/v1/models/{model}/publishes/{begin['publish_id']}/objects",
+            json={"objects": [{"digest": d, "size": len(b)} for d, b in blobs.items()]},
+        ),
+        200,
+    )
     out = Published({}, begin, mdigest)
     for d in check["missing"]:
         out.presigned += upload(client, d, blobs[d], check.get("uploads"), via=via)
         out.uploaded.append(d)
     if commit:
-        out.version = ok(client.post(f"/v1/models/{model}/publishes/{begin['publish_id']}/commit",
-                                     json={"manifest": mdigest}), 201)
+        out.version = ok(
+            client.post(f"/v1/models/{model}/publishes/{begin['publish_id']}/commit", json={"manifest": mdigest}), 201
+        )
     return out
 
 
@@ -103,8 +123,14 @@ class Pulled:
     bytes: int
 
 
-def pull(client: httpx.Client, model: str, *, have: Pulled | None = None, want: int | None = None,
-         holder: str = "test-subscriber") -> Pulled:
+def pull(
+    client: httpx.Client,
+    model: str,
+    *,
+    have: Pulled | None = None,
+    want: int | None = None,
+    holder: str = "test-subscriber",
+) -> Pulled:
     """Bring a state to version ``want`` (head by default) the way the plan says, with ranged reads."""
     params: dict = {"holder": holder}
     if have is not None:
@@ -129,15 +155,19 @@ def pull(client: httpx.Client, model: str, *, have: Pulled | None = None, want: 
         received += len(r.content)
         base = None
         if current is not None:
-            base = Checkpoint([CheckpointFile(f.layout, current.files[f.path]) for f in current.manifest.files],
-                              single_file=current.manifest.single_file)
+            base = Checkpoint(
+                [CheckpointFile(f.layout, current.files[f.path]) for f in current.manifest.files],
+                single_file=current.manifest.single_file,
+            )
         outputs = [np.empty(f.size, dtype=np.uint8) for f in manifest.files]
 
         def read(ref: FrameRef, blobs: dict = blobs) -> memoryview:
-            return memoryview(blobs[ref.object])[ref.offset: ref.offset + ref.length]
+            return memoryview(blobs[ref.object])[ref.offset : ref.offset + ref.length]
 
         Decoder(threads=2).decode(manifest, read, outputs, base, verify_segments=True)
-        current = Pulled(step["number"], manifest, {f.path: o for f, o in zip(manifest.files, outputs)}, received)
+        current = Pulled(
+            step["number"], manifest, {f.path: o for f, o in zip(manifest.files, outputs, strict=True)}, received
+        )
     assert current is not None and current.number == plan["target"]
     return current
 
@@ -197,8 +227,12 @@ class EventReader:
     def wait_for(self, pred, timeout: float = 30.0) -> dict:
         with self._cond:
             ok_ = self._cond.wait_for(
-                lambda: any(pred(json.loads(e["data"])) for e in self.events if e.get("event") == "version")
-                or self.error is not None, timeout)
+                lambda: (
+                    any(pred(json.loads(e["data"])) for e in self.events if e.get("event") == "version")
+                    or self.error is not None
+                ),
+                timeout,
+            )
         assert ok_ and self.error is None, (self.error, self.events)
         return next(v for v in self.versions() if pred(v))
 

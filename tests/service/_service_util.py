@@ -52,8 +52,9 @@ class ServerThread:
     """uvicorn serving ``app`` on a free loopback port in a daemon thread."""
 
     def __init__(self, app) -> None:
-        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, access_log=False,
-                                lifespan="on", timeout_graceful_shutdown=2)
+        config = uvicorn.Config(
+            app, host="127.0.0.1", port=0, log_config=None, access_log=False, lifespan="on", timeout_graceful_shutdown=2
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
 
@@ -119,9 +120,13 @@ def backend_settings(backend: str, tmp: Path, request, **extra) -> tuple[dict, l
         cleanups.append(ctx)
     if backend.endswith("s3"):
         server = request.getfixturevalue("seaweed")
-        kw.update(store=f"s3://weightsync-service-tests/{uuid.uuid4().hex}", s3_endpoint=server.endpoint_url,
-                  s3_access_key_id=server.access_key, s3_secret_access_key=server.secret_key,
-                  s3_region=server.region)
+        kw.update(
+            store=f"s3://weightsync-service-tests/{uuid.uuid4().hex}",
+            s3_endpoint=server.endpoint_url,
+            s3_access_key_id=server.access_key,
+            s3_secret_access_key=server.secret_key,
+            s3_region=server.region,
+        )
     kw.update(extra)
     return kw, cleanups
 
@@ -138,15 +143,15 @@ def service_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return clean_env(extra)
 
 
-def run_cli(args: list[str], *, env: dict[str, str] | None = None, timeout: float = 60.0
-            ) -> subprocess.CompletedProcess:
+def run_cli(
+    args: list[str], *, env: dict[str, str] | None = None, timeout: float = 60.0
+) -> subprocess.CompletedProcess:
     """``python -m weightsync.service ARGS`` to completion."""
-    return subprocess.run([*SERVICE_CLI, *args], env=service_env(env),
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([*SERVICE_CLI, *args], env=service_env(env), capture_output=True, text=True, timeout=timeout)
 
 
-def spawn_service(args: list[str], log_path: Path, *, env: dict[str, str] | None = None, wait: bool = True,
-                  timeout: float = 60.0) -> Spawned:
+def spawn_service(
+    args: list[str], log_path: Path, *, env: dict[str, str] | None = None, wait: bool = True, timeout: float = 60.0
+) -> Spawned:
     """Start ``python -m weightsync.service serve ARGS --port P``; with ``wait``, until /healthz answers."""
-    return spawn_serve(args, log_path=log_path, command=SERVICE_CLI, env=service_env(env), wait=wait,
-                       timeout=timeout)
+    return spawn_serve(args, log_path=log_path, command=SERVICE_CLI, env=service_env(env), wait=wait, timeout=timeout)

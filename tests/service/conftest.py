@@ -21,8 +21,15 @@ from weightsync.service import Settings
 def service(request, tmp_path_factory) -> Iterator[Service]:
     """The service with tokens, on one backend, shared by the session's API tests."""
     kw, cleanups = backend_settings(request.param, tmp_path_factory.mktemp("service"), request)
-    settings = Settings(**kw, tokens=json.dumps(token_entries()), max_upload_body=UPLOAD_CAP, max_json_body=JSON_CAP,
-                        watch_poll_s=0.05, sse_keepalive_s=0.5, gc_grace_s=0)
+    settings = Settings(
+        **kw,
+        tokens=json.dumps(token_entries()),
+        max_upload_body=UPLOAD_CAP,
+        max_json_body=JSON_CAP,
+        watch_poll_s=0.05,
+        sse_keepalive_s=0.5,
+        gc_grace_s=0,
+    )
     try:
         with running(settings) as url:
             svc = Service(url, request.param, settings)
@@ -49,5 +56,3 @@ def versions():
         out.append(checkpoint(t, i))
         t = next_step(t, i + 1)
     return out
-
-

@@ -18,10 +18,31 @@ from weightsync.codec.pack import pack
 from weightsync.service import Settings, create_app
 
 OPERATION_IDS = {
-    "health", "ready", "metrics", "listModels", "createModel", "getModel", "listVersions", "getVersion",
-    "getLineage", "getManifest", "getPlan", "beginPublish", "checkObjects", "commitPublish", "abortPublish",
-    "putObject", "getObject", "headObject", "presignObject", "watchModel", "streamEvents", "reportReplica",
-    "listReplicas", "fsck", "gc",
+    "health",
+    "ready",
+    "metrics",
+    "listModels",
+    "createModel",
+    "getModel",
+    "listVersions",
+    "getVersion",
+    "getLineage",
+    "getManifest",
+    "getPlan",
+    "beginPublish",
+    "checkObjects",
+    "commitPublish",
+    "abortPublish",
+    "putObject",
+    "getObject",
+    "headObject",
+    "presignObject",
+    "watchModel",
+    "streamEvents",
+    "reportReplica",
+    "listReplicas",
+    "fsck",
+    "gc",
 }
 
 
@@ -65,8 +86,10 @@ def test_publish_commit_plan_manifest_and_ranged_download_round_trip(service, mo
     r = reader.get(f"/v1/models/{model}/versions/3/manifest")
     assert r.headers["content-type"] == "application/octet-stream"
     assert hashlib.sha256(r.content).hexdigest() == v3["manifest"]
-    assert reader.get(f"/v1/models/{model}/versions/3/manifest",
-                      headers={"If-None-Match": r.headers["etag"]}).status_code == 304
+    assert (
+        reader.get(f"/v1/models/{model}/versions/3/manifest", headers={"If-None-Match": r.headers["etag"]}).status_code
+        == 304
+    )
 
     # Ranged reads of an object agree with the whole object, which hashes to its name.
     obj = plan["steps"][0]["objects"][0]
@@ -74,17 +97,33 @@ def test_publish_commit_plan_manifest_and_ranged_download_round_trip(service, mo
     assert whole.status_code == 200 and whole.headers["etag"] == f'"{obj["digest"]}"'
     assert hashlib.sha256(whole.content).hexdigest() == obj["digest"]
     n = len(whole.content)
-    for rng, start, end in [(f"bytes=3-{n // 2}", 3, n // 2), ("bytes=10-", 10, n - 1), ("bytes=-7", n - 7, n - 1),
-                            (f"bytes=0-{n + 100}", 0, n - 1)]:
+    for rng, start, end in [
+        (f"bytes=3-{n // 2}", 3, n // 2),
+        ("bytes=10-", 10, n - 1),
+        ("bytes=-7", n - 7, n - 1),
+        (f"bytes=0-{n + 100}", 0, n - 1),
+    ]:
         part = reader.get(f"/v1/objects/{obj['digest']}", headers={"Range": rng})
         assert part.status_code == 206, (rng, part.text)
-        assert part.content == whole.content[start:end + 1]
+        assert part.content == whole.content[start : end + 1]
         assert part.headers["content-range"] == f"bytes {start}-{end}/{n}"
 
     # The subscriber reports it applied version 3; the ledger shows it.
-    rep = ok(reader.post(f"/v1/models/{model}/replicas",
-                         json={"subscriber": "inference-a", "version": 3, "pause_ms": 12.5, "bytes": inc.bytes,
-                               "site": "eu", "host": "gpu-1", "extra": {"gpus": 8}}), 201)
+    rep = ok(
+        reader.post(
+            f"/v1/models/{model}/replicas",
+            json={
+                "subscriber": "inference-a",
+                "version": 3,
+                "pause_ms": 12.5,
+                "bytes": inc.bytes,
+                "site": "eu",
+                "host": "gpu-1",
+                "extra": {"gpus": 8},
+            },
+        ),
+        201,
+    )
     assert rep["version"] == 3 and rep["bytes"] == inc.bytes and rep["extra"] == {"gpus": 8}
     listed = ok(reader.get(f"/v1/models/{model}/replicas"), 200)["replicas"]
     assert [(r["subscriber"], r["version"]) for r in listed] == [("inference-a", 3)]
@@ -101,8 +140,7 @@ def test_models(service):
     problem(c.post("/v1/models", json={"name": name, "keyframe_interval": 6}), 409, "conflict")
     problem(c.post("/v1/models", json={"name": "Not_Valid"}), 422, "invalid-name")
     problem(c.post("/v1/models", json={"name": "x", "keyframe_interval": 0}), 422, "validation")
-    problem(c.post("/v1/models", content=b"not json", headers={"content-type": "application/json"}), 422,
-            "validation")
+    problem(c.post("/v1/models", content=b"not json", headers={"content-type": "application/json"}), 422, "validation")
     assert ok(c.get(f"/v1/models/{name}"), 200)["name"] == name
     assert name in [m["name"] for m in ok(c.get("/v1/models"), 200)["models"]]
     assert problem(c.get("/v1/models/no-such-model"), 404, "not-found")["resource"] == "model"
@@ -129,8 +167,18 @@ def test_versions_listing_lineage_and_404s(service, model, versions):
     problem(c.get(f"/v1/models/{model}/plan", params={"want": 99}), 404, "not-found")
     problem(c.get(f"/v1/models/{model}/versions", params={"limit": 0}), 422, "validation")
     missing = f"{model}-missing"
-    for path in ("", "/versions", "/versions/1", "/versions/latest", "/versions/1/lineage", "/versions/1/manifest",
-                 "/plan", "/replicas", "/watch?timeout=0", "/events"):
+    for path in (
+        "",
+        "/versions",
+        "/versions/1",
+        "/versions/latest",
+        "/versions/1/lineage",
+        "/versions/1/manifest",
+        "/plan",
+        "/replicas",
+        "/watch?timeout=0",
+        "/events",
+    ):
         problem(c.get(f"/v1/models/{missing}{path}"), 404, "not-found")
     empty = f"{model}-empty"
     ok(c.post("/v1/models", json={"name": empty}), 201)
@@ -146,10 +194,15 @@ def test_stale_parent_is_409_with_current_head(service, model, versions):
     # Two publishers on parent 1: the second to commit loses the compare-and-swap.
     first = publish(c, model, versions[1], versions[0], 1, commit=False)
     second = publish(c, model, versions[2], versions[0], 1, commit=False)
-    ok(c.post(f"/v1/models/{model}/publishes/{first.begin['publish_id']}/commit",
-              json={"manifest": first.manifest}), 201)
-    body = problem(c.post(f"/v1/models/{model}/publishes/{second.begin['publish_id']}/commit",
-                          json={"manifest": second.manifest}), 409, "stale-parent")
+    ok(
+        c.post(f"/v1/models/{model}/publishes/{first.begin['publish_id']}/commit", json={"manifest": first.manifest}),
+        201,
+    )
+    body = problem(
+        c.post(f"/v1/models/{model}/publishes/{second.begin['publish_id']}/commit", json={"manifest": second.manifest}),
+        409,
+        "stale-parent",
+    )
     assert body["current_head"] == 2
     body = problem(c.post(f"/v1/models/{model}/publishes", json={"parent": 1}), 409, "stale-parent")
     assert body["current_head"] == 2
@@ -179,8 +232,9 @@ def test_commit_is_idempotent_and_its_errors(service, model, versions):
     other_digest = hashlib.sha256(other).hexdigest()
     ok(c.put(f"/v1/objects/{other_digest}", content=other), 201)
     problem(c.post(commit, json={"manifest": other_digest}), 409, "conflict")
-    problem(c.post(f"/v1/models/{model}/publishes/no-such-publish/commit", json={"manifest": p.manifest}), 404,
-            "not-found")
+    problem(
+        c.post(f"/v1/models/{model}/publishes/no-such-publish/commit", json={"manifest": p.manifest}), 404, "not-found"
+    )
     problem(c.post(f"/v1/models/{model}/publishes/no-such/objects", json={"objects": []}), 404, "not-found")
     problem(c.post(f"/v1/models/{model}/publishes", json={"step": 1}), 422, "validation")  # parent is required
     # Abort: 204, then the publish is gone.
@@ -208,8 +262,11 @@ def test_check_objects_reports_missing_and_refuses_oversized(service, model, ver
     # The catalog knows the object with another size.
     problem(c.post(path, json={"objects": [{"digest": d, "size": len(data) + 1}]}), 409, "incomplete-publish")
     problem(c.post(path, json={"objects": [{"digest": "xyz", "size": 1}]}), 422, "invalid-digest")
-    problem(c.post(path, json={"objects": [{"digest": "a" * 64, "size": service.settings.max_object_size + 1}]}),
-            413, "too-large")
+    problem(
+        c.post(path, json={"objects": [{"digest": "a" * 64, "size": service.settings.max_object_size + 1}]}),
+        413,
+        "too-large",
+    )
 
 
 def test_replica_ledger(service, model, versions):
@@ -223,8 +280,11 @@ def test_replica_ledger(service, model, versions):
     assert [r["version"] for r in hist] == [1, 2]
     problem(c.post(f"/v1/models/{model}/replicas", json={"subscriber": "a", "version": 9}), 404, "not-found")
     problem(c.post(f"/v1/models/{model}/replicas", json={"subscriber": "", "version": 1}), 422, "validation")
-    problem(c.post(f"/v1/models/{model}/replicas", json={"subscriber": "a", "version": 1, "pause_ms": -1}), 422,
-            "validation")
+    problem(
+        c.post(f"/v1/models/{model}/replicas", json={"subscriber": "a", "version": 1, "pause_ms": -1}),
+        422,
+        "validation",
+    )
 
 
 def test_admin_fsck_and_gc(service, model, versions):
@@ -235,8 +295,14 @@ def test_admin_fsck_and_gc(service, model, versions):
     assert not [p for p in report["problems"] if p["model"] == model]
     assert set(report) == {"ok", "versions_checked", "objects_checked", "bytes_verified", "problems"}
     gc = ok(c.post("/v1/admin/gc", json={"dry_run": True}), 200)
-    assert set(gc) == {"versions_deleted", "pending_expired", "objects_deleted", "bytes_deleted",
-                       "objects_kept_in_grace", "leases_purged"}
+    assert set(gc) == {
+        "versions_deleted",
+        "pending_expired",
+        "objects_deleted",
+        "bytes_deleted",
+        "objects_kept_in_grace",
+        "leases_purged",
+    }
     assert gc["leases_purged"] == 0  # a dry run changes nothing
     # Nothing a committed version needs is ever deleted.
     ok(c.post("/v1/admin/gc", json={"dry_run": False, "grace_s": 0}), 200)
@@ -254,21 +320,33 @@ def test_metrics_request_id_and_problem_shape(service, model, versions):
     generated = c.get("/healthz", headers={"X-Request-ID": "bad id with spaces"}).headers["x-request-id"]
     assert re.fullmatch(r"[0-9a-f]{32}", generated)
     text = c.get("/metrics").text
-    assert re.search(r'weightsync_http_requests_total\{method="GET",route="/v1/models/\{model\}/versions/'
-                     r'\{number\}",status="404"\} [1-9]', text)
-    assert re.search(r'weightsync_http_request_duration_seconds_count\{method="POST",'
-                     r'route="/v1/models/\{model\}/publishes/\{publish_id\}/commit",status="201"\} [1-9]', text)
+    assert re.search(
+        r'weightsync_http_requests_total\{method="GET",route="/v1/models/\{model\}/versions/'
+        r'\{number\}",status="404"\} [1-9]',
+        text,
+    )
+    assert re.search(
+        r'weightsync_http_request_duration_seconds_count\{method="POST",'
+        r'route="/v1/models/\{model\}/publishes/\{publish_id\}/commit",status="201"\} [1-9]',
+        text,
+    )
     assert re.search(r"weightsync_versions_committed_total [1-9]", text)
     assert re.search(r"weightsync_publish_to_commit_seconds_count [1-9]", text)
     assert re.search(r'weightsync_http_received_bytes_total\{route="/v1/objects/\{digest\}"\} [1-9]', text)
-    assert re.search(r'weightsync_http_sent_bytes_total\{route="/v1/models/\{model\}"\}|'
-                     r'weightsync_http_sent_bytes_total\{route="/v1/models/\{model\}/versions', text)
+    assert re.search(
+        r'weightsync_http_sent_bytes_total\{route="/v1/models/\{model\}"\}|'
+        r'weightsync_http_sent_bytes_total\{route="/v1/models/\{model\}/versions',
+        text,
+    )
 
 
 def test_json_bodies_are_capped(service):
     c = service.client("admin")
-    problem(c.post("/v1/models", content=b"x" * (JSON_CAP + 1), headers={"content-type": "application/json"}), 413,
-            "too-large")
+    problem(
+        c.post("/v1/models", content=b"x" * (JSON_CAP + 1), headers={"content-type": "application/json"}),
+        413,
+        "too-large",
+    )
 
     def chunked():  # no Content-Length: cut off while reading
         for _ in range(4):
@@ -300,8 +378,11 @@ def raising(tmp_path_factory) -> Iterator[str]:
     @app.get("/test/raise/{name}")
     async def raise_named(name: str) -> None:
         cls = getattr(errors, name)
-        raise cls("boom from a route", current_head=4) if issubclass(cls, errors.StaleParent) \
+        raise (
+            cls("boom from a route", current_head=4)
+            if issubclass(cls, errors.StaleParent)
             else cls("boom from a route")
+        )
 
     @app.get("/test/value-error")
     async def value_error() -> None:
@@ -326,8 +407,10 @@ def test_invalid_argument_raised_in_a_route_is_422(raising):
     assert body["detail"] == "boom from a route" and body["title"] == errors.InvalidArgument.title
 
 
-_ERROR_CLASSES = sorted((c for c in vars(errors).values()
-                         if isinstance(c, type) and issubclass(c, errors.WeightsyncError)), key=lambda c: c.__name__)
+_ERROR_CLASSES = sorted(
+    (c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, errors.WeightsyncError)),
+    key=lambda c: c.__name__,
+)
 
 
 @pytest.mark.parametrize("cls", _ERROR_CLASSES, ids=lambda c: c.__name__)
@@ -337,8 +420,7 @@ def test_every_error_class_renders_its_attributes_and_the_client_decodes_it(rais
     assert body["title"] == cls.title and body.get("resource") == cls.resource
     if cls.status == 503:
         assert r.headers["retry-after"]
-    with Api(raising, retry=Retry(attempts=1, base=0.0, cap=0.0)) as api, \
-            pytest.raises(errors.WeightsyncError) as info:
+    with Api(raising, retry=Retry(attempts=1, base=0.0, cap=0.0)) as api, pytest.raises(errors.WeightsyncError) as info:
         api.request("GET", f"/test/raise/{cls.__name__}", not_found=errors.ObjectNotFound)
     got = info.value
     if cls.status >= 500:

@@ -147,8 +147,7 @@ def test_anonymous_mode_admits_everyone_on_loopback(tmp_path, versions):
         p = publish(c, "anything", versions[0], None, None)
         assert p.version["number"] == 1
         ok(c.post("/v1/admin/fsck", json={}), 200)
-        assert c.get("/v1/models/anything/versions/1", headers={"Authorization": "Bearer whatever"}).status_code \
-            == 200
+        assert c.get("/v1/models/anything/versions/1", headers={"Authorization": "Bearer whatever"}).status_code == 200
 
 
 def test_anonymous_mode_refuses_non_loopback_addresses():
@@ -157,8 +156,9 @@ def test_anonymous_mode_refuses_non_loopback_addresses():
     table.check_server_address(("::1", 8400))
     with pytest.raises(AuthDenied):
         table.check_server_address(("10.1.2.3", 8400))
-    configured = TokenTable.from_settings(Settings(tokens=json.dumps([{"name": "a", "token": "x" * 20,
-                                                                       "scopes": ["read"]}])))
+    configured = TokenTable.from_settings(
+        Settings(tokens=json.dumps([{"name": "a", "token": "x" * 20, "scopes": ["read"]}]))
+    )
     configured.check_server_address(("10.1.2.3", 8400))  # with tokens any address is fine
 
 
@@ -178,8 +178,10 @@ def test_token_file_json_and_toml(tmp_path):
     h = hashlib.sha256(SECRET.encode()).hexdigest()
     for name, text in [
         ("t.json", json.dumps([{"name": "trainer", "token_sha256": h, "scopes": ["publish"], "models": ["p-*"]}])),
-        ("t2.json", json.dumps({"tokens": [{"name": "trainer", "token": SECRET, "scopes": "publish",
-                                            "models": "p-*"}]})),
+        (
+            "t2.json",
+            json.dumps({"tokens": [{"name": "trainer", "token": SECRET, "scopes": "publish", "models": "p-*"}]}),
+        ),
         ("t.toml", f'[[tokens]]\nname = "trainer"\ntoken_sha256 = "{h}"\nscopes = ["publish"]\nmodels = ["p-*"]\n'),
     ]:
         table = table_of(tmp_path, name, text)
@@ -200,27 +202,39 @@ def test_token_file_json_and_toml(tmp_path):
 def test_token_env_and_file_combine(tmp_path):
     path = tmp_path / "t.json"
     path.write_text(json.dumps([{"name": "a", "token": SECRET, "scopes": ["admin"]}]))
-    table = TokenTable.from_settings(Settings(token_file=path, tokens=json.dumps(
-        [{"name": "b", "token": SECRET + "b", "scopes": ["read"], "models": ["*"]}])))
+    table = TokenTable.from_settings(
+        Settings(
+            token_file=path,
+            tokens=json.dumps([{"name": "b", "token": SECRET + "b", "scopes": ["read"], "models": ["*"]}]),
+        )
+    )
     assert table.authenticate(SECRET).scopes == {"read", "publish", "admin"}
     assert table.authenticate(SECRET + "b").name == "b"
 
 
-@pytest.mark.parametrize("entries", [
-    "not json " + SECRET,
-    json.dumps({"name": "a"}),
-    json.dumps([{"name": "a", "token": SECRET}]),  # no scopes
-    json.dumps([{"name": "a", "token": SECRET, "scopes": ["write"]}]),
-    json.dumps([{"name": "a", "token": SECRET, "token_sha256": "0" * 64, "scopes": ["read"]}]),
-    json.dumps([{"name": "a", "token_sha256": SECRET, "scopes": ["read"]}]),
-    json.dumps([{"name": "a", "token": "short", "scopes": ["read"]}]),
-    json.dumps([{"name": "a", "token": SECRET, "scopes": ["read"]}, {"name": "a", "token": SECRET + "2",
-                                                                      "scopes": ["read"]}]),
-    json.dumps([{"name": "a", "token": SECRET, "scopes": ["read"]}, {"name": "b", "token": SECRET,
-                                                                      "scopes": ["read"]}]),
-    json.dumps([{"name": "a", "token": SECRET, "scopes": ["read"], "models": []}]),
-    json.dumps([{"name": "a", "token": SECRET, "scopes": ["read"], "secret": SECRET}]),
-])
+@pytest.mark.parametrize(
+    "entries",
+    [
+        "not json " + SECRET,
+        json.dumps({"name": "a"}),
+        json.dumps([{"name": "a", "token": SECRET}]),  # no scopes
+        json.dumps([{"name": "a", "token": SECRET, "scopes": ["write"]}]),
+        json.dumps([{"name": "a", "token": SECRET, "token_sha256": "0" * 64, "scopes": ["read"]}]),
+        json.dumps([{"name": "a", "token_sha256": SECRET, "scopes": ["read"]}]),
+        json.dumps([{"name": "a", "token": "short", "scopes": ["read"]}]),
+        json.dumps(
+            [
+                {"name": "a", "token": SECRET, "scopes": ["read"]},
+                {"name": "a", "token": SECRET + "2", "scopes": ["read"]},
+            ]
+        ),
+        json.dumps(
+            [{"name": "a", "token": SECRET, "scopes": ["read"]}, {"name": "b", "token": SECRET, "scopes": ["read"]}]
+        ),
+        json.dumps([{"name": "a", "token": SECRET, "scopes": ["read"], "models": []}]),
+        json.dumps([{"name": "a", "token": SECRET, "scopes": ["read"], "secret": SECRET}]),
+    ],
+)
 def test_bad_token_config_is_one_line_without_secrets(entries):
     with pytest.raises(ConfigError) as e:
         TokenTable.from_settings(Settings(tokens=entries))

@@ -26,9 +26,11 @@ def one_line_error(result: subprocess.CompletedProcess, *needles: str) -> str:
 
 
 def test_cli_module_does_not_import_server_dependencies():
-    code = ("import sys, typer; from weightsync.service.cli import register; app = typer.Typer(); register(app); "
-            "heavy = [m for m in ('fastapi', 'uvicorn', 'sqlalchemy', 'starlette', 'aioboto3', 'pydantic') "
-            "if m in sys.modules]; print(heavy)")
+    code = (
+        "import sys, typer; from weightsync.service.cli import register; app = typer.Typer(); register(app); "
+        "heavy = [m for m in ('fastapi', 'uvicorn', 'sqlalchemy', 'starlette', 'aioboto3', 'pydantic') "
+        "if m in sys.modules]; print(heavy)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -55,11 +57,14 @@ def test_non_loopback_without_tokens_is_refused(tmp_path):
 def test_bad_configuration_is_one_line(tmp_path):
     one_line_error(run_cli(["serve", "--port", "70000", "--data", str(tmp_path)]), "port")
     one_line_error(run_cli(["serve", "--data", str(tmp_path)], env={"WEIGHTSYNC_WORKERS": "many"}), "workers")
-    one_line_error(run_cli(["serve", "--tokens", str(tmp_path / "absent.json"), "--data", str(tmp_path)]),
-                   "token file")
+    one_line_error(run_cli(["serve", "--tokens", str(tmp_path / "absent.json"), "--data", str(tmp_path)]), "token file")
     secret = "super-secret-token-value-1234"
-    one_line_error(run_cli(["serve", "--data", str(tmp_path)],
-                           env={"WEIGHTSYNC_TOKENS": json.dumps([{"name": "x", "token": secret}])}), "scopes")
+    one_line_error(
+        run_cli(
+            ["serve", "--data", str(tmp_path)], env={"WEIGHTSYNC_TOKENS": json.dumps([{"name": "x", "token": secret}])}
+        ),
+        "scopes",
+    )
     one_line_error(run_cli(["serve", "--data", str(tmp_path), "--catalog", "mysql://nowhere/db"]), "catalog")
     r = run_cli(["serve", "--data", str(tmp_path), "--catalog", "postgresql://u:hunter2@127.0.0.1:1/x"])
     assert "hunter2" not in one_line_error(r, "unreachable")

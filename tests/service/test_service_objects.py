@@ -27,8 +27,14 @@ def raw_request(url: str, head: str, body: bytes = b"") -> tuple[int, bytes]:
                 break
             data += chunk
         head_, _, body_ = data.partition(b"\r\n\r\n")
-        length = next((int(line.split(b":", 1)[1]) for line in head_.split(b"\r\n")
-                       if line.lower().startswith(b"content-length:")), 0)
+        length = next(
+            (
+                int(line.split(b":", 1)[1])
+                for line in head_.split(b"\r\n")
+                if line.lower().startswith(b"content-length:")
+            ),
+            0,
+        )
         while len(body_) < length:
             chunk = s.recv(65536)
             if not chunk:
@@ -73,8 +79,7 @@ def test_digest_mismatch_is_422_and_leaves_nothing(service):
     assert c.head(f"/v1/objects/{claimed}").status_code == 404
     assert c.head(f"/v1/objects/{actual}").status_code == 404
     if not service.s3:  # no temporary file left behind either
-        leftovers = [p for p in (service.settings.data_dir() / "store").rglob("*") if p.is_file()
-                     and actual in p.name]
+        leftovers = [p for p in (service.settings.data_dir() / "store").rglob("*") if p.is_file() and actual in p.name]
         assert leftovers == []
 
 
@@ -89,8 +94,9 @@ def test_invalid_digests_are_422(service):
 def test_oversized_upload_is_413_before_reading(service):
     digest = "1" * 64
     # A Content-Length over the cap is refused from the headers alone: no body is sent at all.
-    status, resp = raw_request(service.url, f"PUT /v1/objects/{digest} HTTP/1.1\r\nHost: x\r\n{auth('publisher')}"
-                               f"Content-Length: {10 ** 12}\r\n")
+    status, resp = raw_request(
+        service.url, f"PUT /v1/objects/{digest} HTTP/1.1\r\nHost: x\r\n{auth('publisher')}Content-Length: {10**12}\r\n"
+    )
     assert status == 413 and b"too-large" in resp
     # An actual body one byte over the cap.
     data = os.urandom(UPLOAD_CAP + 1)
@@ -118,15 +124,29 @@ def test_ranges(service, stored):
     whole = c.get(f"/v1/objects/{digest}")
     assert whole.status_code == 200 and whole.content == data and whole.headers["accept-ranges"] == "bytes"
     assert int(whole.headers["content-length"]) == n
-    for rng, start, end in [("bytes=0-0", 0, 0), ("bytes=5-9", 5, 9), (f"bytes={n - 1}-", n - 1, n - 1),
-                            ("bytes=-1", n - 1, n - 1), (f"bytes=-{n * 2}", 0, n - 1), ("bytes=100-", 100, n - 1)]:
+    for rng, start, end in [
+        ("bytes=0-0", 0, 0),
+        ("bytes=5-9", 5, 9),
+        (f"bytes={n - 1}-", n - 1, n - 1),
+        ("bytes=-1", n - 1, n - 1),
+        (f"bytes=-{n * 2}", 0, n - 1),
+        ("bytes=100-", 100, n - 1),
+    ]:
         r = c.get(f"/v1/objects/{digest}", headers={"Range": rng})
         assert r.status_code == 206, (rng, r.text)
-        assert r.content == data[start:end + 1]
+        assert r.content == data[start : end + 1]
         assert r.headers["content-range"] == f"bytes {start}-{end}/{n}"
         assert int(r.headers["content-length"]) == end - start + 1
-    for rng in (f"bytes={n}-", f"bytes={n + 5}-{n + 9}", "bytes=9-5", "bytes=-0", "bytes=0-1,5-6", "items=0-1",
-                "bytes=x-y", "bytes=5"):
+    for rng in (
+        f"bytes={n}-",
+        f"bytes={n + 5}-{n + 9}",
+        "bytes=9-5",
+        "bytes=-0",
+        "bytes=0-1,5-6",
+        "items=0-1",
+        "bytes=x-y",
+        "bytes=5",
+    ):
         r = c.get(f"/v1/objects/{digest}", headers={"Range": rng})
         problem(r, 416, "bad-range")
         assert r.headers["content-range"] == f"bytes */{n}"
@@ -158,19 +178,39 @@ def test_presigned_get(service, stored):
     problem(c.get(f"/v1/objects/{'0' * 64}/url"), 404, "not-found")
 
 
-@pytest.mark.parametrize(("header", "size", "expected"), [
-    ("bytes=0-9", 10, (0, 10)), ("bytes=0-99", 10, (0, 10)), ("bytes=3-", 10, (3, 7)), ("bytes=-3", 10, (7, 3)),
-    ("bytes=-30", 10, (0, 10)), ("BYTES = 2-2", 10, (2, 1)),
-])
+@pytest.mark.parametrize(
+    ("header", "size", "expected"),
+    [
+        ("bytes=0-9", 10, (0, 10)),
+        ("bytes=0-99", 10, (0, 10)),
+        ("bytes=3-", 10, (3, 7)),
+        ("bytes=-3", 10, (7, 3)),
+        ("bytes=-30", 10, (0, 10)),
+        ("BYTES = 2-2", 10, (2, 1)),
+    ],
+)
 def test_parse_range(header, size, expected):
     assert parse_range(header, size) == expected
 
 
-@pytest.mark.parametrize(("header", "size"), [
-    ("bytes=10-", 10), ("bytes=0-", 0), ("bytes=-1", 0), ("bytes=-0", 10), ("bytes=5-4", 10), ("bytes=1-2,4-5", 10),
-    ("bits=0-1", 10), ("bytes=a-", 10), ("bytes=-", 10), ("bytes=0x1-2", 10), ("bytes=+1-2", 10), ("bytes=1", 10),
-    ("bytes=١-٢", 10),
-])
+@pytest.mark.parametrize(
+    ("header", "size"),
+    [
+        ("bytes=10-", 10),
+        ("bytes=0-", 0),
+        ("bytes=-1", 0),
+        ("bytes=-0", 10),
+        ("bytes=5-4", 10),
+        ("bytes=1-2,4-5", 10),
+        ("bits=0-1", 10),
+        ("bytes=a-", 10),
+        ("bytes=-", 10),
+        ("bytes=0x1-2", 10),
+        ("bytes=+1-2", 10),
+        ("bytes=1", 10),
+        ("bytes=١-٢", 10),
+    ],
+)
 def test_parse_range_refuses(header, size):
     with pytest.raises(RangeNotSatisfiable):
         parse_range(header, size)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from _service_http import ok, problem
 from _pg import ADMIN_URL, fresh_database
+from _service_http import ok, problem
 from _service_util import running
 
 from weightsync.service import Settings

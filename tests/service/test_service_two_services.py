@@ -14,8 +14,8 @@ import uuid
 
 import httpx
 import pytest
-from _service_http import EventReader, files_of, ok, publish, publish_chain, pull
 from _pg import fresh_database
+from _service_http import EventReader, files_of, ok, publish, publish_chain, pull
 from _service_util import TOKENS, Spawned, spawn_service, token_entries
 
 pytestmark = [pytest.mark.postgres, pytest.mark.s3]
@@ -28,14 +28,28 @@ def pair(seaweed, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pair")
     tokens = tmp / "tokens.json"
     tokens.write_text(json.dumps(token_entries()))
-    env = {"AWS_ACCESS_KEY_ID": seaweed.access_key, "AWS_SECRET_ACCESS_KEY": seaweed.secret_key,
-           "AWS_REGION": seaweed.region, "WEIGHTSYNC_WATCH_POLL_S": "0.05", "WEIGHTSYNC_SSE_KEEPALIVE_S": "0.5"}
+    env = {
+        "AWS_ACCESS_KEY_ID": seaweed.access_key,
+        "AWS_SECRET_ACCESS_KEY": seaweed.secret_key,
+        "AWS_REGION": seaweed.region,
+        "WEIGHTSYNC_WATCH_POLL_S": "0.05",
+        "WEIGHTSYNC_SSE_KEEPALIVE_S": "0.5",
+    }
     with fresh_database("ws_pair") as url:
-        common = ["--catalog", url, "--store", f"s3://{BUCKET}/weights", "--s3-endpoint", seaweed.endpoint_url,
-                  "--tokens", str(tokens), "--log-level", "debug"]
+        common = [
+            "--catalog",
+            url,
+            "--store",
+            f"s3://{BUCKET}/weights",
+            "--s3-endpoint",
+            seaweed.endpoint_url,
+            "--tokens",
+            str(tokens),
+            "--log-level",
+            "debug",
+        ]
         a = spawn_service([*common, "--data", str(tmp / "a")], tmp / "a.log", env=env, wait=False)
-        b = spawn_service([*common, "--data", str(tmp / "b"), "--workers", "2"], tmp / "b.log", env=env,
-                          wait=False)
+        b = spawn_service([*common, "--data", str(tmp / "b"), "--workers", "2"], tmp / "b.log", env=env, wait=False)
         try:
             a.wait_ready()
             b.wait_ready()

@@ -75,8 +75,7 @@ def test_event_stream_resumes_after_a_version(service, model, versions):
         events.wait_for(lambda v: v["number"] == 3)
         assert [v["number"] for v in events.versions()] == [2, 3]
         events.close()
-    with httpx.Client(base_url=service.url, headers={**service.client("reader").headers,
-                                                     "Last-Event-ID": "2"}) as own:
+    with httpx.Client(base_url=service.url, headers={**service.client("reader").headers, "Last-Event-ID": "2"}) as own:
         events = EventReader(own, f"/v1/models/{model}/events")
         events.wait_for(lambda v: v["number"] == 3)
         assert [v["number"] for v in events.versions()] == [3]

@@ -11,7 +11,7 @@ import hashlib
 import os
 import random
 from collections.abc import AsyncIterator
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
@@ -142,9 +142,7 @@ async def test_malformed_list_prefixes_are_refused(store: ObjectStore, bad_prefi
     ("offset", "length"),
     [(0, None), (0, 1000), (1, 10), (999, 1), (999, None), (500, 0), (1000, None), (1000, 0), (0, 0)],
 )
-async def test_ranges_return_exactly_the_requested_bytes(
-    store: ObjectStore, offset: int, length: int | None
-) -> None:
+async def test_ranges_return_exactly_the_requested_bytes(store: ObjectStore, offset: int, length: int | None) -> None:
     data = blob(1000, seed=7)
     digest = (await store.put(data)).digest
     end = None if length is None else offset + length
@@ -203,7 +201,7 @@ async def test_stat_reports_size_and_aware_mtime(store: ObjectStore) -> None:
     assert info.size == 4321
     assert info.mtime.tzinfo is not None
     # A sanity bound on the clock, not a timing assertion.
-    assert abs(datetime.now(timezone.utc) - info.mtime) < timedelta(hours=1)
+    assert abs(datetime.now(UTC) - info.mtime) < timedelta(hours=1)
 
 
 async def test_absent_objects_raise_object_not_found(store: ObjectStore) -> None:
@@ -233,7 +231,9 @@ async def test_list_by_prefix(store: ObjectStore) -> None:
         assert await all_digests(store, prefix) == [d for d in digests if d.startswith(prefix)]
     assert await all_digests(store, "0" * 64) == []
     sizes = {info.digest: info.size async for info in store.list()}
-    assert sizes[target] == len(next(f"object {i}".encode() for i in range(40) if sha(f"object {i}".encode()) == target))
+    assert sizes[target] == len(
+        next(f"object {i}".encode() for i in range(40) if sha(f"object {i}".encode()) == target)
+    )
 
 
 async def test_list_of_empty_store_is_empty(store: ObjectStore) -> None:

@@ -39,7 +39,8 @@ def test_unsupported_urls_are_refused(url: str) -> None:
 def test_importing_the_store_does_not_import_providers() -> None:
     code = (
         "import sys, weightsync.store; "
-        "bad = [m for m in ('weightsync.store.s3', 'weightsync.store.fs', 'aioboto3', 'botocore') if m in sys.modules]; "
+        "bad = [m for m in ('weightsync.store.s3', 'weightsync.store.fs', 'aioboto3', 'botocore') "
+        "if m in sys.modules]; "
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

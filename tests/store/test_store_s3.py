@@ -91,7 +91,9 @@ async def test_presigned_put_is_bound_to_the_bytes(s3: S3Store) -> None:
         assert r.status_code == 403
         # A body of another length does not match the signed Content-Length.
         longer = data + b"!"
-        r = await http.put(req.url, content=longer, headers={k: v for k, v in req.headers.items() if k != "content-length"})
+        r = await http.put(
+            req.url, content=longer, headers={k: v for k, v in req.headers.items() if k != "content-length"}
+        )
         assert r.status_code in (400, 403)
         assert not await s3.exists(digest)
         # The right bytes go in, once.

@@ -66,7 +66,7 @@ async def test_random_transient_faults_are_recovered(fs: FsStore) -> None:
     store = retrying(faulty, attempts=12)
     payloads = [blob(1000 + i, seed=i) for i in range(30)]
     digests = [(await store.put(p)).digest for p in payloads]
-    for p, d in zip(payloads, digests):
+    for p, d in zip(payloads, digests, strict=True):
         assert await store.get(d) == p
     assert sorted([i.digest async for i in store.list()]) == sorted(digests)
     assert faulty.faults["error"] > 0 and faulty.faults["lost_reply"] > 0
@@ -180,7 +180,7 @@ async def test_bit_flips_and_short_reads_really_damage_bytes(fs: FsStore) -> Non
     digest = (await fs.put(data)).digest
     flipped = await FaultyStore(fs, seed=1, bitflip_rate=1.0).get(digest)
     assert len(flipped) == len(data) and sha(flipped) != digest
-    assert sum(bin(a ^ b).count("1") for a, b in zip(flipped, data)) == 1
+    assert sum(bin(a ^ b).count("1") for a, b in zip(flipped, data, strict=True)) == 1
     short = await FaultyStore(fs, seed=1, short_read_rate=1.0).get(digest)
     assert len(short) < len(data) and data.startswith(short)
     streamed = b"".join(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from .. import errors
@@ -117,10 +117,10 @@ def json_object(name: str, v: dict[str, Any] | None) -> dict[str, Any]:
 def utc(now: datetime | None) -> datetime:
     """Return ``now`` in UTC (None: the current time); InvalidArgument for a naive timestamp."""
     if now is None:
-        return datetime.now(timezone.utc)
+        return datetime.now(UTC)
     if now.tzinfo is None:
         raise errors.InvalidArgument("timestamps must be timezone-aware")
-    return now.astimezone(timezone.utc)
+    return now.astimezone(UTC)
 
 
 def positive_ttl(ttl: timedelta | float) -> timedelta:

@@ -28,7 +28,7 @@ def normalize_url(url: str | URL) -> URL:
         url = "postgresql://" + url[len("postgres://") :]
     try:
         u = make_url(url)
-    except Exception as exc:  # ArgumentError on garbage
+    except Exception as exc:  # noqa: BLE001 - ArgumentError and others on garbage: all one answer
         raise CatalogError(f"invalid catalog URL: {exc}") from None
     backend = u.get_backend_name()
     if backend == "postgresql":

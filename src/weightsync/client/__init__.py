@@ -18,6 +18,15 @@ from weightsync.client.publisher import Publisher, publish
 from weightsync.client.subscriber import Subscriber
 
 __all__ = [
-    "DEFAULT_SERVER", "Prepared", "PublishResult", "Publisher", "PullResult", "Retry", "Subscriber",
-    "TensorUpdate", "TokenBucket", "Version", "publish",
+    "DEFAULT_SERVER",
+    "Prepared",
+    "PublishResult",
+    "Publisher",
+    "PullResult",
+    "Retry",
+    "Subscriber",
+    "TensorUpdate",
+    "TokenBucket",
+    "Version",
+    "publish",
 ]

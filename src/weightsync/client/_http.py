@@ -63,7 +63,10 @@ in all, full-jitter backoff from ``base`` s capped at ``cap`` s, honouring ``Ret
 # Answers that are not a weightsync problem (a proxy's or the object store's error page, a code this
 # client does not know) are mapped by their status; 404 falls back to what the endpoint looks up.
 _BY_STATUS: dict[int, type[errors.WeightsyncError]] = {
-    401: errors.AuthError, 403: errors.Forbidden, 409: errors.Conflict, 503: errors.ServerUnavailable,
+    401: errors.AuthError,
+    403: errors.Forbidden,
+    409: errors.Conflict,
+    503: errors.ServerUnavailable,
 }
 
 
@@ -112,9 +115,17 @@ class Api:
     ``on_bytes`` is called with every body chunk moved (progress reporting).
     """
 
-    def __init__(self, server: str, token: str | None = None, *, timeout: float = 60.0,
-                 concurrency: int = 8, retry: Retry | None = None, limiter: TokenBucket | None = None,
-                 transport: httpx.BaseTransport | None = None) -> None:
+    def __init__(
+        self,
+        server: str,
+        token: str | None = None,
+        *,
+        timeout: float = 60.0,
+        concurrency: int = 8,
+        retry: Retry | None = None,
+        limiter: TokenBucket | None = None,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
         self.server = server.rstrip("/")
         self.retry = retry or Retry()
         self.limiter = limiter
@@ -122,11 +133,11 @@ class Api:
         headers = {"User-Agent": f"weightsync/{__version__}"}
         if token:
             headers["Authorization"] = f"Bearer {token}"
-        limits = httpx.Limits(max_connections=max(concurrency, 1) + 4,
-                              max_keepalive_connections=max(concurrency, 1) + 4)
+        limits = httpx.Limits(
+            max_connections=max(concurrency, 1) + 4, max_keepalive_connections=max(concurrency, 1) + 4
+        )
         t = httpx.Timeout(timeout, connect=min(timeout, 10.0))
-        self._http = httpx.Client(base_url=self.server, headers=headers, timeout=t, limits=limits,
-                                  transport=transport)
+        self._http = httpx.Client(base_url=self.server, headers=headers, timeout=t, limits=limits, transport=transport)
         # Presigned URLs carry their own authorization: never send our token there.
         self._bare = httpx.Client(timeout=t, limits=limits, transport=transport)
 
@@ -142,11 +153,21 @@ class Api:
 
     # --- the one request loop -----------------------------------------------------------
 
-    def request(self, method: str, path: str, *, json: Any = None, params: dict | None = None,
-                headers: dict | None = None, content: Callable[[], Any] | None = None,
-                ok: tuple[int, ...] = (200, 201, 204), not_found: type[errors.WeightsyncError] = errors.ModelNotFound,
-                stream_to: Callable[[httpx.Response], Any] | None = None, bare: bool = False,
-                timeout: float | None = None) -> Any:
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        params: dict | None = None,
+        headers: dict | None = None,
+        content: Callable[[], Any] | None = None,
+        ok: tuple[int, ...] = (200, 201, 204),
+        not_found: type[errors.WeightsyncError] = errors.ModelNotFound,
+        stream_to: Callable[[httpx.Response], Any] | None = None,
+        bare: bool = False,
+        timeout: float | None = None,
+    ) -> Any:
         """Send with retries; return the response (or `stream_to(response)`'s result for streamed bodies).
 
         `content` is a factory so every attempt gets a fresh body iterator.
@@ -161,9 +182,15 @@ class Api:
                 time.sleep(self.retry.delay(attempt - 1, retry_after))
             retry_after = None
             try:
-                req = client.build_request(method, path, json=json, params=params, headers=headers,
-                                           content=content() if content is not None else None,
-                                           timeout=httpx.USE_CLIENT_DEFAULT if timeout is None else timeout)
+                req = client.build_request(
+                    method,
+                    path,
+                    json=json,
+                    params=params,
+                    headers=headers,
+                    content=content() if content is not None else None,
+                    timeout=httpx.USE_CLIENT_DEFAULT if timeout is None else timeout,
+                )
                 resp = client.send(req, stream=stream_to is not None)
                 try:
                     if resp.status_code in ok:
@@ -203,15 +230,16 @@ class Api:
     def get_model(self, model: str) -> models.Model:
         return models.Model.from_json(self._json("GET", f"/v1/models/{model}"))
 
-    def list_versions(self, model: str, *, limit: int | None = None, before: int | None = None,
-                      after: int | None = None) -> list[models.Version]:
+    def list_versions(
+        self, model: str, *, limit: int | None = None, before: int | None = None, after: int | None = None
+    ) -> list[models.Version]:
         params = {k: v for k, v in (("limit", limit), ("before", before), ("after", after)) if v is not None}
-        return models.VersionList.from_json(self._json("GET", f"/v1/models/{model}/versions",
-                                                       params=params)).versions
+        return models.VersionList.from_json(self._json("GET", f"/v1/models/{model}/versions", params=params)).versions
 
     def get_version(self, model: str, number: int | str = "latest") -> models.Version:
-        return models.Version.from_json(self._json("GET", f"/v1/models/{model}/versions/{number}",
-                                                   not_found=errors.VersionNotFound))
+        return models.Version.from_json(
+            self._json("GET", f"/v1/models/{model}/versions/{number}", not_found=errors.VersionNotFound)
+        )
 
     def head(self, model: str) -> models.Version | None:
         """The head Version, or None when the model does not exist or has no version yet."""
@@ -220,8 +248,9 @@ class Api:
         except (errors.ModelNotFound, errors.VersionNotFound):
             return None
 
-    def get_plan(self, model: str, *, have: int | None, want: int | None = None,
-                 holder: str | None = None) -> models.Plan:
+    def get_plan(
+        self, model: str, *, have: int | None, want: int | None = None, holder: str | None = None
+    ) -> models.Plan:
         params: dict[str, Any] = {}
         if have is not None:
             params["have"] = have
@@ -229,38 +258,52 @@ class Api:
             params["want"] = want
         if holder:
             params["holder"] = holder
-        return models.Plan.from_json(self._json("GET", f"/v1/models/{model}/plan", params=params,
-                                                not_found=errors.VersionNotFound))
+        return models.Plan.from_json(
+            self._json("GET", f"/v1/models/{model}/plan", params=params, not_found=errors.VersionNotFound)
+        )
 
     def watch(self, model: str, *, after: int, timeout: float) -> models.Version | None:
         """The head once it is newer than ``after``; None when ``timeout`` s pass first (a 204)."""
-        resp = self.request("GET", f"/v1/models/{model}/watch", params={"after": after, "timeout": timeout},
-                            ok=(200, 204), timeout=timeout + 30.0)
+        resp = self.request(
+            "GET",
+            f"/v1/models/{model}/watch",
+            params={"after": after, "timeout": timeout},
+            ok=(200, 204),
+            timeout=timeout + 30.0,
+        )
         if resp.status_code != 200:
             return None
         return models.Version.from_json(_decoded(resp, f"GET /v1/models/{model}/watch"))
 
-    def report_replica(self, model: str, *, subscriber: str, version: int, bytes: int | None = None,
-                       pause_ms: float | None = None, site: str | None = None, host: str | None = None,
-                       extra: dict[str, Any] | None = None) -> models.Replica:
+    def report_replica(
+        self,
+        model: str,
+        *,
+        subscriber: str,
+        version: int,
+        bytes: int | None = None,
+        pause_ms: float | None = None,
+        site: str | None = None,
+        host: str | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> models.Replica:
         """Record in the ledger that ``subscriber`` applied ``version`` (``bytes`` received, ``pause_ms`` paused)."""
         body: dict[str, Any] = {"subscriber": subscriber, "version": version}
         optional = {"bytes": bytes, "pause_ms": pause_ms, "site": site, "host": host, "extra": extra}
         body.update((k, v) for k, v in optional.items() if v is not None)
         return models.Replica.from_json(self._json("POST", f"/v1/models/{model}/replicas", json=body))
 
-    def list_replicas(self, model: str, *, subscriber: str | None = None,
-                      all: bool = False) -> list[models.Replica]:
+    def list_replicas(self, model: str, *, subscriber: str | None = None, all: bool = False) -> list[models.Replica]:
         params: dict[str, Any] = {"all": str(all).lower()}
         if subscriber:
             params["subscriber"] = subscriber
-        return models.ReplicaList.from_json(self._json("GET", f"/v1/models/{model}/replicas",
-                                                       params=params)).replicas
+        return models.ReplicaList.from_json(self._json("GET", f"/v1/models/{model}/replicas", params=params)).replicas
 
     # --- publishing ---------------------------------------------------------------------
 
-    def begin_publish(self, model: str, *, parent: int | None, step: int | None, metadata: dict[str, Any] | None,
-                      keyframe: bool) -> models.PublishBegin:
+    def begin_publish(
+        self, model: str, *, parent: int | None, step: int | None, metadata: dict[str, Any] | None, keyframe: bool
+    ) -> models.PublishBegin:
         body: dict[str, Any] = {"parent": parent, "keyframe": keyframe}
         if step is not None:
             body["step"] = step
@@ -270,14 +313,25 @@ class Api:
 
     def check_objects(self, model: str, publish_id: str, objects: list[tuple[str, int]]) -> models.CheckObjects:
         body = {"objects": [{"digest": d, "size": s} for d, s in objects]}
-        return models.CheckObjects.from_json(self._json("POST", f"/v1/models/{model}/publishes/{publish_id}/objects",
-                                                        json=body, not_found=errors.PublishNotFound))
+        return models.CheckObjects.from_json(
+            self._json(
+                "POST",
+                f"/v1/models/{model}/publishes/{publish_id}/objects",
+                json=body,
+                not_found=errors.PublishNotFound,
+            )
+        )
 
     def commit_publish(self, model: str, publish_id: str, *, manifest: str, idempotency_key: str) -> models.Version:
-        return models.Version.from_json(self._json(
-            "POST", f"/v1/models/{model}/publishes/{publish_id}/commit",
-            json={"manifest": manifest, "idempotency_key": idempotency_key},
-            headers={"Idempotency-Key": idempotency_key}, not_found=errors.PublishNotFound))
+        return models.Version.from_json(
+            self._json(
+                "POST",
+                f"/v1/models/{model}/publishes/{publish_id}/commit",
+                json={"manifest": manifest, "idempotency_key": idempotency_key},
+                headers={"Idempotency-Key": idempotency_key},
+                not_found=errors.PublishNotFound,
+            )
+        )
 
     def abort_publish(self, model: str, publish_id: str) -> None:
         self.request("DELETE", f"/v1/models/{model}/publishes/{publish_id}", not_found=errors.PublishNotFound)
@@ -306,17 +360,28 @@ class Api:
                 # Create-once under the object's own digest: 412 says it is there already. That is
                 # also what a retry meets when the first attempt's reply was lost after the store acted.
                 ok += (412,)
-            self.request(presigned.method, presigned.url, headers=headers,
-                         content=self._body(data), ok=ok, bare=True, not_found=errors.ObjectNotFound)
+            self.request(
+                presigned.method,
+                presigned.url,
+                headers=headers,
+                content=self._body(data),
+                ok=ok,
+                bare=True,
+                not_found=errors.ObjectNotFound,
+            )
             return
-        self.request("PUT", f"/v1/objects/{digest}", headers={"Content-Length": str(len(data)),
-                                                               "Content-Type": "application/octet-stream"},
-                     content=self._body(data), ok=(200, 201), not_found=errors.ObjectNotFound)
+        self.request(
+            "PUT",
+            f"/v1/objects/{digest}",
+            headers={"Content-Length": str(len(data)), "Content-Type": "application/octet-stream"},
+            content=self._body(data),
+            ok=(200, 201),
+            not_found=errors.ObjectNotFound,
+        )
 
     # --- reading objects ----------------------------------------------------------------
 
-    def get_object(self, digest: str, sink: Callable[[bytes], None], *, start: int = 0,
-                   end: int | None = None) -> int:
+    def get_object(self, digest: str, sink: Callable[[bytes], None], *, start: int = 0, end: int | None = None) -> int:
         """Stream object bytes [start, end) into `sink` (rate-limited); returns the bytes received.
 
         A retried attempt restarts the range, so `sink` must accept a restart:
@@ -338,22 +403,30 @@ class Api:
                     self.on_bytes(len(chunk))
             return n
 
-        return self.request("GET", f"/v1/objects/{digest}", headers=headers, ok=(200, 206),
-                            stream_to=consume, not_found=errors.ObjectNotFound)
+        return self.request(
+            "GET",
+            f"/v1/objects/{digest}",
+            headers=headers,
+            ok=(200, 206),
+            stream_to=consume,
+            not_found=errors.ObjectNotFound,
+        )
 
     def head_object(self, digest: str) -> int:
         resp = self.request("HEAD", f"/v1/objects/{digest}", not_found=errors.ObjectNotFound, ok=(200,))
         return int(resp.headers.get("content-length", "0"))
 
     def get_manifest(self, model: str, number: int) -> bytes:
-        return self.request("GET", f"/v1/models/{model}/versions/{number}/manifest",
-                            not_found=errors.VersionNotFound, ok=(200,)).content
+        return self.request(
+            "GET", f"/v1/models/{model}/versions/{number}/manifest", not_found=errors.VersionNotFound, ok=(200,)
+        ).content
 
     # --- admin --------------------------------------------------------------------------
 
     def fsck(self, *, read_data: bool, repair: bool) -> models.FsckReport:
-        return models.FsckReport.from_json(self._json("POST", "/v1/admin/fsck",
-                                                      json={"read_data": read_data, "repair": repair}))
+        return models.FsckReport.from_json(
+            self._json("POST", "/v1/admin/fsck", json={"read_data": read_data, "repair": repair})
+        )
 
     def gc(self, *, dry_run: bool, grace_s: float | None = None) -> models.GcReport:
         body: dict[str, Any] = {"dry_run": dry_run}

@@ -152,8 +152,9 @@ class ObjectCache:
         path.unlink(missing_ok=True)
         return False
 
-    def fetch(self, api: Api, objects: dict[str, int], pool: ThreadPoolExecutor, *,
-              range_bytes: int = DEFAULT_RANGE_BYTES) -> FetchStats:
+    def fetch(
+        self, api: Api, objects: dict[str, int], pool: ThreadPoolExecutor, *, range_bytes: int = DEFAULT_RANGE_BYTES
+    ) -> FetchStats:
         """Make every object in `objects` (digest → extent to fetch) present and verified.
 
         Ranges of all missing objects are fetched concurrently on `pool`; each
@@ -330,8 +331,7 @@ def object_reader(cache: ObjectCache) -> Callable[[FrameRef], memoryview | np.nd
             if data is None:
                 data = opened[digest] = cache.read(digest)
         if ref.offset + ref.length > len(data):
-            raise errors.TruncatedInput(f"frame at {ref.offset}+{ref.length} lies past the end of object "
-                                        f"{digest}")
+            raise errors.TruncatedInput(f"frame at {ref.offset}+{ref.length} lies past the end of object {digest}")
         return data[ref.offset : ref.offset + ref.length]
 
     return read

@@ -68,8 +68,9 @@ class BaseKeeper:
     Not thread-safe: the publisher calls it under its own lock.
     """
 
-    def __init__(self, api: Api, model: str, cache_dir: Path | None, *, download: bool,
-                 pool: ThreadPoolExecutor) -> None:
+    def __init__(
+        self, api: Api, model: str, cache_dir: Path | None, *, download: bool, pool: ThreadPoolExecutor
+    ) -> None:
         self.api, self.model, self.download = api, model, download
         self.checkout = Checkout(cache_dir) if cache_dir is not None else None
         self.pool = pool
@@ -94,8 +95,7 @@ class BaseKeeper:
             return self._base
         if self.checkout is not None:
             state = self.checkout.state()
-            if state is not None and state.model == self.model and state.number == number \
-                    and state.manifest == digest:
+            if state is not None and state.model == self.model and state.number == number and state.manifest == digest:
                 with ThreadPoolExecutor(1) as one:
                     if self.checkout.verify(state, one, deep=False):
                         return Base(state, self.checkout.checkpoint(state))

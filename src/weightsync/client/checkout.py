@@ -108,8 +108,7 @@ class Checkout:
             try:
                 fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                raise errors.Conflict(f"{self.root}: another weightsync process is updating this "
-                                      "directory") from None
+                raise errors.Conflict(f"{self.root}: another weightsync process is updating this directory") from None
             try:
                 yield self
             finally:
@@ -182,8 +181,11 @@ class Checkout:
                 return False
             if deep:
                 maps.append((f, map_file(where[f.path], f.size)))
-        jobs = [(h, pool.submit(lambda m, o, n: xxh3_128(m[o : o + n]).hex(), m, o, n))
-                for f, m in maps for o, n, h in f.segments]
+        jobs = [
+            (h, pool.submit(lambda m, o, n: xxh3_128(m[o : o + n]).hex(), m, o, n))
+            for f, m in maps
+            for o, n, h in f.segments
+        ]
         return all(fut.result() == h for h, fut in jobs)
 
     def _current_data(self) -> Path:
@@ -251,11 +253,13 @@ class Checkout:
         for path in tree.files:
             parent = self._symlinked_parent(path)
             if parent is not None:
-                raise errors.InvalidName(f"{path}: {parent} is a symlink inside the checkout; refusing to write "
-                                         "through it")
+                raise errors.InvalidName(
+                    f"{path}: {parent} is a symlink inside the checkout; refusing to write through it"
+                )
             if (self.root / path).is_dir() and not (self.root / path).is_symlink():
-                raise errors.Conflict(f"{self.root / path} is a directory where v{state.number} has a file: "
-                                      "move it away")
+                raise errors.Conflict(
+                    f"{self.root / path} is a directory where v{state.number} has a file: move it away"
+                )
         vdir = self._new_version(state)
         for path, held in tree.files.items():
             dst = vdir / DATA / path
@@ -340,4 +344,3 @@ class Checkout:
             except OSError:
                 return  # not empty: someone's files, or the version's
             d = d.parent
-

@@ -42,14 +42,13 @@ from weightsync.client.models import Version, timestamp
 from weightsync.common import human_bytes
 from weightsync.errors import EXIT_AUTH, EXIT_CONFLICT, EXIT_ERROR, EXIT_NOT_FOUND, EXIT_UNAVAILABLE, EXIT_USAGE
 
-__all__ = ["EXIT_AUTH", "EXIT_CONFLICT", "EXIT_ERROR", "EXIT_NOT_FOUND", "EXIT_UNAVAILABLE", "EXIT_USAGE",
-           "register"]
+__all__ = ["EXIT_AUTH", "EXIT_CONFLICT", "EXIT_ERROR", "EXIT_NOT_FOUND", "EXIT_UNAVAILABLE", "EXIT_USAGE", "register"]
 
-ServerOpt = Annotated[str, typer.Option("--server", envvar="WEIGHTSYNC_SERVER", show_envvar=True,
-                                        help="Server URL.")]
+ServerOpt = Annotated[str, typer.Option("--server", envvar="WEIGHTSYNC_SERVER", show_envvar=True, help="Server URL.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
-RateOpt = Annotated[str | None, typer.Option("--limit-rate", metavar="RATE",
-                                             help="Bandwidth cap in bytes/s (suffixes K, M, G).")]
+RateOpt = Annotated[
+    str | None, typer.Option("--limit-rate", metavar="RATE", help="Bandwidth cap in bytes/s (suffixes K, M, G).")
+]
 ConcurrencyOpt = Annotated[int, typer.Option("--concurrency", min=1, max=256, help="Parallel transfers.")]
 
 
@@ -115,8 +114,15 @@ def _progress(label: str, enabled: bool) -> Iterator[Callable[[int, int], None] 
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
-    bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                   TimeRemainingColumn(), console=Console(stderr=True), transient=True)
+    bar = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    )
     task = bar.add_task(label, total=None)
 
     def update(done: int, total: int) -> None:
@@ -153,11 +159,17 @@ def register(app: typer.Typer) -> None:
         keyframe: Annotated[bool, typer.Option("--keyframe", help="Store this version whole.")] = False,
         step: Annotated[int | None, typer.Option("--step", min=0, help="Training step.")] = None,
         metadata: Annotated[str | None, typer.Option("--metadata", help="Metadata as a JSON object.")] = None,
-        cache_dir: Annotated[Path | None, typer.Option(
-            "--cache-dir", help="Where the last pushed version is kept to diff against "
-                                "[default: $WEIGHTSYNC_CACHE or ~/.cache/weightsync].")] = None,
-        no_cache: Annotated[bool, typer.Option("--no-cache", help="Keep no copy of the pushed version "
-                                                                  "(the next push is a keyframe).")] = False,
+        cache_dir: Annotated[
+            Path | None,
+            typer.Option(
+                "--cache-dir",
+                help="Where the last pushed version is kept to diff against "
+                "[default: $WEIGHTSYNC_CACHE or ~/.cache/weightsync].",
+            ),
+        ] = None,
+        no_cache: Annotated[
+            bool, typer.Option("--no-cache", help="Keep no copy of the pushed version (the next push is a keyframe).")
+        ] = False,
         concurrency: ConcurrencyOpt = 8,
         limit_rate: RateOpt = None,
         as_json: JsonOpt = False,
@@ -178,16 +190,28 @@ def register(app: typer.Typer) -> None:
             if not path.exists():
                 raise FileNotFoundError(2, "No such file or directory", str(path))
             cache = None if no_cache else (cache_dir or _cache_root() / "publish" / _server_slug(server))
-            with _progress(f"push {model}", not as_json) as progress, \
-                    Publisher(server, model, token=_token(), retry=_retry(), cache_dir=cache, concurrency=concurrency,
-                              bandwidth=rate, progress=progress) as pub:
+            with (
+                _progress(f"push {model}", not as_json) as progress,
+                Publisher(
+                    server,
+                    model,
+                    token=_token(),
+                    retry=_retry(),
+                    cache_dir=cache,
+                    concurrency=concurrency,
+                    bandwidth=rate,
+                    progress=progress,
+                ) as pub,
+            ):
                 result = pub.publish(path, step=step, metadata=meta, keyframe=keyframe)
         if as_json:
             _emit(result.to_dict())
         else:
-            typer.echo(f"{model} v{result.version} ({result.kind}): sent {human_bytes(result.bytes_sent)} for "
-                       f"{human_bytes(result.raw_bytes)} in {result.seconds:.1f}s "
-                       f"({result.objects_uploaded}/{result.objects_total} objects uploaded)")
+            typer.echo(
+                f"{model} v{result.version} ({result.kind}): sent {human_bytes(result.bytes_sent)} for "
+                f"{human_bytes(result.raw_bytes)} in {result.seconds:.1f}s "
+                f"({result.objects_uploaded}/{result.objects_total} objects uploaded)"
+            )
 
     @app.command()
     def pull(
@@ -195,10 +219,12 @@ def register(app: typer.Typer) -> None:
         dir: Annotated[Path, typer.Argument(help="Directory to bring to the version (created if missing).")],
         server: ServerOpt = DEFAULT_SERVER,
         version: Annotated[int | None, typer.Option("--version", min=1, help="Version [default: latest].")] = None,
-        name: Annotated[str | None, typer.Option("--name", help="Subscriber name in the replica ledger "
-                                                                "[default: host name].")] = None,
-        cache_dir: Annotated[Path | None, typer.Option("--cache-dir", help="Shared object cache "
-                                                       "[default: DIR/.weightsync/objects].")] = None,
+        name: Annotated[
+            str | None, typer.Option("--name", help="Subscriber name in the replica ledger [default: host name].")
+        ] = None,
+        cache_dir: Annotated[
+            Path | None, typer.Option("--cache-dir", help="Shared object cache [default: DIR/.weightsync/objects].")
+        ] = None,
         concurrency: ConcurrencyOpt = 8,
         limit_rate: RateOpt = None,
         as_json: JsonOpt = False,
@@ -207,9 +233,21 @@ def register(app: typer.Typer) -> None:
         from weightsync.client.subscriber import Subscriber
 
         rate = _rate(limit_rate)
-        with _errors(), _progress(f"pull {model}", not as_json) as progress, \
-                Subscriber(server, model, token=_token(), retry=_retry(), name=name, cache_dir=cache_dir,
-                           concurrency=concurrency, bandwidth=rate, progress=progress) as sub:
+        with (
+            _errors(),
+            _progress(f"pull {model}", not as_json) as progress,
+            Subscriber(
+                server,
+                model,
+                token=_token(),
+                retry=_retry(),
+                name=name,
+                cache_dir=cache_dir,
+                concurrency=concurrency,
+                bandwidth=rate,
+                progress=progress,
+            ) as sub,
+        ):
             result = sub.pull(dir, version)
         if as_json:
             _emit(result.to_dict())
@@ -217,18 +255,22 @@ def register(app: typer.Typer) -> None:
             typer.echo(f"{dir}: already at {model} v{result.version}")
         else:
             extra = " (directory had changed: rebuilt)" if result.repaired else ""
-            typer.echo(f"{dir}: {model} v{result.version} ({result.mode}, {result.steps} step"
-                       f"{'s' if result.steps != 1 else ''}): received {human_bytes(result.bytes_received)} in "
-                       f"{result.seconds:.1f}s{extra}")
+            typer.echo(
+                f"{dir}: {model} v{result.version} ({result.mode}, {result.steps} step"
+                f"{'s' if result.steps != 1 else ''}): received {human_bytes(result.bytes_received)} in "
+                f"{result.seconds:.1f}s{extra}"
+            )
 
     @app.command()
     def watch(
         model: Annotated[str, typer.Argument(help="Model name.")],
         server: ServerOpt = DEFAULT_SERVER,
-        after: Annotated[int | None, typer.Option("--after", min=0,
-                                                  help="Report versions after this one [default: head].")] = None,
-        pull_dir: Annotated[Path | None, typer.Option("--pull", help="Pull each new version into this "
-                                                                      "directory.")] = None,
+        after: Annotated[
+            int | None, typer.Option("--after", min=0, help="Report versions after this one [default: head].")
+        ] = None,
+        pull_dir: Annotated[
+            Path | None, typer.Option("--pull", help="Pull each new version into this directory.")
+        ] = None,
         count: Annotated[int | None, typer.Option("--count", min=1, help="Stop after N versions.")] = None,
         as_json: Annotated[bool, typer.Option("--json", help="One JSON object per line per version.")] = False,
     ) -> None:
@@ -266,9 +308,11 @@ def register(app: typer.Typer) -> None:
             _emit({"model": model, "versions": [v.to_dict() for v in versions]})
             return
         for v in versions:
-            typer.echo(f"v{v.number:<6} {v.kind:<8} parent={v.parent!s:<6} step={v.step!s:<8} "
-                       f"raw={human_bytes(v.raw_bytes):>10} stored={human_bytes(v.stored_bytes):>10} "
-                       f"{timestamp(v.committed_at)}")
+            typer.echo(
+                f"v{v.number:<6} {v.kind:<8} parent={v.parent!s:<6} step={v.step!s:<8} "
+                f"raw={human_bytes(v.raw_bytes):>10} stored={human_bytes(v.stored_bytes):>10} "
+                f"{timestamp(v.committed_at)}"
+            )
 
     @app.command()
     def models(server: ServerOpt = DEFAULT_SERVER, as_json: JsonOpt = False) -> None:
@@ -296,8 +340,10 @@ def register(app: typer.Typer) -> None:
         else:
             for p in report.problems:
                 typer.echo(f"{'repaired' if p.repaired else 'problem'}: {p.code}: {p.detail}")
-            typer.echo(f"{'ok' if report.ok else 'NOT OK'}: {report.versions_checked} versions, "
-                       f"{report.objects_checked} objects checked")
+            typer.echo(
+                f"{'ok' if report.ok else 'NOT OK'}: {report.versions_checked} versions, "
+                f"{report.objects_checked} objects checked"
+            )
         if not report.ok:
             raise typer.Exit(EXIT_ERROR)
 
@@ -305,8 +351,9 @@ def register(app: typer.Typer) -> None:
     def gc(
         server: ServerOpt = DEFAULT_SERVER,
         dry_run: Annotated[bool, typer.Option("--dry-run", help="Report what would be deleted.")] = False,
-        grace: Annotated[float | None, typer.Option("--grace", min=0, help="Grace period in seconds "
-                                                                            "[default: the server's].")] = None,
+        grace: Annotated[
+            float | None, typer.Option("--grace", min=0, help="Grace period in seconds [default: the server's].")
+        ] = None,
         as_json: JsonOpt = False,
     ) -> None:
         """Apply retention and delete unreferenced objects (admin)."""
@@ -317,8 +364,10 @@ def register(app: typer.Typer) -> None:
         else:
             prefix = "would delete" if dry_run else "deleted"
             purged = f"; {report.leases_purged} expired leases purged" if report.leases_purged else ""
-            typer.echo(f"{prefix} {report.objects_deleted} objects ({human_bytes(report.bytes_deleted)}); "
-                       f"{report.objects_kept_in_grace} kept in grace; versions: {report.versions_deleted}{purged}")
+            typer.echo(
+                f"{prefix} {report.objects_deleted} objects ({human_bytes(report.bytes_deleted)}); "
+                f"{report.objects_kept_in_grace} kept in grace; versions: {report.versions_deleted}{purged}"
+            )
 
 
 def _all_versions(api: Api, model: str, limit: int | None) -> list[Version]:

@@ -83,8 +83,9 @@ def check_bases(manifest: Manifest, tree: Tree) -> None:
                 raise errors.BaseMismatch(f"{f.path}: base {what} is not the one this delta was made against")
 
 
-def decode_step(manifest: Manifest, read_frame: Callable[[FrameRef], Any], tree: Tree, work: Scratch,
-                pool: ThreadPoolExecutor) -> Tree:
+def decode_step(
+    manifest: Manifest, read_frame: Callable[[FrameRef], Any], tree: Tree, work: Scratch, pool: ThreadPoolExecutor
+) -> Tree:
     """Decode `manifest` on top of `tree` (its parent version, bases already checked) into a new Tree."""
     n = len(manifest.files)
     outputs: list[np.ndarray | None] = [None] * n
@@ -95,8 +96,12 @@ def decode_step(manifest: Manifest, read_frame: Callable[[FrameRef], Any], tree:
         b = tree.base_for(manifest, f.path)
         deltas = [e for e in f.segments if e.base_offset is not None]
         # Patch a copy in place only when something is delta-coded and nothing moved.
-        same_layout = (b is not None and bool(deltas) and b.size == f.size
-                       and all(e.base_offset == e.segment.offset for e in deltas))
+        same_layout = (
+            b is not None
+            and bool(deltas)
+            and b.size == f.size
+            and all(e.base_offset == e.segment.offset for e in deltas)
+        )
         segs = {e.segment.offset: (e.segment.length, e.xxh3) for e in f.segments}
         unchanged = same_layout and len(deltas) == len(f.segments) and all(e.xxh3 == e.base_xxh3 for e in deltas)
         if b is not None and unchanged:

@@ -82,8 +82,9 @@ def _touched(manifest: Manifest, updates: dict[str, TensorUpdate]) -> tuple[dict
                 continue
             names[(fi, si)] = seg.name
             if e.base_offset is None:
-                updates[seg.name] = TensorUpdate(seg.name, seg.dtype, seg.shape, None,
-                                                 replace=np.empty(seg.length, dtype=np.uint8))
+                updates[seg.name] = TensorUpdate(
+                    seg.name, seg.dtype, seg.shape, None, replace=np.empty(seg.length, dtype=np.uint8)
+                )
                 touched.add(seg.name)
             elif e.xxh3 != e.base_xxh3:
                 u = updates.get(seg.name)
@@ -93,8 +94,9 @@ def _touched(manifest: Manifest, updates: dict[str, TensorUpdate]) -> tuple[dict
     return names, touched
 
 
-def decode_updates(manifests: list[Manifest], read_frame: Callable[[FrameRef], Any], pool: ThreadPoolExecutor
-                   ) -> tuple[dict[str, TensorUpdate], dict[str, tuple[DType, tuple[int, ...], str]]]:
+def decode_updates(
+    manifests: list[Manifest], read_frame: Callable[[FrameRef], Any], pool: ThreadPoolExecutor
+) -> tuple[dict[str, TensorUpdate], dict[str, tuple[DType, tuple[int, ...], str]]]:
     """The per-tensor updates that take tensors holding the parent of `manifests[0]` to `manifests[-1]`,
     and every tensor of the final version (dtype, shape, xxh3). Frames decode on `pool`."""
     updates: dict[str, TensorUpdate] = {}
@@ -103,8 +105,13 @@ def decode_updates(manifests: list[Manifest], read_frame: Callable[[FrameRef], A
         pieces: dict[str, list[Change]] = {}
         lock = threading.Lock()
 
-        def run(ref: FrameRef, names: dict[tuple[int, int], str] = names, touched: set[str] = touched,
-                pieces: dict[str, list[Change]] = pieces, lock: threading.Lock = lock) -> None:
+        def run(
+            ref: FrameRef,
+            names: dict[tuple[int, int], str] = names,
+            touched: set[str] = touched,
+            pieces: dict[str, list[Change]] = pieces,
+            lock: threading.Lock = lock,
+        ) -> None:
             if not any(names.get((p.file, p.seg)) in touched for p in ref.pieces):
                 return
             blob = read_frame(ref)
@@ -141,8 +148,12 @@ def decode_updates(manifests: list[Manifest], read_frame: Callable[[FrameRef], A
             # Pieces of one step are disjoint: composing them with earlier steps is one pass.
             updates[name].ops = compose([*updates[name].ops, *parts])
     final = manifests[-1]
-    specs = {e.segment.name: (e.segment.dtype, e.segment.shape, e.xxh3)
-             for f in final.files for e in f.segments if e.segment.kind == "tensor"}
+    specs = {
+        e.segment.name: (e.segment.dtype, e.segment.shape, e.xxh3)
+        for f in final.files
+        for e in f.segments
+        if e.segment.kind == "tensor"
+    }
     for name in list(updates):
         if name not in specs:
             del updates[name]  # removed by the update: nothing to apply
@@ -162,8 +173,9 @@ def stage(prepared: Prepared, device: Any) -> None:
     for u in prepared.updates.values():
         if u.replace is not None:
             u.staged_replace = torch.from_numpy(u.replace).to(device)
-        u.staged = [(torch.from_numpy(op.positions).to(device), torch.from_numpy(op.operands).to(device))
-                    for op in u.ops]
+        u.staged = [
+            (torch.from_numpy(op.positions).to(device), torch.from_numpy(op.operands).to(device)) for op in u.ops
+        ]
     prepared.device = device
 
 
@@ -183,8 +195,9 @@ class Applied:
 
         for u, t in self.changed:
             if tensor_xxh3(t) != u.result_xxh3:
-                raise errors.ChecksumMismatch(f"tensor {u.name!r} does not match v{self.target} after the "
-                                              "update: load the version afresh")
+                raise errors.ChecksumMismatch(
+                    f"tensor {u.name!r} does not match v{self.target} after the update: load the version afresh"
+                )
 
 
 def _held(tensors: Mapping[str, Any], prepared: Prepared, strict: bool) -> dict[str, Any]:
@@ -196,20 +209,24 @@ def _held(tensors: Mapping[str, Any], prepared: Prepared, strict: bool) -> dict[
         t = tensors.get(name)
         if t is None:
             if strict:
-                raise errors.ReloadRequired(f"v{prepared.target} has tensor {name!r}, which the caller does not "
-                                            "hold: load the version afresh")
+                raise errors.ReloadRequired(
+                    f"v{prepared.target} has tensor {name!r}, which the caller does not hold: load the version afresh"
+                )
             continue
         if t.dtype != torch_dtype(dtype.name) or tuple(t.shape) != tuple(shape):
-            raise errors.ReloadRequired(f"tensor {name!r} is {t.dtype}{list(t.shape)} here but "
-                                        f"{dtype.name}{list(shape)} in v{prepared.target}: load the version afresh")
+            raise errors.ReloadRequired(
+                f"tensor {name!r} is {t.dtype}{list(t.shape)} here but "
+                f"{dtype.name}{list(shape)} in v{prepared.target}: load the version afresh"
+            )
         if not t.is_contiguous():
             raise errors.ReloadRequired(f"tensor {name!r} is not contiguous; apply needs contiguous tensors")
         held[name] = t
     return held
 
 
-def apply(tensors: Mapping[str, Any], prepared: Prepared, *, model: str, version: int | None, verify: bool,
-          strict: bool) -> Applied:
+def apply(
+    tensors: Mapping[str, Any], prepared: Prepared, *, model: str, version: int | None, verify: bool, strict: bool
+) -> Applied:
     """Apply `prepared` in place into `tensors` (name → torch tensor) holding `version` of `model`.
 
     Refuses, changing nothing: BaseMismatch (another model or base version,
@@ -230,8 +247,9 @@ def apply(tensors: Mapping[str, Any], prepared: Prepared, *, model: str, version
     if verify:
         for u, t in work:
             if u.base_xxh3 is not None and tensor_xxh3(t) != u.base_xxh3:
-                raise errors.BaseMismatch(f"tensor {u.name!r} does not hold v{prepared.base}'s bytes; "
-                                          "nothing was changed")
+                raise errors.BaseMismatch(
+                    f"tensor {u.name!r} does not hold v{prepared.base}'s bytes; nothing was changed"
+                )
     devices = {t.device for _, t in work}
     t0 = time.perf_counter()
     with torch.no_grad():

@@ -51,28 +51,50 @@ class Publisher:
     time, in call order for ``publish_async``.
     """
 
-    def __init__(self, server: str, model: str, *, token: str | None = None,
-                 cache_dir: str | os.PathLike | None = None, concurrency: int = 8, bandwidth: float | None = None,
-                 on_mismatch: str = "auto", encoder_threads: int | None = None, chunk_bytes: int = DEFAULT_CHUNK,
-                 object_bytes: int = DEFAULT_OBJECT_BYTES, timeout: float = 120.0, retry: Retry | None = None,
-                 transport: Any = None, progress: Progress | None = None) -> None:
+    def __init__(
+        self,
+        server: str,
+        model: str,
+        *,
+        token: str | None = None,
+        cache_dir: str | os.PathLike | None = None,
+        concurrency: int = 8,
+        bandwidth: float | None = None,
+        on_mismatch: str = "auto",
+        encoder_threads: int | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK,
+        object_bytes: int = DEFAULT_OBJECT_BYTES,
+        timeout: float = 120.0,
+        retry: Retry | None = None,
+        transport: Any = None,
+        progress: Progress | None = None,
+    ) -> None:
         if on_mismatch not in ("auto", "keyframe", "download"):
             raise ValueError("on_mismatch must be 'auto', 'keyframe' or 'download'")
         self.model = model
         self.cache_dir = Path(cache_dir) / model if cache_dir is not None else None
         self.concurrency = max(1, concurrency)
-        self.on_mismatch = on_mismatch if on_mismatch != "auto" else \
-            ("download" if self.cache_dir is not None else "keyframe")
+        self.on_mismatch = (
+            on_mismatch if on_mismatch != "auto" else ("download" if self.cache_dir is not None else "keyframe")
+        )
         self.encoder = Encoder(threads=encoder_threads, chunk_bytes=chunk_bytes)
         self.object_bytes = object_bytes
         self.progress = progress
         limiter = TokenBucket(bandwidth) if bandwidth else None
-        self.api = Api(server, token, timeout=timeout, concurrency=self.concurrency, retry=retry,
-                       limiter=limiter, transport=transport)
+        self.api = Api(
+            server,
+            token,
+            timeout=timeout,
+            concurrency=self.concurrency,
+            retry=retry,
+            limiter=limiter,
+            transport=transport,
+        )
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="weightsync-upload")
-        self._base = BaseKeeper(self.api, model, self.cache_dir, download=self.on_mismatch == "download",
-                                pool=self._pool)
+        self._base = BaseKeeper(
+            self.api, model, self.cache_dir, download=self.on_mismatch == "download", pool=self._pool
+        )
         self._background: ThreadPoolExecutor | None = None
 
     @property
@@ -95,8 +117,9 @@ class Publisher:
 
     # --- publishing ---------------------------------------------------------------------
 
-    def publish_async(self, source: Any, *, step: int | None = None, metadata: dict | None = None,
-                      keyframe: bool = False) -> Future[PublishResult]:
+    def publish_async(
+        self, source: Any, *, step: int | None = None, metadata: dict | None = None, keyframe: bool = False
+    ) -> Future[PublishResult]:
         """Queue a publish on the one background worker and return its Future (publishes run in order).
 
         A state_dict is serialized to host memory before this returns, so the
@@ -111,8 +134,9 @@ class Publisher:
             self._background = ThreadPoolExecutor(1, thread_name_prefix="weightsync-publish")
         return self._background.submit(self.publish, source, step=step, metadata=metadata, keyframe=keyframe)
 
-    def publish(self, source: Any, *, step: int | None = None, metadata: dict | None = None,
-                keyframe: bool = False) -> PublishResult:
+    def publish(
+        self, source: Any, *, step: int | None = None, metadata: dict | None = None, keyframe: bool = False
+    ) -> PublishResult:
         """Publish `source` as the model's next version and return what was done.
 
         `source`: a safetensors file, a directory (sharded checkpoint, configs
@@ -131,8 +155,9 @@ class Publisher:
             if catch_up.bytes:
                 timings["catch_up_s"] = time.perf_counter() - t0
             parent = head.number if head is not None else None
-            begin = self.api.begin_publish(self.model, parent=parent, step=step, metadata=metadata,
-                                           keyframe=base is None)
+            begin = self.api.begin_publish(
+                self.model, parent=parent, step=step, metadata=metadata, keyframe=base is None
+            )
             publish_id = begin.publish_id
             try:
                 use = base if begin.kind == "delta" and base is not None else None
@@ -144,8 +169,9 @@ class Publisher:
                     try:  # the encoder hashed the base bytes: they must be the version we think we hold
                         check_bases(encoded.manifest, use.state.tree(Path(".")))
                     except errors.BaseMismatch as exc:
-                        log.warning("publisher base does not match v%s (%s): publishing a keyframe",
-                                    use.state.number, exc)
+                        log.warning(
+                            "publisher base does not match v%s (%s): publishing a keyframe", use.state.number, exc
+                        )
                         self._base.forget()
                         encoded = self.encoder.encode(checkpoint, None, keyframe=True)
                 manifest, objects = pack(encoded, target_bytes=self.object_bytes)
@@ -181,17 +207,29 @@ class Publisher:
                 raise
             t = time.perf_counter()
             try:
-                self._base.remember(checkpoint, owned, CheckoutState.of(self.model, number, digest, manifest,
-                                                                         self.api.server))
+                self._base.remember(
+                    checkpoint, owned, CheckoutState.of(self.model, number, digest, manifest, self.api.server)
+                )
             except OSError as exc:  # committed already: only the next publish's base is lost
                 log.warning("could not keep v%s as the next base (%s): the next publish is a keyframe", number, exc)
                 self._base.forget()
             timings["cache_s"] = time.perf_counter() - t
-            return PublishResult(model=self.model, version=number, kind=manifest.kind, parent=parent,
-                                 bytes_sent=meter.bytes, raw_bytes=manifest.raw_bytes,
-                                 stored_bytes=manifest.stored_bytes, objects_total=len(unique) + 1,
-                                 objects_uploaded=len(todo) + (digest in missing), manifest=digest, step=step,
-                                 seconds=time.perf_counter() - t0, bytes_received=catch_up.bytes, timings=timings)
+            return PublishResult(
+                model=self.model,
+                version=number,
+                kind=manifest.kind,
+                parent=parent,
+                bytes_sent=meter.bytes,
+                raw_bytes=manifest.raw_bytes,
+                stored_bytes=manifest.stored_bytes,
+                objects_total=len(unique) + 1,
+                objects_uploaded=len(todo) + (digest in missing),
+                manifest=digest,
+                step=step,
+                seconds=time.perf_counter() - t0,
+                bytes_received=catch_up.bytes,
+                timings=timings,
+            )
 
     def _abort(self, publish_id: str) -> None:
         """Best effort: release a failed publish's hold on its objects (a re-run still finds them in the store)."""
@@ -201,9 +239,17 @@ class Publisher:
             log.debug("abort of publish %s failed: %s", publish_id, exc)
 
 
-def publish(server: str, model: str, source: Any, *, token: str | None = None, step: int | None = None,
-            metadata: dict | None = None, keyframe: bool = False, **options: Any) -> PublishResult:
+def publish(
+    server: str,
+    model: str,
+    source: Any,
+    *,
+    token: str | None = None,
+    step: int | None = None,
+    metadata: dict | None = None,
+    keyframe: bool = False,
+    **options: Any,
+) -> PublishResult:
     """One-shot publish with a throwaway :class:`Publisher` (options as its constructor's)."""
     with Publisher(server, model, token=token, **options) as pub:
         return pub.publish(source, step=step, metadata=metadata, keyframe=keyframe)
-

@@ -65,8 +65,9 @@ def step_objects(steps: list[PlanStep]) -> tuple[dict[str, int], dict[str, int]]
     return manifests, objects
 
 
-def fetch_plan(api: Api, cache: ObjectCache, plan: Plan, pool: ThreadPoolExecutor, *,
-               range_bytes: int, meter: Meter) -> FetchStats:
+def fetch_plan(
+    api: Api, cache: ObjectCache, plan: Plan, pool: ThreadPoolExecutor, *, range_bytes: int, meter: Meter
+) -> FetchStats:
     """Make every manifest and object extent of `plan`'s steps present and verified in `cache`."""
     manifests, objects = step_objects(plan.steps)
     meter.total = plan.bytes
@@ -84,10 +85,21 @@ class _Restart(Exception):
     """The checkout's version is not the server's under that number: start over with a full pull."""
 
 
-def pull(api: Api, model: str, checkout: Checkout, *, version: int | None = None, holder: str | None = None,
-         cache: ObjectCache | None = None, keep_objects: bool = False, pool: ThreadPoolExecutor,
-         decode_threads: int | None = None, deep_verify: bool = True, range_bytes: int = DEFAULT_RANGE_BYTES,
-         meter: Meter | None = None) -> PullResult:
+def pull(
+    api: Api,
+    model: str,
+    checkout: Checkout,
+    *,
+    version: int | None = None,
+    holder: str | None = None,
+    cache: ObjectCache | None = None,
+    keep_objects: bool = False,
+    pool: ThreadPoolExecutor,
+    decode_threads: int | None = None,
+    deep_verify: bool = True,
+    range_bytes: int = DEFAULT_RANGE_BYTES,
+    meter: Meter | None = None,
+) -> PullResult:
     """Bring `checkout` to `version` (None: head) of `model`; see :meth:`Subscriber.pull`.
 
     `cache` None: the checkout's own object cache, emptied after a successful
@@ -102,8 +114,9 @@ def pull(api: Api, model: str, checkout: Checkout, *, version: int | None = None
         checkout.sweep()  # the lock says no pull is running: what is not the current version is a leftover
         state = checkout.state()
         if state is not None and state.model != model:
-            raise errors.Conflict(f"{checkout.root} holds model {state.model!r}, not {model!r}: pull into another "
-                                  "directory")
+            raise errors.Conflict(
+                f"{checkout.root} holds model {state.model!r}, not {model!r}: pull into another directory"
+            )
         own_cache = cache is None
         objects = checkout.objects() if cache is None else cache
         if own_cache:
@@ -117,8 +130,9 @@ def pull(api: Api, model: str, checkout: Checkout, *, version: int | None = None
                     checkout.adopt(state)  # a checkout of plain files (older weightsync) becomes a version
                     have = state.number
                 else:
-                    log.warning("%s no longer matches its state file (v%s): pulling in full", checkout.root,
-                                state.number)
+                    log.warning(
+                        "%s no longer matches its state file (v%s): pulling in full", checkout.root, state.number
+                    )
                     repaired = True
                 timings["verify_s"] = time.perf_counter() - t
             for attempt in range(2):
@@ -130,12 +144,23 @@ def pull(api: Api, model: str, checkout: Checkout, *, version: int | None = None
                     assert state is not None
                     if not keep_objects and own_cache:
                         objects.clear()  # what a pull that crashed after its switch left behind
-                    return PullResult(model=model, version=target, previous=have, mode="current", steps=0,
-                                      bytes_received=meter.bytes, plan_bytes=0,
-                                      full_bytes=plan.full_bytes,
-                                      raw_bytes=sum(f.size for f in state.files), files=len(state.files),
-                                      objects_fetched=0, objects_cached=0, repaired=repaired,
-                                      seconds=time.perf_counter() - t0, timings=timings)
+                    return PullResult(
+                        model=model,
+                        version=target,
+                        previous=have,
+                        mode="current",
+                        steps=0,
+                        bytes_received=meter.bytes,
+                        plan_bytes=0,
+                        full_bytes=plan.full_bytes,
+                        raw_bytes=sum(f.size for f in state.files),
+                        files=len(state.files),
+                        objects_fetched=0,
+                        objects_cached=0,
+                        repaired=repaired,
+                        seconds=time.perf_counter() - t0,
+                        timings=timings,
+                    )
                 t = time.perf_counter()
                 stats = fetch_plan(api, objects, plan, pool, range_bytes=range_bytes, meter=meter)
                 timings["download_s"] = time.perf_counter() - t
@@ -156,12 +181,14 @@ def pull(api: Api, model: str, checkout: Checkout, *, version: int | None = None
                     timings["decode_s"] = time.perf_counter() - t
                     t = time.perf_counter()
                     assert manifest is not None
-                    checkout.install(tree, CheckoutState.of(model, target, steps[-1].manifest, manifest,
-                                                            api.server), work)
+                    checkout.install(
+                        tree, CheckoutState.of(model, target, steps[-1].manifest, manifest, api.server), work
+                    )
                     timings["install_s"] = time.perf_counter() - t
                 except _Restart:
-                    log.warning("%s: v%s here differs from the server's v%s: pulling in full", checkout.root,
-                                have, have)
+                    log.warning(
+                        "%s: v%s here differs from the server's v%s: pulling in full", checkout.root, have, have
+                    )
                     have, repaired = None, True
                     continue
                 finally:
@@ -170,12 +197,21 @@ def pull(api: Api, model: str, checkout: Checkout, *, version: int | None = None
                     manifests, fetched = step_objects(steps)
                     objects.discard(list(fetched) + list(manifests))
                 incremental = have is not None and steps[0].kind != "keyframe"
-                return PullResult(model=model, version=target,
-                                  previous=state.number if state is not None and have is not None else None,
-                                  mode="delta" if incremental else "full", steps=len(steps),
-                                  bytes_received=meter.bytes, plan_bytes=plan.bytes,
-                                  full_bytes=plan.full_bytes, raw_bytes=manifest.raw_bytes,
-                                  files=len(manifest.files), objects_fetched=stats.fetched,
-                                  objects_cached=stats.cached, repaired=repaired, seconds=time.perf_counter() - t0,
-                                  timings=timings)
+                return PullResult(
+                    model=model,
+                    version=target,
+                    previous=state.number if state is not None and have is not None else None,
+                    mode="delta" if incremental else "full",
+                    steps=len(steps),
+                    bytes_received=meter.bytes,
+                    plan_bytes=plan.bytes,
+                    full_bytes=plan.full_bytes,
+                    raw_bytes=manifest.raw_bytes,
+                    files=len(manifest.files),
+                    objects_fetched=stats.fetched,
+                    objects_cached=stats.cached,
+                    repaired=repaired,
+                    seconds=time.perf_counter() - t0,
+                    timings=timings,
+                )
     raise AssertionError("unreachable")  # pragma: no cover

@@ -42,24 +42,35 @@ class CheckoutState:
     server: str | None = None
 
     @classmethod
-    def of(cls, model: str, number: int, digest: str, manifest: Manifest, server: str | None = None
-           ) -> CheckoutState:
-        files = [FileState(f.path, f.size, [(e.segment.offset, e.segment.length, e.xxh3) for e in f.segments])
-                 for f in manifest.files]
+    def of(cls, model: str, number: int, digest: str, manifest: Manifest, server: str | None = None) -> CheckoutState:
+        files = [
+            FileState(f.path, f.size, [(e.segment.offset, e.segment.length, e.xxh3) for e in f.segments])
+            for f in manifest.files
+        ]
         return cls(model, number, digest, manifest.single_file, files, server)
 
     def to_json(self) -> bytes:
-        doc = {"format": STATE_FORMAT, "version": STATE_VERSION, "model": self.model, "number": self.number,
-               "manifest": self.manifest, "single_file": self.single_file, "server": self.server,
-               "files": [{"path": f.path, "size": f.size, "segments": [list(s) for s in f.segments]}
-                         for f in self.files]}
+        doc = {
+            "format": STATE_FORMAT,
+            "version": STATE_VERSION,
+            "model": self.model,
+            "number": self.number,
+            "manifest": self.manifest,
+            "single_file": self.single_file,
+            "server": self.server,
+            "files": [{"path": f.path, "size": f.size, "segments": [list(s) for s in f.segments]} for f in self.files],
+        }
         return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
     def tree(self, where: Path) -> Tree:
         """The files of this version, found under `where`, as the base of a decode (they are only read)."""
-        return Tree(self.single_file, {f.path: HeldFile(where / f.path, f.size, False,
-                                                        {o: (n, h) for o, n, h in f.segments})
-                                       for f in self.files})
+        return Tree(
+            self.single_file,
+            {
+                f.path: HeldFile(where / f.path, f.size, False, {o: (n, h) for o, n, h in f.segments})
+                for f in self.files
+            },
+        )
 
     @classmethod
     def read(cls, path: Path) -> CheckoutState | None:
@@ -68,10 +79,20 @@ class CheckoutState:
             doc = json.loads(path.read_bytes())
             if doc.get("format") != STATE_FORMAT or doc.get("version") != STATE_VERSION:
                 return None
-            files = [FileState(check_path(f["path"]), int(f["size"]),
-                               [(int(o), int(n), str(h)) for o, n, h in f["segments"]]) for f in doc["files"]]
-            return cls(str(doc["model"]), int(doc["number"]), str(doc["manifest"]), bool(doc["single_file"]),
-                       files, doc.get("server"))
+            files = [
+                FileState(
+                    check_path(f["path"]), int(f["size"]), [(int(o), int(n), str(h)) for o, n, h in f["segments"]]
+                )
+                for f in doc["files"]
+            ]
+            return cls(
+                str(doc["model"]),
+                int(doc["number"]),
+                str(doc["manifest"]),
+                bool(doc["single_file"]),
+                files,
+                doc.get("server"),
+            )
         except (OSError, ValueError, KeyError, TypeError, errors.InvalidName):
             return None
 

@@ -52,12 +52,28 @@ class Subscriber:
     `prepare` may run in a background thread while the caller serves.
     """
 
-    def __init__(self, server: str, model: str, *, token: str | None = None,
-                 name: str | None = None, cache_dir: str | os.PathLike | None = None, concurrency: int = 8,
-                 bandwidth: float | None = None, version: int | None = None, site: str | None = None,
-                 keep_objects: bool = False, deep_verify: bool = True, range_bytes: int = DEFAULT_RANGE_BYTES,
-                 decode_threads: int | None = None, timeout: float = 60.0, retry: Retry | None = None,
-                 transport: Any = None, progress: Progress | None = None, report: bool = True) -> None:
+    def __init__(
+        self,
+        server: str,
+        model: str,
+        *,
+        token: str | None = None,
+        name: str | None = None,
+        cache_dir: str | os.PathLike | None = None,
+        concurrency: int = 8,
+        bandwidth: float | None = None,
+        version: int | None = None,
+        site: str | None = None,
+        keep_objects: bool = False,
+        deep_verify: bool = True,
+        range_bytes: int = DEFAULT_RANGE_BYTES,
+        decode_threads: int | None = None,
+        timeout: float = 60.0,
+        retry: Retry | None = None,
+        transport: Any = None,
+        progress: Progress | None = None,
+        report: bool = True,
+    ) -> None:
         self.model = model
         self.name = name or socket.gethostname()
         self.site = site
@@ -71,8 +87,15 @@ class Subscriber:
         self.progress = progress
         self.report = report
         limiter = TokenBucket(bandwidth) if bandwidth else None
-        self.api = Api(server, token, timeout=timeout, concurrency=self.concurrency, retry=retry,
-                       limiter=limiter, transport=transport)
+        self.api = Api(
+            server,
+            token,
+            timeout=timeout,
+            concurrency=self.concurrency,
+            retry=retry,
+            limiter=limiter,
+            transport=transport,
+        )
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="weightsync-fetch")
         self._reporter = ThreadPoolExecutor(1, thread_name_prefix="weightsync-report")
@@ -88,16 +111,24 @@ class Subscriber:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _report(self, version: int, *, bytes_: int, pause_ms: float | None = None, extra: dict | None = None,
-                wait: bool = True) -> None:
+    def _report(
+        self, version: int, *, bytes_: int, pause_ms: float | None = None, extra: dict | None = None, wait: bool = True
+    ) -> None:
         if not self.report:
             return
 
         def send() -> None:
             try:
-                self.api.report_replica(self.model, subscriber=self.name, version=version, bytes=bytes_,
-                                        pause_ms=pause_ms, site=self.site or None, host=socket.gethostname(),
-                                        extra=extra or {})
+                self.api.report_replica(
+                    self.model,
+                    subscriber=self.name,
+                    version=version,
+                    bytes=bytes_,
+                    pause_ms=pause_ms,
+                    site=self.site or None,
+                    host=socket.gethostname(),
+                    extra=extra or {},
+                )
             except errors.WeightsyncError as exc:  # the ledger is informative: never fail an update for it
                 log.warning("replica report for %s v%s failed: %s", self.model, version, exc)
 
@@ -123,18 +154,35 @@ class Subscriber:
             meter = Meter(self.progress)
             self.api.on_bytes = meter
             try:
-                result = pull(self.api, self.model, Checkout(dir), version=version, holder=self.name,
-                              cache=ObjectCache(self.cache_dir / "objects") if self.cache_dir else None,
-                              keep_objects=self.keep_objects, pool=self._pool, decode_threads=self.decode_threads,
-                              deep_verify=self.deep_verify, range_bytes=self.range_bytes, meter=meter)
+                result = pull(
+                    self.api,
+                    self.model,
+                    Checkout(dir),
+                    version=version,
+                    holder=self.name,
+                    cache=ObjectCache(self.cache_dir / "objects") if self.cache_dir else None,
+                    keep_objects=self.keep_objects,
+                    pool=self._pool,
+                    decode_threads=self.decode_threads,
+                    deep_verify=self.deep_verify,
+                    range_bytes=self.range_bytes,
+                    meter=meter,
+                )
             finally:
                 self.api.on_bytes = None
             self.version = result.version
             if result.mode != "current":
-                self._report(result.version, bytes_=result.bytes_received,
-                             extra={"mode": result.mode, "dir": str(Path(dir).resolve()),
-                                    "steps": result.steps, "repaired": result.repaired,
-                                    **{k: round(v, 4) for k, v in result.timings.items()}})
+                self._report(
+                    result.version,
+                    bytes_=result.bytes_received,
+                    extra={
+                        "mode": result.mode,
+                        "dir": str(Path(dir).resolve()),
+                        "steps": result.steps,
+                        "repaired": result.repaired,
+                        **{k: round(v, 4) for k, v in result.timings.items()},
+                    },
+                )
             return result
 
     # --- tensors ------------------------------------------------------------------------
@@ -163,14 +211,23 @@ class Subscriber:
             if manifests:
                 with ThreadPoolExecutor(self.decode_threads or os.cpu_count() or 1) as dpool:
                     updates, specs = inplace.decode_updates(manifests, object_reader(cache), dpool)
-            prepared = Prepared(model=self.model, base=have, target=plan.target, updates=updates, specs=specs,
-                                steps=len(manifests), bytes_received=meter.bytes, seconds=time.perf_counter() - t0)
+            prepared = Prepared(
+                model=self.model,
+                base=have,
+                target=plan.target,
+                updates=updates,
+                specs=specs,
+                steps=len(manifests),
+                bytes_received=meter.bytes,
+                seconds=time.perf_counter() - t0,
+            )
             if device is not None and manifests:
                 inplace.stage(prepared, device)
             return prepared
 
-    def apply(self, tensors: Mapping[str, Any], prepared: Prepared, *, verify: bool = True,
-              strict: bool = True) -> float:
+    def apply(
+        self, tensors: Mapping[str, Any], prepared: Prepared, *, verify: bool = True, strict: bool = True
+    ) -> float:
         """Apply `prepared` in place into `tensors` (name → torch tensor); return the pause in seconds.
 
         Refuses (BaseMismatch, nothing changed) an update whose base is not
@@ -186,18 +243,29 @@ class Subscriber:
         before and after it). Tensors must be contiguous.
         """
         with self._lock:
-            applied = inplace.apply(tensors, prepared, model=self.model, version=self.version, verify=verify,
-                                    strict=strict)
+            applied = inplace.apply(
+                tensors, prepared, model=self.model, version=self.version, verify=verify, strict=strict
+            )
             self.version = prepared.target  # the tensors changed: they hold the target (or must be reloaded)
             if verify:
                 applied.check()
-            self._report(prepared.target, bytes_=prepared.bytes_received, pause_ms=applied.pause * 1000.0,
-                         wait=False, extra={"mode": "in-place", "prepare_s": round(prepared.seconds, 4),
-                                            "tensors": applied.tensors, "elements": prepared.changed_elements})
+            self._report(
+                prepared.target,
+                bytes_=prepared.bytes_received,
+                pause_ms=applied.pause * 1000.0,
+                wait=False,
+                extra={
+                    "mode": "in-place",
+                    "prepare_s": round(prepared.seconds, 4),
+                    "tensors": applied.tensors,
+                    "elements": prepared.changed_elements,
+                },
+            )
             return applied.pause
 
-    def watch(self, after: int | None = None, *, timeout: float = 30.0,
-              stop: threading.Event | None = None) -> Iterator[Version]:
+    def watch(
+        self, after: int | None = None, *, timeout: float = 30.0, stop: threading.Event | None = None
+    ) -> Iterator[Version]:
         """Yield each new head as it commits (long-poll `watchModel`), reconnecting on errors.
 
         Starts after `after`, else after :attr:`version`, else after the current

@@ -25,9 +25,22 @@ if TYPE_CHECKING:  # pragma: no cover
 
 # safetensors dtype name -> torch attribute name (sub-byte packed dtypes are not tensors of their own).
 _TORCH_NAMES = {
-    "BOOL": "bool", "U8": "uint8", "I8": "int8", "F8_E5M2": "float8_e5m2", "F8_E4M3": "float8_e4m3fn",
-    "I16": "int16", "U16": "uint16", "F16": "float16", "BF16": "bfloat16", "I32": "int32", "U32": "uint32",
-    "F32": "float32", "F64": "float64", "I64": "int64", "U64": "uint64", "F8_E8M0": "float8_e8m0fnu",
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E4M3": "float8_e4m3fn",
+    "I16": "int16",
+    "U16": "uint16",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I32": "int32",
+    "U32": "uint32",
+    "F32": "float32",
+    "F64": "float64",
+    "I64": "int64",
+    "U64": "uint64",
+    "F8_E8M0": "float8_e8m0fnu",
 }
 _INT_OF_WIDTH = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
 
@@ -105,8 +118,7 @@ def load(path: str | os.PathLike, *, device: str | None = None) -> dict[str, tor
     """Every tensor of a safetensors file, or of all `*.safetensors` under a directory, as writable tensors."""
     torch = torch_module()
     root = Path(path)
-    files = sorted(p for p in root.rglob("*.safetensors") if ".weightsync" not in p.parts) if root.is_dir() \
-        else [root]
+    files = sorted(p for p in root.rglob("*.safetensors") if ".weightsync" not in p.parts) if root.is_dir() else [root]
     out: dict[str, Any] = {}
     for p in files:
         data = p.read_bytes()

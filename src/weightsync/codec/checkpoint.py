@@ -87,8 +87,7 @@ def layout_of(path: str, data: np.ndarray) -> FileLayout:
             parsed = None  # not a valid safetensors file: still carried exactly, as a blob
         if parsed is not None:
             segs = [Segment("header", "", U8, (parsed.header_len,), 0, parsed.header_len)]
-            segs += [Segment("tensor", t.name, t.dtype, t.shape, t.start, t.end - t.start)
-                     for t in parsed.tensors]
+            segs += [Segment("tensor", t.name, t.dtype, t.shape, t.start, t.end - t.start) for t in parsed.tensors]
             return FileLayout(path, size, tuple(segs))
     return FileLayout(path, size, (Segment("blob", "", U8, (size,), 0, size),))
 
@@ -127,8 +126,7 @@ class Checkpoint:
         """Map a safetensors file or a directory of files; FileNotFoundError if absent."""
         root = Path(path)
         if root.is_dir():
-            files = [CheckpointFile(layout_of(rel, data := _map(root / rel)), data)
-                     for rel in list_files(root)]
+            files = [CheckpointFile(layout_of(rel, data := _map(root / rel)), data) for rel in list_files(root)]
             return cls(files)
         if not root.exists():
             raise FileNotFoundError(f"{root}: no such file or directory")

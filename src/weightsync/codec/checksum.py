@@ -61,8 +61,11 @@ class TensorSum:
         """The checksum of the union of two disjoint parts (same width)."""
         if other.width != self.width:
             raise InvalidArgument(f"cannot combine checksums of {self.width}- and {other.width}-byte elements")
-        return TensorSum(self.width, self.count + other.count,
-                         tuple((a + b) & MASK for a, b in zip(self.lanes, other.lanes, strict=True)))
+        return TensorSum(
+            self.width,
+            self.count + other.count,
+            tuple((a + b) & MASK for a, b in zip(self.lanes, other.lanes, strict=True)),
+        )
 
     def digest(self) -> bytes:
         """The wire form (FORMAT §10.1): u64 count, then the lanes, all little-endian."""
@@ -130,8 +133,9 @@ def reference_sum(data: np.ndarray | bytes | bytearray | memoryview, width: int,
     return TensorSum(width, n, tuple(int(x) for x in lanes))
 
 
-def tensor_sum(data: np.ndarray | bytes | bytearray | memoryview, width: int, *, start: int = 0,
-               threads: int = 1) -> TensorSum:
+def tensor_sum(
+    data: np.ndarray | bytes | bytearray | memoryview, width: int, *, start: int = 0, threads: int = 1
+) -> TensorSum:
     """The checksum of raw element bytes whose first element sits at position `start` of its tensor.
 
     Runs the C kernel when built (GIL released; `threads` > 1 splits large inputs across

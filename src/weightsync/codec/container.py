@@ -96,8 +96,13 @@ def _replace_atomically(tmp: Path, final: Path) -> None:
     os.replace(tmp, final)
 
 
-def diff(base: str | os.PathLike[str], new: str | os.PathLike[str], out: str | os.PathLike[str], *,
-         encoder: Encoder | None = None) -> DiffStats:
+def diff(
+    base: str | os.PathLike[str],
+    new: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    encoder: Encoder | None = None,
+) -> DiffStats:
     """Write the delta that turns BASE into NEW (files or directories) to OUT, atomically."""
     enc = encoder or Encoder()
     base_ck, new_ck = Checkpoint.open(base), Checkpoint.open(new)
@@ -124,8 +129,13 @@ def diff(base: str | os.PathLike[str], new: str | os.PathLike[str], out: str | o
     return DiffStats(new_ck.raw_bytes, written, len(encoded.frames), sum(fr.delta for fr in encoded.frames))
 
 
-def patch(base: str | os.PathLike[str], delta: str | os.PathLike[str], out: str | os.PathLike[str], *,
-          decoder: Decoder | None = None) -> Manifest:
+def patch(
+    base: str | os.PathLike[str],
+    delta: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    decoder: Decoder | None = None,
+) -> Manifest:
     """Apply DELTA to BASE and write the result to OUT, byte-identical to the diffed NEW.
 
     Raises BaseMismatch for a wrong base and a FormatError subclass for a damaged
@@ -174,16 +184,17 @@ def patch(base: str | os.PathLike[str], delta: str | os.PathLike[str], out: str 
     return manifest
 
 
-def _decode_to(dec: Decoder, manifest: Manifest, read_frame: Callable[[FrameRef], memoryview], base: Checkpoint,
-               paths: list[Path]) -> None:
+def _decode_to(
+    dec: Decoder, manifest: Manifest, read_frame: Callable[[FrameRef], memoryview], base: Checkpoint, paths: list[Path]
+) -> None:
     """Decode into files at `paths` (created here, sized, fsynced)."""
     outputs = []
-    for f, path in zip(manifest.files, paths):
+    for f, path in zip(manifest.files, paths, strict=True):
         with open(path, "wb") as fh:
             fh.truncate(f.size)
         outputs.append(np.memmap(path, dtype=np.uint8, mode="r+") if f.size else np.zeros(0, dtype=np.uint8))
     dec.decode(manifest, read_frame, outputs, base, verify_segments=True)
-    for out, path in zip(outputs, paths):
+    for out, path in zip(outputs, paths, strict=True):
         if isinstance(out, np.memmap):
             out.flush()
         with open(path, "rb") as fh:

@@ -70,8 +70,17 @@ class Encoded:
             obj, off = locate(i, fr)
             refs.append(FrameRef(obj, off, len(fr.data), fr.delta, fr.dtype, fr.raw_len, fr.pieces))
         m = self.manifest
-        return Manifest(kind=m.kind, single_file=m.single_file, files=m.files, frames=refs, model=m.model,
-                        number=m.number, parent=m.parent, step=m.step, metadata=m.metadata)
+        return Manifest(
+            kind=m.kind,
+            single_file=m.single_file,
+            files=m.files,
+            frames=refs,
+            model=m.model,
+            number=m.number,
+            parent=m.parent,
+            step=m.step,
+            metadata=m.metadata,
+        )
 
 
 @dataclass
@@ -146,17 +155,23 @@ class Encoder:
     ``chunk_bytes`` the frame size target.
     """
 
-    def __init__(self, *, threads: int | None = None, level: int = DEFAULT_LEVEL,
-                 chunk_bytes: int = DEFAULT_CHUNK) -> None:
+    def __init__(
+        self, *, threads: int | None = None, level: int = DEFAULT_LEVEL, chunk_bytes: int = DEFAULT_CHUNK
+    ) -> None:
         if chunk_bytes < 1024:
             raise ValueError("chunk_bytes must be at least 1024")
         self.threads = threads or default_threads()
         self.level = level
         self.chunk_bytes = chunk_bytes
 
-    def encode(self, new: Checkpoint, base: Checkpoint | None = None, *,
-               base_hashes: dict[tuple[str, str, str], str] | None = None,
-               keyframe: bool = False) -> Encoded:
+    def encode(
+        self,
+        new: Checkpoint,
+        base: Checkpoint | None = None,
+        *,
+        base_hashes: dict[tuple[str, str, str], str] | None = None,
+        keyframe: bool = False,
+    ) -> Encoded:
         """Encode `new`, as XOR deltas against `base` wherever a segment has a counterpart.
 
         A counterpart is the segment of the same kind and name, dtype and shape in
@@ -179,8 +194,13 @@ class Encoder:
             row: list[tuple[Segment, int | None, str | None]] = []
             for seg in f.layout.segments:
                 other = counterpart.get(seg.key)
-                if (b is not None and other is not None and other.dtype is seg.dtype
-                        and other.shape == seg.shape and other.length == seg.length):
+                if (
+                    b is not None
+                    and other is not None
+                    and other.dtype is seg.dtype
+                    and other.shape == seg.shape
+                    and other.length == seg.length
+                ):
                     row.append((seg, other.offset, known.get((b.layout.path, other.kind, other.name))))
                 else:
                     row.append((seg, None, None))
@@ -194,8 +214,12 @@ class Encoder:
         # coder hashes what it codes, part by part, and hands back the hashes of the segments
         # it holds whole; a segment cut across frames is hashed by its chunks' tasks, in
         # order, each chunk right after it was coded (_Chain). Only empty segments are left.
-        in_frame = {(p.file, p.seg) for plan in plans for p in plan.pieces
-                    if p.offset == 0 and p.length == flat[p.file][p.seg].segment.length}
+        in_frame = {
+            (p.file, p.seg)
+            for plan in plans
+            for p in plan.pieces
+            if p.offset == 0 and p.length == flat[p.file][p.seg].segment.length
+        }
         chains: dict[tuple[int, int], _Chain] = {}
         links: list[tuple[_Chain, int] | None] = []
         for plan in plans:
@@ -215,20 +239,23 @@ class Encoder:
         def run(index: int) -> tuple[EncodedFrame, list[tuple[int, int, str, str | None]]]:
             plan = plans[index]
             # Pieces are coded where they lie (no scratch copy of a grouped frame's tensors).
-            news = [new_arrays[p.file][flat[p.file][p.seg].segment.offset + p.offset:][: p.length]
-                    for p in plan.pieces]
+            news = [
+                new_arrays[p.file][flat[p.file][p.seg].segment.offset + p.offset :][: p.length] for p in plan.pieces
+            ]
             olds = None
             if plan.delta:
-                olds = [base_arrays[p.file][_base_offset(flat[p.file][p.seg]) + p.offset:][: p.length]
-                        for p in plan.pieces]
+                olds = [
+                    base_arrays[p.file][_base_offset(flat[p.file][p.seg]) + p.offset :][: p.length] for p in plan.pieces
+                ]
             if olds is not None:
                 piece_hashes: list[tuple[bytes, bytes]] = []
                 blob = encode_delta_pieces(olds, news, plan.dtype, level=self.level, piece_hashes=piece_hashes)
             else:
                 piece_hashes = [(xxh3_128(x), b"") for x in news]
                 data = news[0] if len(news) == 1 else np.concatenate(news)
-                blob = encode_key(data, plan.dtype, level=self.level,
-                                  result_hash=piece_hashes[0][0] if len(news) == 1 else None)
+                blob = encode_key(
+                    data, plan.dtype, level=self.level, result_hash=piece_hashes[0][0] if len(news) == 1 else None
+                )
             hashed: list[tuple[int, int, str, str | None]] = []
             for p, (h, bh) in zip(plan.pieces, piece_hashes, strict=True):
                 if (p.file, p.seg) in in_frame:
@@ -262,13 +289,21 @@ class Encoder:
                     new_hash[fi, si] = xxh3_128(b"").hex()
                     if entry.base_offset is not None:
                         base_hash[fi, si] = entry.base_xxh3 or xxh3_128(b"").hex()
-        flat = [[SegmentEntry(e.segment, new_hash[fi, si], e.base_offset, base_hash.get((fi, si)))
-                 for si, e in enumerate(row)] for fi, row in enumerate(flat)]
+        flat = [
+            [
+                SegmentEntry(e.segment, new_hash[fi, si], e.base_offset, base_hash.get((fi, si)))
+                for si, e in enumerate(row)
+            ]
+            for fi, row in enumerate(flat)
+        ]
         files = [FileEntry(f.layout.path, f.layout.size, tuple(row)) for f, row in zip(new.files, flat, strict=True)]
         kind = "delta" if any(e.base_offset is not None for row in flat for e in row) else "keyframe"
-        manifest = Manifest(kind=kind, single_file=new.single_file, files=files,
-                            frames=[FrameRef(None, 0, len(fr.data), fr.delta, fr.dtype, fr.raw_len, fr.pieces)
-                                    for fr in frames])
+        manifest = Manifest(
+            kind=kind,
+            single_file=new.single_file,
+            files=files,
+            frames=[FrameRef(None, 0, len(fr.data), fr.delta, fr.dtype, fr.raw_len, fr.pieces) for fr in frames],
+        )
         return Encoded(manifest, frames)
 
     @staticmethod
@@ -287,9 +322,16 @@ class Decoder:
     def __init__(self, *, threads: int | None = None) -> None:
         self.threads = threads or default_threads()
 
-    def decode(self, manifest: Manifest, read_frame: Callable[[FrameRef], bytes | memoryview],
-               outputs: list[np.ndarray], base: Checkpoint | None = None, *, verify_base: bool = True,
-               verify_segments: bool = False) -> None:
+    def decode(
+        self,
+        manifest: Manifest,
+        read_frame: Callable[[FrameRef], bytes | memoryview],
+        outputs: list[np.ndarray],
+        base: Checkpoint | None = None,
+        *,
+        verify_base: bool = True,
+        verify_segments: bool = False,
+    ) -> None:
         """Write every file of `manifest` into `outputs` (writable uint8 arrays, one per file, in order).
 
         `read_frame` returns a frame's bytes given its ref. For a delta manifest
@@ -303,14 +345,17 @@ class Decoder:
         """
         if len(outputs) != len(manifest.files):
             raise LimitExceeded("one output buffer per file is required")
-        for f, out in zip(manifest.files, outputs):
+        for f, out in zip(manifest.files, outputs, strict=True):
             if out.dtype != np.uint8 or out.ndim != 1 or len(out) != f.size:
                 raise LimitExceeded(f"{f.path}: output buffer must hold {f.size} bytes")
         base_arrays = self._base_arrays(manifest, base)
         in_place = []
-        for f, out, b in zip(manifest.files, outputs, base_arrays):
-            same = len(b) == len(out) and len(out) > 0 and \
-                b.__array_interface__["data"][0] == out.__array_interface__["data"][0]
+        for f, out, b in zip(manifest.files, outputs, base_arrays, strict=True):
+            same = (
+                len(b) == len(out)
+                and len(out) > 0
+                and b.__array_interface__["data"][0] == out.__array_interface__["data"][0]
+            )
             if same and any(e.base_offset not in (None, e.segment.offset) for e in f.segments):
                 raise LimitExceeded(f"{f.path}: layout changed, cannot apply in place")
             in_place.append(same)
@@ -360,7 +405,7 @@ class Decoder:
             return [base.files[0].data]
         by_path = base.by_path()
         out = []
-        for f, need in zip(manifest.files, needs):
+        for f, need in zip(manifest.files, needs, strict=True):
             b = by_path.get(f.path)
             if need and b is None:
                 raise BaseMismatch(f"base has no file {f.path!r}")
@@ -385,10 +430,11 @@ class Decoder:
 
     @staticmethod
     def _check_result(pool: ThreadPoolExecutor, manifest: Manifest, outputs: list[np.ndarray]) -> None:
-        jobs = [(f.path, e, pool.submit(xxh3_128, outputs[fi][e.segment.offset : e.segment.offset
-                                                               + e.segment.length]))
-                for fi, f in enumerate(manifest.files) for e in f.segments]
+        jobs = [
+            (f.path, e, pool.submit(xxh3_128, outputs[fi][e.segment.offset : e.segment.offset + e.segment.length]))
+            for fi, f in enumerate(manifest.files)
+            for e in f.segments
+        ]
         for path, e, fut in jobs:
             if fut.result().hex() != e.xxh3:
                 raise ChecksumMismatch(f"{path}: decoded {e.segment.kind} {e.segment.name!r} fails its checksum")
-

@@ -181,10 +181,12 @@ class _Reader:
 # --- encode ----------------------------------------------------------------------------
 
 
-def _header(flags: int, dtype: DType, method: int, raw_len: int, payload_len: int,
-            base_hash: bytes, result_hash: bytes) -> bytes:
-    head = _HEADER.pack(MAGIC, VERSION, flags, dtype.code, method, raw_len, payload_len,
-                        base_hash, result_hash, 0)[: HEADER_SIZE - 8]
+def _header(
+    flags: int, dtype: DType, method: int, raw_len: int, payload_len: int, base_hash: bytes, result_hash: bytes
+) -> bytes:
+    head = _HEADER.pack(MAGIC, VERSION, flags, dtype.code, method, raw_len, payload_len, base_hash, result_hash, 0)[
+        : HEADER_SIZE - 8
+    ]
     return head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head))
 
 
@@ -197,8 +199,9 @@ def _check_encodable(data: np.ndarray, dtype: DType) -> None:
         raise LimitExceeded(f"a frame holds at most {MAX_FRAME_RAW} bytes, got {len(data)}")
 
 
-def _finish(flags: int, dtype: DType, method: int, raw_len: int, parts: list[bytes],
-            base_hash: bytes, result_hash: bytes) -> bytes:
+def _finish(
+    flags: int, dtype: DType, method: int, raw_len: int, parts: list[bytes], base_hash: bytes, result_hash: bytes
+) -> bytes:
     payload_len = sum(len(p) for p in parts)
     return b"".join([_header(flags, dtype, method, raw_len, payload_len, base_hash, result_hash), *parts])
 
@@ -212,8 +215,9 @@ def uses_add(dtype: DType) -> bool:
     return dtype.name != "BOOL"
 
 
-def encode_key(data: np.ndarray, dtype: DType, *, level: int = DEFAULT_LEVEL,
-               result_hash: bytes | None = None) -> bytes:
+def encode_key(
+    data: np.ndarray, dtype: DType, *, level: int = DEFAULT_LEVEL, result_hash: bytes | None = None
+) -> bytes:
     """Encode `data` (raw tensor bytes, 1-D uint8) as a keyframe frame.
 
     Byte planes split the exponent-carrying byte from the mantissa bytes so zstd's
@@ -231,9 +235,16 @@ def encode_key(data: np.ndarray, dtype: DType, *, level: int = DEFAULT_LEVEL,
     return _finish(0, dtype, METHOD_PLANES, len(data), parts, ZERO_HASH, result_hash)
 
 
-def encode_delta(base: np.ndarray, new: np.ndarray, dtype: DType, *, level: int = DEFAULT_LEVEL,
-                 base_hash: bytes | None = None, result_hash: bytes | None = None,
-                 add: bool | None = None) -> bytes:
+def encode_delta(
+    base: np.ndarray,
+    new: np.ndarray,
+    dtype: DType,
+    *,
+    level: int = DEFAULT_LEVEL,
+    base_hash: bytes | None = None,
+    result_hash: bytes | None = None,
+    add: bool | None = None,
+) -> bytes:
     """Encode `new` element-wise against `base` (same length, 1-D uint8) as a delta frame.
 
     Values are wrapping differences (zigzag) or XORs, per `uses_add` unless `add` is
@@ -242,14 +253,20 @@ def encode_delta(base: np.ndarray, new: np.ndarray, dtype: DType, *, level: int 
     Hashes already known to the caller may be passed to avoid recomputing them.
     """
     _check_encodable(new, dtype)
-    return encode_delta_pieces([base], [new], dtype, level=level, base_hash=base_hash,
-                               result_hash=result_hash, add=add)
+    return encode_delta_pieces([base], [new], dtype, level=level, base_hash=base_hash, result_hash=result_hash, add=add)
 
 
-def encode_delta_pieces(bases: Sequence[np.ndarray], news: Sequence[np.ndarray], dtype: DType, *,
-                        level: int = DEFAULT_LEVEL, base_hash: bytes | None = None,
-                        result_hash: bytes | None = None, add: bool | None = None,
-                        piece_hashes: list[tuple[bytes, bytes]] | None = None) -> bytes:
+def encode_delta_pieces(
+    bases: Sequence[np.ndarray],
+    news: Sequence[np.ndarray],
+    dtype: DType,
+    *,
+    level: int = DEFAULT_LEVEL,
+    base_hash: bytes | None = None,
+    result_hash: bytes | None = None,
+    add: bool | None = None,
+    piece_hashes: list[tuple[bytes, bytes]] | None = None,
+) -> bytes:
     """`encode_delta` of the concatenations of `bases` and of `news` (pairwise equal lengths), without concatenating.
 
     A frame grouping many small tensors (FORMAT §4.5) is coded piece by piece: each
@@ -280,8 +297,7 @@ def encode_delta_pieces(bases: Sequence[np.ndarray], news: Sequence[np.ndarray],
     k = kernels.active()
     width = dtype.width
     n = raw_len // width
-    hashes = _Hashes(len(news), per_piece=piece_hashes is not None, new=result_hash is None,
-                     base=base_hash is None)
+    hashes = _Hashes(len(news), per_piece=piece_hashes is not None, new=result_hash is None, base=base_hash is None)
     parts: list[bytes] = []
     sparse = _sparse_pieces(k, bases, news, width, add, int(SPARSE_MAX_DENSITY * n), hashes)
     if sparse is not None:
@@ -367,8 +383,15 @@ def _xxh3_128_pieces(pieces: Sequence[np.ndarray]) -> bytes:
     return h.digest()
 
 
-def _sparse_pieces(k: kernels.Kernels, bases: Sequence[np.ndarray], news: Sequence[np.ndarray], width: int,
-                   add: bool, cap: int, hashes: _Hashes) -> tuple[list[np.ndarray], list[np.ndarray]] | None:
+def _sparse_pieces(
+    k: kernels.Kernels,
+    bases: Sequence[np.ndarray],
+    news: Sequence[np.ndarray],
+    width: int,
+    add: bool,
+    cap: int,
+    hashes: _Hashes,
+) -> tuple[list[np.ndarray], list[np.ndarray]] | None:
     """Sparse planes of the concatenated pieces, or None above `cap` changes (FORMAT §4.2).
 
     Works through the pieces in parts of at most _HOT_BYTES, feeding `hashes` each part
@@ -429,8 +452,7 @@ def parse_header(frame: bytes | memoryview | np.ndarray) -> FrameHeader:
         if len(view) >= 4 and bytes(view[:4]) != MAGIC:
             raise BadMagic("not a weightsync frame")
         raise TruncatedInput(f"frame header needs {HEADER_SIZE} bytes, got {len(view)}")
-    magic, version, flags, code, method, raw_len, payload_len, bh, rh, check = _HEADER.unpack(
-        view[:HEADER_SIZE])
+    magic, version, flags, code, method, raw_len, payload_len, bh, rh, check = _HEADER.unpack(view[:HEADER_SIZE])
     if magic != MAGIC:
         raise BadMagic("not a weightsync frame")
     if xxhash.xxh3_64_intdigest(view[: HEADER_SIZE - 8]) != check:
@@ -556,16 +578,18 @@ def _apply_payload(targets: Sequence[np.ndarray], head: FrameHeader, payload: _P
         k.apply_sparse(t, width, op, int(hi - lo), gaps, [p[lo:hi] for p in planes])
 
 
-def apply_frame_pieces(frame: bytes | memoryview | np.ndarray, targets: Sequence[np.ndarray], *,
-                       verify_base: bool = True) -> FrameHeader:
+def apply_frame_pieces(
+    frame: bytes | memoryview | np.ndarray, targets: Sequence[np.ndarray], *, verify_base: bool = True
+) -> FrameHeader:
     """`apply_frame` into the concatenation of `targets` (1-D writable uint8 views), without concatenating.
 
     A frame grouping several tensors (FORMAT §4.5) applies straight into each tensor's
     bytes; the same checks and undo on a result mismatch as `apply_frame`.
     """
     head = parse_header(frame)
-    if not targets or any(t.dtype != np.uint8 or t.ndim != 1 or not t.flags.c_contiguous
-                          or len(t) % head.dtype.width for t in targets):
+    if not targets or any(
+        t.dtype != np.uint8 or t.ndim != 1 or not t.flags.c_contiguous or len(t) % head.dtype.width for t in targets
+    ):
         raise LimitExceeded("frame targets must be contiguous 1-D uint8 arrays of whole elements")
     if sum(len(t) for t in targets) != head.raw_len:
         raise LimitExceeded(f"frame decodes to {head.raw_len} bytes, targets hold {sum(len(t) for t in targets)}")

@@ -53,8 +53,9 @@ class Kernels(Protocol):
         """Number of `width`-byte elements where `base` and `new` differ."""
         ...
 
-    def encode_sparse(self, base: np.ndarray, new: np.ndarray, width: int, add: bool,
-                      cap: int) -> tuple[np.ndarray, np.ndarray] | None:
+    def encode_sparse(
+        self, base: np.ndarray, new: np.ndarray, width: int, add: bool, cap: int
+    ) -> tuple[np.ndarray, np.ndarray] | None:
         """(gap planes (4, count), value planes (width, count)) of the changed elements, None if more than `cap`.
 
         Gap k is the number of unchanged elements before change k since change k-1; value k
@@ -79,8 +80,15 @@ class Kernels(Protocol):
         """target[i] ∘= value[i] for every element, the values given as `width` byte planes."""
         ...
 
-    def apply_sparse(self, target: np.ndarray, width: int, op: int, count: int,
-                     gaps: Sequence[np.ndarray], values: Sequence[np.ndarray]) -> bool:
+    def apply_sparse(
+        self,
+        target: np.ndarray,
+        width: int,
+        op: int,
+        count: int,
+        gaps: Sequence[np.ndarray],
+        values: Sequence[np.ndarray],
+    ) -> bool:
         """Apply `count` gap-coded changes; False, with `target` untouched, if one falls past its end."""
         ...
 
@@ -88,8 +96,9 @@ class Kernels(Protocol):
         """Element positions (int64, ascending) of `count` gap-coded changes (unchecked against a length)."""
         ...
 
-    def gap_cuts(self, count: int, gaps: Sequence[np.ndarray],
-                 bounds: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    def gap_cuts(
+        self, count: int, gaps: Sequence[np.ndarray], bounds: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, int]:
         """Where gap-coded changes cross ascending element `bounds` (int64): (cuts, firsts, end).
 
         cuts[i] is the index of the first change at or after bounds[i] (count if none),
@@ -111,8 +120,9 @@ class ReferenceKernels:
         """See :class:`Kernels`."""
         return int(np.count_nonzero(base.view(UINT[width]) != new.view(UINT[width])))
 
-    def encode_sparse(self, base: np.ndarray, new: np.ndarray, width: int, add: bool,
-                      cap: int) -> tuple[np.ndarray, np.ndarray] | None:
+    def encode_sparse(
+        self, base: np.ndarray, new: np.ndarray, width: int, add: bool, cap: int
+    ) -> tuple[np.ndarray, np.ndarray] | None:
         """See :class:`Kernels`."""
         old_v, new_v = base.view(UINT[width]), new.view(UINT[width])
         changed = old_v != new_v  # nonzero() over a bool mask is several times faster than over ints
@@ -122,8 +132,9 @@ class ReferenceKernels:
         gaps = np.diff(positions, prepend=-1)
         gaps -= 1
         values = _delta_values(old_v[positions], new_v[positions], add)
-        return self.split_planes(gaps.astype("<u4").view(np.uint8), GAP_PLANES), \
-            self.split_planes(values.view(np.uint8), width)
+        return self.split_planes(gaps.astype("<u4").view(np.uint8), GAP_PLANES), self.split_planes(
+            values.view(np.uint8), width
+        )
 
     def encode_dense(self, base: np.ndarray, new: np.ndarray, width: int, add: bool) -> np.ndarray:
         """See :class:`Kernels`."""
@@ -146,8 +157,15 @@ class ReferenceKernels:
         values = self.join_planes(planes, width).view(UINT[width])
         _apply(view, values, op, None)
 
-    def apply_sparse(self, target: np.ndarray, width: int, op: int, count: int,
-                     gaps: Sequence[np.ndarray], values: Sequence[np.ndarray]) -> bool:
+    def apply_sparse(
+        self,
+        target: np.ndarray,
+        width: int,
+        op: int,
+        count: int,
+        gaps: Sequence[np.ndarray],
+        values: Sequence[np.ndarray],
+    ) -> bool:
         """See :class:`Kernels`."""
         positions = self.gap_positions(count, gaps)
         if count and positions[-1] >= len(target) // width:
@@ -162,8 +180,9 @@ class ReferenceKernels:
         positions += np.arange(0, count, dtype=np.int64)
         return positions
 
-    def gap_cuts(self, count: int, gaps: Sequence[np.ndarray],
-                 bounds: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    def gap_cuts(
+        self, count: int, gaps: Sequence[np.ndarray], bounds: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, int]:
         """See :class:`Kernels`."""
         positions = self.gap_positions(count, gaps)
         cuts = np.searchsorted(positions, bounds).astype(np.int64)
@@ -224,8 +243,9 @@ class NativeKernels:
         """See :class:`Kernels`."""
         return int(self._ext.count_changed(base, new, width))
 
-    def encode_sparse(self, base: np.ndarray, new: np.ndarray, width: int, add: bool,
-                      cap: int) -> tuple[np.ndarray, np.ndarray] | None:
+    def encode_sparse(
+        self, base: np.ndarray, new: np.ndarray, width: int, add: bool, cap: int
+    ) -> tuple[np.ndarray, np.ndarray] | None:
         """See :class:`Kernels`."""
         # Room for `cap` changes; pages past the written prefix are never touched.
         gaps = np.empty((GAP_PLANES, cap), dtype=np.uint8)
@@ -257,8 +277,15 @@ class NativeKernels:
         """See :class:`Kernels`."""
         self._ext.apply_dense(target, width, op, planes)
 
-    def apply_sparse(self, target: np.ndarray, width: int, op: int, count: int,
-                     gaps: Sequence[np.ndarray], values: Sequence[np.ndarray]) -> bool:
+    def apply_sparse(
+        self,
+        target: np.ndarray,
+        width: int,
+        op: int,
+        count: int,
+        gaps: Sequence[np.ndarray],
+        values: Sequence[np.ndarray],
+    ) -> bool:
         """See :class:`Kernels`."""
         return bool(self._ext.apply_sparse(target, width, op, count, gaps, values))
 
@@ -268,8 +295,9 @@ class NativeKernels:
         self._ext.gap_positions(count, gaps, out)
         return out
 
-    def gap_cuts(self, count: int, gaps: Sequence[np.ndarray],
-                 bounds: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    def gap_cuts(
+        self, count: int, gaps: Sequence[np.ndarray], bounds: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, int]:
         """See :class:`Kernels`."""
         bounds = np.ascontiguousarray(bounds, dtype=np.int64)
         cuts, firsts = np.empty_like(bounds), np.empty_like(bounds)
@@ -299,8 +327,11 @@ _active: Kernels
 if os.environ.get("WEIGHTSYNC_NATIVE", "1") == "0":
     _active = REFERENCE
 elif NATIVE is None:
-    log.warning("weightsync: C kernels not built (%s); the codec runs its numpy reference path, "
-                "several times slower (pip install -e . with a C compiler builds them)", LOAD_ERROR)
+    log.warning(
+        "weightsync: C kernels not built (%s); the codec runs its numpy reference path, "
+        "several times slower (pip install -e . with a C compiler builds them)",
+        LOAD_ERROR,
+    )
     _active = REFERENCE
 else:
     _active = NATIVE

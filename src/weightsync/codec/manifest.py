@@ -16,13 +16,13 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
-from weightsync.common import DIGEST_PATTERN, MODEL_NAME_PATTERN
-from weightsync.codec.checkpoint import FileLayout, Segment, check_path
-from weightsync.codec.dtypes import by_name
 import xxhash
 import zstandard
 
+from weightsync.codec.checkpoint import FileLayout, Segment, check_path
+from weightsync.codec.dtypes import by_name
 from weightsync.codec.frame import MAX_FRAME_RAW
+from weightsync.common import DIGEST_PATTERN, MODEL_NAME_PATTERN
 from weightsync.errors import (
     BadMagic,
     CorruptData,
@@ -130,22 +130,47 @@ class Manifest:
             segs = []
             for e in f.segments:
                 s = e.segment
-                d: dict[str, Any] = {"kind": s.kind, "name": s.name, "dtype": s.dtype.name,
-                                     "shape": list(s.shape), "offset": s.offset, "length": s.length,
-                                     "xxh3": e.xxh3}
+                d: dict[str, Any] = {
+                    "kind": s.kind,
+                    "name": s.name,
+                    "dtype": s.dtype.name,
+                    "shape": list(s.shape),
+                    "offset": s.offset,
+                    "length": s.length,
+                    "xxh3": e.xxh3,
+                }
                 if e.base_offset is not None:
                     d["base_offset"] = e.base_offset
                     d["base_xxh3"] = e.base_xxh3
                 segs.append(d)
             files.append({"path": f.path, "size": f.size, "segments": segs})
-        frames = [{"object": fr.object, "offset": fr.offset, "length": fr.length, "delta": fr.delta,
-                   "dtype": fr.dtype, "raw_len": fr.raw_len,
-                   "pieces": [[p.file, p.seg, p.offset, p.length] for p in fr.pieces]}
-                  for fr in self.frames]
-        return {"format": FORMAT, "version": VERSION, "kind": self.kind, "single_file": self.single_file,
-                "model": self.model, "number": self.number, "parent": self.parent, "step": self.step,
-                "metadata": self.metadata, "raw_bytes": self.raw_bytes, "stored_bytes": self.stored_bytes,
-                "files": files, "frames": frames}
+        frames = [
+            {
+                "object": fr.object,
+                "offset": fr.offset,
+                "length": fr.length,
+                "delta": fr.delta,
+                "dtype": fr.dtype,
+                "raw_len": fr.raw_len,
+                "pieces": [[p.file, p.seg, p.offset, p.length] for p in fr.pieces],
+            }
+            for fr in self.frames
+        ]
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "kind": self.kind,
+            "single_file": self.single_file,
+            "model": self.model,
+            "number": self.number,
+            "parent": self.parent,
+            "step": self.step,
+            "metadata": self.metadata,
+            "raw_bytes": self.raw_bytes,
+            "stored_bytes": self.stored_bytes,
+            "files": files,
+            "frames": frames,
+        }
 
     def to_json(self) -> bytes:
         """Canonical bytes: sorted keys, no whitespace, so equal manifests hash equal."""
@@ -180,8 +205,7 @@ class Manifest:
         if declared != length:
             raise LimitExceeded(f"manifest body declares {declared} bytes, envelope says {length}")
         try:
-            body = zstandard.ZstdDecompressor().decompress(packed, max_output_size=length,
-                                                           allow_extra_data=False)
+            body = zstandard.ZstdDecompressor().decompress(packed, max_output_size=length, allow_extra_data=False)
         except zstandard.ZstdError as exc:
             raise CorruptData(f"manifest does not decode: {exc}") from None
         if len(body) != length or xxhash.xxh3_64_intdigest(body) != check:
@@ -270,8 +294,14 @@ def _validate(doc: Any) -> Manifest:
             cursor += length
             base_offset = _opt_int(s.get("base_offset"), f"{path}: base_offset")
             base_xxh3 = None if base_offset is None else _hex(s["base_xxh3"], _HEX32, "base_xxh3")
-            segs.append(SegmentEntry(Segment(s["kind"], s["name"], dtype, shape, offset, length),
-                                     _hex(s["xxh3"], _HEX32, "xxh3"), base_offset, base_xxh3))
+            segs.append(
+                SegmentEntry(
+                    Segment(s["kind"], s["name"], dtype, shape, offset, length),
+                    _hex(s["xxh3"], _HEX32, "xxh3"),
+                    base_offset,
+                    base_xxh3,
+                )
+            )
         if cursor != size:
             raise FormatError(f"{path}: segments cover {cursor} of {size} bytes")
         files.append(FileEntry(path, size, tuple(segs)))
@@ -312,9 +342,17 @@ def _validate(doc: Any) -> Manifest:
             total += ln
         if total != raw_len:
             raise FormatError(f"frame pieces hold {total} bytes, raw_len says {raw_len}")
-        frames.append(FrameRef(obj, _int(fr["offset"], "frame offset", 1 << 62),
-                               _int(fr["length"], "frame length", MAX_FRAME_RAW + (64 << 20)),
-                               delta, dtype.name, raw_len, tuple(pieces)))
+        frames.append(
+            FrameRef(
+                obj,
+                _int(fr["offset"], "frame offset", 1 << 62),
+                _int(fr["length"], "frame length", MAX_FRAME_RAW + (64 << 20)),
+                delta,
+                dtype.name,
+                raw_len,
+                tuple(pieces),
+            )
+        )
     for fi, f in enumerate(files):
         for si, e in enumerate(f.segments):
             spans = sorted(covered.get((fi, si), []))
@@ -324,16 +362,23 @@ def _validate(doc: Any) -> Manifest:
                     raise FormatError(f"{f.path}: frames leave a gap or overlap in segment {e.segment.name!r}")
                 cursor += ln
             if cursor != e.segment.length:
-                raise FormatError(f"{f.path}: frames cover {cursor} of {e.segment.length} bytes of "
-                                  f"segment {e.segment.name!r}")
+                raise FormatError(
+                    f"{f.path}: frames cover {cursor} of {e.segment.length} bytes of segment {e.segment.name!r}"
+                )
     model = doc.get("model")
     if model is not None and (not isinstance(model, str) or not MODEL_NAME_PATTERN.fullmatch(model)):
         raise InvalidName(f"bad model name {model!r}")
     metadata = doc.get("metadata") or {}
     if not isinstance(metadata, dict):
         raise FormatError("metadata is not an object")
-    return Manifest(kind=kind, single_file=bool(doc.get("single_file")), files=files, frames=frames,
-                    model=model, number=_opt_int(doc.get("number"), "number"),
-                    parent=_opt_int(doc.get("parent"), "parent"), step=_opt_int(doc.get("step"), "step"),
-                    metadata=metadata)
-
+    return Manifest(
+        kind=kind,
+        single_file=bool(doc.get("single_file")),
+        files=files,
+        frames=frames,
+        model=model,
+        number=_opt_int(doc.get("number"), "number"),
+        parent=_opt_int(doc.get("parent"), "parent"),
+        step=_opt_int(doc.get("step"), "step"),
+        metadata=metadata,
+    )

@@ -90,8 +90,12 @@ def parse(header: bytes, file_size: int) -> SafetensorsLayout:
         offsets = info.get("data_offsets")
         if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
             raise SafetensorsError(f"tensor {name!r}: bad shape")
-        if (not isinstance(offsets, list) or len(offsets) != 2
-                or not all(type(o) is int and o >= 0 for o in offsets) or offsets[0] > offsets[1]):
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(type(o) is int and o >= 0 for o in offsets)
+            or offsets[0] > offsets[1]
+        ):
             raise SafetensorsError(f"tensor {name!r}: bad data_offsets")
         try:
             nbytes = dtype.nbytes(shape)
@@ -111,8 +115,9 @@ def parse(header: bytes, file_size: int) -> SafetensorsLayout:
     return SafetensorsLayout(total, tuple(spans), metadata)
 
 
-def serialize_header(tensors: list[tuple[str, str, tuple[int, ...], int]],
-                     metadata: dict[str, str] | None = None) -> bytes:
+def serialize_header(
+    tensors: list[tuple[str, str, tuple[int, ...], int]], metadata: dict[str, str] | None = None
+) -> bytes:
     """The 8+N header bytes for tensors given as (name, dtype name, shape, nbytes), in data order.
 
     Like the reference writer, the JSON is padded with spaces so the data
@@ -132,8 +137,7 @@ def serialize_header(tensors: list[tuple[str, str, tuple[int, ...], int]],
     return struct.pack("<Q", len(body)) + body
 
 
-def serialize(tensors: list[tuple[str, str, tuple[int, ...], bytes]],
-              metadata: dict[str, str] | None = None) -> bytes:
+def serialize(tensors: list[tuple[str, str, tuple[int, ...], bytes]], metadata: dict[str, str] | None = None) -> bytes:
     """A whole safetensors file from (name, dtype name, shape, raw bytes) tuples."""
     header = serialize_header([(n, d, s, len(b)) for n, d, s, b in tensors], metadata)
     return header + b"".join(bytes(b) for _, _, _, b in tensors)

@@ -126,8 +126,9 @@ def keyframe_bytes(frame: bytes | memoryview | np.ndarray) -> np.ndarray:
     return decode_frame(frame)
 
 
-def apply_values(target: np.ndarray, change: DeltaValues, *, start: int = 0, count: int | None = None,
-                 offset: int = 0) -> None:
+def apply_values(
+    target: np.ndarray, change: DeltaValues, *, start: int = 0, count: int | None = None, offset: int = 0
+) -> None:
     """Apply the part of `change` for frame elements [start, start+count) to `target` elements from `offset`.
 
     `target` is a 1-D array of the W-byte unsigned type; used to compose several

@@ -4,5 +4,21 @@ from weightsync.ops.core import BeginResult, Materialized, Ops, OpsSettings, Pla
 from weightsync.ops.maintenance import FsckReport, GcReport, Problem, Sweep, fsck, gc, rebuild_catalog, sweep
 from weightsync.ops.records import CommitRecord
 
-__all__ = ["BeginResult", "CommitRecord", "FsckReport", "GcReport", "Materialized", "Ops", "OpsSettings", "Plan",
-           "PlanStep", "Problem", "Sweep", "committed", "fsck", "gc", "rebuild_catalog", "sweep"]
+__all__ = [
+    "BeginResult",
+    "CommitRecord",
+    "FsckReport",
+    "GcReport",
+    "Materialized",
+    "Ops",
+    "OpsSettings",
+    "Plan",
+    "PlanStep",
+    "Problem",
+    "Sweep",
+    "committed",
+    "fsck",
+    "gc",
+    "rebuild_catalog",
+    "sweep",
+]

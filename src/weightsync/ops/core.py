@@ -19,7 +19,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any, ParamSpec, TypeVar
 
 import numpy as np
@@ -101,7 +101,7 @@ class Materialized:
 
 def utcnow() -> datetime:
     """The current time, timezone-aware UTC (the default clock of :class:`Ops`)."""
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 def committed(v: Version) -> tuple[int, str]:
@@ -114,8 +114,14 @@ def committed(v: Version) -> tuple[int, str]:
 class Ops:
     """The use cases. One instance per process (or per event loop); safe for concurrent tasks."""
 
-    def __init__(self, catalog: Catalog, store: ObjectStore, settings: OpsSettings | None = None, *,
-                 clock: Callable[[], datetime] = utcnow) -> None:
+    def __init__(
+        self,
+        catalog: Catalog,
+        store: ObjectStore,
+        settings: OpsSettings | None = None,
+        *,
+        clock: Callable[[], datetime] = utcnow,
+    ) -> None:
         self.catalog = catalog
         self.store = store
         self.settings = settings or OpsSettings()
@@ -152,9 +158,17 @@ class Ops:
 
     # --- publishing --------------------------------------------------------------------
 
-    async def begin_publish(self, model: str, *, parent: int | None, step: int | None = None,
-                            metadata: dict[str, Any] | None = None, keyframe: bool = False,
-                            create: bool = True, publish_id: str | None = None) -> BeginResult:
+    async def begin_publish(
+        self,
+        model: str,
+        *,
+        parent: int | None,
+        step: int | None = None,
+        metadata: dict[str, Any] | None = None,
+        keyframe: bool = False,
+        create: bool = True,
+        publish_id: str | None = None,
+    ) -> BeginResult:
         """Open a publish on top of `parent` (the head the publisher holds; None for the first version).
 
         Decides keyframe or delta by the model's chain policy: a keyframe when forced,
@@ -170,8 +184,9 @@ class Ops:
                 await self._db(self.catalog.create_model, model, now=self.clock())
         m = await self._db(self.catalog.get_model, model)
         if parent != m.head:
-            raise errors.StaleParent(f"model {model!r}: parent {parent} is not the head ({m.head})",
-                                     current_head=m.head)
+            raise errors.StaleParent(
+                f"model {model!r}: parent {parent} is not the head ({m.head})", current_head=m.head
+            )
         kind = "keyframe"
         parent_manifest = None
         if parent is not None:
@@ -184,8 +199,17 @@ class Ops:
                 heavy = info.keyframe_bytes > 0 and info.delta_bytes > m.max_chain_ratio * info.keyframe_bytes
                 kind = "keyframe" if long_chain or heavy else "delta"
         expires = self.clock() + self.settings.pending_ttl
-        v = await self._db(self.catalog.begin_version, model, parent=parent, kind=kind, publish_id=publish_id,
-                           step=step, metadata=metadata, expires_at=expires, now=self.clock())
+        v = await self._db(
+            self.catalog.begin_version,
+            model,
+            parent=parent,
+            kind=kind,
+            publish_id=publish_id,
+            step=step,
+            metadata=metadata,
+            expires_at=expires,
+            now=self.clock(),
+        )
         if v.parent != parent:
             raise errors.Conflict(f"publish {v.publish_id!r} was begun on parent {v.parent}, not {parent}")
         # Beginning again with a pending publish's id returns that publish: its kind, not today's policy's.
@@ -221,8 +245,9 @@ class Ops:
         found = await asyncio.gather(*(check(d, s) for d, s in objects))
         return [d for d in found if d is not None]
 
-    async def put_object(self, chunks: AsyncIterable[bytes], *, expected_digest: str | None = None,
-                         max_size: int | None = None) -> PutResult:
+    async def put_object(
+        self, chunks: AsyncIterable[bytes], *, expected_digest: str | None = None, max_size: int | None = None
+    ) -> PutResult:
         """Store streamed bytes under their SHA-256 (computed here, never trusted) and record them."""
         limit = min(max_size or self.settings.max_object_bytes, self.settings.max_object_bytes)
         result = await self.store.put_stream(chunks, expected_digest=expected_digest, max_size=limit)
@@ -247,8 +272,9 @@ class Ops:
         if info.state == "deleting":
             raise errors.StoreUnavailable(f"object {result.digest} is being garbage-collected: upload it again shortly")
 
-    async def commit_publish(self, model: str, publish_id: str, *, manifest_digest: str,
-                             idempotency_key: str | None = None) -> Version:
+    async def commit_publish(
+        self, model: str, publish_id: str, *, manifest_digest: str, idempotency_key: str | None = None
+    ) -> Version:
         """Make the publish visible: validate its manifest and objects, then compare-and-swap the head.
 
         Raises IncompletePublish if the manifest or an object it names is not in
@@ -267,8 +293,9 @@ class Ops:
             pending = None  # maybe a retry of a commit that went through: the catalog replays it
         if pending is not None:
             if manifest.parent != pending.parent:
-                raise errors.Conflict(f"manifest parent {manifest.parent} differs from the publish's "
-                                      f"parent {pending.parent}")
+                raise errors.Conflict(
+                    f"manifest parent {manifest.parent} differs from the publish's parent {pending.parent}"
+                )
             if pending.kind == "keyframe" and manifest.kind == "delta":
                 raise errors.Conflict("the chain policy requires a keyframe for this publish")
             if manifest.kind == "delta":
@@ -289,10 +316,18 @@ class Ops:
         if pending is not None:
             await self._hold_for_commit(model, publish_id, manifest_digest, list(refs))
         version = await self._db(
-            self.catalog.commit_version, model, publish_id, parent=manifest.parent,
-            manifest_digest=manifest_digest, objects=list(refs), raw_bytes=manifest.raw_bytes,
-            stored_bytes=manifest.stored_bytes, kind=manifest.kind, idempotency_key=idempotency_key,
-            now=self.clock())
+            self.catalog.commit_version,
+            model,
+            publish_id,
+            parent=manifest.parent,
+            manifest_digest=manifest_digest,
+            objects=list(refs),
+            raw_bytes=manifest.raw_bytes,
+            stored_bytes=manifest.stored_bytes,
+            kind=manifest.kind,
+            idempotency_key=idempotency_key,
+            now=self.clock(),
+        )
         self._committed.set()
         self._committed = asyncio.Event()
         try:
@@ -301,8 +336,9 @@ class Ops:
             log.warning("commit record for %s v%s not written: %s", model, version.number, exc)
         return version
 
-    async def _hold_for_commit(self, model: str, publish_id: str, manifest_digest: str,
-                               refs: list[tuple[str, int]]) -> None:
+    async def _hold_for_commit(
+        self, model: str, publish_id: str, manifest_digest: str, refs: list[tuple[str, int]]
+    ) -> None:
         """Reference what the commit needs before trusting the store's answer (DESIGN invariant 7).
 
         The store was asked first (for sizes), so GC may have deleted an object since. Once
@@ -314,8 +350,13 @@ class Ops:
         except errors.ObjectNotFound:
             raise errors.IncompletePublish(f"manifest {manifest_digest} is not in the store") from None
         try:
-            pinned = await self._db(self.catalog.reference_objects, model, publish_id,
-                                    [*refs, (manifest_digest, manifest.size)], now=self.clock())
+            pinned = await self._db(
+                self.catalog.reference_objects,
+                model,
+                publish_id,
+                [*refs, (manifest_digest, manifest.size)],
+                now=self.clock(),
+            )
         except errors.PublishNotFound:
             return  # committed meanwhile (a retry) or expired: the commit replays or refuses
         if pinned.deleting:
@@ -358,12 +399,14 @@ class Ops:
                 if b is None or b.segment.length != e.segment.length or b.xxh3 != e.base_xxh3:
                     raise errors.BaseMismatch(
                         f"{f.path}: {e.segment.kind} {e.segment.name!r} was diffed against bytes that are "
-                        f"not version {manifest.parent}'s")
+                        f"not version {manifest.parent}'s"
+                    )
 
     # --- reading -----------------------------------------------------------------------
 
-    async def load_manifest(self, digest: str, *, missing: type[errors.WeightsyncError] = errors.ObjectNotFound
-                            ) -> Manifest:
+    async def load_manifest(
+        self, digest: str, *, missing: type[errors.WeightsyncError] = errors.ObjectNotFound
+    ) -> Manifest:
         """Fetch, hash-check and parse a manifest object (cached: manifests are immutable)."""
         cached = self._manifests.get(digest)
         if cached is not None:
@@ -376,8 +419,9 @@ class Ops:
             self._manifests.popitem(last=False)
         return manifest
 
-    async def read_manifest_bytes(self, digest: str, *,
-                                  missing: type[errors.WeightsyncError] = errors.ObjectNotFound) -> bytes:
+    async def read_manifest_bytes(
+        self, digest: str, *, missing: type[errors.WeightsyncError] = errors.ObjectNotFound
+    ) -> bytes:
         try:
             info = await self.store.stat(digest)
             if info.size > MAX_MANIFEST_BYTES:
@@ -404,8 +448,7 @@ class Ops:
     async def lineage(self, model: str, number: int) -> list[Version]:
         return await self._db(self.catalog.lineage, model, number)
 
-    async def plan(self, model: str, *, have: int | None, want: int | None = None,
-                   holder: str | None = None) -> Plan:
+    async def plan(self, model: str, *, have: int | None, want: int | None = None, holder: str | None = None) -> Plan:
         """The cheapest versions to fetch to go from `have` (None: nothing) to `want` (None: head).
 
         Either the deltas after `have` (when `have` is in the target's chain and
@@ -428,10 +471,10 @@ class Ops:
                 chosen = tail
         lease = None
         if holder:
-            lease = await self._db(self.catalog.acquire_lease, model, number, holder,
-                                   self.settings.lease_ttl, now=self.clock())
-        return Plan(model, have, number, chosen, sum(s.manifest_bytes + s.stored_bytes for s in chosen),
-                    full, lease)
+            lease = await self._db(
+                self.catalog.acquire_lease, model, number, holder, self.settings.lease_ttl, now=self.clock()
+            )
+        return Plan(model, have, number, chosen, sum(s.manifest_bytes + s.stored_bytes for s in chosen), full, lease)
 
     async def _step(self, v: Version) -> PlanStep:
         number, digest = committed(v)
@@ -490,8 +533,10 @@ class Ops:
             blobs = dict(zip(digests, await asyncio.gather(*(self.fetch_verified(d) for d in digests)), strict=True))
             base = None
             if current is not None:
-                base = Checkpoint([CheckpointFile(f.layout, current.files[f.path]) for f in current.manifest.files],
-                                  single_file=current.manifest.single_file)
+                base = Checkpoint(
+                    [CheckpointFile(f.layout, current.files[f.path]) for f in current.manifest.files],
+                    single_file=current.manifest.single_file,
+                )
             outputs = [np.empty(f.size, dtype=np.uint8) for f in manifest.files]
 
             def read(ref: FrameRef, blobs: dict[str, bytes] = blobs) -> memoryview:
@@ -524,8 +569,9 @@ class Ops:
         await self._db(self.catalog.release_lease, model, number, subscriber)
         return rep
 
-    async def list_replicas(self, model: str, subscriber: str | None = None, *, latest_only: bool = True
-                            ) -> list[Replica]:
+    async def list_replicas(
+        self, model: str, subscriber: str | None = None, *, latest_only: bool = True
+    ) -> list[Replica]:
         return await self._db(self.catalog.list_replicas, model, subscriber, latest_only=latest_only)
 
     # --- maintenance (fsck, gc, readiness) ------------------------------------------------
@@ -566,11 +612,13 @@ class Ops:
         """Record an object the store holds (fsck repair); its record."""
         return await self._db(self.catalog.record_object, digest, size, now=self.clock())
 
-    async def begin_object_deletion(self, candidates: Sequence[tuple[str, int, datetime]], *,
-                                    unreferenced_before: datetime, now: datetime) -> list[str]:
+    async def begin_object_deletion(
+        self, candidates: Sequence[tuple[str, int, datetime]], *, unreferenced_before: datetime, now: datetime
+    ) -> list[str]:
         """GC phase 1: tombstone the eligible candidates [(digest, size, stored_at)], stamped `now`; their digests."""
-        return await self._db(self.catalog.begin_object_deletion, candidates,
-                              unreferenced_before=unreferenced_before, now=now)
+        return await self._db(
+            self.catalog.begin_object_deletion, candidates, unreferenced_before=unreferenced_before, now=now
+        )
 
     async def finish_object_deletion(self, digests: Sequence[str], *, stamp: datetime) -> int:
         """GC phase 3: forget tombstoned objects whose bytes are gone (only those stamped `stamp`)."""
@@ -584,8 +632,9 @@ class Ops:
         """What a rebuild from the store restores, as JSON data: compare a rebuilt catalog's with the live one's."""
         return await self._db(self.catalog.dump_committed, model)
 
-    async def wait_for_version(self, model: str, *, after: int | None, timeout: float,
-                               poll: float = 0.25) -> Version | None:
+    async def wait_for_version(
+        self, model: str, *, after: int | None, timeout: float, poll: float = 0.25
+    ) -> Version | None:
         """Wait until the model's head is newer than `after`; return it, or None on timeout.
 
         Polls the catalog every `poll` seconds, so it sees commits made through any

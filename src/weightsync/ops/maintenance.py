@@ -125,8 +125,11 @@ async def sweep(ops: Ops, *, grace: timedelta, dry_run: bool) -> Sweep:
         eligible = []
         for info in batch:
             row = rows.get(info.digest)
-            if row is None or row.state == "deleting" or (
-                    row.unreferenced_since is not None and row.unreferenced_since <= cutoff):
+            if (
+                row is None
+                or row.state == "deleting"
+                or (row.unreferenced_since is not None and row.unreferenced_since <= cutoff)
+            ):
                 eligible.append(info)
             elif row.unreferenced_since is not None:
                 found.in_grace.append(info)
@@ -134,15 +137,19 @@ async def sweep(ops: Ops, *, grace: timedelta, dry_run: bool) -> Sweep:
         if dry_run:
             found.deleted.extend(eligible)
             continue
-        turned = set(await ops.begin_object_deletion([(o.digest, o.size, o.mtime) for o in eligible],
-                                                     unreferenced_before=cutoff, now=now))
+        turned = set(
+            await ops.begin_object_deletion(
+                [(o.digest, o.size, o.mtime) for o in eligible], unreferenced_before=cutoff, now=now
+            )
+        )
         await _delete_tombstoned(ops, sorted(turned), now)
         found.deleted.extend(o for o in eligible if o.digest in turned)
     return found
 
 
-async def fsck(ops: Ops, *, read_data: bool = False, repair: bool = False,
-               grace: timedelta | None = None) -> FsckReport:
+async def fsck(
+    ops: Ops, *, read_data: bool = False, repair: bool = False, grace: timedelta | None = None
+) -> FsckReport:
     """Check that every committed version can be served and report what does not belong.
 
     Checks, per committed version: its manifest is in the store and parses; every
@@ -161,8 +168,16 @@ async def fsck(ops: Ops, *, read_data: bool = False, repair: bool = False,
         if repair:
             done = await ops.expire_pending()
         for v in expired:
-            report.problems.append(Problem("expired-pending", f"publish {v.publish_id} expired at {v.expires_at}",
-                                           v.model, None, None, repaired=bool(done)))
+            report.problems.append(
+                Problem(
+                    "expired-pending",
+                    f"publish {v.publish_id} expired at {v.expires_at}",
+                    v.model,
+                    None,
+                    None,
+                    repaired=bool(done),
+                )
+            )
     stored = {info.digest: info async for info in ops.store.list()}
     verified: set[str] = set()
     for m in await ops.list_models():
@@ -177,12 +192,20 @@ async def fsck(ops: Ops, *, read_data: bool = False, repair: bool = False,
             for digest, extent in manifest.objects().items():
                 info = stored.get(digest)
                 if info is None:
-                    report.problems.append(Problem("missing-object", "object referenced by a committed version is "
-                                                   "not in the store", m.name, v.number, digest))
+                    report.problems.append(
+                        Problem(
+                            "missing-object",
+                            "object referenced by a committed version is not in the store",
+                            m.name,
+                            v.number,
+                            digest,
+                        )
+                    )
                     continue
                 if info.size < extent:
-                    report.problems.append(Problem("short-object", f"{info.size} bytes, frames need {extent}",
-                                                   m.name, v.number, digest))
+                    report.problems.append(
+                        Problem("short-object", f"{info.size} bytes, frames need {extent}", m.name, v.number, digest)
+                    )
                     continue
                 if read_data and digest not in verified:
                     verified.add(digest)
@@ -198,8 +221,16 @@ async def fsck(ops: Ops, *, read_data: bool = False, repair: bool = False,
                 if repair:
                     await ops.write_commit_record(v)
                     fixed = True
-                report.problems.append(Problem("missing-commit-record", "commit record not in the store",
-                                               m.name, v.number, record.digest, repaired=fixed))
+                report.problems.append(
+                    Problem(
+                        "missing-commit-record",
+                        "commit record not in the store",
+                        m.name,
+                        v.number,
+                        record.digest,
+                        repaired=fixed,
+                    )
+                )
         if read_data and m.head is not None:
             try:
                 await ops.materialize(m.name, m.head)
@@ -213,11 +244,18 @@ async def fsck(ops: Ops, *, read_data: bool = False, repair: bool = False,
     for digest in unrecorded:
         if repair and digest not in deleted:
             await ops.record_object(digest, stored[digest].size)
-        report.problems.append(Problem("unrecorded-object", "in the store but unknown to the catalog",
-                                       digest=digest, repaired=repair))
+        report.problems.append(
+            Problem("unrecorded-object", "in the store but unknown to the catalog", digest=digest, repaired=repair)
+        )
     for o in orphans.deleted:
-        report.problems.append(Problem("orphan", "unreferenced object deleted" if repair else "unreferenced object",
-                                       digest=o.digest, repaired=repair))
+        report.problems.append(
+            Problem(
+                "orphan",
+                "unreferenced object deleted" if repair else "unreferenced object",
+                digest=o.digest,
+                repaired=repair,
+            )
+        )
     for o in orphans.in_grace:
         report.problems.append(Problem("orphan", "unreferenced object (in grace period)", digest=o.digest))
     return report
@@ -290,10 +328,22 @@ async def rebuild_catalog(store: ObjectStore, catalog: Catalog) -> dict[str, lis
         await asyncio.to_thread(catalog.record_object, rec.manifest, len(data))
         for digest, size in sizes.items():
             await asyncio.to_thread(catalog.record_object, digest, size)
-        await asyncio.to_thread(catalog.import_version, rec.model, ImportedVersion(
-            number=rec.number, parent=rec.parent, kind=rec.kind, chain_base=rec.chain_base,
-            manifest_digest=rec.manifest, raw_bytes=manifest.raw_bytes, stored_bytes=manifest.stored_bytes,
-            objects=sorted(sizes.items()), step=rec.step, metadata=rec.metadata, committed_at=rec.committed_at))
+        await asyncio.to_thread(
+            catalog.import_version,
+            rec.model,
+            ImportedVersion(
+                number=rec.number,
+                parent=rec.parent,
+                kind=rec.kind,
+                chain_base=rec.chain_base,
+                manifest_digest=rec.manifest,
+                raw_bytes=manifest.raw_bytes,
+                stored_bytes=manifest.stored_bytes,
+                objects=sorted(sizes.items()),
+                step=rec.step,
+                metadata=rec.metadata,
+                committed_at=rec.committed_at,
+            ),
+        )
         imported.setdefault(rec.model, []).append(rec.number)
     return imported
-

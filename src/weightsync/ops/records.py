@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from weightsync.catalog import Version
@@ -39,10 +39,18 @@ class CommitRecord:
 
     def encode(self) -> bytes:
         """Canonical bytes: magic, version byte, then sorted compact JSON."""
-        doc = {"format": "weightsync.commit", "model": self.model, "number": self.number,
-               "parent": self.parent, "kind": self.kind, "chain_base": self.chain_base,
-               "manifest": self.manifest, "step": self.step, "metadata": self.metadata,
-               "committed_at": self.committed_at.astimezone(timezone.utc).isoformat()}
+        doc = {
+            "format": "weightsync.commit",
+            "model": self.model,
+            "number": self.number,
+            "parent": self.parent,
+            "kind": self.kind,
+            "chain_base": self.chain_base,
+            "manifest": self.manifest,
+            "step": self.step,
+            "metadata": self.metadata,
+            "committed_at": self.committed_at.astimezone(UTC).isoformat(),
+        }
         return MAGIC + bytes([VERSION]) + json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
     @property
@@ -62,11 +70,17 @@ class CommitRecord:
             doc = json.loads(data[5:])
             if doc.get("format") != "weightsync.commit":
                 raise FormatError("not a commit record")
-            rec = cls(model=str(doc["model"]), number=int(doc["number"]),
-                      parent=None if doc["parent"] is None else int(doc["parent"]), kind=str(doc["kind"]),
-                      chain_base=int(doc["chain_base"]), manifest=str(doc["manifest"]),
-                      step=None if doc["step"] is None else int(doc["step"]), metadata=dict(doc["metadata"]),
-                      committed_at=datetime.fromisoformat(doc["committed_at"]))
+            rec = cls(
+                model=str(doc["model"]),
+                number=int(doc["number"]),
+                parent=None if doc["parent"] is None else int(doc["parent"]),
+                kind=str(doc["kind"]),
+                chain_base=int(doc["chain_base"]),
+                manifest=str(doc["manifest"]),
+                step=None if doc["step"] is None else int(doc["step"]),
+                metadata=dict(doc["metadata"]),
+                committed_at=datetime.fromisoformat(doc["committed_at"]),
+            )
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise FormatError(f"malformed commit record: {exc}") from None
         except RecursionError:  # deeply nested JSON
@@ -78,9 +92,21 @@ class CommitRecord:
 
 def record_of(version: Version) -> CommitRecord:
     """The commit record of a committed catalog version; FormatError if the version is not committed."""
-    if version.number is None or version.chain_base is None or version.manifest_digest is None \
-            or version.committed_at is None:
+    if (
+        version.number is None
+        or version.chain_base is None
+        or version.manifest_digest is None
+        or version.committed_at is None
+    ):
         raise VersionNotFound(f"a version of {version.model!r} (publish {version.publish_id}) is not committed")
-    return CommitRecord(model=version.model, number=version.number, parent=version.parent, kind=version.kind,
-                        chain_base=version.chain_base, manifest=version.manifest_digest, step=version.step,
-                        metadata=dict(version.metadata or {}), committed_at=version.committed_at)
+    return CommitRecord(
+        model=version.model,
+        number=version.number,
+        parent=version.parent,
+        kind=version.kind,
+        chain_base=version.chain_base,
+        manifest=version.manifest_digest,
+        step=version.step,
+        metadata=dict(version.metadata or {}),
+        committed_at=version.committed_at,
+    )

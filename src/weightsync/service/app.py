@@ -64,11 +64,15 @@ def open_service_store(settings: Settings) -> ObjectStore:
     options: dict = {}
     if settings.is_s3():
         secret = settings.s3_secret_access_key
-        options = {"endpoint_url": settings.s3_endpoint, "region": settings.s3_region,
-                   "access_key_id": settings.s3_access_key_id,
-                   "secret_access_key": secret.get_secret_value() if secret else None,
-                   "create_bucket": True, "connect_timeout_s": settings.s3_connect_timeout_s,
-                   "read_timeout_s": settings.s3_read_timeout_s}
+        options = {
+            "endpoint_url": settings.s3_endpoint,
+            "region": settings.s3_region,
+            "access_key_id": settings.s3_access_key_id,
+            "secret_access_key": secret.get_secret_value() if secret else None,
+            "create_bucket": True,
+            "connect_timeout_s": settings.s3_connect_timeout_s,
+            "read_timeout_s": settings.s3_read_timeout_s,
+        }
     return RetryingStore(open_store(url, **options))
 
 
@@ -90,7 +94,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # Catalog calls and large hashes run in threads: size the pool for concurrent requests.
         asyncio.get_running_loop().set_default_executor(
-            ThreadPoolExecutor(settings.threads, thread_name_prefix="weightsync"))
+            ThreadPoolExecutor(settings.threads, thread_name_prefix="weightsync")
+        )
         catalog = await asyncio.to_thread(open_catalog, settings)
         store = open_service_store(settings)
         try:
@@ -107,11 +112,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             catalog.close()
 
     problem_doc = {"model": ProblemDoc, "content": {"application/problem+json": {}}}
-    app = FastAPI(title="weightsync", version=VERSION, lifespan=lifespan, openapi_url="/openapi.json",
-                  docs_url=None, redoc_url=None,
-                  description="Storage and replication of model weights (docs/API.md).",
-                  responses={"4XX": {**problem_doc, "description": "problem (docs/API.md, Errors)"},
-                             "5XX": {**problem_doc, "description": "problem; 503 comes with Retry-After"}})
+    app = FastAPI(
+        title="weightsync",
+        version=VERSION,
+        lifespan=lifespan,
+        openapi_url="/openapi.json",
+        docs_url=None,
+        redoc_url=None,
+        description="Storage and replication of model weights (docs/API.md).",
+        responses={
+            "4XX": {**problem_doc, "description": "problem (docs/API.md, Errors)"},
+            "5XX": {**problem_doc, "description": "problem; 503 comes with Retry-After"},
+        },
+    )
     app.state.settings = settings
     app.state.tokens = tokens
     app.state.metrics = metrics

@@ -101,8 +101,9 @@ class TokenTable:
         if settings.token_file is not None:
             raw += [(f"{settings.token_file}", e) for e in _read_file(settings.token_file)]
         if settings.tokens is not None and settings.tokens.get_secret_value().strip():
-            raw += [("WEIGHTSYNC_TOKENS", e) for e in _parse_json(settings.tokens.get_secret_value(),
-                                                                 "WEIGHTSYNC_TOKENS")]
+            raw += [
+                ("WEIGHTSYNC_TOKENS", e) for e in _parse_json(settings.tokens.get_secret_value(), "WEIGHTSYNC_TOKENS")
+            ]
         entries: list[_Entry] = []
         seen_names: set[str] = set()
         seen_hashes: set[bytes] = set()
@@ -145,6 +146,7 @@ def _read_file(path: Path) -> list[Any]:
         raise ConfigError(f"cannot read token file {path}: {exc.strerror or exc}") from None
     if path.suffix.lower() == ".toml":
         import tomllib
+
         try:
             doc = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
@@ -167,7 +169,7 @@ def _entries_of(doc: Any, source: str) -> list[Any]:
     if isinstance(doc, dict) and set(doc) == {"tokens"}:
         doc = doc["tokens"]
     if not isinstance(doc, list):
-        raise ConfigError(f"{source}: expected a list of token entries (or {{\"tokens\": [...]}})")
+        raise ConfigError(f'{source}: expected a list of token entries (or {{"tokens": [...]}})')
     return doc
 
 

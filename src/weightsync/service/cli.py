@@ -120,10 +120,11 @@ def _preflight(settings) -> None:
         _fail(str(exc))
     if tokens.anonymous:
         if not is_loopback(settings.host):
-            _fail(f"refusing to listen on {settings.host} without tokens: configure --tokens FILE or "
-                  "WEIGHTSYNC_TOKENS (docs/DEPLOY.md), or bind a loopback address")
-        log.warning("no tokens configured: anonymous development mode, listening on %s (loopback) only",
-                    settings.host)
+            _fail(
+                f"refusing to listen on {settings.host} without tokens: configure --tokens FILE or "
+                "WEIGHTSYNC_TOKENS (docs/DEPLOY.md), or bind a loopback address"
+            )
+        log.warning("no tokens configured: anonymous development mode, listening on %s (loopback) only", settings.host)
     revision = _migrate(settings)
     log.info("catalog migrated to revision %s", revision)
     _check_store(settings)
@@ -137,26 +138,50 @@ def _export(overrides: dict[str, Any]) -> None:
 
 
 def serve(
-    data: Annotated[Path | None, typer.Option("--data", help="Data directory for the embedded SQLite catalog and "
-                                              "filesystem store.", show_default="./weightsync-data")] = None,
+    data: Annotated[
+        Path | None,
+        typer.Option(
+            "--data",
+            help="Data directory for the embedded SQLite catalog and filesystem store.",
+            show_default="./weightsync-data",
+        ),
+    ] = None,
     host: Annotated[str | None, typer.Option(help="Address to bind.", show_default="127.0.0.1")] = None,
     port: Annotated[int | None, typer.Option(help="Port to bind.", show_default="8400")] = None,
-    catalog: Annotated[str | None, typer.Option(help="Catalog URL (sqlite:///… or postgresql://…).",
-                                                show_default="sqlite:///DATA/catalog.db")] = None,
-    store: Annotated[str | None, typer.Option(help="Store: a directory or s3://bucket/prefix.",
-                                              show_default="DATA/store")] = None,
-    s3_endpoint: Annotated[str | None, typer.Option("--s3-endpoint", help="S3 endpoint URL (MinIO, SeaweedFS, …).")
-                           ] = None,
+    catalog: Annotated[
+        str | None,
+        typer.Option(help="Catalog URL (sqlite:///… or postgresql://…).", show_default="sqlite:///DATA/catalog.db"),
+    ] = None,
+    store: Annotated[
+        str | None, typer.Option(help="Store: a directory or s3://bucket/prefix.", show_default="DATA/store")
+    ] = None,
+    s3_endpoint: Annotated[
+        str | None, typer.Option("--s3-endpoint", help="S3 endpoint URL (MinIO, SeaweedFS, …).")
+    ] = None,
     workers: Annotated[int | None, typer.Option(help="Worker processes.", show_default="1")] = None,
-    tokens: Annotated[Path | None, typer.Option("--tokens", help="Token file (JSON or TOML); without tokens "
-                                                "the server is anonymous and loopback-only.")] = None,
-    log_level: Annotated[str | None, typer.Option("--log-level", help="debug, info, warning, error.",
-                                                  show_default="info")] = None,
+    tokens: Annotated[
+        Path | None,
+        typer.Option(
+            "--tokens", help="Token file (JSON or TOML); without tokens the server is anonymous and loopback-only."
+        ),
+    ] = None,
+    log_level: Annotated[
+        str | None, typer.Option("--log-level", help="debug, info, warning, error.", show_default="info")
+    ] = None,
 ) -> None:
     """Run the HTTP service (settings also from WEIGHTSYNC_* variables; flags win)."""
     _require_server_extra()
-    overrides = {"data": data, "host": host, "port": port, "catalog": catalog, "store": store,
-                 "s3_endpoint": s3_endpoint, "workers": workers, "token_file": tokens, "log_level": log_level}
+    overrides = {
+        "data": data,
+        "host": host,
+        "port": port,
+        "catalog": catalog,
+        "store": store,
+        "s3_endpoint": s3_endpoint,
+        "workers": workers,
+        "token_file": tokens,
+        "log_level": log_level,
+    }
     settings = _settings(overrides)
 
     import logging.config
@@ -175,17 +200,27 @@ def serve(
         metrics_dir = tempfile.mkdtemp(prefix="weightsync-metrics-")
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     try:
-        uvicorn.run(APP_FACTORY, factory=True, host=settings.host, port=settings.port, workers=settings.workers,
-                    log_config=log_config, access_log=False, lifespan="on", server_header=False,
-                    timeout_graceful_shutdown=settings.shutdown_grace_s)
+        uvicorn.run(
+            APP_FACTORY,
+            factory=True,
+            host=settings.host,
+            port=settings.port,
+            workers=settings.workers,
+            log_config=log_config,
+            access_log=False,
+            lifespan="on",
+            server_header=False,
+            timeout_graceful_shutdown=settings.shutdown_grace_s,
+        )
     finally:
         if metrics_dir is not None:
             shutil.rmtree(metrics_dir, ignore_errors=True)
 
 
 def migrate(
-    data: Annotated[Path | None, typer.Option("--data", help="Data directory (for the default SQLite catalog).")
-                    ] = None,
+    data: Annotated[
+        Path | None, typer.Option("--data", help="Data directory (for the default SQLite catalog).")
+    ] = None,
     catalog: Annotated[str | None, typer.Option(help="Catalog URL.")] = None,
 ) -> None:
     """Bring the catalog database to this release's schema and exit (a deployment's one-shot step)."""

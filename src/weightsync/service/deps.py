@@ -33,9 +33,9 @@ def _metrics(request: Request) -> Metrics:
 def require(scope: str) -> Callable[..., Awaitable[Principal]]:
     """A dependency admitting callers with ``scope`` whose patterns match the path's ``{model}`` (if any)."""
 
-    async def dependency(request: Request,
-                         credentials: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)]
-                         ) -> Principal:
+    async def dependency(
+        request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)]
+    ) -> Principal:
         table: TokenTable = request.app.state.tokens
         table.check_server_address(request.scope.get("server"))
         principal = table.authenticate(credentials.credentials if credentials else None)

@@ -9,7 +9,15 @@ from __future__ import annotations
 
 import os
 
-from prometheus_client import CONTENT_TYPE_LATEST, disable_created_metrics, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 
 __all__ = ["Metrics"]
 
@@ -18,7 +26,7 @@ _PUBLISH_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200)
 
 
 def _multiprocess() -> bool:
-    return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.environ.get("prometheus_multiproc_dir"))
+    return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.environ.get("prometheus_multiproc_dir"))  # noqa: SIM112 - the legacy name
 
 
 class Metrics:
@@ -30,24 +38,43 @@ class Metrics:
         # In multiprocess mode the values are written to files; a registry is built per scrape.
         reg = None if self.multiprocess else CollectorRegistry()
         self.registry = reg
-        self.requests = Counter("weightsync_http_requests", "HTTP requests by route template and status.",
-                                ["method", "route", "status"], registry=reg)
-        self.latency = Histogram("weightsync_http_request_duration_seconds",
-                                 "HTTP request latency (to the last byte) by route template and status.",
-                                 ["method", "route", "status"], buckets=_LATENCY_BUCKETS, registry=reg)
-        self.bytes_in = Counter("weightsync_http_received_bytes", "Request body bytes received, by route.",
-                                ["route"], registry=reg)
-        self.bytes_out = Counter("weightsync_http_sent_bytes", "Response body bytes sent, by route.",
-                                 ["route"], registry=reg)
-        self.versions_committed = Counter("weightsync_versions_committed", "Versions committed (not replays).",
-                                          registry=reg)
-        self.publish_to_commit = Histogram("weightsync_publish_to_commit_seconds",
-                                           "Time from beginPublish to commit of committed versions.",
-                                           buckets=_PUBLISH_BUCKETS, registry=reg)
-        self.sse_streams = Gauge("weightsync_event_streams", "Open Server-Sent-Events streams.",
-                                 registry=reg, multiprocess_mode="livesum")
-        self.watchers = Gauge("weightsync_watch_waiting", "Long polls waiting for a new version.",
-                              registry=reg, multiprocess_mode="livesum")
+        self.requests = Counter(
+            "weightsync_http_requests",
+            "HTTP requests by route template and status.",
+            ["method", "route", "status"],
+            registry=reg,
+        )
+        self.latency = Histogram(
+            "weightsync_http_request_duration_seconds",
+            "HTTP request latency (to the last byte) by route template and status.",
+            ["method", "route", "status"],
+            buckets=_LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self.bytes_in = Counter(
+            "weightsync_http_received_bytes", "Request body bytes received, by route.", ["route"], registry=reg
+        )
+        self.bytes_out = Counter(
+            "weightsync_http_sent_bytes", "Response body bytes sent, by route.", ["route"], registry=reg
+        )
+        self.versions_committed = Counter(
+            "weightsync_versions_committed", "Versions committed (not replays).", registry=reg
+        )
+        self.publish_to_commit = Histogram(
+            "weightsync_publish_to_commit_seconds",
+            "Time from beginPublish to commit of committed versions.",
+            buckets=_PUBLISH_BUCKETS,
+            registry=reg,
+        )
+        self.sse_streams = Gauge(
+            "weightsync_event_streams", "Open Server-Sent-Events streams.", registry=reg, multiprocess_mode="livesum"
+        )
+        self.watchers = Gauge(
+            "weightsync_watch_waiting",
+            "Long polls waiting for a new version.",
+            registry=reg,
+            multiprocess_mode="livesum",
+        )
 
     def render(self) -> tuple[bytes, str]:
         if self.multiprocess:

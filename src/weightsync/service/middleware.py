@@ -55,8 +55,14 @@ class EdgeMiddleware:
         method = scope["method"]
         # Object uploads are capped by their own route (413 before reading); everything else is JSON.
         capped = not (method == "PUT" and scope["path"].startswith("/v1/objects/"))
-        state: dict[str, Any] = {"status": None, "in": 0, "out": 0, "started": False, "over_cap": False,
-                                 "replacing": False}
+        state: dict[str, Any] = {
+            "status": None,
+            "in": 0,
+            "out": 0,
+            "started": False,
+            "over_cap": False,
+            "replacing": False,
+        }
 
         async def receive_counted() -> Message:
             message = await receive()
@@ -82,9 +88,13 @@ class EdgeMiddleware:
 
         async def refuse_too_large() -> None:
             state["replacing"] = True
-            response = problem_response(413, "too-large", "Request body too large",
-                                        f"request bodies are limited to {self.max_json_body} bytes",
-                                        headers={"Connection": "close"})
+            response = problem_response(
+                413,
+                "too-large",
+                "Request body too large",
+                f"request bodies are limited to {self.max_json_body} bytes",
+                headers={"Connection": "close"},
+            )
             await response(scope, receive_counted, send_counted)
 
         try:
@@ -103,8 +113,9 @@ class EdgeMiddleware:
         except Exception:
             log.exception("unhandled error in %s %s", method, _route_of(scope))
             if not state["started"]:
-                response = problem_response(500, "internal", "Internal error",
-                                            "internal error; see the server log for this request id")
+                response = problem_response(
+                    500, "internal", "Internal error", "internal error; see the server log for this request id"
+                )
                 await response(scope, receive_counted, send_counted)
             else:
                 state["status"] = 500
@@ -125,7 +136,19 @@ class EdgeMiddleware:
         client = scope.get("client")
         principal = (scope.get("state") or {}).get("principal")
         access_log.info(
-            "%s %s %s", method, route, status,
-            extra={"method": method, "route": route, "path": scope.get("path"), "status": int(status),
-                   "duration_ms": round(elapsed * 1000, 3), "bytes_in": state["in"], "bytes_out": state["out"],
-                   "client": client[0] if client else None, "principal": principal})
+            "%s %s %s",
+            method,
+            route,
+            status,
+            extra={
+                "method": method,
+                "route": route,
+                "path": scope.get("path"),
+                "status": int(status),
+                "duration_ms": round(elapsed * 1000, 3),
+                "bytes_in": state["in"],
+                "bytes_out": state["out"],
+                "client": client[0] if client else None,
+                "principal": principal,
+            },
+        )

@@ -29,19 +29,22 @@ RETRY_AFTER_S = "2"
 
 log = logging.getLogger("weightsync.service")
 
+
 class ApiProblem(Exception):
     """An HTTP problem raised by a route for a case no weightsync error names (411, 413, 416, …)."""
 
-    def __init__(self, status: int, code: str, title: str, detail: str, *,
-                 headers: dict[str, str] | None = None, **extra: Any) -> None:
+    def __init__(
+        self, status: int, code: str, title: str, detail: str, *, headers: dict[str, str] | None = None, **extra: Any
+    ) -> None:
         super().__init__(detail)
         self.status, self.code, self.title, self.detail = status, code, title, detail
         self.headers = headers or {}
         self.extra = extra
 
 
-def problem_response(status: int, code: str, title: str, detail: str, *,
-                     headers: dict[str, str] | None = None, **extra: Any) -> JSONResponse:
+def problem_response(
+    status: int, code: str, title: str, detail: str, *, headers: dict[str, str] | None = None, **extra: Any
+) -> JSONResponse:
     body: dict[str, Any] = {"type": PROBLEM_BASE + code, "title": title, "status": status, "detail": detail}
     body.update(extra)
     rid = request_id_var.get()

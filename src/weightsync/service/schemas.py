@@ -122,7 +122,8 @@ class PlanOut(_Out):
     bytes: int
     full_bytes: int
     lease_expires_at: datetime | None = Field(
-        None, validation_alias=AliasChoices("lease_expires_at", AliasPath("lease", "expires_at")))
+        None, validation_alias=AliasChoices("lease_expires_at", AliasPath("lease", "expires_at"))
+    )
     steps: list[PlanStepOut]
 
 
@@ -130,8 +131,9 @@ class PlanOut(_Out):
 
 
 class BeginIn(_In):
-    parent: int | None = Field(ge=-INT64, le=INT64,
-                               description="The head the publisher holds; null for a model's first version.")
+    parent: int | None = Field(
+        ge=-INT64, le=INT64, description="The head the publisher holds; null for a model's first version."
+    )
     step: int | None = Field(None, ge=0, le=INT64)
     metadata: dict[str, Any] | None = None
     keyframe: bool = False
@@ -159,7 +161,8 @@ class PresignedPut(_Out):
 class CheckOut(_Out):
     missing: list[str]
     uploads: dict[str, PresignedPut] | None = Field(
-        None, description="Present only when the store presigns uploads: a request per missing digest.")
+        None, description="Present only when the store presigns uploads: a request per missing digest."
+    )
 
 
 class CommitIn(_In):

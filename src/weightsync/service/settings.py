@@ -77,10 +77,12 @@ class Settings(BaseSettings):
     def ops_settings(self):  # -> weightsync.ops.OpsSettings (imported lazily: it pulls in numpy)
         from weightsync.ops import OpsSettings
 
-        return OpsSettings(pending_ttl=timedelta(seconds=self.pending_ttl_s),
-                           gc_grace=timedelta(seconds=self.gc_grace_s),
-                           lease_ttl=timedelta(seconds=self.lease_ttl_s),
-                           max_object_bytes=self.max_object_size)
+        return OpsSettings(
+            pending_ttl=timedelta(seconds=self.pending_ttl_s),
+            gc_grace=timedelta(seconds=self.gc_grace_s),
+            lease_ttl=timedelta(seconds=self.lease_ttl_s),
+            max_object_bytes=self.max_object_size,
+        )
 
     def upload_cap(self) -> int:
         """Largest body ``PUT /v1/objects/{digest}`` accepts."""

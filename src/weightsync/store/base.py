@@ -90,9 +90,7 @@ def check_range(size: int, offset: int, length: int | None) -> int:
     if length is None:
         return size - offset
     if length > size - offset:
-        raise errors.InvalidRange(
-            f"range {offset}+{length} is past the end of a {size}-byte object"
-        )
+        raise errors.InvalidRange(f"range {offset}+{length} is past the end of a {size}-byte object")
     return length
 
 
@@ -302,7 +300,7 @@ class ObjectStore(abc.ABC):
         """
         raise errors.Unsupported(f"{type(self).__name__} cannot presign URLs")
 
-    async def open(self) -> None:
+    async def open(self) -> None:  # noqa: B027 - an optional hook: most backends have nothing to open
         """Connect and check the backend now, so bad settings fail at start rather than at the first call.
 
         Idempotent, and optional: every other call opens lazily what it needs. A backend
@@ -313,7 +311,7 @@ class ObjectStore(abc.ABC):
         what ``open`` acquired, after which the store may be opened again.
         """
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 - an optional hook: most backends hold nothing
         """Release connections and other resources; the store is unusable afterwards."""
 
     async def __aenter__(self) -> ObjectStore:
@@ -355,9 +353,7 @@ class ForwardingStore(ObjectStore):
         max_size: int | None = None,
     ) -> PutResult:
         """See :meth:`ObjectStore.put_stream`."""
-        return await self.inner.put_stream(
-            chunks, expected_digest=expected_digest, max_size=max_size
-        )
+        return await self.inner.put_stream(chunks, expected_digest=expected_digest, max_size=max_size)
 
     async def get(self, digest: str, *, offset: int = 0, length: int | None = None) -> bytes:
         """See :meth:`ObjectStore.get`."""

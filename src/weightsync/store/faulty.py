@@ -174,9 +174,7 @@ class FaultyStore(ForwardingStore):
                 for p in pieces:
                     yield p
 
-            await self.inner.put_stream(
-                self._dying("put", prefix(), len(pieces)), expected_digest=expected_digest
-            )
+            await self.inner.put_stream(self._dying("put", prefix(), len(pieces)), expected_digest=expected_digest)
             raise AssertionError("unreachable: the dying stream always raises")
         result = await self.inner.put(data, expected_digest=expected_digest)
         self._after("put")

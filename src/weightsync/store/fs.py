@@ -22,11 +22,11 @@ import os
 import secrets
 import time
 from collections.abc import AsyncIterable, AsyncIterator
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
-from weightsync.common import pread_exact
 from weightsync import errors
+from weightsync.common import pread_exact
 from weightsync.store.base import (
     DEFAULT_CHUNK_SIZE,
     Capabilities,
@@ -57,7 +57,7 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _mtime(st: os.stat_result) -> datetime:
-    return datetime.fromtimestamp(st.st_mtime, tz=timezone.utc)
+    return datetime.fromtimestamp(st.st_mtime, tz=UTC)
 
 
 class FsStore(ObjectStore):
@@ -307,7 +307,10 @@ class FsStore(ObjectStore):
                     yield info
 
     async def delete(self, digest: str) -> None:
-        """See :meth:`ObjectStore.delete`. The directory is not fsynced: a delete undone by a crash is re-run by the next GC."""
+        """See :meth:`ObjectStore.delete`.
+
+        The directory is not fsynced: a delete undone by a crash is re-run by the next GC.
+        """
         path = self.path_of(digest)
         await asyncio.to_thread(_unlink_quietly, path)
 
@@ -347,14 +350,12 @@ def _unlink_quietly(path: Path) -> None:
         pass
 
 
-def _hash_and_write(fd: int, hasher: "hashlib._Hash", chunk: bytes) -> None:
+def _hash_and_write(fd: int, hasher: hashlib._Hash, chunk: bytes) -> None:
     hasher.update(chunk)
     view = memoryview(chunk)
     while view:
         n = os.write(fd, view)
         view = view[n:]
-
-
 
 
 def _subdirs(parent: Path, prefix: str) -> list[Path]:

@@ -15,8 +15,8 @@ import random
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
-from weightsync.common import Backoff
 from weightsync import errors
+from weightsync.common import Backoff
 from weightsync.store.base import (
     DEFAULT_CHUNK_SIZE,
     ForwardingStore,

@@ -25,7 +25,7 @@ import secrets
 import tempfile
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterator
 from contextlib import AsyncExitStack
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import IO, Any
 
 import aioboto3
@@ -33,8 +33,8 @@ import aiohttp
 import botocore.exceptions as bex
 from botocore.config import Config
 
-from weightsync.common import pread_exact
 from weightsync import errors
+from weightsync.common import pread_exact
 from weightsync.store.base import (
     DEFAULT_CHUNK_SIZE,
     HASH_OFF_LOOP,
@@ -120,14 +120,12 @@ def _translate(e: BaseException, what: str) -> BaseException:
 def _s3_errors(what: str) -> Iterator[None]:
     try:
         yield
-    except (bex.BotoCoreError, bex.ClientError, aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
+    except (TimeoutError, bex.BotoCoreError, bex.ClientError, aiohttp.ClientError, ConnectionError) as e:
         raise _translate(e, what) from e
 
 
 def _is_precondition_failed(e: BaseException) -> bool:
-    return isinstance(e, bex.ClientError) and (
-        _status(e) == 412 or _code(e) == "PreconditionFailed"
-    )
+    return isinstance(e, bex.ClientError) and (_status(e) == 412 or _code(e) == "PreconditionFailed")
 
 
 def _b64_sha256(data: bytes | bytearray | memoryview) -> str:
@@ -139,7 +137,7 @@ def _b64_of_hex(digest: str) -> str:
 
 
 def _utc(dt: datetime) -> datetime:
-    return dt.astimezone(timezone.utc) if dt.tzinfo else dt.replace(tzinfo=timezone.utc)
+    return dt.astimezone(UTC) if dt.tzinfo else dt.replace(tzinfo=UTC)
 
 
 class _MultipartUpload:
@@ -229,9 +227,7 @@ class _MultipartUpload:
         if self.upload_id is None:
             return
         try:
-            await self._client.abort_multipart_upload(
-                Bucket=self._bucket, Key=self._key, UploadId=self.upload_id
-            )
+            await self._client.abort_multipart_upload(Bucket=self._bucket, Key=self._key, UploadId=self.upload_id)
         except Exception as e:  # noqa: BLE001 - best effort; the original error matters more
             # A bucket lifecycle rule (AbortIncompleteMultipartUpload) is the
             # backstop for this case; see docs/STORE.md.
@@ -276,7 +272,9 @@ class S3Store(ObjectStore):
         prefix = prefix.strip("/")
         # Resolved here rather than left to botocore so that addressing style
         # below knows a custom endpoint is in use.
-        endpoint_url = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+        endpoint_url = (
+            endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+        )
         self.bucket = bucket
         self.prefix = f"{prefix}/" if prefix else ""
         self._endpoint_url = endpoint_url
@@ -362,9 +360,7 @@ class S3Store(ObjectStore):
                 stack = AsyncExitStack()
                 try:
                     client = await stack.enter_async_context(
-                        self._session.client(
-                            "s3", endpoint_url=self._endpoint_url, config=self._config
-                        )
+                        self._session.client("s3", endpoint_url=self._endpoint_url, config=self._config)
                     )
                     if self._create_bucket:
                         await self._ensure_bucket(client)
@@ -440,8 +436,7 @@ class S3Store(ObjectStore):
         self._atomic_create = honoured
         if not honoured:
             log.warning(
-                "S3 endpoint %s ignores If-None-Match: writes stay correct (content-addressed) "
-                "but are not create-once",
+                "S3 endpoint %s ignores If-None-Match: writes stay correct (content-addressed) but are not create-once",
                 self._endpoint_url or "(AWS)",
             )
         return honoured
@@ -522,9 +517,7 @@ class S3Store(ObjectStore):
             return PutResult(digest=digest, size=size, created=False)
         return await self._put_direct(chunks, expected_digest, limit)
 
-    async def _put_direct(
-        self, chunks: AsyncIterable[bytes], expected: str, limit: int | None
-    ) -> PutResult:
+    async def _put_direct(self, chunks: AsyncIterable[bytes], expected: str, limit: int | None) -> PutResult:
         key = self.key_of(expected)
         hasher = hashlib.sha256()
         size = 0
@@ -573,7 +566,9 @@ class S3Store(ObjectStore):
         size = 0
         # Spills to an already-unlinked temp file past part_size: nothing can
         # be left behind on disk even if the process dies.
-        spool: IO[bytes] = tempfile.SpooledTemporaryFile(max_size=self._part_size, dir=self._spool_dir)
+        spool: IO[bytes] = tempfile.SpooledTemporaryFile(  # noqa: SIM115 - closed in the finally below
+            max_size=self._part_size, dir=self._spool_dir
+        )
         try:
             async for chunk in chunks:
                 if not chunk:
@@ -598,9 +593,7 @@ class S3Store(ObjectStore):
 
     # --- reads ----------------------------------------------------------------------
 
-    async def _open_range(
-        self, digest: str, offset: int, length: int | None
-    ) -> tuple[Any | None, int]:
+    async def _open_range(self, digest: str, offset: int, length: int | None) -> tuple[Any | None, int]:
         """Start a GET of the range; return (body or None for an empty range, byte count)."""
         key = self.key_of(digest)
         if offset < 0 or (length is not None and length < 0):
@@ -789,7 +782,7 @@ class S3Store(ObjectStore):
                 "content-length": str(size),
                 "if-none-match": "*",
             },
-            expires_at=datetime.now(timezone.utc) + timedelta(seconds=expires_s),
+            expires_at=datetime.now(UTC) + timedelta(seconds=expires_s),
         )
 
 

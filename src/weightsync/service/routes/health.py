@@ -24,8 +24,12 @@ async def health() -> Health:
     return Health(status="ok")
 
 
-@router.get("/readyz", operation_id="ready", response_model=Readiness,
-            responses={503: {"model": Readiness, "description": "catalog or store unreachable"}})
+@router.get(
+    "/readyz",
+    operation_id="ready",
+    response_model=Readiness,
+    responses={503: {"model": Readiness, "description": "catalog or store unreachable"}},
+)
 async def ready(ops: OpsDep) -> JSONResponse:
     """Readiness: a catalog query answers and the store is reachable."""
 
@@ -33,18 +37,25 @@ async def ready(ops: OpsDep) -> JSONResponse:
         try:
             await asyncio.wait_for(check(), PROBE_TIMEOUT_S)
             return True
-        except (errors.WeightsyncError, OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, errors.WeightsyncError, OSError) as exc:
             log.warning("readiness: %s not ready: %s", name, exc or type(exc).__name__)
             return False
 
     catalog_ok, store_ok = await asyncio.gather(probe("catalog", ops.check_catalog), probe("store", ops.check_store))
     body = Readiness(catalog=catalog_ok, store=store_ok)
-    return JSONResponse(body.model_dump(), status_code=200 if catalog_ok and store_ok else 503,
-                        headers={} if catalog_ok and store_ok else {"Retry-After": "2"})
+    return JSONResponse(
+        body.model_dump(),
+        status_code=200 if catalog_ok and store_ok else 503,
+        headers={} if catalog_ok and store_ok else {"Retry-After": "2"},
+    )
 
 
-@router.get("/metrics", operation_id="metrics", response_class=Response,
-            responses={200: {"content": {"text/plain": {}}, "description": "Prometheus exposition"}})
+@router.get(
+    "/metrics",
+    operation_id="metrics",
+    response_class=Response,
+    responses={200: {"content": {"text/plain": {}}, "description": "Prometheus exposition"}},
+)
 async def metrics(m: MetricsDep) -> Response:
     """Prometheus metrics of this process (of every worker with ``--workers``)."""
     body, content_type = m.render()

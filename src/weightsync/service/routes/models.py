@@ -17,8 +17,13 @@ async def list_models(ops: OpsDep, who: Reader) -> ModelList:
     return ModelList(models=[model_out(m) for m in await ops.list_models() if who.may_use(m.name)])
 
 
-@router.post("", operation_id="createModel", status_code=status.HTTP_201_CREATED, response_model=ModelOut,
-             responses={200: {"model": ModelOut, "description": "the model existed with these settings"}})
+@router.post(
+    "",
+    operation_id="createModel",
+    status_code=status.HTTP_201_CREATED,
+    response_model=ModelOut,
+    responses={200: {"model": ModelOut, "description": "the model existed with these settings"}},
+)
 async def create_model(body: CreateModelIn, ops: OpsDep, who: Publisher, response: Response) -> ModelOut:
     """Create a model (201), or return it unchanged (200) if it exists with the same settings (else 409)."""
     who.require("publish", body.name)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Request, Response, status
@@ -21,8 +21,12 @@ router = APIRouter(prefix="/v1/objects", tags=["objects"])
 # Objects never change, so any cache may keep them; "private" because reading needs a token.
 _IMMUTABLE = "private, max-age=31536000, immutable"
 
-_BINARY_BODY = {"requestBody": {"required": True, "content": {
-    "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}}
+_BINARY_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+    }
+}
 
 
 def _etag_matches(if_none_match: str | None, etag: str) -> bool:
@@ -54,23 +58,45 @@ async def _prefetched(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     return stream()
 
 
-@router.put("/{digest}", operation_id="putObject", status_code=status.HTTP_201_CREATED,
-            response_model=PutObjectOut, openapi_extra=_BINARY_BODY,
-            responses={411: {"description": "Content-Length missing"}, 413: {"description": "body over the cap"},
-                       422: {"description": "bytes do not hash to the digest (digest-mismatch)"}})
-async def put_object(digest: str, request: Request, ops: OpsDep, who: Publisher, settings: SettingsDep,
-                     content_length: Annotated[str | None, Header()] = None) -> PutObjectOut:
+@router.put(
+    "/{digest}",
+    operation_id="putObject",
+    status_code=status.HTTP_201_CREATED,
+    response_model=PutObjectOut,
+    openapi_extra=_BINARY_BODY,
+    responses={
+        411: {"description": "Content-Length missing"},
+        413: {"description": "body over the cap"},
+        422: {"description": "bytes do not hash to the digest (digest-mismatch)"},
+    },
+)
+async def put_object(
+    digest: str,
+    request: Request,
+    ops: OpsDep,
+    who: Publisher,
+    settings: SettingsDep,
+    content_length: Annotated[str | None, Header()] = None,
+) -> PutObjectOut:
     """Store the body under its SHA-256, which must equal ``digest``; a mismatch stores nothing."""
     validate_digest(digest)
     if content_length is None or not content_length.isascii() or not content_length.isdigit():
-        raise ApiProblem(411, "length-required", "Length required",
-                         "send the object with a Content-Length header (no chunked uploads)")
+        raise ApiProblem(
+            411,
+            "length-required",
+            "Length required",
+            "send the object with a Content-Length header (no chunked uploads)",
+        )
     cap = settings.upload_cap()
     if int(content_length) > cap:
         # Refused before reading a byte of the body.
-        raise ApiProblem(413, "too-large", "Object too large",
-                         f"Content-Length {content_length} exceeds the {cap}-byte upload limit",
-                         headers={"Connection": "close"})
+        raise ApiProblem(
+            413,
+            "too-large",
+            "Object too large",
+            f"Content-Length {content_length} exceeds the {cap}-byte upload limit",
+            headers={"Connection": "close"},
+        )
     try:
         result = await ops.put_object(request.stream(), expected_digest=digest, max_size=cap)
     except errors.LimitExceeded as exc:
@@ -78,14 +104,24 @@ async def put_object(digest: str, request: Request, ops: OpsDep, who: Publisher,
     return PutObjectOut(digest=result.digest, size=result.size, created=result.created)
 
 
-@router.get("/{digest}", operation_id="getObject", response_class=StreamingResponse,
-            responses={200: {"content": {"application/octet-stream": {}}},
-                       206: {"content": {"application/octet-stream": {}}, "description": "the requested range"},
-                       304: {"description": "If-None-Match matched"},
-                       416: {"description": "Range malformed or outside the object"}})
-async def get_object(digest: str, ops: OpsDep, who: Reader,
-                     range_: Annotated[str | None, Header(alias="range")] = None,
-                     if_none_match: Annotated[str | None, Header()] = None) -> Response:
+@router.get(
+    "/{digest}",
+    operation_id="getObject",
+    response_class=StreamingResponse,
+    responses={
+        200: {"content": {"application/octet-stream": {}}},
+        206: {"content": {"application/octet-stream": {}}, "description": "the requested range"},
+        304: {"description": "If-None-Match matched"},
+        416: {"description": "Range malformed or outside the object"},
+    },
+)
+async def get_object(
+    digest: str,
+    ops: OpsDep,
+    who: Reader,
+    range_: Annotated[str | None, Header(alias="range")] = None,
+    if_none_match: Annotated[str | None, Header()] = None,
+) -> Response:
     """The object's bytes, streamed; one ``Range: bytes=a-b | a- | -n`` gives 206."""
     validate_digest(digest)
     info = await ops.stat_object(digest)
@@ -98,8 +134,9 @@ async def get_object(digest: str, ops: OpsDep, who: Reader,
         try:
             offset, length = parse_range(range_, info.size)
         except RangeNotSatisfiable as exc:
-            raise ApiProblem(416, "bad-range", "Range not satisfiable", str(exc),
-                             headers={"Content-Range": f"bytes */{info.size}"}) from None
+            raise ApiProblem(
+                416, "bad-range", "Range not satisfiable", str(exc), headers={"Content-Range": f"bytes */{info.size}"}
+            ) from None
         code = status.HTTP_206_PARTIAL_CONTENT
         headers["Content-Range"] = f"bytes {offset}-{offset + length - 1}/{info.size}"
     headers["Content-Length"] = str(length)
@@ -107,15 +144,26 @@ async def get_object(digest: str, ops: OpsDep, who: Reader,
     return StreamingResponse(body, status_code=code, headers=headers, media_type="application/octet-stream")
 
 
-@router.head("/{digest}", operation_id="headObject", response_class=Response,
-             responses={200: {"description": "the object exists; its size is the Content-Length"}})
+@router.head(
+    "/{digest}",
+    operation_id="headObject",
+    response_class=Response,
+    responses={200: {"description": "the object exists; its size is the Content-Length"}},
+)
 async def head_object(digest: str, ops: OpsDep, who: Reader) -> Response:
     """Whether the object exists, and its size (``Content-Length``)."""
     validate_digest(digest)
     info = await ops.stat_object(digest)
-    return Response(status_code=status.HTTP_200_OK, media_type="application/octet-stream",
-                    headers={"Content-Length": str(info.size), "ETag": f'"{digest}"', "Accept-Ranges": "bytes",
-                             "Cache-Control": _IMMUTABLE})
+    return Response(
+        status_code=status.HTTP_200_OK,
+        media_type="application/octet-stream",
+        headers={
+            "Content-Length": str(info.size),
+            "ETag": f'"{digest}"',
+            "Accept-Ranges": "bytes",
+            "Cache-Control": _IMMUTABLE,
+        },
+    )
 
 
 @router.get("/{digest}/url", operation_id="presignObject", response_model=PresignedGet)
@@ -125,5 +173,5 @@ async def presign_object(digest: str, ops: OpsDep, who: Reader, settings: Settin
     if not settings.presign:
         raise errors.Unsupported("this server's store does not hand out presigned URLs")
     url = await ops.presign_get(digest, settings.presign_expires_s)
-    expires = datetime.now(timezone.utc) + timedelta(seconds=settings.presign_expires_s)
+    expires = datetime.now(UTC) + timedelta(seconds=settings.presign_expires_s)
     return PresignedGet(url=url, expires_at=expires)

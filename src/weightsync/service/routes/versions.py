@@ -51,10 +51,14 @@ def _number(number: str) -> int | None:
 
 
 @router.get("/versions", operation_id="listVersions", response_model=VersionList)
-async def list_versions(model: str, ops: OpsDep, who: Reader,
-                        limit: Annotated[int, Query(ge=1, le=10_000)] = DEFAULT_LIST_LIMIT,
-                        before: Annotated[int | None, Query(ge=-INT64, le=INT64)] = None,
-                        after: Annotated[int | None, Query(ge=-INT64, le=INT64)] = None) -> VersionList:
+async def list_versions(
+    model: str,
+    ops: OpsDep,
+    who: Reader,
+    limit: Annotated[int, Query(ge=1, le=10_000)] = DEFAULT_LIST_LIMIT,
+    before: Annotated[int | None, Query(ge=-INT64, le=INT64)] = None,
+    after: Annotated[int | None, Query(ge=-INT64, le=INT64)] = None,
+) -> VersionList:
     """Committed versions, ascending. With ``after``: the first ``limit`` above it; otherwise the
     newest ``limit`` (below ``before`` if given), so paging works in both directions."""
     if after is not None:
@@ -79,11 +83,18 @@ async def get_lineage(model: str, number: str, ops: OpsDep, who: Reader) -> Vers
     return VersionList(versions=[version_out(v) for v in await ops.lineage(model, n)])
 
 
-@router.get("/versions/{number}/manifest", operation_id="getManifest", response_class=Response,
-            responses={200: {"content": {"application/octet-stream": {}}, "description": "FORMAT §5.1 bytes"},
-                       304: {"description": "If-None-Match matched"}})
-async def get_manifest(model: str, number: str, ops: OpsDep, who: Reader,
-                       if_none_match: Annotated[str | None, Header()] = None) -> Response:
+@router.get(
+    "/versions/{number}/manifest",
+    operation_id="getManifest",
+    response_class=Response,
+    responses={
+        200: {"content": {"application/octet-stream": {}}, "description": "FORMAT §5.1 bytes"},
+        304: {"description": "If-None-Match matched"},
+    },
+)
+async def get_manifest(
+    model: str, number: str, ops: OpsDep, who: Reader, if_none_match: Annotated[str | None, Header()] = None
+) -> Response:
     """The version's stored manifest bytes, ``ETag: "<digest>"``."""
     _, digest = committed(await ops.get_version(model, _number(number)))
     etag = f'"{digest}"'
@@ -95,10 +106,14 @@ async def get_manifest(model: str, number: str, ops: OpsDep, who: Reader,
 
 
 @router.get("/plan", operation_id="getPlan", response_model=PlanOut)
-async def get_plan(model: str, ops: OpsDep, who: Reader,
-                   have: Annotated[int | None, Query(ge=-INT64, le=INT64)] = None,
-                   want: Annotated[int | None, Query(ge=-INT64, le=INT64)] = None,
-                   holder: Annotated[str | None, Query(min_length=1, max_length=255)] = None) -> PlanOut:
+async def get_plan(
+    model: str,
+    ops: OpsDep,
+    who: Reader,
+    have: Annotated[int | None, Query(ge=-INT64, le=INT64)] = None,
+    want: Annotated[int | None, Query(ge=-INT64, le=INT64)] = None,
+    holder: Annotated[str | None, Query(min_length=1, max_length=255)] = None,
+) -> PlanOut:
     """What to fetch to go from ``have`` to ``want`` (default: the head); ``holder`` leases the chain."""
     return plan_out(await ops.plan(model, have=have, want=want, holder=holder))
 
@@ -106,24 +121,35 @@ async def get_plan(model: str, ops: OpsDep, who: Reader,
 # --- publishing -----------------------------------------------------------------------------
 
 
-@router.post("/publishes", operation_id="beginPublish", status_code=status.HTTP_201_CREATED,
-             response_model=BeginOut)
+@router.post("/publishes", operation_id="beginPublish", status_code=status.HTTP_201_CREATED, response_model=BeginOut)
 async def begin_publish(model: str, body: BeginIn, ops: OpsDep, who: Publisher) -> BeginOut:
     """Open a publish on top of ``parent``; says whether to encode a keyframe or a delta. Creates the model."""
-    return begin_out(await ops.begin_publish(model, parent=body.parent, step=body.step,
-                                             metadata=body.metadata, keyframe=body.keyframe))
+    return begin_out(
+        await ops.begin_publish(
+            model, parent=body.parent, step=body.step, metadata=body.metadata, keyframe=body.keyframe
+        )
+    )
 
 
-@router.post("/publishes/{publish_id}/objects", operation_id="checkObjects", response_model=CheckOut,
-             response_model_exclude_none=True)
-async def check_objects(model: str, publish_id: str, body: CheckIn, ops: OpsDep, who: Publisher,
-                        settings: SettingsDep) -> CheckOut:
+@router.post(
+    "/publishes/{publish_id}/objects",
+    operation_id="checkObjects",
+    response_model=CheckOut,
+    response_model_exclude_none=True,
+)
+async def check_objects(
+    model: str, publish_id: str, body: CheckIn, ops: OpsDep, who: Publisher, settings: SettingsDep
+) -> CheckOut:
     """Which objects the store lacks (held for this publish meanwhile); presigned uploads where the store can."""
     too_big = [o.digest for o in body.objects if o.size > settings.max_object_size]
     if too_big:
-        raise ApiProblem(413, "too-large", "Object too large",
-                         f"{len(too_big)} object(s) exceed the {settings.max_object_size}-byte limit",
-                         digests=too_big[:10])
+        raise ApiProblem(
+            413,
+            "too-large",
+            "Object too large",
+            f"{len(too_big)} object(s) exceed the {settings.max_object_size}-byte limit",
+            digests=too_big[:10],
+        )
     missing = await ops.missing_objects(model, publish_id, [(o.digest, o.size) for o in body.objects])
     if not (settings.presign and ops.can_presign and missing):
         return CheckOut(missing=missing)
@@ -133,15 +159,26 @@ async def check_objects(model: str, publish_id: str, body: CheckIn, ops: OpsDep,
     return CheckOut(missing=missing, uploads=uploads)
 
 
-@router.post("/publishes/{publish_id}/commit", operation_id="commitPublish",
-             status_code=status.HTTP_201_CREATED, response_model=VersionOut)
-async def commit_publish(model: str, publish_id: str, body: CommitIn, ops: OpsDep, who: Publisher,
-                         metrics: MetricsDep,
-                         idempotency_key: Annotated[str | None, Header(max_length=128)] = None) -> VersionOut:
+@router.post(
+    "/publishes/{publish_id}/commit",
+    operation_id="commitPublish",
+    status_code=status.HTTP_201_CREATED,
+    response_model=VersionOut,
+)
+async def commit_publish(
+    model: str,
+    publish_id: str,
+    body: CommitIn,
+    ops: OpsDep,
+    who: Publisher,
+    metrics: MetricsDep,
+    idempotency_key: Annotated[str | None, Header(max_length=128)] = None,
+) -> VersionOut:
     """Make the publish visible (compare-and-swap on the head); a retried commit returns the same version."""
     started = ops.clock()
-    version = await ops.commit_publish(model, publish_id, manifest_digest=body.manifest,
-                                       idempotency_key=body.idempotency_key or idempotency_key)
+    version = await ops.commit_publish(
+        model, publish_id, manifest_digest=body.manifest, idempotency_key=body.idempotency_key or idempotency_key
+    )
     # A replay returns the version committed earlier: count each commit once.
     if version.committed_at is not None and version.committed_at >= started:
         metrics.versions_committed.inc()
@@ -149,8 +186,12 @@ async def commit_publish(model: str, publish_id: str, body: CommitIn, ops: OpsDe
     return version_out(version)
 
 
-@router.delete("/publishes/{publish_id}", operation_id="abortPublish", status_code=status.HTTP_204_NO_CONTENT,
-               response_class=Response)
+@router.delete(
+    "/publishes/{publish_id}",
+    operation_id="abortPublish",
+    status_code=status.HTTP_204_NO_CONTENT,
+    response_class=Response,
+)
 async def abort_publish(model: str, publish_id: str, ops: OpsDep, who: Publisher) -> Response:
     """Abandon a pending publish; the objects only it held become garbage after the grace period."""
     await ops.abort_publish(model, publish_id)
@@ -160,11 +201,21 @@ async def abort_publish(model: str, publish_id: str, ops: OpsDep, who: Publisher
 # --- watching -------------------------------------------------------------------------------
 
 
-@router.get("/watch", operation_id="watchModel", response_model=VersionOut,
-            responses={204: {"description": "no newer version before the timeout"}})
-async def watch_model(model: str, ops: OpsDep, who: Reader, settings: SettingsDep, metrics: MetricsDep,
-                      after: Annotated[int | None, Query(ge=-INT64, le=INT64)] = None,
-                      timeout: Annotated[float, Query(ge=0, le=MAX_WATCH_S)] = 30.0) -> VersionOut | Response:
+@router.get(
+    "/watch",
+    operation_id="watchModel",
+    response_model=VersionOut,
+    responses={204: {"description": "no newer version before the timeout"}},
+)
+async def watch_model(
+    model: str,
+    ops: OpsDep,
+    who: Reader,
+    settings: SettingsDep,
+    metrics: MetricsDep,
+    after: Annotated[int | None, Query(ge=-INT64, le=INT64)] = None,
+    timeout: Annotated[float, Query(ge=0, le=MAX_WATCH_S)] = 30.0,
+) -> VersionOut | Response:
     """Long poll: the head as soon as it is newer than ``after`` (200), or 204 after ``timeout`` seconds."""
     metrics.watchers.inc()
     try:
@@ -176,27 +227,48 @@ async def watch_model(model: str, ops: OpsDep, who: Reader, settings: SettingsDe
     return version_out(head)
 
 
-@router.get("/events", operation_id="streamEvents", response_class=StreamingResponse,
-            responses={200: {"content": {"text/event-stream": {}},
-                             "description": "`event: version` with a Version as `data` for every new version"}})
-async def stream_events(model: str, ops: OpsDep, who: Reader, settings: SettingsDep, metrics: MetricsDep,
-                        after: Annotated[int | None, Query(ge=-INT64, le=INT64)] = None,
-                        last_event_id: Annotated[str | None, Header()] = None) -> StreamingResponse:
+@router.get(
+    "/events",
+    operation_id="streamEvents",
+    response_class=StreamingResponse,
+    responses={
+        200: {
+            "content": {"text/event-stream": {}},
+            "description": "`event: version` with a Version as `data` for every new version",
+        }
+    },
+)
+async def stream_events(
+    model: str,
+    ops: OpsDep,
+    who: Reader,
+    settings: SettingsDep,
+    metrics: MetricsDep,
+    after: Annotated[int | None, Query(ge=-INT64, le=INT64)] = None,
+    last_event_id: Annotated[str | None, Header()] = None,
+) -> StreamingResponse:
     """Server-Sent Events: every version committed after ``after`` (or ``Last-Event-ID``), with keep-alives.
 
     Without either, the first event is the current head (if any).
     """
     await ops.get_model(model)  # 404 now, not inside the stream
-    if last_event_id is not None and last_event_id.isascii() and last_event_id.isdigit() \
-            and int(last_event_id) <= INT64:
+    if (
+        last_event_id is not None
+        and last_event_id.isascii()
+        and last_event_id.isdigit()
+        and int(last_event_id) <= INT64
+    ):
         after = max(after or 0, int(last_event_id))
-    return StreamingResponse(_events(ops, model, after, settings.sse_keepalive_s, settings.watch_poll_s, metrics),
-                             media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return StreamingResponse(
+        _events(ops, model, after, settings.sse_keepalive_s, settings.watch_poll_s, metrics),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
 
 
-async def _events(ops: Ops, model: str, after: int | None, keepalive: float, poll: float,
-                  metrics: Metrics) -> AsyncIterator[str]:
+async def _events(
+    ops: Ops, model: str, after: int | None, keepalive: float, poll: float, metrics: Metrics
+) -> AsyncIterator[str]:
     """The event stream; runs until the client disconnects (the server then cancels it)."""
     metrics.sse_streams.inc()
     try:
@@ -220,4 +292,3 @@ async def _events(ops: Ops, model: str, after: int | None, keepalive: float, pol
             last = max([committed(head)[0], *(committed(v)[0] for v in new)])
     finally:
         metrics.sse_streams.dec()
-
