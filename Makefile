@@ -23,9 +23,10 @@ demo: $(STAMP)
 test: lint
 	$(VENV)/bin/pytest
 
-# The inner loop: everything but the tests marked slow (wheel install, crash enumerations, long runs).
+# The inner loop (~2.5 min here): everything but the tests marked slow (wheel install, crash
+# enumerations, long runs) and the S3 (SeaweedFS) runs of each suite; `make test` runs them all.
 test-fast: $(STAMP)
-	$(VENV)/bin/pytest -m "not slow"
+	$(VENV)/bin/pytest -m "not slow and not s3"
 
 # Lint, format check and types (configured in pyproject.toml).
 LINT_PATHS := src tests benchmarks scripts examples
