@@ -8,7 +8,12 @@ step of a Llama-style model (random init, fused AdamW, lr 1e-6, random tokens):
   and its speed and scratch memory on the model's tensors;
 - a STREAM-like host copy (1 and all threads): the memory bandwidth figure the issue compares to;
 - our encode and verified in-place apply with 1 and all threads, against per-tensor XOR + zstd-1
-  (encode 1 thread; decode + apply on all cores), same bytes, same run.
+  (encode 1 thread; decode + apply on all cores), same bytes, same run;
+- the subscriber's in-place path, in process (no server): the v1→v2 delta decoded with
+  ``client.inplace.prepare`` (decode + stage) into live tensors on the device holding v1, then
+  ``apply`` with verification (base check, writes, result check through client/verify.py):
+  prepare_s, apply_s, pause (first write → result check passed), GPU staging memory, and the
+  old verification (pageable ``.cpu()`` + one-thread xxh3) for comparison. Median of 3 after a warm-up.
 
     PYTHONPATH=src python3 benchmarks/device_probe.py --hidden 3072 --layers 26
 """
@@ -16,6 +21,7 @@ step of a Llama-style model (random init, fused AdamW, lr 1e-6, random tokens):
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -30,10 +36,13 @@ import torch
 import xxhash
 import zstandard
 
+from weightsync.client import inplace
+from weightsync.client.verify import HostHasher
 from weightsync.codec import kernels
 from weightsync.codec.checkpoint import Checkpoint
 from weightsync.codec.checksum import tensor_sum as host_sum
 from weightsync.codec.encoder import Decoder, Encoder
+from weightsync.codec.frame import xxh3_128
 from weightsync.codec.manifest import FrameRef
 from weightsync.devsum import tensor_sum as device_sum
 
@@ -196,12 +205,103 @@ def codec_scaling(base: dict[str, np.ndarray], new: dict[str, np.ndarray], threa
     return out
 
 
+def subscriber_apply(
+    base: dict[str, np.ndarray], new: dict[str, np.ndarray], threads: int, device: str, versions: int = 3
+) -> dict:
+    """prepare + verified apply of the base→new delta into live `device` tensors holding base (no server)."""
+    cuda = device == "cuda"
+    base_ck = Checkpoint.from_bytes({"model.safetensors": _safetensors_bytes(base)})
+    new_ck = Checkpoint.from_bytes({"model.safetensors": _safetensors_bytes(new)})
+    encoded = Encoder(threads=threads).encode(new_ck, base_ck)
+    offsets = np.cumsum([0] + [len(fr.data) for fr in encoded.frames])
+    manifest = encoded.with_locations(lambda i, fr: (None, int(offsets[i])))
+    area = b"".join(fr.data for fr in encoded.frames)
+    del base_ck, new_ck, encoded
+
+    def read(ref: FrameRef) -> memoryview:
+        return memoryview(area)[ref.offset : ref.offset + ref.length]
+
+    live = {k: torch.from_numpy(a).view(torch.bfloat16).to(device) for k, a in base.items()}
+    keep = {k: v.clone() for k, v in live.items()}  # v1 again before each version: not timed
+    model_bytes = sum(a.size for a in base.values())
+    hasher = HostHasher(threads=threads)
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    reserved0 = 0
+    if cuda:
+        gc.collect()
+        torch.cuda.empty_cache()
+        sync()
+        reserved0 = torch.cuda.memory_reserved()  # the live model and its v1 copy
+        torch.cuda.reset_peak_memory_stats()
+    runs = []
+    changed = touched = 0
+    paths: tuple[str, ...] = ()
+    for _ in range(1 + versions):  # the first is the warm-up
+        for k, v in live.items():
+            v.copy_(keep[k])
+        sync()
+        t0 = time.perf_counter()
+        prepared = inplace.prepare([manifest], read, model="probe", base=1, target=2, threads=threads, device=device)
+        sync()
+        prepare_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        applied = inplace.apply(live, prepared, model="probe", version=1, verify=True, strict=True, hasher=hasher)
+        applied.check()
+        apply_s = time.perf_counter() - t0
+        runs.append(
+            {
+                "prepare_s": prepare_s,
+                "apply_s": apply_s,
+                "pause_s": applied.pause + applied.result_check_s,  # the check follows the last write at once
+                "write_s": applied.pause,
+                "base_check_s": applied.base_check_s,
+                "result_check_s": applied.result_check_s,
+            }
+        )
+        changed, touched, paths = prepared.changed_elements, applied.tensors, applied.verified_by
+        del prepared, applied
+    for k, v in live.items():
+        if not np.array_equal(v.view(torch.int16).cpu().numpy().view(np.uint8), new[k]):
+            raise AssertionError(f"in-place apply is not bit-identical on {k}")
+    out: dict = {k: statistics.median(r[k] for r in runs[1:]) for k in runs[0]}
+    out["prepare_apply_s"] = out["prepare_s"] + out["apply_s"]
+    out.update(
+        {
+            "verified_by": list(paths),
+            "tensors": touched,
+            "changed_elements": changed,
+            "model_bytes": model_bytes,
+            "hasher": {"threads": hasher.workers, "buffers": hasher.buffers, "buffer_bytes": hasher.buffer_bytes},
+        }
+    )
+    if cuda:
+        staging = torch.cuda.max_memory_reserved() - reserved0
+        out["gpu_staging_bytes"] = staging
+        out["gpu_staging_bytes_per_changed_element"] = staging / max(changed, 1)
+    # Before client/verify.py: one check = pageable .cpu() and one-thread xxh3 of every touched tensor.
+    t0 = time.perf_counter()
+    for v in live.values():
+        xxh3_128(v.view(torch.int16).cpu().numpy())
+    out["old_one_check_s"] = time.perf_counter() - t0
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, default=3072)
     ap.add_argument("--layers", type=int, default=26)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument(
+        "--parts",
+        default="checksum,stream,codec,apply",
+        help="comma-separated parts to run: checksum, stream, codec, apply (the model step always runs)",
+    )
     args = ap.parse_args()
+    parts = set(args.parts.split(","))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     res: dict = {
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
@@ -210,28 +310,43 @@ def main() -> None:
         "xxhash": xxhash.VERSION,
         "torch": torch.__version__,
         "python": sys.version.split()[0],
+        "hidden": args.hidden,
+        "layers": args.layers,
     }
-    res["checksum_agreement"] = checksum_agreement(device)
-    res["stream_copy_gbps_1"] = stream_copy(2.0, 1)
-    res[f"stream_copy_gbps_{args.threads}"] = stream_copy(2.0, args.threads)
+    if "checksum" in parts:
+        res["checksum_agreement"] = checksum_agreement(device)
+    if "stream" in parts:
+        res["stream_copy_gbps_1"] = stream_copy(2.0, 1)
+        res[f"stream_copy_gbps_{args.threads}"] = stream_copy(2.0, args.threads)
     t0 = time.perf_counter()
     base, new = model_step(args.hidden, args.layers, device)
     res["model_step_s"] = time.perf_counter() - t0
-    # Checksum speed on the device: every tensor of the model, resident on the GPU.
-    resident = [torch.from_numpy(a).view(torch.bfloat16).to(device) for a in new.values()]
-    torch.cuda.reset_peak_memory_stats() if device == "cuda" else None
-    before = torch.cuda.memory_allocated() if device == "cuda" else 0
-    t = _timed(lambda: [device_sum(x) for x in resident])
-    res["device_checksum_s"] = t
-    res["device_checksum_gbps"] = sum(x.numel() * 2 for x in resident) / t / 1e9
+    gc.collect()  # the model and its optimizer state are gone: give their GPU memory back
     if device == "cuda":
-        res["device_checksum_scratch_bytes"] = torch.cuda.max_memory_allocated() - before
-    host = list(new.values())
-    with ThreadPoolExecutor(args.threads) as pool:
-        res["host_checksum_gbps_all"] = (
-            sum(a.size for a in host) / _timed(lambda: list(pool.map(lambda a: host_sum(a, 2), host)), 2) / 1e9
-        )
-    res["codec"] = codec_scaling(base, new, args.threads)
+        torch.cuda.empty_cache()
+    if "checksum" in parts:
+        # Checksum speed on the device: every tensor of the model, resident on the GPU.
+        resident = [torch.from_numpy(a).view(torch.bfloat16).to(device) for a in new.values()]
+        torch.cuda.reset_peak_memory_stats() if device == "cuda" else None
+        before = torch.cuda.memory_allocated() if device == "cuda" else 0
+        t = _timed(lambda: [device_sum(x) for x in resident])
+        res["device_checksum_s"] = t
+        res["device_checksum_gbps"] = sum(x.numel() * 2 for x in resident) / t / 1e9
+        if device == "cuda":
+            res["device_checksum_scratch_bytes"] = torch.cuda.max_memory_allocated() - before
+        del resident
+        host = list(new.values())
+        with ThreadPoolExecutor(args.threads) as pool:
+            res["host_checksum_gbps_all"] = (
+                sum(a.size for a in host) / _timed(lambda: list(pool.map(lambda a: host_sum(a, 2), host)), 2) / 1e9
+            )
+    if "codec" in parts:
+        res["codec"] = codec_scaling(base, new, args.threads)
+    if "apply" in parts:
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        res["subscriber_apply"] = subscriber_apply(base, new, args.threads, device)
     text = json.dumps(res, indent=1)
     print(text)
     if os.environ.get("OUT"):

@@ -139,3 +139,108 @@ def test_keyframe_replaces_and_new_tensors_need_reload(server, model, tmp_path: 
         with pytest.raises(errors.ReloadRequired):
             sub.apply(tensors, prepared, strict=False)
         _assert_identical(tensors, before)
+
+
+# --- in process, no server: inplace.prepare from a manifest and its frames ----------------------------
+
+
+def _local_update(published: list[dict], base: int, target: int, **kw):
+    """inplace.prepare of the delta published[base-1] → published[target-1], encoded in process (no server)."""
+    from weightsync.client import inplace
+    from weightsync.client.tensors import serialize_state_dict
+    from weightsync.codec.checkpoint import Checkpoint
+    from weightsync.codec.encoder import Encoder
+
+    def ck(sd: dict) -> Checkpoint:
+        return Checkpoint.from_bytes({"model.safetensors": serialize_state_dict(sd).tobytes()})
+
+    encoded = Encoder(chunk_bytes=16 << 10).encode(ck(published[target - 1]), ck(published[base - 1]))
+    area = b"".join(fr.data for fr in encoded.frames)
+    starts = [0]
+    for fr in encoded.frames:
+        starts.append(starts[-1] + len(fr.data))
+    manifest = encoded.with_locations(lambda i, fr: (None, starts[i]))
+    return inplace.prepare(
+        [manifest],
+        lambda ref: memoryview(area)[ref.offset : ref.offset + ref.length],
+        model="local",
+        base=base,
+        target=target,
+        threads=2,
+        **kw,
+    )
+
+
+def _trained(n: int, seed: int = 3) -> list[dict]:
+    trainer = TinyTrainer(seed=seed)
+    out = []
+    for _ in range(n):
+        trainer.step()
+        out.append({k: v.clone() for k, v in trainer.export().items()})
+    return out
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["in-place-hash", "staged-hash"])
+def test_local_prepare_and_verified_apply(staged: bool) -> None:
+    from weightsync.client import inplace
+    from weightsync.client.verify import IN_PLACE, STAGED_HOST, HostHasher
+
+    published = _trained(2)
+    prepared = _local_update(published, 1, 2, device="cpu")
+    assert prepared.steps == 1 and prepared.changed_elements > 0
+    tensors = _snapshot(published[0])
+    # Tiny staging buffers: the larger tensors stream through them in many pieces.
+    hasher = HostHasher(threads=2, buffers=2, buffer_bytes=8 << 10, piece_bytes=3000, stage_cpu=staged)
+    applied = inplace.apply(tensors, prepared, model="local", version=1, verify=True, strict=True, hasher=hasher)
+    applied.check()
+    _assert_identical(tensors, published[1])
+    assert applied.verified_by == ((STAGED_HOST,) if staged else (IN_PLACE,))
+    assert applied.base_check_s > 0 and applied.result_check_s > 0
+    assert applied.tensors == len(prepared.updates)
+    unverified = inplace.apply(_snapshot(published[0]), prepared, model="local", version=1, verify=False, strict=True)
+    assert unverified.verified_by == () and unverified.base_check_s == 0
+
+
+def test_local_base_mismatch_names_the_tensor_and_writes_nothing() -> None:
+    from weightsync.client import inplace
+    from weightsync.client.verify import HostHasher
+
+    published = _trained(2, seed=4)
+    prepared = _local_update(published, 1, 2)
+    for staged in (False, True):
+        tensors = _snapshot(published[0])
+        victim = sorted(prepared.updates)[-1]  # the last one checked: every other tensor passed its check
+        _bits(tensors[victim])[0] ^= 1
+        before = _snapshot(tensors)
+        hasher = HostHasher(buffer_bytes=4096, piece_bytes=1000, stage_cpu=staged)
+        with pytest.raises(errors.BaseMismatch, match=repr(victim)):
+            inplace.apply(tensors, prepared, model="local", version=1, verify=True, strict=True, hasher=hasher)
+        _assert_identical(tensors, before)
+
+
+def test_local_result_mismatch_raises_after_the_write() -> None:
+    """As before this change: a failed result check raises ChecksumMismatch naming the tensor; the
+    tensors hold what the update wrote (no restore), and the caller must reload the version."""
+    from weightsync.client import inplace
+
+    published = _trained(2, seed=5)
+    prepared = _local_update(published, 1, 2)
+    name = sorted(prepared.updates)[0]
+    prepared.updates[name].result_xxh3 = "0" * 32
+    tensors = _snapshot(published[0])
+    applied = inplace.apply(tensors, prepared, model="local", version=1, verify=True, strict=True)
+    with pytest.raises(errors.ChecksumMismatch, match=repr(name)):
+        applied.check()
+    _assert_identical(tensors, published[1])
+
+
+def test_result_mismatch_through_the_subscriber(server, model, tmp_path: Path) -> None:
+    _publish(server.url, model, 2, seed=6)
+    with Subscriber(server.url, model, version=1) as sub:
+        tensors = _fresh_load(server.url, model, 1, tmp_path)
+        prepared = sub.prepare()
+        name = next(iter(prepared.updates))
+        prepared.updates[name].result_xxh3 = "f" * 32
+        with pytest.raises(errors.ChecksumMismatch, match=repr(name)):
+            sub.apply(tensors, prepared)
+        assert sub.version == 2  # the tensors changed: they hold v2 or must be reloaded (unchanged semantics)

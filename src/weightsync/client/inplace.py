@@ -11,9 +11,10 @@ only the small (positions, operands) arrays cross to it.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +23,7 @@ import numpy as np
 
 from weightsync import errors
 from weightsync.client._pool import run_all
+from weightsync.client.verify import HostHasher
 from weightsync.codec.dtypes import DType, by_name
 from weightsync.codec.manifest import FrameRef, Manifest
 from weightsync.codec.values import Change, apply_values, compose, decode_values, keyframe_bytes
@@ -179,22 +181,76 @@ def stage(prepared: Prepared, device: Any) -> None:
     prepared.device = device
 
 
+def prepare(
+    manifests: Sequence[Manifest],
+    read_frame: Callable[[FrameRef], Any],
+    *,
+    model: str,
+    base: int | None,
+    target: int,
+    threads: int | None = None,
+    device: Any = None,
+    bytes_received: int = 0,
+) -> Prepared:
+    """The update from `base` to `target` of `model` that `manifests` (a plan's steps, in order) describe.
+
+    The lowest door to in-place updates, with no server: `read_frame` returns
+    each frame's bytes (already verified by whoever fetched them). Frames decode
+    on `threads` threads (default ``os.cpu_count()``); with `device`, the changes
+    are staged there too (:func:`stage`). ``seconds`` counts decode and staging.
+    """
+    t0 = time.perf_counter()
+    updates: dict[str, TensorUpdate] = {}
+    specs: dict[str, tuple[DType, tuple[int, ...], str]] = {}
+    if manifests:
+        with ThreadPoolExecutor(threads or os.cpu_count() or 1) as pool:
+            updates, specs = decode_updates(list(manifests), read_frame, pool)
+    prepared = Prepared(
+        model=model,
+        base=base,
+        target=target,
+        updates=updates,
+        specs=specs,
+        steps=len(manifests),
+        bytes_received=bytes_received,
+        seconds=0.0,
+    )
+    if device is not None and manifests:
+        stage(prepared, device)
+    prepared.seconds = time.perf_counter() - t0
+    return prepared
+
+
 @dataclass
 class Applied:
-    """What `apply` did: the pause it took and the tensors it changed."""
+    """What `apply` did: the pause it took, the tensors it changed, and how they were verified."""
 
     target: int
     pause: float
+    """Seconds from the first write until every write landed (the result check not included)."""
     tensors: int
     changed: list[tuple[TensorUpdate, Any]] = field(repr=False)
     """(update, tensor) pairs that were changed."""
+    hasher: HostHasher = field(default_factory=HostHasher, repr=False)
+    base_check_s: float = 0.0
+    """Seconds the base check took (0 without verification)."""
+    result_check_s: float = 0.0
+    """Seconds :meth:`check` took (0 until it ran)."""
+    verified_by: tuple[str, ...] = ()
+    """How tensors reached the hash, over both checks (client/verify.py path names; empty: not verified)."""
 
     def check(self) -> None:
-        """ChecksumMismatch unless every changed tensor now holds the target version's bytes."""
-        from weightsync.client.tensors import tensor_xxh3
+        """ChecksumMismatch unless every changed tensor now holds the target version's bytes.
 
-        for u, t in self.changed:
-            if tensor_xxh3(t) != u.result_xxh3:
+        All changed tensors are hashed in one batched pass (client/verify.py), each
+        once; the error names the first tensor, in update order, that differs.
+        """
+        t0 = time.perf_counter()
+        hashed = self.hasher.hash([t for _, t in self.changed])
+        self.result_check_s = time.perf_counter() - t0
+        self.verified_by = tuple(sorted({*self.verified_by, *hashed.paths}))
+        for (u, _), digest in zip(self.changed, hashed.digests, strict=True):
+            if digest != u.result_xxh3:
                 raise errors.ChecksumMismatch(
                     f"tensor {u.name!r} does not match v{self.target} after the update: load the version afresh"
                 )
@@ -225,17 +281,27 @@ def _held(tensors: Mapping[str, Any], prepared: Prepared, strict: bool) -> dict[
 
 
 def apply(
-    tensors: Mapping[str, Any], prepared: Prepared, *, model: str, version: int | None, verify: bool, strict: bool
+    tensors: Mapping[str, Any],
+    prepared: Prepared,
+    *,
+    model: str,
+    version: int | None,
+    verify: bool,
+    strict: bool,
+    hasher: HostHasher | None = None,
 ) -> Applied:
     """Apply `prepared` in place into `tensors` (name → torch tensor) holding `version` of `model`.
 
     Refuses, changing nothing: BaseMismatch (another model or base version,
     or with `verify` a tensor whose xxh3 is not the base's), ReloadRequired (a
-    tensor missing, or of another dtype, shape or layout). The result check
-    is the caller's (:meth:`Applied.check`), after it has recorded that the
-    tensors changed.
+    tensor missing, or of another dtype, shape or layout). With `verify`, every
+    tensor about to change is hashed in one batched pass before the first
+    write (`hasher`, default :class:`HostHasher()`: CPU tensors where they lie,
+    device tensors through pinned staging buffers). The result check is the
+    caller's (:meth:`Applied.check`, same hasher), after it has recorded that
+    the tensors changed.
     """
-    from weightsync.client.tensors import byte_view, int_view, tensor_xxh3, torch_module
+    from weightsync.client.tensors import byte_view, int_view, torch_module
 
     torch = torch_module()
     if prepared.model != model:
@@ -244,9 +310,17 @@ def apply(
         raise errors.BaseMismatch(f"update applies to v{prepared.base}, but the tensors hold v{version}")
     held = _held(tensors, prepared, strict)
     work = [(u, held[name]) for name, u in prepared.updates.items() if name in held]
+    hasher = hasher if hasher is not None else HostHasher()
+    base_check_s = 0.0
+    paths: tuple[str, ...] = ()
     if verify:
-        for u, t in work:
-            if u.base_xxh3 is not None and tensor_xxh3(t) != u.base_xxh3:
+        t0 = time.perf_counter()
+        checked = [(u, t) for u, t in work if u.base_xxh3 is not None]  # whole replacements have no base
+        hashed = hasher.hash([t for _, t in checked])
+        base_check_s = time.perf_counter() - t0
+        paths = hashed.paths
+        for (u, _), digest in zip(checked, hashed.digests, strict=True):
+            if digest != u.base_xxh3:
                 raise errors.BaseMismatch(
                     f"tensor {u.name!r} does not hold v{prepared.base}'s bytes; nothing was changed"
                 )
@@ -270,4 +344,12 @@ def apply(
         for d in devices:
             if d.type == "cuda":
                 torch.cuda.synchronize(d)
-    return Applied(prepared.target, time.perf_counter() - t0, len(work), work)
+    return Applied(
+        prepared.target,
+        time.perf_counter() - t0,
+        len(work),
+        work,
+        hasher=hasher,
+        base_check_s=base_check_s,
+        verified_by=paths,
+    )

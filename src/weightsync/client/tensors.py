@@ -85,8 +85,17 @@ def raw_bytes(t: torch.Tensor) -> np.ndarray:
 
 
 def tensor_xxh3(t: torch.Tensor) -> str:
-    """xxh3-128 hex of a tensor's bytes, as the manifest records segments (copies device tensors to host)."""
-    return xxh3_128(raw_bytes(t)).hex()
+    """xxh3-128 hex of a tensor's bytes, as the manifest records segments.
+
+    CPU tensors are hashed where they lie; device tensors stream to the host
+    through pinned staging buffers (client/verify.py, which also hashes many
+    tensors at once: use it for more than one).
+    """
+    if t.device.type == "cpu":
+        return xxh3_128(raw_bytes(t)).hex()
+    from weightsync.client.verify import HostHasher  # verify builds on this module
+
+    return HostHasher().hash([t]).digests[0]
 
 
 def serialize_state_dict(state_dict: Mapping[str, Any], metadata: Mapping[str, str] | None = None) -> np.ndarray:
