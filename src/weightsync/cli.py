@@ -111,6 +111,12 @@ def bench_sync(ctx: typer.Context) -> None:
     raise typer.Exit(_benchmarks("sync_bench").main(list(ctx.args)))
 
 
+@bench_app.command("e2e", context_settings=_PASSTHROUGH)
+def bench_e2e(ctx: typer.Context) -> None:
+    """One version end to end in one process, delta vs keyframe, with its split and commit latency."""
+    raise typer.Exit(_benchmarks("e2e_bench").main(list(ctx.args)))
+
+
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.strerror:
         return f"{exc.filename}: {exc.strerror}" if exc.filename else exc.strerror

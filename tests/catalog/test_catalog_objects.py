@@ -106,6 +106,40 @@ def test_commit_replaces_pending_references(catalog: Catalog) -> None:
     assert catalog.dump_committed()["versions"][0]["objects"] == [[digest("final"), 2]]
 
 
+def test_referencing_again_what_a_publish_holds_changes_nothing(catalog: Catalog) -> None:
+    """A commit re-references what checkObjects referenced: answered without a write, with the same rules."""
+    catalog.create_model("m")
+    p = catalog.begin_version("m", parent=None, kind="keyframe", now=T0)
+    refs = [(digest(f"o{i}"), i + 1) for i in range(700)]  # more than one chunk of rows
+    first = catalog.reference_objects("m", p.publish_id, refs, now=T0)
+    assert sorted(first.added) == sorted(d for d, _ in refs) and first.deleting == ()
+    again = catalog.reference_objects("m", p.publish_id, refs[:5], now=T0 + timedelta(seconds=1))
+    assert again.added == () and again.deleting == ()
+    assert catalog.get_object(refs[0][0]).unreferenced_since is None
+    # One new object among held ones takes the write path and adds just that one.
+    more = catalog.reference_objects("m", p.publish_id, [*refs[:3], (digest("new"), 9)], now=T0)
+    assert more.added == (digest("new"),)
+    # The read path keeps the write path's refusals: another size, a publish that is not pending.
+    with pytest.raises(errors.IncompletePublish):
+        catalog.reference_objects("m", p.publish_id, [(refs[0][0], 999)], now=T0)
+    catalog.commit_version(
+        "m",
+        p.publish_id,
+        parent=None,
+        manifest_digest=digest("man"),
+        objects=refs,
+        raw_bytes=1,
+        stored_bytes=1,
+        kind="keyframe",
+        now=T0,
+    )
+    with pytest.raises(errors.PublishNotFound):
+        catalog.reference_objects("m", p.publish_id, refs[:5], now=T0)
+    committed = catalog.dump_committed()["versions"][0]["objects"]
+    assert sorted(map(tuple, committed)) == sorted(refs)  # the new one was not in the final list
+    assert catalog.get_object(digest("new")).unreferenced_since == T0
+
+
 def test_mark_deleted_keeps_what_is_needed(catalog: Catalog) -> None:
     catalog.create_model("m", keep_last=2)
     publish(catalog, "m", parent=None)  # 1 keyframe

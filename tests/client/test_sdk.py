@@ -199,6 +199,31 @@ def test_publisher_cache_dir_survives_restart(server, model, tmp_path: Path) -> 
     assert tree_bytes(tmp_path / "out") == tree_bytes(sources[3])
 
 
+def test_publisher_base_survives_a_rewritten_source_and_reuses_its_buffers(server, model, tmp_path: Path) -> None:
+    """The caller may rewrite its files after a publish: the base kept is a copy, refreshed in place after."""
+    import numpy as np
+
+    trainer = TinyTrainer(seed=5)
+    work, follow = tmp_path / "work", tmp_path / "follow"
+    with Publisher(server.url, model, **SMALL) as pub, Subscriber(server.url, model, name="f") as sub:
+        first = None
+        for i in range(1, 5):
+            trainer.step()
+            want = tree_bytes(write_version(work, trainer.export()))  # the same files, rewritten in place
+            r = pub.publish(work)
+            assert r.version == i and r.kind == ("keyframe" if i == 1 else "delta")
+            assert sub.pull(follow).version == i
+            assert tree_bytes(follow) == want
+            held = pub._base.held()
+            assert held is not None and held.state.number == i
+            kept = {f.layout.path: bytes(f.data) for f in held.checkpoint.files}
+            assert kept == want
+            if first is None:
+                first = held.checkpoint.files
+            else:  # same sizes: the next base is copied into the previous one's buffers
+                assert all(np.shares_memory(a.data, b.data) for a, b in zip(first, held.checkpoint.files, strict=True))
+
+
 def test_stale_parent_is_named(server, model, tmp_path: Path) -> None:
     sources = _versions(tmp_path, 3, seed=17)
     with Publisher(server.url, model, **SMALL) as a, Publisher(server.url, model, **SMALL) as b:

@@ -191,6 +191,17 @@ class Catalog:
         at = checks.utc(now)
         return self._tx(lambda s: publishes.pending(s, model, publish_id, at))
 
+    def get_pending_references(
+        self, model: str, publish_id: str, *, now: datetime | None = None
+    ) -> tuple[Version, dict[str, int]]:
+        """Return the pending, unexpired publish ``publish_id`` and the objects it references (digest -> size).
+
+        One read: what a commit needs to know which of its objects checkObjects held already.
+        Raises PublishNotFound.
+        """
+        at = checks.utc(now)
+        return self._tx(lambda s: publishes.pending_refs(s, model, publish_id, at))
+
     def reference_objects(
         self, model: str, publish_id: str, objects: Iterable[tuple[str, int]], *, now: datetime | None = None
     ) -> Pinned:
@@ -205,6 +216,10 @@ class Catalog:
         """
         refs = checks.object_refs(objects)
         at = checks.utc(now)
+        # A commit re-references what checkObjects referenced already: answered by a read, without
+        # taking the write lock and syncing a transaction that would change nothing.
+        if self._tx(lambda s: publishes.holds(s, model, publish_id, refs, at)):
+            return Pinned(added=(), deleting=())
         return self._tx(lambda s: publishes.reference(s, model, publish_id, refs, at), write=True)
 
     def commit_version(

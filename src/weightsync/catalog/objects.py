@@ -32,6 +32,7 @@ __all__ = [
     "begin_deletion",
     "finish_deletion",
     "get_many",
+    "held",
     "insert_ignore",
     "lock_rows",
     "mark_unreferenced",
@@ -52,9 +53,14 @@ def referenced(digest_col: Any) -> ColumnElement[bool]:
 
 def insert_ignore(s: Session, rows: list[dict[str, Any]]) -> None:
     """Insert object ``rows`` (dicts of column values), leaving rows that already exist untouched."""
+    if not rows:
+        return
     upsert = pg_insert if s.get_bind().dialect.name == "postgresql" else sqlite_insert
+    # One statement run with many parameter sets (executemany): compiled once and cached, where a
+    # multi-row VALUES list is compiled anew for every row count (most of a commit's CPU time).
+    stmt = upsert(ObjectRow).on_conflict_do_nothing(index_elements=["digest"])
     for chunk in chunks(rows):
-        s.execute(upsert(ObjectRow).values(list(chunk)).on_conflict_do_nothing(index_elements=["digest"]))
+        s.execute(stmt, list(chunk))
 
 
 def lock_rows(s: Session, digests: Sequence[str]) -> list[ObjectRow]:
@@ -101,6 +107,23 @@ def attach(s: Session, v: VersionRow, refs: dict[str, int], now: datetime) -> Pi
     for rows in chunks([{"version_id": v.id, "digest": d, "size": refs[d]} for d in added]):
         s.execute(insert(VersionObjectRow), list(rows))
     return Pinned(added=tuple(added), deleting=tuple(deleting))
+
+
+def held(s: Session, v: VersionRow, refs: dict[str, int]) -> bool:
+    """Whether ``v`` references every one of ``refs`` (digest -> size) already, each with that size.
+
+    Such objects need no new reference: a referenced row is never ``deleting`` (GC marks only
+    unreferenced rows, and :func:`attach` refuses ``deleting`` ones), so nothing would change.
+    """
+    if not refs:
+        return True
+    have: dict[str, int] = {}
+    for chunk in chunks(sorted(refs)):
+        stmt = select(VersionObjectRow.digest, VersionObjectRow.size).where(
+            VersionObjectRow.version_id == v.id, VersionObjectRow.digest.in_(chunk)
+        )
+        have.update((d, n) for d, n in s.execute(stmt))
+    return have == refs
 
 
 def mark_unreferenced(s: Session, digests: Iterable[str], now: datetime) -> None:

@@ -17,7 +17,18 @@ from .records import Pinned, Version
 from .rows import committed_row, model_row, version_record
 from .schema import ModelRow, ObjectRow, VersionObjectRow, VersionRow
 
-__all__ = ["abort", "begin", "commit", "expire", "list_pending", "pending", "pending_row", "reference"]
+__all__ = [
+    "abort",
+    "begin",
+    "commit",
+    "expire",
+    "holds",
+    "list_pending",
+    "pending",
+    "pending_refs",
+    "pending_row",
+    "reference",
+]
 
 
 def begin(
@@ -81,6 +92,20 @@ def pending(s: Session, model: str, publish_id: str, now: datetime) -> Version:
     """The pending publish as a record (no lock)."""
     m = model_row(s, model)
     return version_record(pending_row(s, m, publish_id, now, lock=False), m.name)
+
+
+def pending_refs(s: Session, model: str, publish_id: str, now: datetime) -> tuple[Version, dict[str, int]]:
+    """The pending publish as a record and what it references (digest -> size); no lock. PublishNotFound."""
+    m = model_row(s, model)
+    row = pending_row(s, m, publish_id, now, lock=False)
+    stmt = select(VersionObjectRow.digest, VersionObjectRow.size).where(VersionObjectRow.version_id == row.id)
+    return version_record(row, m.name), {d: n for d, n in s.execute(stmt)}
+
+
+def holds(s: Session, model: str, publish_id: str, refs: dict[str, int], now: datetime) -> bool:
+    """Whether the pending publish references all of ``refs`` already (objects.held); PublishNotFound."""
+    m = model_row(s, model)
+    return objects.held(s, pending_row(s, m, publish_id, now, lock=False), refs)
 
 
 def reference(s: Session, model: str, publish_id: str, refs: dict[str, int], now: datetime) -> Pinned:
@@ -147,7 +172,8 @@ def commit(
 
     # The manifest's row is locked with the others, in the one lock order (objects module).
     locked = objects.lock_rows(s, sorted({*refs, manifest_digest}))
-    pinned = objects.attach(s, row, refs, now)
+    # checkObjects referenced them all already (the usual commit): nothing to add, nothing deleting.
+    pinned = Pinned(added=(), deleting=()) if objects.held(s, row, refs) else objects.attach(s, row, refs, now)
     gone = [*pinned.deleting, *(r.digest for r in locked if r.digest == manifest_digest and r.state == "deleting")]
     if gone:
         # GC is deleting these bytes (DESIGN invariant 7): the version would lose them.

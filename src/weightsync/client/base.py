@@ -54,12 +54,21 @@ def _in_memory(ck: Checkpoint) -> Checkpoint:
     return Checkpoint([CheckpointFile(f.layout, np.array(f.data)) for f in ck.files], single_file=ck.single_file)
 
 
+def _same_sizes(a: Checkpoint, b: Checkpoint) -> bool:
+    """Whether `b`'s files have the paths and sizes of `a`'s, in order (its bytes fit `a`'s buffers)."""
+    return len(a.files) == len(b.files) and all(
+        x.layout.path == y.layout.path and x.data.size == y.data.size for x, y in zip(a.files, b.files, strict=False)
+    )
+
+
 @dataclass
 class Base:
     """The version a publisher diffs against: its checkout state and its bytes."""
 
     state: CheckoutState
     checkpoint: Checkpoint
+    own: bool = False
+    """The checkpoint's buffers are the keeper's own copy (writable, referenced nowhere else)."""
 
 
 class BaseKeeper:
@@ -85,6 +94,10 @@ class BaseKeeper:
             state = self.checkout.state()
             return state.number if state else None
         return None
+
+    def held(self) -> Base | None:
+        """The base kept from this process's last publish or catch-up, unchecked against the head (None: none)."""
+        return self._base
 
     def for_head(self, head: Version | None, meter: Meter) -> Base | None:
         """The held version if it is the server's head; else catch up (download mode) or None (keyframe)."""
@@ -127,9 +140,24 @@ class BaseKeeper:
             self.checkout.forget()  # one unlink: no lock needed
 
     def remember(self, checkpoint: Checkpoint, owned: bool, state: CheckoutState) -> None:
-        """Hold the published bytes as the next base: in memory, or switched into the cache checkout."""
+        """Hold the published bytes as the next base: in memory, or switched into the cache checkout.
+
+        In memory, bytes that are not ours (the caller's files may change) are copied: into the
+        buffers of the base they replace when it is our own copy of the same sizes (a copy into
+        memory already mapped is several times faster than into fresh pages), else into new ones.
+        """
         if self.checkout is None:
-            self._base = Base(state, checkpoint if owned else _in_memory(checkpoint))  # the caller's files may change
+            old, self._base = self._base, None
+            if owned:
+                self._base = Base(state, checkpoint)
+            elif old is not None and old.own and _same_sizes(old.checkpoint, checkpoint):
+                files = []
+                for mine, theirs in zip(old.checkpoint.files, checkpoint.files, strict=True):
+                    np.copyto(mine.data, theirs.data)
+                    files.append(CheckpointFile(theirs.layout, mine.data))
+                self._base = Base(state, Checkpoint(files, single_file=checkpoint.single_file), own=True)
+            else:
+                self._base = Base(state, _in_memory(checkpoint), own=True)
             return
         checkout = self.checkout
         checkout.root.mkdir(parents=True, exist_ok=True)

@@ -149,15 +149,32 @@ class Publisher:
             timings: dict[str, float] = {}
             meter = Meter(self.progress)
             checkpoint, owned = snapshot(source)
-            head = self.api.head(self.model)
             catch_up = Meter(None)
-            base = None if keyframe else self._base.for_head(head, catch_up)  # a keyframe needs no base
-            if catch_up.bytes:
-                timings["catch_up_s"] = time.perf_counter() - t0
-            parent = head.number if head is not None else None
-            begin = self.api.begin_publish(
-                self.model, parent=parent, step=step, metadata=metadata, keyframe=base is None
-            )
+            base = None if keyframe else self._base.held()
+            begin = None
+            if base is not None:
+                # The base held is usually still the head: begin on it without asking for the head
+                # first (one round trip less); begin answers the parent's manifest, checked below.
+                try:
+                    begin = self.api.begin_publish(
+                        self.model, parent=base.state.number, step=step, metadata=metadata, keyframe=False
+                    )
+                except errors.StaleParent:
+                    base = None
+            if begin is None:
+                head = self.api.head(self.model)
+                base = None if keyframe else self._base.for_head(head, catch_up)  # a keyframe needs no base
+                if catch_up.bytes:
+                    timings["catch_up_s"] = time.perf_counter() - t0
+                begin = self.api.begin_publish(
+                    self.model,
+                    parent=head.number if head is not None else None,
+                    step=step,
+                    metadata=metadata,
+                    keyframe=base is None,
+                )
+            parent = begin.parent
+            timings["begin_s"] = time.perf_counter() - t0  # source, base and beginPublish (and head)
             publish_id = begin.publish_id
             try:
                 use = base if begin.kind == "delta" and base is not None else None

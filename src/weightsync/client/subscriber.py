@@ -99,6 +99,8 @@ class Subscriber:
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="weightsync-fetch")
         self._reporter = ThreadPoolExecutor(1, thread_name_prefix="weightsync-report")
+        self.timings: dict[str, float] = {}
+        """Seconds per phase of the last `prepare` (plan_s, download_s, decode_s) and `apply` (apply_s)."""
 
     def close(self) -> None:
         self._reporter.shutdown(wait=True)
@@ -199,18 +201,25 @@ class Subscriber:
             have = self.version
             meter = Meter(self.progress)
             self.api.on_bytes = meter
+            timings: dict[str, float] = {}
             try:
                 plan = self.api.get_plan(self.model, have=have, want=version, holder=self.name)
+                timings["plan_s"] = time.perf_counter() - t0
+                t = time.perf_counter()
                 cache = ObjectCache(self.cache_dir / "objects" if self.cache_dir else None)
                 fetch_plan(self.api, cache, plan, self._pool, range_bytes=self.range_bytes, meter=meter)
+                timings["download_s"] = time.perf_counter() - t
             finally:
                 self.api.on_bytes = None
+            t = time.perf_counter()
             manifests = [load_manifest(cache, s.manifest) for s in plan.steps]
             updates: dict[str, TensorUpdate] = {}
             specs: dict[str, Any] = {}
             if manifests:
                 with ThreadPoolExecutor(self.decode_threads or os.cpu_count() or 1) as dpool:
                     updates, specs = inplace.decode_updates(manifests, object_reader(cache), dpool)
+            timings["decode_s"] = time.perf_counter() - t
+            self.timings = timings
             prepared = Prepared(
                 model=self.model,
                 base=have,
@@ -243,12 +252,14 @@ class Subscriber:
         before and after it). Tensors must be contiguous.
         """
         with self._lock:
+            t0 = time.perf_counter()
             applied = inplace.apply(
                 tensors, prepared, model=self.model, version=self.version, verify=verify, strict=strict
             )
             self.version = prepared.target  # the tensors changed: they hold the target (or must be reloaded)
             if verify:
                 applied.check()
+            self.timings["apply_s"] = time.perf_counter() - t0
             self._report(
                 prepared.target,
                 bytes_=prepared.bytes_received,

@@ -1,0 +1,181 @@
+"""`weightsync bench e2e`: the fixed cost of one version end to end, delta vs keyframe, in one process.
+
+One run starts the embedded server (SQLite + filesystem, fsync'd commits) on
+loopback and, in this process, one publisher and one subscriber per model. The
+subscriber holds the model's tensors in CPU torch tensors (loaded from the
+corpus's first version). For every later version of the corpus case (real
+AdamW steps, default MiniLM bf16 at lr 1e-6: ~1.7 % of elements change) it
+times, interleaved so machine noise hits both alike:
+
+* delta: ``Publisher.publish`` (a delta on the previous version) →
+  ``Subscriber.prepare`` → ``Subscriber.apply`` into the tensors;
+* keyframe: the same version published as a keyframe to a second model →
+  prepare → apply (whole-tensor replacements).
+
+The first version is a warm-up and is not counted; the figures are medians.
+The split comes from the publisher's ``PublishResult.timings`` (begin, encode,
+upload, commit, cache) and the subscriber's ``timings`` (plan, download,
+decode, apply). Commit latency is the client's round trip of the commit call
+(loopback: the server's own work plus one local HTTP exchange).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = Path(__file__).resolve().parent / "results"
+PUBLISH_PHASES = ("begin_s", "encode_s", "upload_s", "commit_s", "cache_s")
+PREPARE_PHASES = ("plan_s", "download_s", "decode_s")
+
+
+def _pct(values: list[float], p: float) -> float:
+    """The p-th percentile (nearest rank) of `values`."""
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(p / 100 * (len(s) - 1))))]
+
+
+def _version(pub: Any, sub: Any, tensors: dict, path: Path, *, keyframe: bool) -> dict[str, float]:
+    """Publish `path`, prepare and apply it into `tensors`; the phase times of that one version."""
+    t0 = time.perf_counter()
+    result = pub.publish(path, keyframe=keyframe)
+    t1 = time.perf_counter()
+    prepared = sub.prepare(result.version)
+    t2 = time.perf_counter()
+    sub.apply(tensors, prepared)
+    t3 = time.perf_counter()
+    if result.kind != ("keyframe" if keyframe else "delta"):
+        raise AssertionError(f"published a {result.kind}, wanted {'keyframe' if keyframe else 'delta'}")
+    row = {"total_s": t3 - t0, "publish_s": t1 - t0, "prepare_s": t2 - t1, "apply_s": t3 - t2}
+    row.update({k: result.timings.get(k, 0.0) for k in PUBLISH_PHASES})
+    row.update({k: getattr(sub, "timings", {}).get(k, 0.0) for k in PREPARE_PHASES})
+    row["bytes_up"] = float(result.bytes_sent)
+    row["bytes_down"] = float(prepared.bytes_received)
+    return row
+
+
+def _check(tensors: dict, path: Path) -> None:
+    """The tensors hold exactly the version at `path` (bit for bit)."""
+    import torch
+    from safetensors.torch import load_file
+
+    want = load_file(str(path / "model.safetensors"))
+    for name, t in want.items():
+        if not torch.equal(tensors[name].view(torch.uint8), t.view(torch.uint8)):
+            raise AssertionError(f"{name} differs from {path}")
+
+
+def run(versions: list[Path], url: str) -> dict[str, Any]:
+    """Time every version after the first two (v0 seeds both models, v1 warms up); medians per kind."""
+    from safetensors.torch import load_file
+
+    from weightsync.client import Publisher, Subscriber
+
+    rows: dict[str, list[dict[str, float]]] = {"delta": [], "keyframe": []}
+    models = {"delta": "e2e-delta", "keyframe": "e2e-keyframe"}
+    pubs = {k: Publisher(url, m) for k, m in models.items()}
+    subs = {k: Subscriber(url, m, name=f"bench-{k}", report=True) for k, m in models.items()}
+    try:
+        tensors: dict[str, dict] = {}
+        for kind in rows:
+            first = pubs[kind].publish(versions[0])
+            tensors[kind] = load_file(str(versions[0] / "model.safetensors"))
+            subs[kind].version = first.version
+        for i, path in enumerate(versions[1:]):
+            for kind in rows:  # interleaved: both kinds see the same machine state
+                row = _version(pubs[kind], subs[kind], tensors[kind], path, keyframe=kind == "keyframe")
+                if i:
+                    rows[kind].append(row)
+                print(
+                    f"{kind:8s} v{i + 1}: total {row['total_s'] * 1e3:7.1f} ms  publish {row['publish_s'] * 1e3:6.1f}"
+                    f" (commit {row['commit_s'] * 1e3:5.1f})  prepare {row['prepare_s'] * 1e3:6.1f}"
+                    f"  apply {row['apply_s'] * 1e3:6.1f}{'' if i else '  (warm-up)'}",
+                    flush=True,
+                )
+        for kind in rows:
+            _check(tensors[kind], versions[-1])
+    finally:
+        for p in pubs.values():
+            p.close()
+        for s in subs.values():
+            s.close()
+    out: dict[str, Any] = {}
+    for kind, rs in rows.items():
+        out[kind] = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+    commits = [r["commit_s"] for rs in rows.values() for r in rs]
+    out["commit_p50_ms"] = _pct(commits, 50) * 1e3
+    out["commit_p90_ms"] = _pct(commits, 90) * 1e3
+    out["ratio"] = out["keyframe"]["total_s"] / out["delta"]["total_s"]
+    out["versions"] = len(rows["delta"])
+    return out
+
+
+def commit_latency(url: str, versions: list[Path], repeats: int) -> list[float]:
+    """Round trips of the commit call alone: `repeats` publishes of alternating versions, commit timed."""
+    from weightsync.client import Publisher
+
+    times: list[float] = []
+    with Publisher(url, "e2e-commit") as pub:
+        for i in range(repeats + 1):
+            r = pub.publish(versions[i % 2])
+            if i:  # the first one is a keyframe and a warm-up
+                times.append(r.timings["commit_s"])
+    return times
+
+
+def table(r: dict[str, Any]) -> str:
+    """The per-phase medians, delta beside keyframe, in milliseconds (a markdown table)."""
+    lines = ["| phase (median ms) | delta | keyframe |", "|---|---:|---:|"]
+    for k in ("total_s", "publish_s", *PUBLISH_PHASES, "prepare_s", *PREPARE_PHASES, "apply_s"):
+        lines.append(f"| {k.removesuffix('_s')} | {r['delta'][k] * 1e3:.1f} | {r['keyframe'][k] * 1e3:.1f} |")
+    for k in ("bytes_up", "bytes_down"):
+        lines.append(f"| {k} (KB) | {r['delta'][k] / 1e3:.0f} | {r['keyframe'][k] / 1e3:.0f} |")
+    lines.append(f"\nkeyframe / delta end to end: **{r['ratio']:.2f}x**; ")
+    lines[-1] += (
+        f"commit p50 {r['commit_p50_ms']:.1f} ms, p90 {r['commit_p90_ms']:.1f} ms "
+        f"({r['commit_samples']} commits, client round trip)"
+    )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="weightsync bench e2e", description=__doc__.splitlines()[0])
+    ap.add_argument("--case", default="bf16-lr1e-6", help="corpus case (benchmarks/corpus.py)")
+    ap.add_argument("--versions", type=int, default=4, help="timed versions (one more is the warm-up)")
+    ap.add_argument("--commits", type=int, default=20, help="extra publishes timed for commit latency")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args(argv)
+    if args.versions < 3:
+        ap.error("--versions must be at least 3 (medians)")
+    sys.path.insert(0, str(ROOT))
+    from benchmarks._serve import serve
+    from benchmarks.codec_bench import machine
+    from benchmarks.corpus import ensure_case
+
+    versions = ensure_case(args.case, args.versions + 1)[: args.versions + 2]
+    with tempfile.TemporaryDirectory(prefix="weightsync-e2e-bench-") as tmp, serve(Path(tmp)) as url:
+        result = run(versions, url)
+        extra = commit_latency(url, versions, args.commits) if args.commits else []
+    commits = extra
+    if commits:
+        result["commit_p50_ms"] = _pct(commits, 50) * 1e3
+        result["commit_p90_ms"] = _pct(commits, 90) * 1e3
+    result["commit_samples"] = len(commits) or 2 * result["versions"]
+    result.update(machine=machine(), when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), case=args.case)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "e2e.json").write_text(json.dumps(result, indent=1))
+    md = f"Machine: {result['machine']}. Run: {result['when']}. Case {args.case}.\n\n{table(result)}\n"
+    (args.out / "e2e.md").write_text(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
