@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import hashlib
-from datetime import datetime
+from datetime import UTC, datetime
 
 from weightsync.catalog import Catalog, Version
+
+#: A fixed clock start, so expiry and grace tests never depend on the wall clock.
+T0 = datetime(2030, 1, 1, tzinfo=UTC)
 
 
 def digest(label: str) -> str:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -12,9 +11,6 @@ from _pg import fresh_database  # tests/ is on sys.path (pyproject: pythonpath)
 from weightsync.catalog import Catalog
 
 BACKENDS = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
-
-#: A fixed clock start, so expiry and grace tests never depend on the wall clock.
-T0 = datetime(2030, 1, 1, tzinfo=UTC)
 
 
 @pytest.fixture(params=BACKENDS)

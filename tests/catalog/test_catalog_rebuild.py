@@ -6,8 +6,7 @@ import random
 from pathlib import Path
 
 import pytest
-from _catalog_util import digest, publish
-from conftest import T0
+from _catalog_util import T0, digest, publish
 
 from weightsync import errors
 from weightsync.catalog import Catalog, ImportedVersion

@@ -5,8 +5,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
-from _catalog_util import digest, publish
-from conftest import T0
+from _catalog_util import T0, digest, publish
 
 from weightsync import errors
 from weightsync.catalog import DEFAULT_SETTINGS, Catalog

@@ -21,6 +21,12 @@ class Server:
     log: Path
 
 
+TOKENS = {
+    "admin": "admin-token-0123456789abcdef",
+    "reader": "reader-token-0123456789abcdef",
+}
+
+
 def start_server(
     root: Path,
     *,

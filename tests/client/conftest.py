@@ -6,12 +6,7 @@ import re
 from collections.abc import Iterator
 
 import pytest
-from _client_util import Server, start_server, stop_server
-
-TOKENS = {
-    "admin": "admin-token-0123456789abcdef",
-    "reader": "reader-token-0123456789abcdef",
-}
+from _client_util import TOKENS, Server, start_server, stop_server
 
 
 def _service_available() -> bool:

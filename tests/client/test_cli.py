@@ -10,8 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 import typer
-from _client_util import TinyTrainer, dir_size, free_port, tree_bytes, write_version
-from conftest import TOKENS
+from _client_util import TOKENS, TinyTrainer, dir_size, free_port, tree_bytes, write_version
 from typer.testing import CliRunner
 
 from weightsync import errors

@@ -17,7 +17,6 @@ incremental pull and publishes a delta.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import threading
@@ -27,16 +26,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from weightsync import errors
+from weightsync.client import upload
 from weightsync.client._http import Api, Retry, TokenBucket
-from weightsync.client._pool import run_all
 from weightsync.client.base import BaseKeeper, snapshot
-from weightsync.client.decode import check_bases
 from weightsync.client.models import PublishResult
 from weightsync.client.pull import Meter, Progress
 from weightsync.client.state import CheckoutState
 from weightsync.codec.encoder import DEFAULT_CHUNK, Encoder
-from weightsync.codec.pack import DEFAULT_OBJECT_BYTES, pack
+from weightsync.codec.pack import DEFAULT_OBJECT_BYTES
 
 log = logging.getLogger("weightsync.client")
 
@@ -147,101 +144,52 @@ class Publisher:
         with self._lock:
             t0 = time.perf_counter()
             timings: dict[str, float] = {}
-            meter = Meter(self.progress)
+            meter, catch_up = Meter(self.progress), Meter(None)
             checkpoint, owned = snapshot(source)
-            catch_up = Meter(None)
-            base = None if keyframe else self._base.held()
-            begin = None
-            if base is not None:
-                # The base held is usually still the head: begin on it without asking for the head
-                # first (one round trip less); begin answers the parent's manifest, checked below.
-                try:
-                    begin = self.api.begin_publish(
-                        self.model, parent=base.state.number, step=step, metadata=metadata, keyframe=False
-                    )
-                except errors.StaleParent:
-                    base = None
-            if begin is None:
-                head = self.api.head(self.model)
-                base = None if keyframe else self._base.for_head(head, catch_up)  # a keyframe needs no base
-                if catch_up.bytes:
-                    timings["catch_up_s"] = time.perf_counter() - t0
-                begin = self.api.begin_publish(
+            base, begun = upload.begin(
+                self.api, self._base, self.model, keyframe=keyframe, step=step, metadata=metadata, catch_up=catch_up
+            )
+            timings["begin_s"] = time.perf_counter() - t0  # source, base (and a catch-up) and beginPublish
+            try:
+                done = upload.commit(
+                    self.api,
+                    self._pool,
+                    self.encoder,
                     self.model,
-                    parent=head.number if head is not None else None,
+                    begun,
+                    checkpoint,
+                    base,
                     step=step,
                     metadata=metadata,
-                    keyframe=base is None,
+                    object_bytes=self.object_bytes,
+                    meter=meter,
+                    timings=timings,
+                    forget_base=self._base.forget,
                 )
-            parent = begin.parent
-            timings["begin_s"] = time.perf_counter() - t0  # source, base and beginPublish (and head)
-            publish_id = begin.publish_id
-            try:
-                use = base if begin.kind == "delta" and base is not None else None
-                if use is not None and begin.parent_manifest not in (None, use.state.manifest):
-                    use = None
-                t = time.perf_counter()
-                encoded = self.encoder.encode(checkpoint, use.checkpoint if use else None)
-                if use is not None:
-                    try:  # the encoder hashed the base bytes: they must be the version we think we hold
-                        check_bases(encoded.manifest, use.state.tree(Path(".")))
-                    except errors.BaseMismatch as exc:
-                        log.warning(
-                            "publisher base does not match v%s (%s): publishing a keyframe", use.state.number, exc
-                        )
-                        self._base.forget()
-                        encoded = self.encoder.encode(checkpoint, None, keyframe=True)
-                manifest, objects = pack(encoded, target_bytes=self.object_bytes)
-                manifest.model, manifest.parent, manifest.step = self.model, parent, step
-                manifest.metadata = dict(metadata or {})
-                manifest_bytes = manifest.encode()
-                digest = hashlib.sha256(manifest_bytes).hexdigest()
-                timings["encode_s"] = time.perf_counter() - t
-
-                t = time.perf_counter()
-                unique = {o.digest: o.data for o in objects}
-                listed = [(d, len(b)) for d, b in unique.items()] + [(digest, len(manifest_bytes))]
-                check = self.api.check_objects(self.model, publish_id, listed)
-                missing = set(check.missing)
-                uploads = check.uploads or {}
-                todo = [(d, b) for d, b in unique.items() if d in missing]
-                meter.total = sum(len(b) for _, b in todo) + (len(manifest_bytes) if digest in missing else 0)
-                self.api.on_bytes = meter
-                try:
-                    # Publish order (DESIGN invariant 2): data objects, then the manifest, then the commit.
-                    run_all(self._pool, lambda it: self.api.put_object(it[0], it[1], uploads.get(it[0])), todo)
-                    if digest in missing:
-                        self.api.put_object(digest, manifest_bytes, uploads.get(digest))
-                finally:
-                    self.api.on_bytes = None
-                timings["upload_s"] = time.perf_counter() - t
-                t = time.perf_counter()
-                key = hashlib.sha256(f"{self.model}\0{publish_id}\0{digest}".encode()).hexdigest()[:32]
-                number = self.api.commit_publish(self.model, publish_id, manifest=digest, idempotency_key=key).number
-                timings["commit_s"] = time.perf_counter() - t
             except BaseException:
-                self._abort(publish_id)
+                self._abort(begun.publish_id)
                 raise
             t = time.perf_counter()
+            state = CheckoutState.of(self.model, done.number, done.digest, done.manifest, self.api.server)
             try:
-                self._base.remember(
-                    checkpoint, owned, CheckoutState.of(self.model, number, digest, manifest, self.api.server)
-                )
+                self._base.remember(checkpoint, owned, state)
             except OSError as exc:  # committed already: only the next publish's base is lost
-                log.warning("could not keep v%s as the next base (%s): the next publish is a keyframe", number, exc)
+                log.warning(
+                    "could not keep v%s as the next base (%s): the next publish is a keyframe", done.number, exc
+                )
                 self._base.forget()
             timings["cache_s"] = time.perf_counter() - t
             return PublishResult(
                 model=self.model,
-                version=number,
-                kind=manifest.kind,
-                parent=parent,
+                version=done.number,
+                kind=done.manifest.kind,
+                parent=begun.parent,
                 bytes_sent=meter.bytes,
-                raw_bytes=manifest.raw_bytes,
-                stored_bytes=manifest.stored_bytes,
-                objects_total=len(unique) + 1,
-                objects_uploaded=len(todo) + (digest in missing),
-                manifest=digest,
+                raw_bytes=done.manifest.raw_bytes,
+                stored_bytes=done.manifest.stored_bytes,
+                objects_total=done.objects_total,
+                objects_uploaded=done.objects_uploaded,
+                manifest=done.digest,
                 step=step,
                 seconds=time.perf_counter() - t0,
                 bytes_received=catch_up.bytes,

@@ -21,12 +21,17 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from weightsync import errors
+from weightsync.client import inplace
 from weightsync.client._http import Api
 from weightsync.client._objects import DEFAULT_RANGE_BYTES, FetchStats, ObjectCache, object_reader
 from weightsync.client.checkout import Checkout
 from weightsync.client.decode import Tree, check_bases, decode_step
+from weightsync.client.inplace import Prepared
 from weightsync.client.models import Plan, PlanStep, PullResult
 from weightsync.client.state import CheckoutState
 from weightsync.codec.manifest import Manifest
@@ -65,6 +70,22 @@ def step_objects(steps: list[PlanStep]) -> tuple[dict[str, int], dict[str, int]]
     return manifests, objects
 
 
+@dataclass(frozen=True)
+class FetchOptions:
+    """How a subscriber fetches and decodes (see :class:`~weightsync.client.subscriber.Subscriber`)."""
+
+    cache_dir: Path | None = None
+    """Objects kept across pulls and directories; None: each checkout's own cache."""
+    keep_objects: bool = False
+    deep_verify: bool = True
+    range_bytes: int = DEFAULT_RANGE_BYTES
+    decode_threads: int | None = None
+
+    def cache(self) -> ObjectCache | None:
+        """The shared object cache, or None for each checkout's own."""
+        return ObjectCache(self.cache_dir / "objects") if self.cache_dir is not None else None
+
+
 def fetch_plan(
     api: Api, cache: ObjectCache, plan: Plan, pool: ThreadPoolExecutor, *, range_bytes: int, meter: Meter
 ) -> FetchStats:
@@ -84,6 +105,68 @@ def load_manifest(cache: ObjectCache, digest: str) -> Manifest:
     return Manifest.decode(bytes(cache.read(digest)))
 
 
+def fetch_update(
+    api: Api,
+    model: str,
+    cache: ObjectCache,
+    *,
+    have: int | None,
+    want: int | None,
+    holder: str | None,
+    pool: ThreadPoolExecutor,
+    range_bytes: int,
+    meter: Meter,
+) -> tuple[Plan, list[Manifest], dict[str, float]]:
+    """The plan from `have` to `want` (None: head) and every manifest and object it needs, verified in `cache`.
+
+    Returns (plan, its steps' manifests in order, timings: plan_s and download_s).
+    """
+    t0 = time.perf_counter()
+    plan = api.get_plan(model, have=have, want=want, holder=holder)
+    timings = {"plan_s": time.perf_counter() - t0}
+    t = time.perf_counter()
+    fetch_plan(api, cache, plan, pool, range_bytes=range_bytes, meter=meter)
+    timings["download_s"] = time.perf_counter() - t
+    return plan, [load_manifest(cache, s.manifest) for s in plan.steps], timings
+
+
+def prepare_update(
+    api: Api,
+    model: str,
+    options: FetchOptions,
+    *,
+    have: int | None,
+    want: int | None,
+    holder: str | None,
+    pool: ThreadPoolExecutor,
+    meter: Meter,
+    device: Any = None,
+) -> tuple[Prepared, dict[str, float]]:
+    """Fetch and decode the update of `model` from `have` to `want` (None: head) for an in-place apply.
+
+    Returns the :class:`~weightsync.client.inplace.Prepared` update (staged on `device` when
+    given) and the timings (plan_s, download_s, decode_s); its ``seconds`` covers all of it.
+    """
+    t0 = time.perf_counter()
+    cache = options.cache() or ObjectCache(None)
+    plan, manifests, timings = fetch_update(
+        api, model, cache, have=have, want=want, holder=holder, pool=pool, range_bytes=options.range_bytes, meter=meter
+    )
+    prepared = inplace.prepare(
+        manifests,
+        object_reader(cache),
+        model=model,
+        base=have,
+        target=plan.target,
+        threads=options.decode_threads,
+        device=device,
+        bytes_received=meter.bytes,
+    )
+    timings["decode_s"] = prepared.seconds
+    prepared.seconds = time.perf_counter() - t0
+    return prepared, timings
+
+
 class _Restart(Exception):
     """The checkout's version is not the server's under that number: start over with a full pull."""
 
@@ -95,17 +178,13 @@ def pull(
     *,
     version: int | None = None,
     holder: str | None = None,
-    cache: ObjectCache | None = None,
-    keep_objects: bool = False,
+    options: FetchOptions = FetchOptions(),
     pool: ThreadPoolExecutor,
-    decode_threads: int | None = None,
-    deep_verify: bool = True,
-    range_bytes: int = DEFAULT_RANGE_BYTES,
     meter: Meter | None = None,
 ) -> PullResult:
     """Bring `checkout` to `version` (None: head) of `model`; see :meth:`Subscriber.pull`.
 
-    `cache` None: the checkout's own object cache, emptied after a successful
+    `options.cache_dir` None: the checkout's own object cache, emptied after a successful
     pull unless `keep_objects`. Conflict when the checkout holds another model
     or another process is updating it.
     """
@@ -120,16 +199,17 @@ def pull(
             raise errors.Conflict(
                 f"{checkout.root} holds model {state.model!r}, not {model!r}: pull into another directory"
             )
+        cache = options.cache()
         own_cache = cache is None
         objects = checkout.objects() if cache is None else cache
         if own_cache:
             objects.sweep()
         repaired = False
         have = None
-        with ThreadPoolExecutor(decode_threads or os.cpu_count() or 1) as dpool:
+        with ThreadPoolExecutor(options.decode_threads or os.cpu_count() or 1) as dpool:
             if state is not None:
                 t = time.perf_counter()
-                if checkout.verify(state, dpool, deep=deep_verify):
+                if checkout.verify(state, dpool, deep=options.deep_verify):
                     checkout.adopt(state)  # a checkout of plain files (older weightsync) becomes a version
                     have = state.number
                 else:
@@ -145,7 +225,7 @@ def pull(
                 steps, target = plan.steps, plan.target
                 if not steps and have == target:
                     assert state is not None
-                    if not keep_objects and own_cache:
+                    if not options.keep_objects and own_cache:
                         objects.clear()  # what a pull that crashed after its switch left behind
                     return PullResult(
                         model=model,
@@ -165,7 +245,7 @@ def pull(
                         timings=timings,
                     )
                 t = time.perf_counter()
-                stats = fetch_plan(api, objects, plan, pool, range_bytes=range_bytes, meter=meter)
+                stats = fetch_plan(api, objects, plan, pool, range_bytes=options.range_bytes, meter=meter)
                 timings["download_s"] = time.perf_counter() - t
                 t = time.perf_counter()
                 work = checkout.workspace()
@@ -196,7 +276,7 @@ def pull(
                     continue
                 finally:
                     work.clear()
-                if not keep_objects and own_cache:
+                if not options.keep_objects and own_cache:
                     manifests, fetched = step_objects(steps)
                     objects.discard(list(fetched) + list(manifests))
                 incremental = have is not None and steps[0].kind != "keyframe"

@@ -19,23 +19,19 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from weightsync import errors
 from weightsync.client import inplace
 from weightsync.client._http import Api, Retry, TokenBucket
-from weightsync.client._objects import DEFAULT_RANGE_BYTES, ObjectCache, object_reader
+from weightsync.client._objects import DEFAULT_RANGE_BYTES
 from weightsync.client.checkout import Checkout
 from weightsync.client.inplace import Prepared, TensorUpdate
+from weightsync.client.ledger import LedgerReporter
 from weightsync.client.models import PullResult, Version
-from weightsync.client.pull import Meter, Progress, fetch_plan, load_manifest, pull
-from weightsync.common import Backoff
+from weightsync.client.pull import FetchOptions, Meter, Progress, prepare_update, pull
+from weightsync.client.watch import WATCH_RECONNECT, follow
 
 log = logging.getLogger("weightsync.client")
 
 __all__ = ["WATCH_RECONNECT", "Prepared", "Progress", "Subscriber", "TensorUpdate"]
-
-WATCH_RECONNECT = Backoff(attempts=1, base=0.5, cap=10.0)
-"""How `Subscriber.watch` waits before reconnecting after a failed poll: full jitter up to
-0.5 s doubling to 10 s (the client's one backoff policy; ``attempts`` is unused: watch never gives up)."""
 
 
 class Subscriber:
@@ -77,13 +73,11 @@ class Subscriber:
         self.model = model
         self.name = name or socket.gethostname()
         self.site = site
-        self.cache_dir = Path(cache_dir) if cache_dir is not None else None
         self.concurrency = max(1, concurrency)
         self.version = version
-        self.keep_objects = keep_objects
-        self.deep_verify = deep_verify
-        self.range_bytes = range_bytes
-        self.decode_threads = decode_threads
+        self.options = FetchOptions(
+            Path(cache_dir) if cache_dir is not None else None, keep_objects, deep_verify, range_bytes, decode_threads
+        )
         self.progress = progress
         self.report = report
         limiter = TokenBucket(bandwidth) if bandwidth else None
@@ -98,12 +92,12 @@ class Subscriber:
         )
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="weightsync-fetch")
-        self._reporter = ThreadPoolExecutor(1, thread_name_prefix="weightsync-report")
+        self._ledger = LedgerReporter(self.api, model, self.name, site=site, enabled=report)
         self.timings: dict[str, float] = {}
         """Seconds per phase of the last `prepare` (plan_s, download_s, decode_s) and `apply` (apply_s)."""
 
     def close(self) -> None:
-        self._reporter.shutdown(wait=True)
+        self._ledger.close()
         self._pool.shutdown(wait=True)
         self.api.close()
 
@@ -112,31 +106,6 @@ class Subscriber:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def _report(
-        self, version: int, *, bytes_: int, pause_ms: float | None = None, extra: dict | None = None, wait: bool = True
-    ) -> None:
-        if not self.report:
-            return
-
-        def send() -> None:
-            try:
-                self.api.report_replica(
-                    self.model,
-                    subscriber=self.name,
-                    version=version,
-                    bytes=bytes_,
-                    pause_ms=pause_ms,
-                    site=self.site or None,
-                    host=socket.gethostname(),
-                    extra=extra or {},
-                )
-            except errors.WeightsyncError as exc:  # the ledger is informative: never fail an update for it
-                log.warning("replica report for %s v%s failed: %s", self.model, version, exc)
-
-        fut = self._reporter.submit(send)
-        if wait:
-            fut.result()
 
     # --- directories --------------------------------------------------------------------
 
@@ -156,35 +125,21 @@ class Subscriber:
             meter = Meter(self.progress)
             self.api.on_bytes = meter
             try:
+                checkout = Checkout(dir)
                 result = pull(
                     self.api,
                     self.model,
-                    Checkout(dir),
+                    checkout,
                     version=version,
                     holder=self.name,
-                    cache=ObjectCache(self.cache_dir / "objects") if self.cache_dir else None,
-                    keep_objects=self.keep_objects,
+                    options=self.options,
                     pool=self._pool,
-                    decode_threads=self.decode_threads,
-                    deep_verify=self.deep_verify,
-                    range_bytes=self.range_bytes,
                     meter=meter,
                 )
             finally:
                 self.api.on_bytes = None
             self.version = result.version
-            if result.mode != "current":
-                self._report(
-                    result.version,
-                    bytes_=result.bytes_received,
-                    extra={
-                        "mode": result.mode,
-                        "dir": str(Path(dir).resolve()),
-                        "steps": result.steps,
-                        "repaired": result.repaired,
-                        **{k: round(v, 4) for k, v in result.timings.items()},
-                    },
-                )
+            self._ledger.pulled(result, dir)
             return result
 
     # --- tensors ------------------------------------------------------------------------
@@ -197,41 +152,22 @@ class Subscriber:
         chain (keyframe) yields whole-tensor replacements.
         """
         with self._lock:
-            t0 = time.perf_counter()
-            have = self.version
             meter = Meter(self.progress)
             self.api.on_bytes = meter
-            timings: dict[str, float] = {}
             try:
-                plan = self.api.get_plan(self.model, have=have, want=version, holder=self.name)
-                timings["plan_s"] = time.perf_counter() - t0
-                t = time.perf_counter()
-                cache = ObjectCache(self.cache_dir / "objects" if self.cache_dir else None)
-                fetch_plan(self.api, cache, plan, self._pool, range_bytes=self.range_bytes, meter=meter)
-                timings["download_s"] = time.perf_counter() - t
+                prepared, self.timings = prepare_update(
+                    self.api,
+                    self.model,
+                    self.options,
+                    have=self.version,
+                    want=version,
+                    holder=self.name,
+                    pool=self._pool,
+                    meter=meter,
+                    device=device,
+                )
             finally:
                 self.api.on_bytes = None
-            t = time.perf_counter()
-            manifests = [load_manifest(cache, s.manifest) for s in plan.steps]
-            updates: dict[str, TensorUpdate] = {}
-            specs: dict[str, Any] = {}
-            if manifests:
-                with ThreadPoolExecutor(self.decode_threads or os.cpu_count() or 1) as dpool:
-                    updates, specs = inplace.decode_updates(manifests, object_reader(cache), dpool)
-            timings["decode_s"] = time.perf_counter() - t
-            self.timings = timings
-            prepared = Prepared(
-                model=self.model,
-                base=have,
-                target=plan.target,
-                updates=updates,
-                specs=specs,
-                steps=len(manifests),
-                bytes_received=meter.bytes,
-                seconds=time.perf_counter() - t0,
-            )
-            if device is not None and manifests:
-                inplace.stage(prepared, device)
             return prepared
 
     def apply(
@@ -260,17 +196,13 @@ class Subscriber:
             if verify:
                 applied.check()
             self.timings["apply_s"] = time.perf_counter() - t0
-            self._report(
+            self._ledger.applied(
                 prepared.target,
                 bytes_=prepared.bytes_received,
-                pause_ms=applied.pause * 1000.0,
-                wait=False,
-                extra={
-                    "mode": "in-place",
-                    "prepare_s": round(prepared.seconds, 4),
-                    "tensors": applied.tensors,
-                    "elements": prepared.changed_elements,
-                },
+                pause_s=applied.pause,
+                prepare_s=prepared.seconds,
+                tensors=applied.tensors,
+                elements=prepared.changed_elements,
             )
             return applied.pause
 
@@ -291,20 +223,4 @@ class Subscriber:
         if after is None:
             head = self.api.head(self.model)
             after = head.number if head is not None else 0
-        failures = 0  # consecutive failed polls: the reconnect backoff starts over after a success
-        while stop is None or not stop.is_set():
-            try:
-                version = self.api.watch(self.model, after=after, timeout=timeout)
-                failures = 0
-            except (errors.ServerUnavailable, errors.ModelNotFound, errors.VersionNotFound) as exc:
-                delay = WATCH_RECONNECT.delay(failures)
-                failures += 1
-                log.debug("watch %s: %s; reconnecting in %.1fs", self.model, exc, delay)
-                if stop is not None and stop.wait(delay):
-                    return
-                if stop is None:
-                    time.sleep(delay)
-                continue
-            if version is not None and version.number > after:
-                after = version.number
-                yield version
+        return follow(self.api, self.model, after, timeout=timeout, stop=stop, backoff=WATCH_RECONNECT)

@@ -1,0 +1,78 @@
+"""Reporting to the replica ledger: which version a subscriber holds, how long it paused, what it moved."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from weightsync import errors
+from weightsync.client._http import Api
+from weightsync.client.models import PullResult
+
+log = logging.getLogger("weightsync.client")
+
+
+class LedgerReporter:
+    """Sends one subscriber's replica reports, in order, on a background thread of its own.
+
+    The ledger is informative: a failed report is logged and never fails the update it
+    describes. ``enabled=False`` sends nothing. Thread-safe.
+    """
+
+    def __init__(self, api: Api, model: str, subscriber: str, *, site: str | None, enabled: bool = True) -> None:
+        self.api, self.model, self.subscriber, self.site, self.enabled = api, model, subscriber, site, enabled
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="weightsync-report")
+
+    def report(
+        self,
+        version: int,
+        *,
+        bytes_: int,
+        pause_ms: float | None = None,
+        extra: dict[str, Any] | None = None,
+        wait: bool = True,
+    ) -> None:
+        """Report that the subscriber now holds `version`; ``wait=False`` returns before it is sent."""
+        if not self.enabled:
+            return
+        fut = self._pool.submit(self._send, version, bytes_, pause_ms, extra or {})
+        if wait:
+            fut.result()
+
+    def pulled(self, result: PullResult, directory: str | os.PathLike[str]) -> None:
+        """Report a pull into `directory` (nothing when it found the directory current)."""
+        if result.mode == "current":
+            return
+        extra = {"mode": result.mode, "dir": str(Path(directory).resolve()), "steps": result.steps}
+        extra.update({"repaired": result.repaired, **{k: round(v, 4) for k, v in result.timings.items()}})
+        self.report(result.version, bytes_=result.bytes_received, extra=extra)
+
+    def applied(
+        self, target: int, *, bytes_: int, pause_s: float, prepare_s: float, tensors: int, elements: int
+    ) -> None:
+        """Report an in-place update to `target` without waiting for it to be sent (the caller serves)."""
+        extra = {"mode": "in-place", "prepare_s": round(prepare_s, 4), "tensors": tensors, "elements": elements}
+        self.report(target, bytes_=bytes_, pause_ms=pause_s * 1000.0, wait=False, extra=extra)
+
+    def _send(self, version: int, bytes_: int, pause_ms: float | None, extra: dict[str, Any]) -> None:
+        try:
+            self.api.report_replica(
+                self.model,
+                subscriber=self.subscriber,
+                version=version,
+                bytes=bytes_,
+                pause_ms=pause_ms,
+                site=self.site or None,
+                host=socket.gethostname(),
+                extra=extra,
+            )
+        except errors.WeightsyncError as exc:
+            log.warning("replica report for %s v%s failed: %s", self.model, version, exc)
+
+    def close(self) -> None:
+        """Send what is queued, then stop."""
+        self._pool.shutdown(wait=True)
