@@ -13,7 +13,11 @@ step of a Llama-style model (random init, fused AdamW, lr 1e-6, random tokens):
   ``client.inplace.prepare`` (decode + stage) into live tensors on the device holding v1, then
   ``apply`` with verification (base check, writes, result check through client/verify.py):
   prepare_s, apply_s, pause (first write → result check passed), GPU staging memory, and the
-  old verification (pageable ``.cpu()`` + one-thread xxh3) for comparison. Median of 3 after a warm-up.
+  old verification (pageable ``.cpu()`` + one-thread xxh3) for comparison. Median of 3 after a warm-up;
+- ``publish_async``'s snapshot (client/tensors.py ``snapshot_state_dict``, what it calls before
+  returning): time from call to return for the model's weights resident on the device, with reused
+  (pinned on CUDA) buffers as a Publisher keeps them, against the old pageable serialization; the
+  bytes are checked equal to a plain safetensors serialization of the same tensors.
 
     PYTHONPATH=src python3 benchmarks/device_probe.py --hidden 3072 --layers 26
 """
@@ -290,6 +294,70 @@ def subscriber_apply(
     return out
 
 
+def publish_async_snapshot(weights: dict[str, np.ndarray], threads: int, device: str) -> dict:
+    """publish_async's blocking part: the snapshot of the weights on `device`, call to return (median of 3)."""
+    import safetensors.torch
+
+    from weightsync.client.tensors import SnapshotBuffers, snapshot_state_dict
+
+    sd = {k: torch.from_numpy(a).view(torch.bfloat16).to(device) for k, a in weights.items()}
+    nbytes = sum(a.size for a in weights.values())
+    pool = SnapshotBuffers()
+    held: list[np.ndarray] = []
+
+    def take() -> None:
+        # As in a Publisher: the previous snapshot stays alive (its base), so two buffers alternate.
+        held.append(snapshot_state_dict(sd, buffers=pool, threads=threads))
+        del held[:-1]
+
+    t0 = time.perf_counter()
+    take()  # the first call allocates (and pins) the buffers
+    first = time.perf_counter() - t0
+    take()
+    second = time.perf_counter() - t0 - first
+    snapshot_s = _timed(take)
+    snap = held[-1]
+    expected = _safetensors_bytes(weights)
+    header = int.from_bytes(snap[:8].tobytes(), "little") + 8
+    exact = snap[header:].tobytes() == expected[int.from_bytes(expected[:8], "little") + 8 :]
+    loaded = safetensors.torch.load(snap.tobytes())  # the reference reader finds each tensor's bytes
+    plain = set(loaded) == set(weights) and all(
+        loaded[k].view(torch.uint8).numpy().tobytes() == a.tobytes() for k, a in weights.items()
+    )
+    if not (exact and plain):
+        raise AssertionError("the snapshot's bytes differ from a plain safetensors serialization")
+    old_s = _timed(lambda: _old_serialize(sd), 1)
+    del held[:]
+    return {
+        "bytes": nbytes,
+        "snapshot_s": snapshot_s,
+        "snapshot_gbps": nbytes / snapshot_s / 1e9,
+        "first_call_s": first,
+        "second_call_s": second,
+        "buffers_allocated": pool.allocated,
+        "pinned": device == "cuda",
+        "old_pageable_serialize_s": old_s,
+        "bytes_equal_safetensors": True,
+    }
+
+
+def _old_serialize(sd: dict) -> np.ndarray:
+    """The serializer publish_async used before: pageable ``.cpu()`` per tensor, then one more host copy."""
+    from weightsync.client.tensors import dtype_name
+    from weightsync.codec import safetensors as st
+
+    datas = [t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy() for t in sd.values()]
+    specs = [(k, dtype_name(t.dtype), tuple(t.shape), len(d)) for (k, t), d in zip(sd.items(), datas, strict=True)]
+    header = st.serialize_header(specs, {"format": "pt"})
+    out = np.empty(len(header) + sum(len(d) for d in datas), dtype=np.uint8)
+    out[: len(header)] = np.frombuffer(header, dtype=np.uint8)
+    pos = len(header)
+    for d in datas:
+        out[pos : pos + len(d)] = d
+        pos += len(d)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, default=3072)
@@ -298,7 +366,7 @@ def main() -> None:
     ap.add_argument(
         "--parts",
         default="checksum,stream,codec,apply",
-        help="comma-separated parts to run: checksum, stream, codec, apply (the model step always runs)",
+        help="comma-separated parts to run: checksum, stream, codec, apply, publish_async (the model step always runs)",
     )
     args = ap.parse_args()
     parts = set(args.parts.split(","))
@@ -347,6 +415,11 @@ def main() -> None:
         if device == "cuda":
             torch.cuda.empty_cache()
         res["subscriber_apply"] = subscriber_apply(base, new, args.threads, device)
+    if "publish_async" in parts:
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        res["publish_async"] = publish_async_snapshot(new, args.threads, device)
     text = json.dumps(res, indent=1)
     print(text)
     if os.environ.get("OUT"):

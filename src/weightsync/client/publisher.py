@@ -32,6 +32,7 @@ from weightsync.client.base import BaseKeeper, snapshot
 from weightsync.client.models import PublishResult
 from weightsync.client.pull import Meter, Progress
 from weightsync.client.state import CheckoutState
+from weightsync.client.tensors import SnapshotBuffers, snapshot_state_dict
 from weightsync.codec.encoder import DEFAULT_CHUNK, Encoder
 from weightsync.codec.pack import DEFAULT_OBJECT_BYTES
 
@@ -93,6 +94,7 @@ class Publisher:
             self.api, model, self.cache_dir, download=self.on_mismatch == "download", pool=self._pool
         )
         self._background: ThreadPoolExecutor | None = None
+        self._snapshots = SnapshotBuffers()  # publish_async's host buffers, reused across publishes
 
     @property
     def version(self) -> int | None:
@@ -119,14 +121,16 @@ class Publisher:
     ) -> Future[PublishResult]:
         """Queue a publish on the one background worker and return its Future (publishes run in order).
 
-        A state_dict is serialized to host memory before this returns, so the
-        caller may keep updating its tensors. A path must stay unchanged until
-        the Future completes.
+        A state_dict is snapshotted before this returns, so the caller may keep
+        updating its tensors (the next optimizer step may run while encoding and
+        upload proceed): its bytes land in a reused host buffer, laid out as the
+        safetensors file, by asynchronous copies from the GPU into pinned memory
+        (client/tensors.py ``snapshot_state_dict``; GPU cost: none beyond a
+        temporary copy of non-contiguous tensors; host cost: see
+        ``SnapshotBuffers``). A path must stay unchanged until the Future completes.
         """
         if isinstance(source, Mapping):
-            from weightsync.client.tensors import serialize_state_dict
-
-            source = serialize_state_dict(source)
+            source = snapshot_state_dict(source, buffers=self._snapshots)
         if self._background is None:
             self._background = ThreadPoolExecutor(1, thread_name_prefix="weightsync-publish")
         return self._background.submit(self.publish, source, step=step, metadata=metadata, keyframe=keyframe)

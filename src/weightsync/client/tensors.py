@@ -10,7 +10,10 @@ exactly); only the small (positions, operands) arrays cross to the device.
 from __future__ import annotations
 
 import os
+import threading
+import weakref
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -102,25 +105,178 @@ def serialize_state_dict(state_dict: Mapping[str, Any], metadata: Mapping[str, s
     """A safetensors file (as a uint8 array) holding `state_dict`'s tensors in its order, exactly as stored.
 
     Tensors are copied to host memory now, so the caller may keep training.
-    bf16 and fp8 bytes are taken through a uint8 view: no conversion.
+    bf16 and fp8 bytes are taken through a uint8 view: no conversion. The same
+    bytes as :func:`snapshot_state_dict`, into a fresh (pageable) buffer.
     """
-    torch_module()
+    return snapshot_state_dict(state_dict, metadata)
+
+
+class SnapshotBuffers:
+    """Host buffers for state_dict snapshots, reused across snapshots of the same size.
+
+    A buffer is pinned when the snapshot has CUDA tensors (and CUDA is
+    available): device→host copies into pinned memory run asynchronously at
+    PCIe speed, pageable ones at ~2 GB/s. Pinning is slow (a second or more
+    per GB-scale buffer), so buffers are kept: a snapshot's array holds its
+    buffer until the last view of it is gone (the publish that uploads it,
+    then the publisher's in-memory base), and the buffer then returns here for
+    the next snapshot of the same size. At most ``keep`` idle buffers are kept.
+
+    Host cost in a publisher without a cache directory: two model sizes,
+    steady state — the snapshot being published and the previous one, which
+    the publisher keeps as its base (it adopts the snapshot; no second copy) —
+    plus one per publish still queued. torch's caching host allocator rounds
+    pinned allocations up to a power of two on some versions. Thread-safe.
+    """
+
+    def __init__(self, keep: int = 2) -> None:
+        if keep < 0:
+            raise ValueError("keep must be >= 0")
+        self.keep = keep
+        self.allocated = 0
+        """Buffers allocated so far (a reused buffer does not count)."""
+        self._free: list[tuple[Any, bool]] = []  # (uint8 torch tensor, pinned), oldest first
+        self._lock = threading.Lock()
+
+    @property
+    def idle(self) -> int:
+        """Buffers waiting for reuse."""
+        with self._lock:
+            return len(self._free)
+
+    def lease(self, nbytes: int, *, pinned: bool) -> tuple[np.ndarray, Any]:
+        """(array, tensor): a host buffer of `nbytes` as a numpy array and a torch tensor sharing its memory.
+
+        The buffer comes back to this pool once the array and every view of it are gone.
+        """
+        torch = torch_module()
+        with self._lock:
+            found = next((k for k, (t, p) in enumerate(self._free) if t.numel() == nbytes and p == pinned), None)
+            buf = self._free.pop(found)[0] if found is not None else None
+        if buf is None:
+            buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+            with self._lock:
+                self.allocated += 1
+        owner = _Lease(buf)
+        # numpy records `owner` as the base of the array and of every view of it (bases collapse to the
+        # first non-array object): `owner` lives exactly as long as something can read the buffer.
+        array = np.asarray(owner)
+        weakref.finalize(owner, self._give_back, buf, pinned)
+        return array, buf
+
+    def _give_back(self, buf: Any, pinned: bool) -> None:
+        with self._lock:
+            self._free.append((buf, pinned))
+            del self._free[: max(0, len(self._free) - self.keep)]  # the oldest go: torch frees them
+
+
+class _Lease:
+    """Exposes a host torch tensor's bytes to numpy, and keeps the tensor alive while numpy uses them."""
+
+    __slots__ = ("__array_interface__", "__weakref__", "tensor")
+
+    def __init__(self, tensor: Any) -> None:
+        self.tensor = tensor
+        self.__array_interface__ = {
+            "shape": (int(tensor.numel()),),
+            "typestr": "|u1",
+            "data": (int(tensor.data_ptr()), False),
+            "version": 3,
+        }
+
+
+def snapshot_state_dict(
+    state_dict: Mapping[str, Any],
+    metadata: Mapping[str, str] | None = None,
+    *,
+    buffers: SnapshotBuffers | None = None,
+    threads: int | None = None,
+) -> np.ndarray:
+    """A consistent host copy of `state_dict`, laid out as its safetensors file (:func:`serialize_state_dict`'s bytes).
+
+    When this returns, every byte has landed: the caller may change its tensors.
+    CUDA tensors are copied on a side stream that first waits for the current
+    stream (the snapshot sees every write queued before the call), into a
+    pinned buffer from `buffers` (asynchronous copies at PCIe speed, all
+    tensors in flight at once; then one wait). GPU memory cost: a temporary
+    contiguous copy of non-contiguous tensors only. CPU tensors are copied by
+    `threads` threads (default: all cores). Without `buffers` the buffer is a
+    fresh pageable one (device copies then run at pageable speed).
+    """
+    torch = torch_module()
     specs = []
-    datas = []
+    tensors = []
     for name, t in state_dict.items():
         if not isinstance(name, str):
             raise TypeError("state_dict keys must be strings")
-        data = raw_bytes(t)
-        specs.append((name, dtype_name(t.dtype), tuple(int(d) for d in t.shape), len(data)))
-        datas.append(data)
+        t = t.detach()
+        specs.append((name, dtype_name(t.dtype), tuple(int(d) for d in t.shape), t.numel() * t.element_size()))
+        tensors.append(t)
     header = safetensors.serialize_header(specs, dict(metadata) if metadata is not None else {"format": "pt"})
-    out = np.empty(len(header) + sum(len(d) for d in datas), dtype=np.uint8)
+    total = len(header) + sum(s[3] for s in specs)
+    cuda = any(t.is_cuda for t in tensors) and torch.cuda.is_available()
+    if buffers is not None:
+        out, host = buffers.lease(total, pinned=cuda)
+    else:
+        out = np.empty(total, dtype=np.uint8)
+        host = torch.from_numpy(out)
     out[: len(header)] = np.frombuffer(header, dtype=np.uint8)
+    on_host: list[tuple[Any, int]] = []
+    on_device: dict[Any, list[tuple[Any, int]]] = {}
     pos = len(header)
-    for d in datas:
-        out[pos : pos + len(d)] = d
-        pos += len(d)
+    for t, spec in zip(tensors, specs, strict=True):
+        if spec[3]:
+            (on_host if t.device.type == "cpu" else on_device.setdefault(t.device, [])).append((t, pos))
+        pos += spec[3]
+    fences: list[Any] = []
+    keep: list[Any] = []  # temporaries the in-flight copies read: alive until the copies landed
+    try:
+        for device, items in on_device.items():
+            if device.type == "cuda" and cuda:
+                stream = torch.cuda.Stream(device)
+                stream.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(stream):
+                    for t, at in items:
+                        src = byte_view(t.contiguous())
+                        keep.append(src)
+                        host[at : at + src.numel()].copy_(src, non_blocking=buffers is not None)
+                    event = torch.cuda.Event()
+                    event.record(stream)
+                fences.append(event)
+            else:
+                for t, at in items:  # other devices: synchronous copies
+                    src = byte_view(t.contiguous())
+                    host[at : at + src.numel()].copy_(src)
+        _copy_host(out, on_host, threads)  # runs while the device copies are in flight
+    finally:
+        for event in fences:
+            event.synchronize()  # also on failure: no copy may land in a buffer that goes back to the pool
     return out
+
+
+_PIECE = 64 << 20
+"""CPU tensors are copied in pieces of at most this many bytes, so one large tensor spreads over threads."""
+
+
+def _copy_host(out: np.ndarray, items: list[tuple[Any, int]], threads: int | None) -> None:
+    """Copy CPU tensors' bytes into `out` at their offsets, on `threads` threads.
+
+    numpy's copy releases the GIL and, unlike torch's ``copy_``, starts no
+    intra-op threads of its own (those oversubscribe the cores this pool uses).
+    """
+    pieces: list[tuple[np.ndarray, int]] = []
+    for t, at in items:
+        src = raw_bytes(t)
+        pieces.extend((src[k : k + _PIECE], at + k) for k in range(0, len(src), _PIECE))
+    if not pieces:
+        return
+    workers = min(len(pieces), threads or os.cpu_count() or 1)
+    if workers == 1:
+        for src, at in pieces:
+            out[at : at + len(src)] = src
+        return
+    with ThreadPoolExecutor(workers, thread_name_prefix="weightsync-snapshot") as pool:
+        list(pool.map(lambda p: np.copyto(out[p[1] : p[1] + len(p[0])], p[0]), pieces))
 
 
 def load(path: str | os.PathLike, *, device: str | None = None) -> dict[str, torch.Tensor]:
