@@ -14,7 +14,8 @@ import pytest
 
 from weightsync import errors
 from weightsync.client import _http, models
-from weightsync.client._http import Api, Retry, TokenBucket
+from weightsync.client._http import Api
+from weightsync.client.wire import Retry, TokenBucket
 from weightsync.common import Backoff
 
 FAST = Retry(attempts=4, base=0.0, cap=0.0)

@@ -29,7 +29,7 @@ from _pg import ADMIN_URL, fresh_database
 
 from weightsync import errors
 from weightsync.client import Publisher, Subscriber
-from weightsync.client._http import Retry
+from weightsync.client.wire import Retry
 
 pytestmark = [pytest.mark.postgres]
 

@@ -31,7 +31,7 @@ from _fault_service import Serve, file_digests, log_records, serve
 
 from weightsync import errors
 from weightsync.client import Publisher, Subscriber
-from weightsync.client._http import Retry
+from weightsync.client.wire import Retry
 from weightsync.store import RetryingStore
 from weightsync.store.s3 import S3Store
 

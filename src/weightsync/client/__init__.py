@@ -11,11 +11,12 @@ extra nor torch, except for the tensor paths (state_dict publishing,
 >>> prepared = sub.prepare(); pause = sub.apply(tensors, prepared)   # in place, serving paused only here
 """
 
-from weightsync.client._http import DEFAULT_SERVER, Retry, TokenBucket
+from weightsync.client._http import DEFAULT_SERVER
 from weightsync.client.inplace import Prepared, TensorUpdate
 from weightsync.client.models import PublishResult, PullResult, Version
 from weightsync.client.publisher import Publisher, publish
 from weightsync.client.subscriber import Subscriber
+from weightsync.client.wire import Retry, TokenBucket
 
 __all__ = [
     "DEFAULT_SERVER",

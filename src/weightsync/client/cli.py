@@ -37,8 +37,9 @@ from typing import Annotated, Any
 import typer
 
 from weightsync import errors
-from weightsync.client._http import DEFAULT_SERVER, Api, Retry
+from weightsync.client._http import DEFAULT_SERVER, Api
 from weightsync.client.models import Version, timestamp
+from weightsync.client.wire import Retry
 from weightsync.common import human_bytes
 from weightsync.errors import EXIT_AUTH, EXIT_CONFLICT, EXIT_ERROR, EXIT_NOT_FOUND, EXIT_UNAVAILABLE, EXIT_USAGE
 

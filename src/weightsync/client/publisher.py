@@ -27,12 +27,13 @@ from pathlib import Path
 from typing import Any
 
 from weightsync.client import upload
-from weightsync.client._http import Api, Retry, TokenBucket
+from weightsync.client._http import Api
 from weightsync.client.base import BaseKeeper, snapshot
 from weightsync.client.models import PublishResult
 from weightsync.client.pull import Meter, Progress
 from weightsync.client.state import CheckoutState
 from weightsync.client.tensors import SnapshotBuffers, snapshot_state_dict
+from weightsync.client.wire import Retry, TokenBucket
 from weightsync.codec.encoder import DEFAULT_CHUNK, Encoder
 from weightsync.codec.pack import DEFAULT_OBJECT_BYTES
 

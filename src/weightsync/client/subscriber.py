@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from weightsync.client import inplace
-from weightsync.client._http import Api, Retry, TokenBucket
+from weightsync.client._http import Api
 from weightsync.client._objects import DEFAULT_RANGE_BYTES
 from weightsync.client.checkout import Checkout
 from weightsync.client.inplace import Prepared, TensorUpdate
@@ -28,6 +28,7 @@ from weightsync.client.ledger import LedgerReporter
 from weightsync.client.models import PullResult, Version
 from weightsync.client.pull import FetchOptions, Meter, Progress, prepare_update, pull
 from weightsync.client.watch import WATCH_RECONNECT, follow
+from weightsync.client.wire import Retry, TokenBucket
 
 log = logging.getLogger("weightsync.client")
 
