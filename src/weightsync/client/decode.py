@@ -53,7 +53,8 @@ class HeldFile:
     location: Path
     size: int
     owned: bool
-    segments: dict[int, tuple[int, str]]  # offset -> (length, xxh3)
+    # (offset, length) -> xxh3: a 0-length tensor shares its offset with the next segment
+    segments: dict[tuple[int, int], str]
 
 
 @dataclass
@@ -77,8 +78,8 @@ def check_bases(manifest: Manifest, tree: Tree) -> None:
         for e in f.segments:
             if e.base_offset is None:
                 continue
-            held = None if base is None else base.segments.get(e.base_offset)
-            if held is None or held != (e.segment.length, e.base_xxh3):
+            held = None if base is None else base.segments.get((e.base_offset, e.segment.length))
+            if held is None or held != e.base_xxh3:
                 what = "header" if e.segment.kind == "header" else f"{e.segment.kind} {e.segment.name!r}"
                 raise errors.BaseMismatch(f"{f.path}: base {what} is not the one this delta was made against")
 
@@ -102,7 +103,7 @@ def decode_step(
             and b.size == f.size
             and all(e.base_offset == e.segment.offset for e in deltas)
         )
-        segs = {e.segment.offset: (e.segment.length, e.xxh3) for e in f.segments}
+        segs = {(e.segment.offset, e.segment.length): e.xxh3 for e in f.segments}
         unchanged = same_layout and len(deltas) == len(f.segments) and all(e.xxh3 == e.base_xxh3 for e in deltas)
         if b is not None and unchanged:
             modes[fi] = "unchanged"

@@ -67,7 +67,7 @@ class CheckoutState:
         return Tree(
             self.single_file,
             {
-                f.path: HeldFile(where / f.path, f.size, False, {o: (n, h) for o, n, h in f.segments})
+                f.path: HeldFile(where / f.path, f.size, False, {(o, n): h for o, n, h in f.segments})
                 for f in self.files
             },
         )
