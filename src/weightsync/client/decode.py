@@ -103,7 +103,7 @@ def decode_step(
             and b.size == f.size
             and all(e.base_offset == e.segment.offset for e in deltas)
         )
-        segs = {(e.segment.offset, e.segment.length): e.xxh3 for e in f.segments}
+        segs = f.spans()
         unchanged = same_layout and len(deltas) == len(f.segments) and all(e.xxh3 == e.base_xxh3 for e in deltas)
         if b is not None and unchanged:
             modes[fi] = "unchanged"

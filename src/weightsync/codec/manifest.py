@@ -69,6 +69,13 @@ class FileEntry:
     def layout(self) -> FileLayout:
         return FileLayout(self.path, self.size, tuple(e.segment for e in self.segments))
 
+    def spans(self) -> dict[tuple[int, int], str]:
+        """Each segment's xxh3 hex by (offset, length): what a delta's base must hold at that place.
+
+        Keyed by both, not the offset alone: a 0-element tensor shares its offset with the segment after it.
+        """
+        return {(e.segment.offset, e.segment.length): e.xxh3 for e in self.segments}
+
 
 @dataclass(frozen=True)
 class Piece:

@@ -413,13 +413,12 @@ class Ops:
             by_path = {f.path: f for f in parent.files}
         for f in manifest.files:
             base = by_path.get(f.path)
-            # By (offset, length): a 0-element tensor shares its offset with the segment after it.
-            spans = {} if base is None else {(e.segment.offset, e.segment.length): e for e in base.segments}
+            spans = {} if base is None else base.spans()
             for e in f.segments:
                 if e.base_offset is None:
                     continue
-                b = spans.get((e.base_offset, e.segment.length))
-                if b is None or b.xxh3 != e.base_xxh3:
+                held = spans.get((e.base_offset, e.segment.length))
+                if held is None or held != e.base_xxh3:
                     raise errors.BaseMismatch(
                         f"{f.path}: {e.segment.kind} {e.segment.name!r} was diffed against bytes that are "
                         f"not version {manifest.parent}'s"
