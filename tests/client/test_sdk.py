@@ -67,6 +67,53 @@ def _replicas(url: str, model: str) -> list[Replica]:
         return api.list_replicas(model, all=True)
 
 
+def _requests_by_route(url: str) -> dict[str, float]:
+    """The server's request counters (its /metrics), summed per "METHOD route"."""
+    import httpx
+
+    out: dict[str, float] = {}
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith("weightsync_http_requests_total{"):
+            labels, value = line[len("weightsync_http_requests_total{") :].rsplit("} ", 1)
+            fields = dict(kv.split("=", 1) for kv in labels.split(","))
+            key = f"{fields['method'].strip(chr(34))} {fields['route'].strip(chr(34))}"
+            out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
+def test_a_delta_publish_is_three_sequential_requests(server, model, tmp_path: Path) -> None:
+    """Holding the parent, the publisher encodes first and begins with its objects: no checkObjects call."""
+    sources = _versions(tmp_path, 3)
+    with Publisher(server.url, model, **SMALL) as pub:
+        pub.publish(sources[0])
+        before = _requests_by_route(server.url)
+        result = pub.publish(sources[1])
+        after = _requests_by_route(server.url)
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    assert result.kind == "delta" and result.objects_uploaded >= 2  # frames and the manifest
+    assert delta.get("POST /v1/models/{model}/publishes") == 1
+    assert delta.get("POST /v1/models/{model}/publishes/{publish_id}/objects", 0) == 0
+    assert delta.get("POST /v1/models/{model}/publishes/{publish_id}/commit") == 1
+    assert delta.get("PUT /v1/objects/{digest}") == result.objects_uploaded
+    with Subscriber(server.url, model, name="three") as sub:
+        sub.pull(tmp_path / "out")
+    assert tree_bytes(tmp_path / "out") == tree_bytes(sources[1])
+
+
+def test_a_keyframe_the_policy_asks_for_replaces_the_delta_encoded_first(server, model, tmp_path: Path) -> None:
+    """The chain policy answers keyframe to a begin that listed a delta's objects: a keyframe is published."""
+    import httpx
+
+    httpx.post(f"{server.url}/v1/models", json={"name": model, "keyframe_interval": 2}).raise_for_status()
+    sources = _versions(tmp_path, 3)
+    with Publisher(server.url, model, **SMALL) as pub:
+        kinds = [pub.publish(src).kind for src in sources]
+    assert kinds == ["keyframe", "delta", "keyframe"]
+    with Subscriber(server.url, model, name="policy") as sub:
+        assert sub.pull(tmp_path / "out").version == 3
+    assert tree_bytes(tmp_path / "out") == tree_bytes(sources[2])
+
+
 def test_publish_state_dict_async_in_order(server, model, tmp_path: Path) -> None:
     trainer = TinyTrainer(seed=3)
     futures = []

@@ -269,6 +269,40 @@ def test_check_objects_reports_missing_and_refuses_oversized(service, model, ver
     )
 
 
+def test_begin_with_objects_checks_them_when_the_kind_is_the_encodings(service, model, versions):
+    """beginPublish with `objects` answers checkObjects' `missing` too, only for the kind they were encoded as."""
+    c = service.client("publisher")
+    first = publish(c, model, versions[0], None, None)
+    data = b"a delta's frames"
+    d = hashlib.sha256(data).hexdigest()
+    listed = [{"digest": d, "size": len(data)}]
+    begin = ok(c.post(f"/v1/models/{model}/publishes", json={"parent": 1, "objects": listed}), 201)
+    assert begin["kind"] == "delta" and begin["missing"] == [d]
+    assert ("uploads" in begin and begin["uploads"] is not None) == service.s3
+    # The objects are held for the publish now: a manifest naming them commits without another check.
+    ok(c.put(f"/v1/objects/{d}", content=data), 201)
+    check = f"/v1/models/{model}/publishes/{begin['publish_id']}/objects"
+    assert ok(c.post(check, json={"objects": listed}), 200)["missing"] == []
+    ok(c.delete(f"/v1/models/{model}/publishes/{begin['publish_id']}"), 204)
+    # Objects encoded as a delta are not checked when the answer is a keyframe (here: forced by policy).
+    kf_only = model + "-kf"
+    ok(c.post("/v1/models", json={"name": kf_only, "keyframe_interval": 1}), 201)
+    publish(c, kf_only, versions[0], None, None)
+    begin = ok(c.post(f"/v1/models/{kf_only}/publishes", json={"parent": 1, "objects": listed}), 201)
+    assert begin["kind"] == "keyframe" and begin["missing"] is None
+    # A keyframe encoding listed with keyframe=true is checked: the store has the object already.
+    begin = ok(c.post(f"/v1/models/{kf_only}/publishes", json={"parent": 1, "keyframe": True, "objects": listed}), 201)
+    assert begin["kind"] == "keyframe" and begin["missing"] == []
+    big = [{"digest": "a" * 64, "size": service.settings.max_object_size + 1}]
+    problem(c.post(f"/v1/models/{model}/publishes", json={"parent": 1, "objects": big}), 413, "too-large")
+    problem(
+        c.post(f"/v1/models/{model}/publishes", json={"parent": 1, "objects": [{"digest": "x", "size": 1}]}),
+        422,
+        "invalid-digest",
+    )
+    assert first.version["number"] == 1 and ok(c.get(f"/v1/models/{model}"), 200)["head"] == 1
+
+
 def test_replica_ledger(service, model, versions):
     c = service.client("reader")
     publish_chain(service.client("publisher"), model, versions[:2])

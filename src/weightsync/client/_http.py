@@ -225,13 +225,23 @@ class Api:
     # --- publishing ---------------------------------------------------------------------
 
     def begin_publish(
-        self, model: str, *, parent: int | None, step: int | None, metadata: dict[str, Any] | None, keyframe: bool
+        self,
+        model: str,
+        *,
+        parent: int | None,
+        step: int | None,
+        metadata: dict[str, Any] | None,
+        keyframe: bool,
+        objects: list[tuple[str, int]] | None = None,
     ) -> models.PublishBegin:
+        """Begin a publish; with `objects` (an encoding made first) the answer may carry their check too."""
         body: dict[str, Any] = {"parent": parent, "keyframe": keyframe}
         if step is not None:
             body["step"] = step
         if metadata:
             body["metadata"] = metadata
+        if objects is not None:
+            body["objects"] = [{"digest": d, "size": s} for d, s in objects]
         return models.PublishBegin.from_json(self._json("POST", f"/v1/models/{model}/publishes", json=body))
 
     def check_objects(self, model: str, publish_id: str, objects: list[tuple[str, int]]) -> models.CheckObjects:

@@ -230,6 +230,13 @@ class PublishBegin(Wire):
     parent: int | None
     parent_manifest: str | None
     expires_at: datetime | None
+    missing: list[str] | None = None
+    """When the begin listed objects and they were checked: which to upload (as CheckObjects)."""
+    uploads: dict[str, PresignedPut] | None = None
+
+    def checked(self) -> CheckObjects | None:
+        """The objects check that came with this answer, or None when there was none."""
+        return None if self.missing is None else CheckObjects(missing=self.missing, uploads=self.uploads)
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from typing import Any
 
 from weightsync.client import upload
 from weightsync.client._http import Api
-from weightsync.client.base import BaseKeeper, snapshot
+from weightsync.client.base import Base, BaseKeeper, snapshot
 from weightsync.client.models import PublishResult
 from weightsync.client.pull import Meter, Progress
 from weightsync.client.state import CheckoutState
@@ -151,25 +151,44 @@ class Publisher:
             timings: dict[str, float] = {}
             meter, catch_up = Meter(self.progress), Meter(None)
             checkpoint, owned = snapshot(source)
-            base, begun = upload.begin(
-                self.api, self._base, self.model, keyframe=keyframe, step=step, metadata=metadata, catch_up=catch_up
+
+            def pack_for(base: Base | None, parent: int | None) -> upload.Packed:
+                return upload.pack_version(
+                    self.encoder,
+                    checkpoint,
+                    base,
+                    model=self.model,
+                    parent=parent,
+                    step=step,
+                    metadata=metadata,
+                    object_bytes=self.object_bytes,
+                    forget_base=self._base.forget,
+                    timings=timings,
+                )
+
+            base, begun, packed = upload.begin(
+                self.api,
+                self._base,
+                self.model,
+                keyframe=keyframe,
+                step=step,
+                metadata=metadata,
+                catch_up=catch_up,
+                prepare=lambda held: pack_for(held, held.state.number),
             )
-            timings["begin_s"] = time.perf_counter() - t0  # source, base (and a catch-up) and beginPublish
+            # source, base (and a catch-up) and beginPublish; an encoding made first is counted in encode_s
+            timings["begin_s"] = time.perf_counter() - t0 - timings.get("encode_s", 0.0)
             try:
                 done = upload.commit(
                     self.api,
                     self._pool,
-                    self.encoder,
                     self.model,
                     begun,
-                    checkpoint,
                     base,
-                    step=step,
-                    metadata=metadata,
-                    object_bytes=self.object_bytes,
+                    packed,
+                    pack_for=pack_for,
                     meter=meter,
                     timings=timings,
-                    forget_base=self._base.forget,
                 )
             except BaseException:
                 self._abort(begun.publish_id)

@@ -31,6 +31,57 @@ from weightsync.codec.pack import pack
 log = logging.getLogger("weightsync.client")
 
 
+@dataclass
+class Packed:
+    """One version encoded and packed, ready to upload: its manifest, the manifest's stored form, its objects."""
+
+    manifest: Manifest
+    manifest_bytes: bytes
+    digest: str
+    objects: dict[str, bytes]
+    """The data objects by digest (each once)."""
+
+    def listed(self) -> list[tuple[str, int]]:
+        """(digest, size) of every object to check, the manifest last."""
+        return [(d, len(b)) for d, b in self.objects.items()] + [(self.digest, len(self.manifest_bytes))]
+
+
+def pack_version(
+    encoder: Encoder,
+    checkpoint: Checkpoint,
+    base: Base | None,
+    *,
+    model: str,
+    parent: int | None,
+    step: int | None,
+    metadata: dict[str, Any] | None,
+    object_bytes: int,
+    forget_base: Callable[[], None],
+    timings: dict[str, float],
+) -> Packed:
+    """Encode `checkpoint` (a delta on `base`, a keyframe without one) and pack it into objects.
+
+    A base whose bytes are not the version it claims (the encoder hashed them) is forgotten
+    through `forget_base` and a keyframe is packed instead. Sets ``timings["encode_s"]``.
+    """
+    t = time.perf_counter()
+    encoded = encoder.encode(checkpoint, base.checkpoint if base else None)
+    if base is not None:
+        try:  # the encoder hashed the base bytes: they must be the version we think we hold
+            check_bases(encoded.manifest, base.state.tree(Path(".")))
+        except errors.BaseMismatch as exc:
+            log.warning("publisher base does not match v%s (%s): publishing a keyframe", base.state.number, exc)
+            forget_base()
+            encoded = encoder.encode(checkpoint, None, keyframe=True)
+    manifest, objects = pack(encoded, target_bytes=object_bytes)
+    manifest.model, manifest.parent, manifest.step = model, parent, step
+    manifest.metadata = dict(metadata or {})
+    manifest_bytes = manifest.encode()
+    digest = hashlib.sha256(manifest_bytes).hexdigest()
+    timings["encode_s"] = time.perf_counter() - t
+    return Packed(manifest, manifest_bytes, digest, {o.digest: o.data for o in objects})
+
+
 def begin(
     api: Api,
     keeper: BaseKeeper,
@@ -40,17 +91,31 @@ def begin(
     step: int | None,
     metadata: dict[str, Any] | None,
     catch_up: Meter,
-) -> tuple[Base | None, PublishBegin]:
-    """Begin a publish: on the base held when it is still the head (one round trip), else on the head.
+    prepare: Callable[[Base], Packed],
+) -> tuple[Base | None, PublishBegin, Packed | None]:
+    """Begin a publish: on the base held when it is still the head, else on the head.
 
-    Returns the base to diff against (None: a keyframe) and the server's answer. Behind the
-    head, the keeper catches up (an incremental pull counted by `catch_up`) or gives up its base.
+    Returns the base to diff against (None: a keyframe), the server's answer, and the version
+    already packed when there was a base: `prepare` encodes against the base held *before*
+    beginning, so the begin also checks its objects (begin and checkObjects in one round trip).
+    Behind the head, the keeper catches up (an incremental pull counted by `catch_up`) or gives
+    up its base, and nothing is packed yet.
     """
     base = None if keyframe else keeper.held()
     if base is not None:
+        packed = prepare(base)
         try:  # begin answers the parent's manifest: `commit` checks the base against it
-            return base, api.begin_publish(
-                model, parent=base.state.number, step=step, metadata=metadata, keyframe=False
+            return (
+                base,
+                api.begin_publish(
+                    model,
+                    parent=base.state.number,
+                    step=step,
+                    metadata=metadata,
+                    keyframe=packed.manifest.kind == "keyframe",
+                    objects=packed.listed(),
+                ),
+                packed,
             )
         except errors.StaleParent:
             pass
@@ -63,7 +128,7 @@ def begin(
         metadata=metadata,
         keyframe=base is None,
     )
-    return base, answer
+    return base, answer, None
 
 
 @dataclass
@@ -80,63 +145,53 @@ class Committed:
 def commit(
     api: Api,
     pool: ThreadPoolExecutor,
-    encoder: Encoder,
     model: str,
     begun: PublishBegin,
-    checkpoint: Checkpoint,
     base: Base | None,
+    packed: Packed | None,
     *,
-    step: int | None,
-    metadata: dict[str, Any] | None,
-    object_bytes: int,
+    pack_for: Callable[[Base | None, int | None], Packed],
     meter: Meter,
     timings: dict[str, float],
-    forget_base: Callable[[], None],
 ) -> Committed:
-    """Encode `checkpoint` (a delta on `base` when the server asked for one), upload what it lacks, commit.
+    """Upload what the server lacks of the version (a delta on `base` when the server asked for one), commit.
 
-    A base whose bytes are not the parent's (the encoder hashed them) is forgotten through
-    `forget_base` and a keyframe is published instead. Raises what the API raises; the caller
-    aborts the pending publish.
+    `packed` (from `begin`) is used when it is what the server asked for (kind and parent),
+    with the objects check that came with the begin; otherwise `pack_for(base or None,
+    parent)` encodes anew and the objects are checked now. Raises what the API raises; the
+    caller aborts the pending publish.
     """
     use = base if begun.kind == "delta" and base is not None else None
     if use is not None and begun.parent_manifest not in (None, use.state.manifest):
         use = None
-    t = time.perf_counter()
-    encoded = encoder.encode(checkpoint, use.checkpoint if use else None)
-    if use is not None:
-        try:  # the encoder hashed the base bytes: they must be the version we think we hold
-            check_bases(encoded.manifest, use.state.tree(Path(".")))
-        except errors.BaseMismatch as exc:
-            log.warning("publisher base does not match v%s (%s): publishing a keyframe", use.state.number, exc)
-            forget_base()
-            encoded = encoder.encode(checkpoint, None, keyframe=True)
-    manifest, objects = pack(encoded, target_bytes=object_bytes)
-    manifest.model, manifest.parent, manifest.step = model, begun.parent, step
-    manifest.metadata = dict(metadata or {})
-    manifest_bytes = manifest.encode()
-    digest = hashlib.sha256(manifest_bytes).hexdigest()
-    timings["encode_s"] = time.perf_counter() - t
+    fits = (
+        packed is not None
+        and packed.manifest.parent == begun.parent
+        and packed.manifest.kind == begun.kind
+        and (begun.kind == "keyframe" or use is not None)
+    )
+    checked = begun.checked() if fits else None
+    if packed is None or not fits:
+        packed = pack_for(use, begun.parent)
 
     t = time.perf_counter()
-    unique = {o.digest: o.data for o in objects}
-    listed = [(d, len(b)) for d, b in unique.items()] + [(digest, len(manifest_bytes))]
-    check = api.check_objects(model, begun.publish_id, listed)
-    missing = set(check.missing)
-    uploads = check.uploads or {}
-    todo = [(d, b) for d, b in unique.items() if d in missing]
-    meter.total = sum(len(b) for _, b in todo) + (len(manifest_bytes) if digest in missing else 0)
+    if checked is None:
+        checked = api.check_objects(model, begun.publish_id, packed.listed())
+    missing = set(checked.missing)
+    uploads = checked.uploads or {}
+    todo = [(d, b) for d, b in packed.objects.items() if d in missing]
+    if packed.digest in missing:
+        todo.append((packed.digest, packed.manifest_bytes))
+    meter.total = sum(len(b) for _, b in todo)
     api.on_bytes = meter
     try:
-        # Publish order (DESIGN invariant 2): data objects, then the manifest, then the commit.
+        # Data objects and the manifest at once (DESIGN invariant 2: all of them before the commit).
         run_all(pool, lambda it: api.put_object(it[0], it[1], uploads.get(it[0])), todo)
-        if digest in missing:
-            api.put_object(digest, manifest_bytes, uploads.get(digest))
     finally:
         api.on_bytes = None
     timings["upload_s"] = time.perf_counter() - t
     t = time.perf_counter()
-    key = hashlib.sha256(f"{model}\0{begun.publish_id}\0{digest}".encode()).hexdigest()[:32]
-    number = api.commit_publish(model, begun.publish_id, manifest=digest, idempotency_key=key).number
+    key = hashlib.sha256(f"{model}\0{begun.publish_id}\0{packed.digest}".encode()).hexdigest()[:32]
+    number = api.commit_publish(model, begun.publish_id, manifest=packed.digest, idempotency_key=key).number
     timings["commit_s"] = time.perf_counter() - t
-    return Committed(number, digest, manifest, len(unique) + 1, len(todo) + (digest in missing))
+    return Committed(number, packed.digest, packed.manifest, len(packed.objects) + 1, len(todo))

@@ -134,7 +134,10 @@ class Ops:
         self.settings = settings or OpsSettings()
         self.clock = clock
         self._sem = asyncio.Semaphore(self.settings.store_concurrency)
-        self._manifests: OrderedDict[str, Manifest] = OrderedDict()
+        # Parsed manifests and their stored sizes: immutable, so cached by digest.
+        self._manifests: OrderedDict[str, tuple[Manifest, int]] = OrderedDict()
+        # Commit records written after the commit's answer (commit_publish(record_later=True)).
+        self._record_tasks: set[asyncio.Task[None]] = set()
         # Wakes watchers in this process at once on a local commit; commits made
         # through other replicas are found by polling the catalog.
         self._committed = asyncio.Event()
@@ -198,10 +201,13 @@ class Ops:
         kind = "keyframe"
         parent_manifest = None
         if parent is not None:
-            pv = await self._db(self.catalog.get_version, model, parent)
+            # Independent reads: asked at once, one wait on the begin's path.
+            pv, info = await asyncio.gather(
+                self._db(self.catalog.get_version, model, parent),
+                self._db(self.catalog.chain_info, model, parent),
+            )
             parent_manifest = pv.manifest_digest
             if not keyframe:
-                info = await self._db(self.catalog.chain_info, model, parent)
                 assert info is not None  # asked for a committed number, not the head
                 long_chain = info.length >= m.keyframe_interval
                 heavy = info.keyframe_bytes > 0 and info.delta_bytes > m.max_chain_ratio * info.keyframe_bytes
@@ -281,7 +287,13 @@ class Ops:
             raise errors.StoreUnavailable(f"object {result.digest} is being garbage-collected: upload it again shortly")
 
     async def commit_publish(
-        self, model: str, publish_id: str, *, manifest_digest: str, idempotency_key: str | None = None
+        self,
+        model: str,
+        publish_id: str,
+        *,
+        manifest_digest: str,
+        idempotency_key: str | None = None,
+        record_later: bool = False,
     ) -> Version:
         """Make the publish visible: validate its manifest and objects, then compare-and-swap the head.
 
@@ -291,6 +303,10 @@ class Ops:
         required, deltas against other bytes than the parent's), StaleParent if
         another commit moved the head first, PublishNotFound if the publish expired.
         A retry of a commit that succeeded returns the same version.
+
+        The commit record (DESIGN invariant 2: after the catalog commit) is written before this
+        returns, or with ``record_later`` by a task of its own, off the commit's answer
+        (:meth:`drain` waits for those; a record lost to a crash is what fsck --repair rewrites).
         """
         manifest = await self.load_manifest(manifest_digest, missing=errors.IncompletePublish)
         if manifest.model not in (None, model):
@@ -359,11 +375,25 @@ class Ops:
         )
         self._committed.set()
         self._committed = asyncio.Event()
+        if record_later:
+            task = asyncio.create_task(self._record_committed(version))
+            self._record_tasks.add(task)
+            task.add_done_callback(self._record_tasks.discard)
+        else:
+            await self._record_committed(version)
+        return version
+
+    async def _record_committed(self, version: Version) -> None:
+        """Write a committed version's record; a failure is logged (the version stands; fsck --repair rewrites it)."""
         try:
             await self.write_commit_record(version)
-        except errors.WeightsyncError as exc:  # committed already; fsck --repair rewrites the record
-            log.warning("commit record for %s v%s not written: %s", model, version.number, exc)
-        return version
+        except errors.WeightsyncError as exc:
+            log.warning("commit record for %s v%s not written: %s", version.model, version.number, exc)
+
+    async def drain(self) -> None:
+        """Wait until every commit record written off a commit's answer is stored (or failed, logged)."""
+        while self._record_tasks:
+            await asyncio.gather(*list(self._record_tasks))
 
     async def _hold_for_commit(
         self, model: str, publish_id: str, refs: list[tuple[str, int]], held: dict[str, int]
@@ -430,16 +460,22 @@ class Ops:
         self, digest: str, *, missing: type[errors.WeightsyncError] = errors.ObjectNotFound
     ) -> Manifest:
         """Fetch, hash-check and parse a manifest object (cached: manifests are immutable)."""
+        return (await self._manifest_and_size(digest, missing=missing))[0]
+
+    async def _manifest_and_size(
+        self, digest: str, *, missing: type[errors.WeightsyncError] = errors.ObjectNotFound
+    ) -> tuple[Manifest, int]:
+        """A manifest and its stored size in bytes (cached together: a plan needs both, no store round trip)."""
         cached = self._manifests.get(digest)
         if cached is not None:
             self._manifests.move_to_end(digest)
             return cached
         data = await self.read_manifest_bytes(digest, missing=missing)
-        manifest = await asyncio.to_thread(Manifest.decode, data)
-        self._manifests[digest] = manifest
+        entry = (await asyncio.to_thread(Manifest.decode, data), len(data))
+        self._manifests[digest] = entry
         while len(self._manifests) > self.settings.manifest_cache:
             self._manifests.popitem(last=False)
-        return manifest
+        return entry
 
     async def read_manifest_bytes(
         self, digest: str, *, missing: type[errors.WeightsyncError] = errors.ObjectNotFound
@@ -500,9 +536,8 @@ class Ops:
 
     async def _step(self, v: Version) -> PlanStep:
         number, digest = committed(v)
-        manifest = await self.load_manifest(digest)
-        info = await self.store.stat(digest)
-        return PlanStep(number, v.kind, digest, info.size, manifest.objects(), manifest.stored_bytes)
+        manifest, size = await self._manifest_and_size(digest)
+        return PlanStep(number, v.kind, digest, size, manifest.objects(), manifest.stored_bytes)
 
     async def stat_object(self, digest: str) -> StoredObject:
         """The stored object's size and mtime; ObjectNotFound."""

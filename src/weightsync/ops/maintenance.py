@@ -158,7 +158,9 @@ async def fsck(
     commit record exists. Across the store: expired pending publishes, objects the
     catalog has no row for, and orphans (objects no version references), found by
     GC's own :func:`sweep` (which deletes them past the grace period only with ``repair``).
+    Commit records still being written after their commits' answers are waited for first.
     """
+    await ops.drain()
     report = FsckReport()
     now = ops.clock()
     grace = ops.settings.gc_grace if grace is None else grace

@@ -107,6 +107,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 log.info("bearer tokens configured: %s", ", ".join(tokens.names))
             log.info("serving catalog %s, store %s", redact_url(settings.catalog_url()), settings.store_url())
             yield
+            await app.state.ops.drain()  # commit records written after their commits' answers
         finally:
             await store.close()
             catalog.close()

@@ -130,6 +130,12 @@ class PlanOut(_Out):
 # --- publishing -------------------------------------------------------------------------
 
 
+class PresignedPut(_Out):
+    method: str
+    url: str
+    headers: dict[str, str]
+
+
 class BeginIn(_In):
     parent: int | None = Field(
         ge=-INT64, le=INT64, description="The head the publisher holds; null for a model's first version."
@@ -137,6 +143,12 @@ class BeginIn(_In):
     step: int | None = Field(None, ge=0, le=INT64)
     metadata: dict[str, Any] | None = None
     keyframe: bool = False
+    objects: list[ObjectRef] | None = Field(
+        None,
+        max_length=1_000_000,
+        description="The objects of an encoding made before beginning (a delta on parent; a keyframe when "
+        "keyframe is true): checked as checkObjects would, when the answered kind is that encoding's.",
+    )
 
 
 class BeginOut(_Out):
@@ -146,16 +158,14 @@ class BeginOut(_Out):
     parent: int | None
     parent_manifest: str | None
     expires_at: datetime | None
+    missing: list[str] | None = Field(None, description="Present when the request's objects were checked.")
+    uploads: dict[str, PresignedPut] | None = Field(
+        None, description="Present only when objects were checked and the store presigns uploads."
+    )
 
 
 class CheckIn(_In):
     objects: list[ObjectRef] = Field(max_length=1_000_000)
-
-
-class PresignedPut(_Out):
-    method: str
-    url: str
-    headers: dict[str, str]
 
 
 class CheckOut(_Out):

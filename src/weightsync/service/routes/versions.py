@@ -22,6 +22,7 @@ from weightsync.service.schemas import (
     CheckIn,
     CheckOut,
     CommitIn,
+    ObjectRef,
     PlanOut,
     PresignedPut,
     VersionList,
@@ -30,6 +31,7 @@ from weightsync.service.schemas import (
     plan_out,
     version_out,
 )
+from weightsync.service.settings import Settings
 
 router = APIRouter(prefix="/v1/models/{model}", tags=["versions"])
 log = logging.getLogger("weightsync.service")
@@ -122,13 +124,47 @@ async def get_plan(
 
 
 @router.post("/publishes", operation_id="beginPublish", status_code=status.HTTP_201_CREATED, response_model=BeginOut)
-async def begin_publish(model: str, body: BeginIn, ops: OpsDep, who: Publisher) -> BeginOut:
-    """Open a publish on top of ``parent``; says whether to encode a keyframe or a delta. Creates the model."""
-    return begin_out(
-        await ops.begin_publish(
-            model, parent=body.parent, step=body.step, metadata=body.metadata, keyframe=body.keyframe
-        )
+async def begin_publish(model: str, body: BeginIn, ops: OpsDep, who: Publisher, settings: SettingsDep) -> BeginOut:
+    """Open a publish on top of ``parent``; says whether to encode a keyframe or a delta. Creates the model.
+
+    With ``objects`` (an encoding made before asking: a delta on ``parent``, or a keyframe when
+    ``keyframe`` is set) the answer also says which of them to upload, as checkObjects would,
+    when the answered kind is that encoding's: one round trip instead of two.
+    """
+    if body.objects is not None:
+        _refuse_too_large(body.objects, settings.max_object_size)
+    begun = await ops.begin_publish(
+        model, parent=body.parent, step=body.step, metadata=body.metadata, keyframe=body.keyframe
     )
+    out = begin_out(begun)
+    if body.objects is not None and begun.kind == ("keyframe" if body.keyframe else "delta"):
+        checked = await _check(model, begun.publish_id, body.objects, ops, settings)
+        out.missing, out.uploads = checked.missing, checked.uploads
+    return out
+
+
+def _refuse_too_large(objects: list[ObjectRef], limit: int) -> None:
+    """413 too-large when any listed object is over the server's object size cap."""
+    too_big = [o.digest for o in objects if o.size > limit]
+    if too_big:
+        raise ApiProblem(
+            413,
+            "too-large",
+            "Object too large",
+            f"{len(too_big)} object(s) exceed the {limit}-byte limit",
+            digests=too_big[:10],
+        )
+
+
+async def _check(model: str, publish_id: str, objects: list[ObjectRef], ops: Ops, settings: Settings) -> CheckOut:
+    """Which of `objects` the store lacks (held for the publish meanwhile), with presigned uploads where it can."""
+    missing = await ops.missing_objects(model, publish_id, [(o.digest, o.size) for o in objects])
+    if not (settings.presign and ops.can_presign and missing):
+        return CheckOut(missing=missing)
+    sizes = {o.digest: o.size for o in objects}
+    signed = await ops.presign_uploads({d: sizes[d] for d in missing}, settings.presign_expires_s)
+    uploads = {d: PresignedPut(method=r.method, url=r.url, headers=dict(r.headers)) for d, r in signed.items()}
+    return CheckOut(missing=missing, uploads=uploads)
 
 
 @router.post(
@@ -141,22 +177,8 @@ async def check_objects(
     model: str, publish_id: str, body: CheckIn, ops: OpsDep, who: Publisher, settings: SettingsDep
 ) -> CheckOut:
     """Which objects the store lacks (held for this publish meanwhile); presigned uploads where the store can."""
-    too_big = [o.digest for o in body.objects if o.size > settings.max_object_size]
-    if too_big:
-        raise ApiProblem(
-            413,
-            "too-large",
-            "Object too large",
-            f"{len(too_big)} object(s) exceed the {settings.max_object_size}-byte limit",
-            digests=too_big[:10],
-        )
-    missing = await ops.missing_objects(model, publish_id, [(o.digest, o.size) for o in body.objects])
-    if not (settings.presign and ops.can_presign and missing):
-        return CheckOut(missing=missing)
-    sizes = {o.digest: o.size for o in body.objects}
-    signed = await ops.presign_uploads({d: sizes[d] for d in missing}, settings.presign_expires_s)
-    uploads = {d: PresignedPut(method=r.method, url=r.url, headers=dict(r.headers)) for d, r in signed.items()}
-    return CheckOut(missing=missing, uploads=uploads)
+    _refuse_too_large(body.objects, settings.max_object_size)
+    return await _check(model, publish_id, body.objects, ops, settings)
 
 
 @router.post(
@@ -177,7 +199,11 @@ async def commit_publish(
     """Make the publish visible (compare-and-swap on the head); a retried commit returns the same version."""
     started = ops.clock()
     version = await ops.commit_publish(
-        model, publish_id, manifest_digest=body.manifest, idempotency_key=body.idempotency_key or idempotency_key
+        model,
+        publish_id,
+        manifest_digest=body.manifest,
+        idempotency_key=body.idempotency_key or idempotency_key,
+        record_later=True,
     )
     # A replay returns the version committed earlier: count each commit once.
     if version.committed_at is not None and version.committed_at >= started:
