@@ -23,6 +23,8 @@ __all__ = [
     "human_bytes",
     "is_digest",
     "pread_exact",
+    "removal_message",
+    "removed_content",
 ]
 
 VERSION = "0.1.0"
@@ -123,3 +125,31 @@ def human_bytes(n: float) -> str:
             return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+def removed_content(old: dict[str, set[str]], new: dict[str, set[str]], *, single_file: bool = False) -> list[str]:
+    """What a version drops of its parent: files (by path) and ``path:tensor`` of the files it keeps.
+
+    `old` and `new` map each file's path to the names of its tensors. With `single_file` both
+    hold one file, which may be renamed: it is compared with the other's one file.
+    """
+    if single_file and len(old) == len(new) == 1:
+        pairs = [(path, names, next(iter(new.values()))) for path, names in old.items()]
+    else:
+        pairs = [(path, names, new.get(path)) for path, names in old.items()]
+    out: list[str] = []
+    for path, names, kept in sorted(pairs):
+        if kept is None:
+            out.append(path)
+        else:
+            out += [f"{path}:{name}" for name in sorted(names - kept)]
+    return out
+
+
+def removal_message(parent: int | None, dropped: list[str]) -> str:
+    """The one-line refusal of a version that drops `dropped` (from :func:`removed_content`) of v`parent`."""
+    more = f" and {len(dropped) - 3} more" if len(dropped) > 3 else ""
+    return (
+        f"version {parent} has {len(dropped)} file(s) or tensor(s) this version drops ({', '.join(dropped[:3])}{more}):"
+        " publish with allow_removals (CLI --allow-removals) if that is intended"
+    )

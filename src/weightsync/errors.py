@@ -143,6 +143,16 @@ class SafetensorsError(FormatError):
     """A .safetensors file (header or layout) is invalid."""
 
 
+class InvalidCheckpoint(FormatError):
+    """A checkpoint must not be published: a safetensors file that does not parse, no safetensors weights, pickles.
+
+    Raised by the publisher before anything is uploaded, and by the service for a
+    manifest that describes such a version (codec/validate.py).
+    """
+
+    code, status, title = "invalid-checkpoint", 422, "Invalid checkpoint"
+
+
 # --- lookups that found nothing ---------------------------------------------------------
 
 
@@ -274,6 +284,12 @@ class IncompletePublish(WeightsyncError):
     """A commit names objects the store does not hold."""
 
     code, status, title, exit_code = "incomplete-publish", 409, "Incomplete publish", EXIT_CONFLICT
+
+
+class RemovesContent(Conflict):
+    """A version drops files or tensors its parent had, and the publisher did not say removals are intended."""
+
+    code, title = "removes-content", "Version removes content"
 
 
 # --- client ---------------------------------------------------------------------------

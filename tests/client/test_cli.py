@@ -295,3 +295,34 @@ def test_top_level_patch_against_the_wrong_base_exits_as_a_conflict(tmp_path: Pa
     assert r.exit_code == EXIT_CONFLICT == errors.BaseMismatch.exit_code
     _one_error_line(r)
     assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_push_refuses_removals_unless_allowed(server, model, cli, tmp_path: Path) -> None:
+    """A version that drops a file or a tensor of the previous one is refused (exit 3, one line) until allowed."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    env = {"WEIGHTSYNC_SERVER": server.url}
+    v1 = tmp_path / "v1"
+    v1.mkdir()
+    save_file({"a": np.ones(64, np.float32), "b": np.zeros(8, np.float32)}, str(v1 / "model.safetensors"))
+    (v1 / "config.json").write_text("{}")
+    assert cli("push", model, v1, env=env).exit_code == 0
+    no_config = tmp_path / "v2"
+    no_config.mkdir()
+    (no_config / "model.safetensors").write_bytes((v1 / "model.safetensors").read_bytes())
+    refused = cli("push", model, no_config, env=env)
+    assert refused.exit_code == EXIT_CONFLICT
+    assert "config.json" in _one_error_line(refused) and "--allow-removals" in refused.stderr
+    no_b = tmp_path / "v3"
+    no_b.mkdir()
+    save_file({"a": np.ones(64, np.float32)}, str(no_b / "model.safetensors"))
+    (no_b / "config.json").write_text("{}")
+    refused = cli("push", model, no_b, env=env)
+    assert refused.exit_code == EXIT_CONFLICT and "model.safetensors:b" in _one_error_line(refused)
+    head = httpx.get(f"{server.url}/v1/models/{model}").json()["head"]
+    assert head == 1  # nothing committed
+    allowed = cli("push", model, no_b, "--allow-removals", "--json", env=env)
+    assert allowed.exit_code == 0 and _one_json(allowed)["version"] == 2
+    pulled = cli("pull", model, tmp_path / "replica", env=env)
+    assert pulled.exit_code == 0 and tree_bytes(tmp_path / "replica") == tree_bytes(no_b)

@@ -83,7 +83,7 @@ def _requests_by_route(url: str) -> dict[str, float]:
 
 def test_a_delta_publish_is_three_sequential_requests(server, model, tmp_path: Path) -> None:
     """Holding the parent, the publisher encodes first and begins with its objects: no checkObjects call."""
-    sources = _versions(tmp_path, 3)
+    sources = _versions(tmp_path, 2, seed=7)  # bytes no other test stores: every object is new
     with Publisher(server.url, model, **SMALL) as pub:
         pub.publish(sources[0])
         before = _requests_by_route(server.url)
@@ -112,6 +112,29 @@ def test_a_keyframe_the_policy_asks_for_replaces_the_delta_encoded_first(server,
     with Subscriber(server.url, model, name="policy") as sub:
         assert sub.pull(tmp_path / "out").version == 3
     assert tree_bytes(tmp_path / "out") == tree_bytes(sources[2])
+
+
+def test_a_version_that_drops_files_is_refused_unless_allowed(server, model, tmp_path: Path) -> None:
+    """A wrong path cannot wipe files off the fleet: RemovesContent, nothing committed, the replica untouched."""
+    sources = _versions(tmp_path, 2, seed=11)
+    weights_only = tmp_path / "weights-only"
+    weights_only.mkdir()
+    (weights_only / "model.safetensors").write_bytes((sources[1] / "model.safetensors").read_bytes())
+    with Subscriber(server.url, model, name="kept") as sub:
+        with Publisher(server.url, model, **SMALL) as pub:
+            pub.publish(sources[0])
+            sub.pull(tmp_path / "replica")
+            with pytest.raises(errors.RemovesContent, match="config.json"):
+                pub.publish(weights_only)  # refused by the publisher, which holds the parent: nothing uploaded
+            assert pub.publish(sources[1]).version == 2  # the publisher goes on from the head
+        with Publisher(server.url, model, **SMALL) as fresh:  # holds no base: the server refuses at commit
+            with pytest.raises(errors.RemovesContent, match="config.json"):
+                fresh.publish(weights_only, keyframe=True)
+            assert sub.pull(tmp_path / "replica").version == 2
+            assert tree_bytes(tmp_path / "replica") == tree_bytes(sources[1])
+            assert fresh.publish(weights_only, allow_removals=True).version == 3
+        sub.pull(tmp_path / "replica")
+    assert tree_bytes(tmp_path / "replica") == tree_bytes(weights_only)
 
 
 def test_publish_state_dict_async_in_order(server, model, tmp_path: Path) -> None:

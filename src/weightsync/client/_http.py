@@ -255,12 +255,17 @@ class Api:
             )
         )
 
-    def commit_publish(self, model: str, publish_id: str, *, manifest: str, idempotency_key: str) -> models.Version:
+    def commit_publish(
+        self, model: str, publish_id: str, *, manifest: str, idempotency_key: str, allow_removals: bool = False
+    ) -> models.Version:
+        body: dict[str, Any] = {"manifest": manifest, "idempotency_key": idempotency_key}
+        if allow_removals:
+            body["allow_removals"] = True
         return models.Version.from_json(
             self._json(
                 "POST",
                 f"/v1/models/{model}/publishes/{publish_id}/commit",
-                json={"manifest": manifest, "idempotency_key": idempotency_key},
+                json=body,
                 headers={"Idempotency-Key": idempotency_key},
                 not_found=errors.PublishNotFound,
             )

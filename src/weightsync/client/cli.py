@@ -158,6 +158,10 @@ def register(app: typer.Typer) -> None:
         path: Annotated[Path, typer.Argument(help="A safetensors file or a directory (sharded checkpoint).")],
         server: ServerOpt = DEFAULT_SERVER,
         keyframe: Annotated[bool, typer.Option("--keyframe", help="Store this version whole.")] = False,
+        allow_removals: Annotated[
+            bool,
+            typer.Option("--allow-removals", help="Publish even if files or tensors of the previous version are gone."),
+        ] = False,
         step: Annotated[int | None, typer.Option("--step", min=0, help="Training step.")] = None,
         metadata: Annotated[str | None, typer.Option("--metadata", help="Metadata as a JSON object.")] = None,
         cache_dir: Annotated[
@@ -204,7 +208,7 @@ def register(app: typer.Typer) -> None:
                     progress=progress,
                 ) as pub,
             ):
-                result = pub.publish(path, step=step, metadata=meta, keyframe=keyframe)
+                result = pub.publish(path, step=step, metadata=meta, keyframe=keyframe, allow_removals=allow_removals)
         if as_json:
             _emit(result.to_dict())
         else:

@@ -118,7 +118,13 @@ class Publisher:
     # --- publishing ---------------------------------------------------------------------
 
     def publish_async(
-        self, source: Any, *, step: int | None = None, metadata: dict | None = None, keyframe: bool = False
+        self,
+        source: Any,
+        *,
+        step: int | None = None,
+        metadata: dict | None = None,
+        keyframe: bool = False,
+        allow_removals: bool = False,
     ) -> Future[PublishResult]:
         """Queue a publish on the one background worker and return its Future (publishes run in order).
 
@@ -134,17 +140,28 @@ class Publisher:
             source = snapshot_state_dict(source, buffers=self._snapshots)
         if self._background is None:
             self._background = ThreadPoolExecutor(1, thread_name_prefix="weightsync-publish")
-        return self._background.submit(self.publish, source, step=step, metadata=metadata, keyframe=keyframe)
+        return self._background.submit(
+            self.publish, source, step=step, metadata=metadata, keyframe=keyframe, allow_removals=allow_removals
+        )
 
     def publish(
-        self, source: Any, *, step: int | None = None, metadata: dict | None = None, keyframe: bool = False
+        self,
+        source: Any,
+        *,
+        step: int | None = None,
+        metadata: dict | None = None,
+        keyframe: bool = False,
+        allow_removals: bool = False,
     ) -> PublishResult:
         """Publish `source` as the model's next version and return what was done.
 
         `source`: a safetensors file, a directory (sharded checkpoint, configs
         carried along), a torch state_dict (published as ``model.safetensors``)
-        or safetensors bytes. Raises StaleParent when another publisher moved
-        the head during the publish, AuthError, ServerUnavailable, ...
+        or safetensors bytes. A version that drops files or tensors the previous
+        one had raises RemovesContent unless `allow_removals` (so a wrong path
+        or an empty directory cannot wipe the fleet). Raises StaleParent when
+        another publisher moved the head during the publish, AuthError,
+        ServerUnavailable, ...
         """
         with self._lock:
             t0 = time.perf_counter()
@@ -186,7 +203,9 @@ class Publisher:
                     begun,
                     base,
                     packed,
+                    checkpoint=checkpoint,
                     pack_for=pack_for,
+                    allow_removals=allow_removals,
                     meter=meter,
                     timings=timings,
                 )
@@ -237,8 +256,9 @@ def publish(
     step: int | None = None,
     metadata: dict | None = None,
     keyframe: bool = False,
+    allow_removals: bool = False,
     **options: Any,
 ) -> PublishResult:
     """One-shot publish with a throwaway :class:`Publisher` (options as its constructor's)."""
     with Publisher(server, model, token=token, **options) as pub:
-        return pub.publish(source, step=step, metadata=metadata, keyframe=keyframe)
+        return pub.publish(source, step=step, metadata=metadata, keyframe=keyframe, allow_removals=allow_removals)

@@ -27,6 +27,7 @@ from weightsync.codec.checkpoint import Checkpoint
 from weightsync.codec.encoder import Encoder
 from weightsync.codec.manifest import Manifest
 from weightsync.codec.pack import pack
+from weightsync.common import removal_message, removed_content
 
 log = logging.getLogger("weightsync.client")
 
@@ -131,6 +132,11 @@ def begin(
     return base, answer, None
 
 
+def _names(checkpoint: Checkpoint) -> dict[str, set[str]]:
+    """Each file's path and the names of its tensors."""
+    return {f.layout.path: {s.name for s in f.layout.segments if s.kind == "tensor"} for f in checkpoint.files}
+
+
 @dataclass
 class Committed:
     """What `commit` did: the version, its manifest, and the objects it listed and uploaded."""
@@ -150,7 +156,9 @@ def commit(
     base: Base | None,
     packed: Packed | None,
     *,
+    checkpoint: Checkpoint,
     pack_for: Callable[[Base | None, int | None], Packed],
+    allow_removals: bool,
     meter: Meter,
     timings: dict[str, float],
 ) -> Committed:
@@ -158,12 +166,18 @@ def commit(
 
     `packed` (from `begin`) is used when it is what the server asked for (kind and parent),
     with the objects check that came with the begin; otherwise `pack_for(base or None,
-    parent)` encodes anew and the objects are checked now. Raises what the API raises; the
-    caller aborts the pending publish.
+    parent)` encodes anew and the objects are checked now. Raises what the API raises
+    (RemovesContent: the version drops files or tensors of its parent, without
+    `allow_removals`); the caller aborts the pending publish.
     """
     use = base if begun.kind == "delta" and base is not None else None
     if use is not None and begun.parent_manifest not in (None, use.state.manifest):
         use = None
+    if base is not None and begun.parent == base.state.number and not allow_removals:
+        # The held base is the parent: refuse before uploading anything (the commit checks it anyway).
+        dropped = removed_content(_names(base.checkpoint), _names(checkpoint), single_file=checkpoint.single_file)
+        if dropped:
+            raise errors.RemovesContent(removal_message(base.state.number, dropped))
     fits = (
         packed is not None
         and packed.manifest.parent == begun.parent
@@ -192,6 +206,8 @@ def commit(
     timings["upload_s"] = time.perf_counter() - t
     t = time.perf_counter()
     key = hashlib.sha256(f"{model}\0{begun.publish_id}\0{packed.digest}".encode()).hexdigest()[:32]
-    number = api.commit_publish(model, begun.publish_id, manifest=packed.digest, idempotency_key=key).number
+    number = api.commit_publish(
+        model, begun.publish_id, manifest=packed.digest, idempotency_key=key, allow_removals=allow_removals
+    ).number
     timings["commit_s"] = time.perf_counter() - t
     return Committed(number, packed.digest, packed.manifest, len(packed.objects) + 1, len(todo))

@@ -27,6 +27,7 @@ import numpy as np
 from weightsync import errors
 from weightsync.catalog import Catalog, Lease, Model, ObjectInfo, Replica, Version
 from weightsync.codec import Checkpoint, CheckpointFile, Decoder, FrameRef, Manifest
+from weightsync.common import removal_message, removed_content
 from weightsync.ops.records import record_of
 from weightsync.store import ObjectInfo as StoredObject
 from weightsync.store import ObjectStore, PresignedRequest, PutResult
@@ -116,6 +117,15 @@ def committed(v: Version) -> tuple[int, str]:
     if v.number is None or v.manifest_digest is None:
         raise errors.VersionNotFound(f"a version of {v.model!r} is not committed (publish {v.publish_id})")
     return v.number, v.manifest_digest
+
+
+def removed(manifest: Manifest, parent: Manifest) -> list[str]:
+    """What `parent` holds that `manifest` drops (common.removed_content over their files' tensor names)."""
+
+    def names(m: Manifest) -> dict[str, set[str]]:
+        return {f.path: {e.segment.name for e in f.segments if e.segment.kind == "tensor"} for f in m.files}
+
+    return removed_content(names(parent), names(manifest), single_file=manifest.single_file and parent.single_file)
 
 
 class Ops:
@@ -293,6 +303,7 @@ class Ops:
         *,
         manifest_digest: str,
         idempotency_key: str | None = None,
+        allow_removals: bool = False,
         record_later: bool = False,
     ) -> Version:
         """Make the publish visible: validate its manifest and objects, then compare-and-swap the head.
@@ -302,7 +313,8 @@ class Ops:
         not fit the pending publish (other parent, a delta where a keyframe was
         required, deltas against other bytes than the parent's), StaleParent if
         another commit moved the head first, PublishNotFound if the publish expired.
-        A retry of a commit that succeeded returns the same version.
+        A retry of a commit that succeeded returns the same version. A version that drops
+        files or tensors its parent had raises RemovesContent unless ``allow_removals``.
 
         The commit record (DESIGN invariant 2: after the catalog commit) is written before this
         returns, or with ``record_later`` by a task of its own, off the commit's answer
@@ -320,7 +332,7 @@ class Ops:
                 return None  # maybe a retry of a commit that went through: the catalog replays it
 
         async def parent_manifest() -> Manifest | None:
-            if manifest.kind != "delta" or manifest.parent is None:
+            if manifest.parent is None:
                 return None
             pv = await self._db(self.catalog.get_version, model, manifest.parent)
             return await self.load_manifest(committed(pv)[1])
@@ -353,8 +365,12 @@ class Ops:
                 )
             if pending.kind == "keyframe" and manifest.kind == "delta":
                 raise errors.Conflict("the chain policy requires a keyframe for this publish")
+            parent = _result(answers[1])
             if manifest.kind == "delta":
-                self._check_bases(manifest, _result(answers[1]))
+                self._check_bases(manifest, parent)
+            dropped = [] if allow_removals or parent is None else removed(manifest, parent)
+            if dropped:
+                raise errors.RemovesContent(removal_message(manifest.parent, dropped))
         refs: list[tuple[str, int]] = [_result(a) for a in answers[3:]]
         if pending is not None:
             if isinstance(answers[2], errors.IncompletePublish):

@@ -178,6 +178,9 @@ class CheckOut(_Out):
 class CommitIn(_In):
     manifest: str = Field(max_length=1024, description="Digest of the uploaded manifest object.")
     idempotency_key: str | None = Field(None, min_length=1, max_length=128)
+    allow_removals: bool = Field(
+        False, description="Commit even if the version drops files or tensors its parent had (else 409)."
+    )
 
 
 # --- objects -------------------------------------------------------------------------

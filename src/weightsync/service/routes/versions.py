@@ -203,6 +203,7 @@ async def commit_publish(
         publish_id,
         manifest_digest=body.manifest,
         idempotency_key=body.idempotency_key or idempotency_key,
+        allow_removals=body.allow_removals,
         record_later=True,
     )
     # A replay returns the version committed earlier: count each commit once.
