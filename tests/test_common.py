@@ -29,12 +29,17 @@ def test_digests_are_64_lowercase_hex_digits() -> None:
             check_digest(bad)
 
 
-@pytest.mark.parametrize("name", ["a", "policy-7b", "m.v1_2", "0" * 128])
+@pytest.mark.parametrize(
+    "name", ["a", "policy-7b", "m.v1_2", "0" * 96, "Policy", "Org/Name", "meta-llama/Llama-3.1-8B"]
+)
 def test_valid_model_names_pass(name: str) -> None:
     assert check_model_name(name) == name
 
 
-@pytest.mark.parametrize("name", ["", "Policy", "-a", ".a", "a/b", "a" * 129, "a b", None, 3])
+@pytest.mark.parametrize(
+    "name",
+    ["", "-a", ".a", "a/b/c", "/a", "a/", "a/-b", "a" * 97, "a b", "a--b", "a..b", "Org/versions", "é", None, 3],
+)
 def test_invalid_model_names_raise_invalid_name(name: object) -> None:
     with pytest.raises(errors.InvalidName):
         check_model_name(name)

@@ -17,6 +17,7 @@ EXPECTED_EXIT = {
     errors.Conflict: 3,
     errors.BaseMismatch: 3,
     errors.IncompletePublish: 3,
+    errors.RemovesContent: 3,
     errors.AuthError: 4,
     errors.Forbidden: 4,
     errors.ServerUnavailable: 5,
@@ -31,6 +32,8 @@ EXPECTED_WIRE = {
     ("stale-parent", None): (409, errors.StaleParent),
     ("conflict", None): (409, errors.Conflict),
     ("incomplete-publish", None): (409, errors.IncompletePublish),
+    ("removes-content", None): (409, errors.RemovesContent),
+    ("invalid-checkpoint", None): (422, errors.InvalidCheckpoint),
     ("base-mismatch", None): (409, errors.BaseMismatch),
     ("not-found", None): (404, errors.NotFound),
     ("not-found", "model"): (404, errors.ModelNotFound),
@@ -128,9 +131,10 @@ def test_docs_api_errors_table_lists_every_code() -> None:
 
 
 def test_readme_exit_codes_match() -> None:
-    readme = (ROOT / "README.md").read_text()
+    readme = " ".join((ROOT / "README.md").read_text().split())  # as prose reads: line breaks are spaces
     assert (
-        "Exit codes: 0 ok, 1 error, 2 usage, 3 conflict (stale parent), 4 auth,\n5 server unavailable, 6 not found"
+        "Exit codes: 0 ok, 1 error, 2 usage, 3 conflict (stale parent, removals), 4 auth, 5 server unavailable,"
+        " 6 not found"
     ) in readme
     assert (
         errors.EXIT_OK,

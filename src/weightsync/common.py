@@ -15,6 +15,7 @@ from weightsync import errors
 
 __all__ = [
     "DIGEST_PATTERN",
+    "MODEL_NAME_MAX",
     "MODEL_NAME_PATTERN",
     "VERSION",
     "Backoff",
@@ -22,6 +23,7 @@ __all__ = [
     "check_model_name",
     "human_bytes",
     "is_digest",
+    "model_path_name",
     "pread_exact",
     "removal_message",
     "removed_content",
@@ -33,8 +35,13 @@ VERSION = "0.1.0"
 DIGEST_PATTERN = re.compile(r"[0-9a-f]{64}")
 """A SHA-256 digest as stored objects are named: 64 lowercase hex digits (use ``fullmatch``)."""
 
-MODEL_NAME_PATTERN = re.compile(r"[a-z0-9][a-z0-9._-]{0,127}")
-"""A model name (docs/DESIGN.md "Concepts"; use ``fullmatch``)."""
+MODEL_NAME_PART = r"[A-Za-z0-9][A-Za-z0-9._-]*"
+MODEL_NAME_PATTERN = re.compile(rf"{MODEL_NAME_PART}(?:/{MODEL_NAME_PART})?")
+"""A model name's shape (docs/DESIGN.md "Concepts"; use ``fullmatch``): ``name`` or Hugging Face-style
+``Org/Name``. :func:`check_model_name` adds the length cap and the reserved words."""
+MODEL_NAME_MAX = 96
+RESERVED_NAME_PARTS = frozenset({"versions", "plan", "publishes", "watch", "events", "replicas", "pin"})
+"""Words of the API's model routes: the part after ``/`` may not be one (``Org/versions`` would read as a route)."""
 
 
 def is_digest(value: object) -> bool:
@@ -51,10 +58,31 @@ def check_digest(value: object) -> str:
 
 
 def check_model_name(name: object) -> str:
-    """Return ``name`` if it is a valid model name (``[a-z0-9][a-z0-9._-]{0,127}``), else raise InvalidName."""
+    """Return ``name`` if it is a valid model name, else raise InvalidName.
+
+    Letters of both cases, digits and ``._-``, starting with a letter or digit, with at most one
+    ``/`` (``Org/Name``, each part starting with a letter or digit); at most 96 characters; no
+    ``--`` (local paths map ``/`` to ``--``) or ``..``; the part after ``/`` is not a word of the
+    API's routes. Case is preserved and compared exactly.
+    """
     if not isinstance(name, str) or MODEL_NAME_PATTERN.fullmatch(name) is None:
-        raise errors.InvalidName(f"invalid model name {name!r:.140}: use [a-z0-9][a-z0-9._-]{{0,127}}")
+        raise errors.InvalidName(
+            f"invalid model name {name!r:.140}: use letters, digits and ._- (at most one /, as in Org/Name), "
+            "starting with a letter or digit"
+        )
+    if len(name) > MODEL_NAME_MAX:
+        raise errors.InvalidName(f"invalid model name {name!r:.140}: longer than {MODEL_NAME_MAX} characters")
+    if "--" in name or ".." in name:
+        raise errors.InvalidName(f"invalid model name {name!r:.140}: '--' and '..' are not allowed")
+    if "/" in name and name.split("/", 1)[1] in RESERVED_NAME_PARTS:
+        words = ", ".join(sorted(RESERVED_NAME_PARTS))
+        raise errors.InvalidName(f"invalid model name {name!r:.140}: the part after / may not be one of {words}")
     return name
+
+
+def model_path_name(name: str) -> str:
+    """A model name as one local path component (caches, default checkouts): ``Org/Name`` → ``Org--Name``."""
+    return check_model_name(name).replace("/", "--")
 
 
 def pread_exact(fd: int, n: int, offset: int) -> bytes:

@@ -13,8 +13,8 @@ from weightsync.catalog import DEFAULT_SETTINGS, Catalog
 # --- models ---------------------------------------------------------------------------
 
 
-VALID_NAMES = ["a", "policy-7b", "m.v2_x", "0" * 128, "9lives"]
-INVALID_NAMES = ["", "A", "-x", ".x", "_x", "a/b", "a b", "0" * 129, "é", "x\n", "a\x00"]
+VALID_NAMES = ["a", "policy-7b", "m.v2_x", "0" * 96, "9lives", "A", "Org/Name-7B"]
+INVALID_NAMES = ["", "-x", ".x", "_x", "a/b/c", "a--b", "a b", "0" * 97, "é", "x\n", "a\x00", "Org/plan"]
 
 
 def test_name_validation(catalog: Catalog) -> None:

@@ -111,7 +111,7 @@ def _outside_untouched(sec: Sec) -> None:
 
 
 # --- path traversal: model names -----------------------------------------------------------------------------
-# Each decodes to a name breaking `[a-z0-9][a-z0-9._-]{0,127}` (DESIGN "Concepts"). ("policy-%2e%2e" is not here:
+# Each decodes to a name breaking the model name rules (DESIGN "Concepts"). ("policy-%2e%2e" is not here:
 # it decodes to "policy-..", a legal name — model names are catalog keys, never paths.)
 
 BAD_MODEL_TARGETS = [
@@ -124,7 +124,8 @@ BAD_MODEL_TARGETS = [
     "..%5c..%5cetc",
     "a%00b",
     "%c0%ae%c0%ae",
-    "Policy-Sec",
+    "policy--sec",
+    "policy%2fsec%2fx",
     "-policy",
     ".policy",
     "_x",

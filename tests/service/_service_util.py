@@ -27,10 +27,11 @@ from weightsync.service import Settings, create_app
 
 # name -> (token, scopes, model patterns). "admin" is configured by hash, the others in clear.
 TOKENS: dict[str, tuple[str, list[str], list[str]]] = {
-    "admin": ("adm-" + uuid.uuid4().hex + uuid.uuid4().hex, ["admin"], ["*"]),
+    "admin": ("adm-" + uuid.uuid4().hex + uuid.uuid4().hex, ["admin"], ["**"]),
     "publisher": ("pub-" + uuid.uuid4().hex + uuid.uuid4().hex, ["publish"], ["policy-*"]),
     "reader": ("rd-" + uuid.uuid4().hex + uuid.uuid4().hex, ["read"], ["policy-*"]),
     "other": ("oth-" + uuid.uuid4().hex + uuid.uuid4().hex, ["publish"], ["other-*"]),
+    "org": ("org-" + uuid.uuid4().hex + uuid.uuid4().hex, ["publish"], ["Acme/*"]),
 }
 UPLOAD_CAP = 1 << 20  # small, so the 413 paths are cheap to show
 JSON_CAP = 64 << 10

@@ -138,7 +138,7 @@ def test_models(service):
     again = ok(c.post("/v1/models", json={"name": name, "keyframe_interval": 5}), 200)
     assert again == created.json()
     problem(c.post("/v1/models", json={"name": name, "keyframe_interval": 6}), 409, "conflict")
-    problem(c.post("/v1/models", json={"name": "Not_Valid"}), 422, "invalid-name")
+    problem(c.post("/v1/models", json={"name": "not valid"}), 422, "invalid-name")
     problem(c.post("/v1/models", json={"name": "x", "keyframe_interval": 0}), 422, "validation")
     problem(c.post("/v1/models", content=b"not json", headers={"content-type": "application/json"}), 422, "validation")
     assert ok(c.get(f"/v1/models/{name}"), 200)["name"] == name

@@ -61,7 +61,7 @@ UNSET: Any = Unset()
 
 
 def validate_model_name(name: str) -> str:
-    """Return ``name`` if it is a valid model name (``[a-z0-9][a-z0-9._-]{0,127}``), else raise InvalidName."""
+    """Return ``name`` if it is a valid model name (common.check_model_name), else raise InvalidName."""
     return check_model_name(name)
 
 

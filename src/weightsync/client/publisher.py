@@ -36,6 +36,7 @@ from weightsync.client.tensors import SnapshotBuffers, snapshot_state_dict
 from weightsync.client.wire import Retry, TokenBucket
 from weightsync.codec.encoder import DEFAULT_CHUNK, Encoder
 from weightsync.codec.pack import DEFAULT_OBJECT_BYTES
+from weightsync.common import model_path_name
 
 log = logging.getLogger("weightsync.client")
 
@@ -71,7 +72,7 @@ class Publisher:
         if on_mismatch not in ("auto", "keyframe", "download"):
             raise ValueError("on_mismatch must be 'auto', 'keyframe' or 'download'")
         self.model = model
-        self.cache_dir = Path(cache_dir) / model if cache_dir is not None else None
+        self.cache_dir = Path(cache_dir) / model_path_name(model) if cache_dir is not None else None
         self.concurrency = max(1, concurrency)
         self.on_mismatch = (
             on_mismatch if on_mismatch != "auto" else ("download" if self.cache_dir is not None else "keyframe")

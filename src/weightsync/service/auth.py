@@ -5,14 +5,16 @@ are kept in memory; a presented token is hashed and compared with
 ``hmac.compare_digest`` against every entry. Tokens never appear in messages, logs or
 errors: entries are named by their ``name`` (or their position).
 
-Scopes nest: ``admin`` ⊇ ``publish`` ⊇ ``read``. ``models`` are fnmatch patterns
-(case-sensitive) a model name must match; default ``["*"]``. With no entries at all the
+Scopes nest: ``admin`` ⊇ ``publish`` ⊇ ``read``. ``models`` are patterns (case-sensitive) a
+model name must match: ``*`` matches any characters but ``/``, ``**`` any characters, ``?`` one
+character but ``/``; so ``policy-*`` does not match ``Org/policy-7b``, ``Org/*`` matches every
+model of ``Org``, and the default ``["**"]`` every model. With no entries at all the
 service runs in anonymous development mode: everyone is admin, but only on loopback.
 """
 
 from __future__ import annotations
 
-import fnmatch
+import functools
 import hashlib
 import hmac
 import json
@@ -30,6 +32,27 @@ __all__ = ["SCOPES", "AuthDenied", "Principal", "TokenTable"]
 SCOPES = ("read", "publish", "admin")
 _IMPLIED = {"read": {"read"}, "publish": {"read", "publish"}, "admin": {"read", "publish", "admin"}}
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,63}")
+
+
+@functools.lru_cache(maxsize=1024)
+def model_pattern(pattern: str) -> re.Pattern[str]:
+    """A token's model pattern as a regex: ``**`` any characters, ``*`` any but ``/``, ``?`` one but ``/``."""
+    out: list[str] = []
+    i = 0
+    while i < len(pattern):
+        if pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+        elif pattern[i] == "*":
+            out.append("[^/]*")
+            i += 1
+        elif pattern[i] == "?":
+            out.append("[^/]")
+            i += 1
+        else:
+            out.append(re.escape(pattern[i]))
+            i += 1
+    return re.compile("".join(out), re.DOTALL)
 
 
 class AuthDenied(Exception):
@@ -51,7 +74,7 @@ class Principal:
     anonymous: bool = False
 
     def may_use(self, model: str) -> bool:
-        return any(fnmatch.fnmatchcase(model, p) for p in self.models)
+        return any(model_pattern(p).fullmatch(model) is not None for p in self.models)
 
     def require(self, scope: str, model: str | None = None) -> None:
         """Raise AuthDenied(403) unless this principal has ``scope`` (and may touch ``model``)."""
@@ -69,7 +92,7 @@ class _Entry:
     models: tuple[str, ...]
 
 
-ANONYMOUS = Principal("anonymous", frozenset(SCOPES), ("*",), anonymous=True)
+ANONYMOUS = Principal("anonymous", frozenset(SCOPES), ("**",), anonymous=True)
 
 
 def hash_token(token: str) -> str:
@@ -201,7 +224,7 @@ def _entry(item: Any, where: str) -> _Entry:
         scopes = [scopes]
     if not isinstance(scopes, list) or not scopes or any(s not in _IMPLIED for s in scopes):
         raise ConfigError(f"{where}: scopes must be a non-empty list of {', '.join(SCOPES)}")
-    models = item.get("models", ["*"])
+    models = item.get("models", ["**"])
     if isinstance(models, str):
         models = [models]
     if not isinstance(models, list) or not models or any(not isinstance(m, str) or not m for m in models):

@@ -28,10 +28,14 @@ log = logging.getLogger("weightsync.service")
 _RID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
+_CONVERTOR = re.compile(r"\{(\w+):\w+\}")
+
+
 def _route_of(scope: Scope) -> str:
+    """The matched route's template as clients see it: ``{model:model}`` reads ``{model}``."""
     route = scope.get("route")
     path = getattr(route, "path", None)
-    return path if isinstance(path, str) else "unmatched"
+    return _CONVERTOR.sub(r"{\1}", path) if isinstance(path, str) else "unmatched"
 
 
 class EdgeMiddleware:

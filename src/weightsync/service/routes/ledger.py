@@ -9,7 +9,7 @@ from fastapi import APIRouter, Query, status
 from weightsync.service.deps import OpsDep, Reader
 from weightsync.service.schemas import ReplicaIn, ReplicaList, ReplicaOut, replica_out
 
-router = APIRouter(prefix="/v1/models/{model}/replicas", tags=["ledger"])
+router = APIRouter(prefix="/v1/models/{model:model}/replicas", tags=["ledger"])
 
 
 @router.post("", operation_id="reportReplica", status_code=status.HTTP_201_CREATED, response_model=ReplicaOut)

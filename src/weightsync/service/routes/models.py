@@ -41,7 +41,7 @@ async def create_model(body: CreateModelIn, ops: OpsDep, who: Publisher, respons
     return model_out(model)
 
 
-@router.get("/{model}", operation_id="getModel", response_model=ModelOut)
+@router.get("/{model:model}", operation_id="getModel", response_model=ModelOut)
 async def get_model(model: str, ops: OpsDep, who: Reader) -> ModelOut:
     """One model: its head and its chain and retention settings."""
     return model_out(await ops.get_model(model))

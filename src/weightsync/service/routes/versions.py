@@ -33,7 +33,7 @@ from weightsync.service.schemas import (
 )
 from weightsync.service.settings import Settings
 
-router = APIRouter(prefix="/v1/models/{model}", tags=["versions"])
+router = APIRouter(prefix="/v1/models/{model:model}", tags=["versions"])
 log = logging.getLogger("weightsync.service")
 
 MAX_WATCH_S = 60.0
