@@ -9,6 +9,7 @@ brings the base to the head with an incremental pull first.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -27,27 +28,53 @@ from weightsync.client.models import Version
 from weightsync.client.pull import Meter, pull
 from weightsync.client.state import CheckoutState
 from weightsync.codec.checkpoint import Checkpoint, CheckpointFile, layout_of
+from weightsync.codec.validate import validate_for_publish
+
+log = logging.getLogger("weightsync.client")
 
 STATE_DICT_FILE = "model.safetensors"
 """File name a published state_dict gets."""
 
 
-def snapshot(source: Any) -> tuple[Checkpoint, bool]:
-    """(checkpoint, owned) of a publish source: owned when the bytes are ours (a serialized state_dict),
-    not the caller's files. TypeError for a source that is none of path, state_dict, bytes."""
+def snapshot(source: Any, *, warnings: list[str] | None = None) -> tuple[Checkpoint, bool]:
+    """(checkpoint, owned) of a publish source, checked for publishing: what to upload, nothing uploaded yet.
+
+    owned: the bytes are ours (a serialized state_dict), not the caller's files.
+    Every source (path, directory, state_dict, bytes, Checkpoint) is validated
+    (codec/validate.py): InvalidCheckpoint for a broken safetensors file, no
+    safetensors weights, or only pickles; pickles next to safetensors weights
+    are left out of the checkpoint returned, with a warning that is logged
+    (logger "weightsync.client") and appended to `warnings` when given.
+    TypeError for a source that is none of path, state_dict, bytes.
+    """
+    checkpoint, owned, name = _open_source(source)
+    checked = validate_for_publish(checkpoint, source=name)
+    for line in checked.warnings:
+        log.warning("%s", line)
+        if warnings is not None:
+            warnings.append(line)
+    return checked.checkpoint, owned
+
+
+def _open_source(source: Any) -> tuple[Checkpoint, bool, str]:
+    """(checkpoint, owned, how messages name it) of a publish source, unchecked."""
     if isinstance(source, Checkpoint):
-        return source, False
+        return source, False, "the checkpoint"
     if isinstance(source, (str, os.PathLike)):
-        return Checkpoint.open(source), False
+        return Checkpoint.open(source), False, os.fspath(source)
     if isinstance(source, (bytes, bytearray, np.ndarray)):
         data = np.frombuffer(source, dtype=np.uint8) if not isinstance(source, np.ndarray) else source
-        return Checkpoint([CheckpointFile(layout_of(STATE_DICT_FILE, data), data)], single_file=True), True
+        return _single(data), True, "the bytes"
     if isinstance(source, Mapping):
         from weightsync.client.tensors import serialize_state_dict
 
-        data = serialize_state_dict(source)
-        return Checkpoint([CheckpointFile(layout_of(STATE_DICT_FILE, data), data)], single_file=True), True
+        return _single(serialize_state_dict(source)), True, "the state_dict"
     raise TypeError(f"cannot publish a {type(source).__name__}: give a path, a state_dict or safetensors bytes")
+
+
+def _single(data: np.ndarray) -> Checkpoint:
+    """Bytes published as the one file STATE_DICT_FILE."""
+    return Checkpoint([CheckpointFile(layout_of(STATE_DICT_FILE, data), data)], single_file=True)
 
 
 def _in_memory(ck: Checkpoint) -> Checkpoint:

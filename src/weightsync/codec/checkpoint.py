@@ -23,6 +23,7 @@ from weightsync.errors import InvalidName, SafetensorsError
 STATE_DIR = ".weightsync"
 """Directory inside a checkout that holds client state; never part of a version."""
 
+SAFETENSORS_SUFFIX = ".safetensors"
 MAX_PATH = 1024
 _BAD_COMPONENT = re.compile(r"^\.{1,2}$|[\x00-\x1f\\]")
 
@@ -76,13 +77,21 @@ def check_path(path: str) -> str:
     return path
 
 
+def is_safetensors(path: str) -> bool:
+    """Whether `path` names a safetensors file (FORMAT §2: by its name, then by its header)."""
+    return path.endswith(SAFETENSORS_SUFFIX)
+
+
 def layout_of(path: str, data: np.ndarray) -> FileLayout:
-    """Cut `data` (a file's bytes) into segments: safetensors when it parses as one, else a blob."""
+    """Cut `data` (a file's bytes) into segments: safetensors when it parses as one, else a blob.
+
+    Permissive on purpose (diff, patch and checkouts carry any file exactly); a
+    publish refuses a ``*.safetensors`` file that came out a blob (codec/validate.py).
+    """
     size = len(data)
-    if path.endswith(".safetensors") and size >= 8:
+    if is_safetensors(path):
         try:
-            total = safetensors.header_length(data[:8].tobytes(), size)
-            parsed = safetensors.parse(data[:total].tobytes(), size)
+            parsed = safetensors.parse_file(data)
         except SafetensorsError:
             parsed = None  # not a valid safetensors file: still carried exactly, as a blob
         if parsed is not None:
