@@ -117,6 +117,12 @@ def bench_e2e(ctx: typer.Context) -> None:
     raise typer.Exit(_benchmarks("e2e_bench").main(list(ctx.args)))
 
 
+@bench_app.command("scale", context_settings=_PASSTHROUGH)
+def bench_scale(ctx: typer.Context) -> None:
+    """weightsync vs a full reload from disk vs XOR + zstd-1, on a corpus case or a generated model."""
+    raise typer.Exit(_benchmarks("scale_bench").main(list(ctx.args)))
+
+
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.strerror:
         return f"{exc.filename}: {exc.strerror}" if exc.filename else exc.strerror

@@ -1,0 +1,331 @@
+"""`weightsync bench scale`: weightsync against a full reload and against XOR + zstd-1, one model, one run.
+
+Issue 11's scale case. The model is a corpus case (``--case``, e.g. ``bf16-lr1e-6`` = 45 MB MiniLM,
+``moe-bf16-x4`` = 436 MB) or a Llama-style model generated to a size (``--model-bytes 200M``;
+benchmarks/_llama.py: random init, real AdamW steps at lr 1e-6 on random tokens, bf16 export) on
+whatever device is there. Live tensors sit on that device (CUDA when there is one, else the CPU).
+For every version after the first, on the same bytes (weightsync and the two others take turns
+going first from one version to the next):
+
+* weightsync, against an embedded ``weightsync serve`` on loopback: ``Publisher.publish`` of the
+  delta, then two subscribers ``prepare`` + ``apply`` (verification on) at once in two threads
+  (end to end = publish call → the last subscriber applied); then a third subscriber alone
+  (prepare + apply: the figure compared with the other paths);
+* a full reload from local disk: ``safetensors.torch.load_file(device=...)`` + ``copy_`` into live
+  tensors, first with a cold page cache (``posix_fadvise(DONTNEED)`` on every file; residency
+  checked with ``mincore``), then warm;
+* per-tensor XOR + zstd-1: encode on all cores, then decode on all cores + XOR into live tensors.
+
+After each version every set of live tensors is checked bit for bit against the version's files
+(AssertionError if not). Version 0 seeds everything, version 1 is a warm-up; figures are medians
+over the rest. Nothing is asserted about time: it measures. Writes ``scale_<label>.json`` and
+``.md`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from benchmarks._scale_paths import Alternatives, files, load_live, page_cache_check, sync
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = Path(__file__).resolve().parent / "results"
+_UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "KI": 1 << 10, "MI": 1 << 20, "GI": 1 << 30}
+
+
+def parse_bytes(text: str) -> int:
+    """``436M``, ``2G``, ``1.5GiB``, ``4000000`` → bytes (K/M/G decimal, Ki/Mi/Gi binary)."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([KMGT]I?)?B?\s*", text.upper())
+    if m is None or float(m.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 436M, 2G)")
+    return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
+
+
+# ---------------------------------------------------------------------------------------------------
+# the model
+
+
+def corpus_source(case: str, versions: int) -> tuple[list[Path], dict]:
+    """The case's version directories (generated if missing) and what describes them."""
+    from benchmarks.corpus import ensure_case, read_meta
+
+    dirs = ensure_case(case, versions - 1)[:versions]
+    records = read_meta(case)["records"]
+    return dirs, {"case": case, "changed_fraction": [r["changed_fraction"] for r in records[1:versions]]}
+
+
+def generated_source(nbytes: int, versions: int, device: str, cache: Path) -> tuple[list[Path], dict]:
+    """A Llama-style model of about `nbytes`, trained on `device` (benchmarks/_llama.py), cached."""
+    from dataclasses import asdict
+
+    from benchmarks._llama import LlamaShape, ensure_versions
+
+    shape = LlamaShape.for_bytes(nbytes)
+    dirs, meta = ensure_versions(shape, versions, cache, device=device)
+    return dirs, {"model_bytes_asked": nbytes, "llama": asdict(shape), "changed_fraction": meta["changed_fraction"]}
+
+
+# ---------------------------------------------------------------------------------------------------
+# weightsync
+
+
+class Weightsync:
+    """One publisher and three subscribers of one model; subscribers 0 and 1 run the end to end, 2 alone."""
+
+    def __init__(self, url: str, first: Path, device: str) -> None:
+        from weightsync.client import Publisher, Subscriber
+
+        self.device = device
+        self.stage = device if device.startswith("cuda") else None  # prepare stages on the GPU there
+        self.pub = Publisher(url, "scale")
+        version = self.pub.publish(first).version
+        # No replica reports: on this one box the server's ledger writes would land in other paths' timings.
+        self.subs = [Subscriber(url, "scale", name=f"scale-{i}", version=version, report=False) for i in range(3)]
+        self.live = [load_live(first, device) for _ in self.subs]
+
+    def close(self) -> None:
+        self.pub.close()
+        for s in self.subs:
+            s.close()
+
+    def _update(self, i: int, version: int) -> dict[str, float]:
+        """Subscriber `i` prepares and applies `version` into its tensors; its phase times."""
+        sub = self.subs[i]
+        t0 = time.perf_counter()
+        prepared = sub.prepare(version, device=self.stage)
+        t1 = time.perf_counter()
+        pause = sub.apply(self.live[i], prepared)
+        sync(self.device)
+        t2 = time.perf_counter()
+        row = {"prepare_s": t1 - t0, "apply_s": t2 - t1, "prepare_apply_s": t2 - t0, "pause_s": pause, "end": t2}
+        row |= {k: sub.timings.get(k, 0.0) for k in ("plan_s", "download_s", "decode_s")}
+        row["bytes_down"] = float(prepared.bytes_received)
+        return row
+
+    def version(self, vdir: Path) -> dict[str, float]:
+        """Publish `vdir`, bring every subscriber to it; the times and bytes of this version."""
+        t0 = time.perf_counter()
+        result = self.pub.publish(vdir)
+        publish_s = time.perf_counter() - t0
+        if result.kind != "delta":
+            raise AssertionError(f"published a {result.kind}, wanted a delta")
+        with ThreadPoolExecutor(2) as pool:
+            both = list(pool.map(self._update, (0, 1), (result.version,) * 2))
+        row = {
+            "ws_publish_s": publish_s,
+            "ws_encode_s": result.timings.get("encode_s", 0.0),
+            "ws_bytes_up": float(result.bytes_sent),
+            "ws_e2e_s": max(r["end"] for r in both) - t0,
+            "ws_e2e_prepare_apply_s": max(r["prepare_apply_s"] for r in both),
+        }
+        alone = self._update(2, result.version)
+        row |= {f"ws_{k}": v for k, v in alone.items() if k != "end"}
+        return row
+
+
+# ---------------------------------------------------------------------------------------------------
+# the run
+
+
+def check(live_sets: dict[str, dict[str, Any]], vdir: Path, device: str) -> None:
+    """Every set of live tensors holds exactly the version in `vdir` (AssertionError naming path and tensor)."""
+    import torch
+
+    want = load_live(vdir, device)
+    for path, live in live_sets.items():
+        if set(live) != set(want):
+            raise AssertionError(f"{path}: tensor names differ from {vdir}")
+        for name, t in want.items():
+            if not torch.equal(live[name].view(-1).view(torch.uint8), t.view(-1).view(torch.uint8)):
+                raise AssertionError(f"{path}: {name} is not bit-identical to {vdir}")
+
+
+def run(versions: list[Path], device: str, threads: int, log: Any = print) -> dict[str, Any]:
+    """Every path on every version (v0 seeds, v1 warms up); per-version rows and the page-cache check.
+
+    The paths take turns going first (weightsync on odd versions, the alternatives on even ones), so
+    that what one leaves behind (dirty pages, the server's background work) hits both alike.
+    """
+    from benchmarks._serve import serve
+
+    rows: list[dict[str, float]] = []
+    with tempfile.TemporaryDirectory(prefix="weightsync-scale-bench-") as tmp, serve(Path(tmp)) as url:
+        ws, others = Weightsync(url, versions[0], device), Alternatives(versions[0], device, threads)
+        try:
+            page_cache = page_cache_check(files(versions[0])[0])
+            for i, vdir in enumerate(versions[1:], 1):
+                steps = [partial(ws.version, vdir), partial(others.version, versions[i - 1], vdir)]
+                row: dict[str, float] = {}
+                for step in steps if i % 2 else steps[::-1]:
+                    row |= step()
+                live_sets = {f"weightsync subscriber {j}": t for j, t in enumerate(ws.live)}
+                check(live_sets | {"reload": others.reloaded, "xor-zstd": others.xored}, vdir, device)
+                log(
+                    f"v{i}{' (warm-up)' if i == 1 else ''}: weightsync prepare+apply {row['ws_prepare_apply_s']:.3f} s"
+                    f" (publish {row['ws_publish_s']:.3f}, e2e {row['ws_e2e_s']:.3f})  reload warm"
+                    f" {row['reload_warm_s']:.3f} cold {row['reload_cold_s']:.3f}  xor-zstd apply"
+                    f" {row['xor_apply_s']:.3f} encode {row['xor_encode_s']:.3f}  bit-identical"
+                )
+                if i > 1:
+                    rows.append(row)
+        finally:
+            ws.close()
+            others.close()
+    return {"rows": rows, "page_cache": page_cache}
+
+
+def summarize(rows: list[dict[str, float]]) -> dict[str, Any]:
+    """Medians per figure and the ratios issue 11 asks for (weightsync's time over the other path's)."""
+    med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    pa = med["ws_prepare_apply_s"]
+    return {
+        "medians": med,
+        "ratios": {
+            "weightsync_over_reload_warm": pa / med["reload_warm_s"],
+            "weightsync_over_reload_cold": pa / med["reload_cold_s"],
+            "weightsync_over_xor_zstd": pa / med["xor_apply_s"],
+            "publish_over_xor_encode": med["ws_publish_s"] / med["xor_encode_s"],
+            "xor_bytes_over_weightsync_bytes": med["xor_bytes"] / med["ws_bytes_down"],
+        },
+    }
+
+
+def table(r: dict[str, Any]) -> str:
+    """The paths side by side (markdown): bytes moved, median time, weightsync's time over the path's."""
+    m, ratio, n = r["medians"], r["ratios"], r["threads"]
+
+    def mb(key: str) -> str:
+        return f"{m[key] / 1e6:.2f} MB"
+
+    def ms(key: str) -> str:
+        return f"{m[key] * 1e3:.1f}"
+
+    rows = [
+        ("**weightsync** `prepare` + `apply` (verified), one subscriber alone", mb("ws_bytes_down"),
+         ms("ws_prepare_apply_s"), "1.00"),
+        (f"  `prepare`: plan {ms('ws_plan_s')} / download {ms('ws_download_s')} / decode {ms('ws_decode_s')}",
+         "", ms("ws_prepare_s"), ""),
+        (f"  `apply` call (pause {ms('ws_pause_s')})", "", ms("ws_apply_s"), ""),
+        (f"weightsync `publish` of the delta (encode {ms('ws_encode_s')})", mb("ws_bytes_up"), ms("ws_publish_s"), ""),
+        ("weightsync end to end: publish → 2 subscribers applied (at once, same box)",
+         f"{(m['ws_bytes_up'] + 2 * m['ws_bytes_down']) / 1e6:.2f} MB", ms("ws_e2e_s"), ""),
+        ("full reload (`load_file` + `copy_`), warm page cache", mb("reload_bytes"), ms("reload_warm_s"),
+         f"**{ratio['weightsync_over_reload_warm']:.2f}**"),
+        (f"full reload, cold page cache ({100 * m['reload_cold_resident']:.0f} % resident after eviction)",
+         mb("reload_bytes"), ms("reload_cold_s"), f"**{ratio['weightsync_over_reload_cold']:.2f}**"),
+        (f"XOR + zstd-1: decode ({n} threads) + XOR into the live tensors", mb("xor_bytes"), ms("xor_apply_s"),
+         f"**{ratio['weightsync_over_xor_zstd']:.2f}**"),
+        (f"XOR + zstd-1: encode ({n} threads)", mb("xor_bytes"), ms("xor_encode_s"), ""),
+    ]  # fmt: skip
+    lines = [
+        "| path (median of the versions) | bytes moved | ms | weightsync prepare+apply ÷ this |",
+        "|---|---:|---:|---:|",
+    ]
+    lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
+    pc = r["page_cache"]
+    lines.append(
+        f"\nPage cache: after `posix_fadvise(DONTNEED)` {100 * pc['resident_after_evict']:.0f} % of the file stayed"
+        f" resident (after a read: {100 * pc['resident_after_read']:.0f} %): eviction"
+        f" {'took' if pc['eviction_took_effect'] else 'did NOT take'} effect; a cold read ran at"
+        f" {pc['cold_read_gbps']:.2f} GB/s against {pc['warm_read_gbps']:.2f} GB/s warm"
+        f" ({pc['cold_over_warm']:.1f}x the time). XOR + zstd-1 moves"
+        f" {ratio['xor_bytes_over_weightsync_bytes']:.2f}x weightsync's bytes; weightsync's publish takes"
+        f" {ratio['publish_over_xor_encode']:.2f}x its encode."
+    )
+    return "\n".join(lines)
+
+
+def code_version() -> str:
+    """The commit the bench ran (``+dirty`` with uncommitted changes), or "unknown" outside a git checkout."""
+    import subprocess
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=True).stdout
+
+    try:
+        return git("rev-parse", "--short", "HEAD").strip() + ("+dirty" if git("status", "--porcelain").strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def describe(r: dict[str, Any]) -> str:
+    """One line naming the model, the device, the machine and the run."""
+    what = r["case"] if "case" in r else f"generated Llama-style {r['llama']}"
+    density = statistics.median(r["changed_fraction"]) if r["changed_fraction"] else float("nan")
+    return (
+        f"Model: {what}; {r['model_bytes'] / 1e6:.1f} MB in {r['tensors']} tensors; {100 * density:.2f} % of"
+        f" elements changed per version (median). Live tensors on {r['device']}, torch intra-op threads:"
+        f" {r['torch_threads']}. {r['versions']} versions after a warm-up. Machine: {r['machine']}."
+        f" Run: {r['when']}, code {r['code']}."
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="weightsync bench scale", description=__doc__.splitlines()[0])
+    model = ap.add_mutually_exclusive_group()
+    model.add_argument("--case", help="a corpus case (benchmarks/corpus.py), e.g. bf16-lr1e-6, moe-bf16-x4")
+    model.add_argument("--model-bytes", type=parse_bytes, help="generate a Llama-style model of this size (200M, 2G)")
+    ap.add_argument("--versions", type=int, default=3, help="timed versions (one more is the warm-up)")
+    ap.add_argument("--device", default="auto", help="where the live tensors are: auto (cuda if any), cpu, cuda")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="XOR + zstd-1 threads (all cores)")
+    ap.add_argument("--torch-threads", type=int, help="torch's intra-op threads for the whole run (default: torch's)")
+    ap.add_argument("--label", help="output name scale_<label>.{json,md} (default: the model and the device)")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--cache", type=Path, default=ROOT / "benchmarks" / ".cache", help="generated models")
+    args = ap.parse_args(argv)
+    if args.versions < 3:
+        ap.error("--versions must be at least 3 (medians)")
+    sys.path.insert(0, str(ROOT))
+    import torch
+
+    from benchmarks._llama import human_size
+    from benchmarks.baselines import read_safetensors_header
+    from benchmarks.codec_bench import machine
+
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    count = args.versions + 2  # v0 seeds, v1 warms up
+    if args.model_bytes:
+        dirs, info = generated_source(args.model_bytes, count, device, args.cache)
+        name = f"llama-{human_size(args.model_bytes)}"
+    else:
+        name = args.case or "bf16-lr1e-6"
+        dirs, info = corpus_source(name, count)
+    result = run(dirs, device, args.threads)
+    rows = result["rows"]
+    result |= summarize(rows) | info
+    result |= {
+        "model_bytes": sum(f.stat().st_size for f in files(dirs[0])),
+        "tensors": sum(len(read_safetensors_header(f)[0]) - 1 for f in files(dirs[0])),
+        "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
+        "threads": args.threads,
+        "torch_threads": torch.get_num_threads(),
+        "versions": len(rows),
+        "bit_identical": True,
+        "machine": machine(),
+        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "code": code_version(),
+    }
+    label = args.label or f"{name}_{device.split(':')[0]}"
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"scale_{label}.json").write_text(json.dumps(result, indent=1))
+    md = f"{describe(result)}\n\n{table(result)}\n"
+    (args.out / f"scale_{label}.md").write_text(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,70 @@
+"""`weightsync bench scale` on a tiny generated model, through the CLI: every path measured, every result exact."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the benchmarks package lives at the repo root
+
+pytest.importorskip("torch")
+pytest.importorskip("safetensors")
+
+from benchmarks.scale_bench import parse_bytes  # noqa: E402
+from weightsync.cli import app  # noqa: E402
+
+PATHS = (
+    "ws_prepare_s",
+    "ws_apply_s",
+    "ws_prepare_apply_s",
+    "ws_publish_s",
+    "ws_e2e_s",
+    "reload_warm_s",
+    "reload_cold_s",
+    "xor_apply_s",
+    "xor_encode_s",
+)
+
+
+def test_bench_scale_runs_every_path_on_a_generated_model(tmp_path: Path) -> None:
+    args = ["bench", "scale", "--model-bytes", "3M", "--versions", "3", "--device", "cpu"]
+    args += ["--out", str(tmp_path / "out"), "--cache", str(tmp_path / "cache"), "--label", "tiny"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+
+    report = json.loads((tmp_path / "out" / "scale_tiny.json").read_text())
+    assert report["bit_identical"] is True  # the bench raises before writing anything otherwise
+    assert report["versions"] == 3 and len(report["rows"]) == 3
+    assert report["llama"]["layers"] >= 1 and len(report["changed_fraction"]) == 4
+    for key in PATHS:
+        assert key in report["medians"], key
+        assert all(key in row for row in report["rows"])
+    assert set(report["ratios"]) >= {
+        "weightsync_over_reload_warm",
+        "weightsync_over_reload_cold",
+        "weightsync_over_xor_zstd",
+    }
+    # Bytes moved: the deltas are smaller than the file a reload reads.
+    m = report["medians"]
+    assert 0 < m["ws_bytes_down"] < m["reload_bytes"] and 0 < m["xor_bytes"] < m["reload_bytes"]
+    assert "eviction_took_effect" in report["page_cache"]
+    assert "weightsync" in (tmp_path / "out" / "scale_tiny.md").read_text()
+
+
+@pytest.mark.parametrize(
+    ("text", "value"), [("436M", 436_000_000), ("2G", 2_000_000_000), ("1.5GiB", 3 << 29), ("4000", 4000)]
+)
+def test_model_sizes_parse_in_decimal_and_binary_units(text: str, value: int) -> None:
+    assert parse_bytes(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "0", "-3M", "12Q", "M"])
+def test_bad_model_sizes_are_refused(text: str) -> None:
+    import argparse
+
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_bytes(text)
