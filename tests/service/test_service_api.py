@@ -303,6 +303,25 @@ def test_begin_with_objects_checks_them_when_the_kind_is_the_encodings(service, 
     assert first.version["number"] == 1 and ok(c.get(f"/v1/models/{model}"), 200)["head"] == 1
 
 
+def test_commit_refuses_a_version_that_is_not_publishable(service, model, versions):
+    """The service checks the final manifest itself: a raw client's broken shard or pickle is 422 invalid-checkpoint."""
+    from weightsync.codec.checkpoint import Checkpoint
+
+    c = service.client("publisher")
+    first = publish(c, model, versions[0], None, None)
+    good = {f.layout.path: bytes(f.data) for f in versions[0].files}
+    weights = next(p for p in good if p.endswith(".safetensors"))
+    for files, why in [
+        ({**good, weights: good[weights][:-1000]}, weights),  # cut short: encoded as a blob
+        ({**good, "training_args.bin": b"pickle"}, "training_args.bin"),
+        ({p: b for p, b in good.items() if p != weights}, "no safetensors"),
+    ]:
+        bad = publish(c, model, Checkpoint.from_bytes(files), None, 1, keyframe=True, commit=False)
+        path = f"/v1/models/{model}/publishes/{bad.begin['publish_id']}/commit"
+        assert why in problem(c.post(path, json={"manifest": bad.manifest}), 422, "invalid-checkpoint")["detail"]
+    assert ok(c.get(f"/v1/models/{model}"), 200)["head"] == first.version["number"]
+
+
 def test_replica_ledger(service, model, versions):
     c = service.client("reader")
     publish_chain(service.client("publisher"), model, versions[:2])

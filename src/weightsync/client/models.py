@@ -338,6 +338,8 @@ class PublishResult:
     seconds: float
     bytes_received: int = 0
     timings: dict[str, float] = field(default_factory=dict)
+    warnings: tuple[str, ...] = ()
+    """What the publish left out of the version (pickle files beside safetensors weights), one line each."""
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

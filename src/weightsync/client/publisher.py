@@ -168,7 +168,8 @@ class Publisher:
             t0 = time.perf_counter()
             timings: dict[str, float] = {}
             meter, catch_up = Meter(self.progress), Meter(None)
-            checkpoint, owned = snapshot(source)
+            warnings: list[str] = []
+            checkpoint, owned = snapshot(source, warnings=warnings)
 
             def pack_for(base: Base | None, parent: int | None) -> upload.Packed:
                 return upload.pack_version(
@@ -238,6 +239,7 @@ class Publisher:
                 seconds=time.perf_counter() - t0,
                 bytes_received=catch_up.bytes,
                 timings=timings,
+                warnings=tuple(warnings),
             )
 
     def _abort(self, publish_id: str) -> None:

@@ -27,6 +27,7 @@ import numpy as np
 from weightsync import errors
 from weightsync.catalog import Catalog, Lease, Model, ObjectInfo, Replica, Version
 from weightsync.codec import Checkpoint, CheckpointFile, Decoder, FrameRef, Manifest
+from weightsync.codec.validate import check_publishable
 from weightsync.common import removal_message, removed_content
 from weightsync.ops.records import record_of
 from weightsync.store import ObjectInfo as StoredObject
@@ -311,7 +312,9 @@ class Ops:
         Raises IncompletePublish if the manifest or an object it names is not in
         the store, a FormatError if the manifest is malformed, Conflict if it does
         not fit the pending publish (other parent, a delta where a keyframe was
-        required, deltas against other bytes than the parent's), StaleParent if
+        required, deltas against other bytes than the parent's), InvalidCheckpoint
+        if its files are not publishable (codec/validate.py: broken safetensors
+        layouts, no safetensors weights, pickles), StaleParent if
         another commit moved the head first, PublishNotFound if the publish expired.
         A retry of a commit that succeeded returns the same version. A version that drops
         files or tensors its parent had raises RemovesContent unless ``allow_removals``.
@@ -365,6 +368,10 @@ class Ops:
                 )
             if pending.kind == "keyframe" and manifest.kind == "delta":
                 raise errors.Conflict("the chain policy requires a keyframe for this publish")
+            # The version's files must be publishable, whoever encoded them (codec/validate.py).
+            check_publishable(
+                [f.layout for f in manifest.files], single_file=manifest.single_file, source="the version"
+            )
             parent = _result(answers[1])
             if manifest.kind == "delta":
                 self._check_bases(manifest, parent)
