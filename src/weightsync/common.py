@@ -161,6 +161,7 @@ def removed_content(old: dict[str, set[str]], new: dict[str, set[str]], *, singl
     `old` and `new` map each file's path to the names of its tensors. With `single_file` both
     hold one file, which may be renamed: it is compared with the other's one file.
     """
+    pairs: list[tuple[str, set[str], set[str] | None]]
     if single_file and len(old) == len(new) == 1:
         pairs = [(path, names, next(iter(new.values()))) for path, names in old.items()]
     else:

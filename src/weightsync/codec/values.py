@@ -177,10 +177,19 @@ def compose(changes: Iterable[Change]) -> list[Change]:
 
 def _merge(run: list[Change]) -> Change:
     first = run[0]
-    positions = np.concatenate([c.positions for c in run])
-    operands = np.concatenate([c.operands for c in run])
+    # Pieces of one delta (the usual run: one step) cover disjoint, increasing ranges: ordered by
+    # their first positions they concatenate to a strictly increasing list, checked in one pass,
+    # and their union needs no sort and no reduction (nothing to add up, order does not matter).
+    nonempty = sorted((c for c in run if len(c)), key=lambda c: int(c.positions[0]))
+    positions = np.concatenate([c.positions for c in nonempty]) if nonempty else np.zeros(0, np.int64)
+    operands = np.concatenate([c.operands for c in nonempty]) if nonempty else first.operands[:0]
     if len(positions) == 0:
         return Change(first.add, positions.astype(np.int64), operands)
+    if len(positions) == 1 or bool(np.all(positions[1:] > positions[:-1])):
+        keep = operands != 0
+        if bool(keep.all()):
+            return Change(first.add, positions.astype(np.int64, copy=False), operands)
+        return Change(first.add, positions[keep].astype(np.int64, copy=False), operands[keep])
     order = np.argsort(positions, kind="stable")  # stable: a later change of an element stays later
     positions, operands = positions[order], operands[order]
     unique, starts = np.unique(positions, return_index=True)
