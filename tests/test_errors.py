@@ -18,6 +18,7 @@ EXPECTED_EXIT = {
     errors.BaseMismatch: 3,
     errors.IncompletePublish: 3,
     errors.RemovesContent: 3,
+    errors.UnmanagedFiles: 3,
     errors.AuthError: 4,
     errors.Forbidden: 4,
     errors.ServerUnavailable: 5,

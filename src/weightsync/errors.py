@@ -321,6 +321,12 @@ class ServerUnavailable(ClientError):
     code, status, title, exit_code = "unavailable", 503, "Service unavailable", EXIT_UNAVAILABLE
 
 
+class UnmanagedFiles(Conflict):
+    """A pull would replace files in a directory weightsync does not manage: pull elsewhere, or adopt it."""
+
+    client_raises = False  # raised by the client itself; on the wire it would be a plain conflict
+
+
 class ReloadRequired(WeightsyncError):
     """An update cannot be applied in place into the caller's tensors: load the version afresh.
 

@@ -137,6 +137,38 @@ def test_a_version_that_drops_files_is_refused_unless_allowed(server, model, tmp
     assert tree_bytes(tmp_path / "replica") == tree_bytes(weights_only)
 
 
+def test_pull_never_replaces_a_users_files_unless_adopting(server, model, tmp_path: Path) -> None:
+    """An unmanaged directory with the model's files: refused untouched; adopted without a download when equal."""
+    import shutil
+
+    sources = _versions(tmp_path, 2, seed=13)
+    pub = Publisher(server.url, model, **SMALL)
+    pub.publish(sources[0])
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "config.json").write_bytes(b'{"mine": true}\n')
+    (user / "notes.txt").write_bytes(b"keep me")
+    with Subscriber(server.url, model, name="adopter") as sub:
+        with pytest.raises(errors.UnmanagedFiles, match="config.json"):
+            sub.pull(user)
+        assert (user / "config.json").read_bytes() == b'{"mine": true}\n' and not (user / ".weightsync").exists()
+        # A plain copy of the very version: adopted as it is, nothing downloaded.
+        copy = tmp_path / "copy"
+        shutil.copytree(sources[0], copy)
+        adopted = sub.pull(copy, adopt=True)
+        assert adopted.mode == "adopted" and adopted.version == 1
+        assert adopted.bytes_received < 20_000  # the target's manifest only, no frames
+        assert tree_bytes(copy) == tree_bytes(sources[0])
+        # Adopting different files replaces the model's files and leaves the others.
+        replaced = sub.pull(user, adopt=True)
+        assert replaced.mode == "full" and (user / "notes.txt").read_bytes() == b"keep me"
+        assert (user / "config.json").read_bytes() == (sources[0] / "config.json").read_bytes()
+        pub.publish(sources[1])
+        pub.close()
+        assert sub.pull(copy).mode == "delta"  # the adopted directory is managed from now on
+        assert tree_bytes(copy) == tree_bytes(sources[1])
+
+
 def test_publish_state_dict_async_in_order(server, model, tmp_path: Path) -> None:
     trainer = TinyTrainer(seed=3)
     futures = []

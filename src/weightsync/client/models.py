@@ -352,7 +352,8 @@ class PullResult:
     """What one pull did. `bytes_received` counts object and manifest bytes downloaded by this call.
 
     `mode` is "full" (rebuilt from a keyframe), "delta" (incremental from what the
-    directory held) or "current" (already at the version). `repaired` is True when the
+    directory held), "current" (already at the version) or "adopted" (a directory
+    weightsync did not manage already held the version's files, taken over as they are). `repaired` is True when the
     directory no longer matched its state file and was rebuilt by a full pull.
     """
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -167,8 +168,42 @@ def prepare_update(
     return prepared, timings
 
 
-class _Restart(Exception):
-    """The checkout's version is not the server's under that number: start over with a full pull."""
+def _take_over(
+    api: Api,
+    model: str,
+    checkout: Checkout,
+    plan: Plan,
+    objects: ObjectCache,
+    pool: ThreadPoolExecutor,
+    dpool: ThreadPoolExecutor,
+    *,
+    adopt: bool,
+) -> CheckoutState | None:
+    """A directory weightsync does not manage, about to get `plan`'s target: whose files are already there?
+
+    None when none of the target's paths exist. Otherwise UnmanagedFiles, unless `adopt`:
+    then the files there are checked against the target version (sizes and every
+    segment's digest) and, when they are it, adopted as it (returned: nothing to
+    download); when they are not, None (a full pull replaces them).
+    """
+    digest = plan.steps[-1].manifest
+    objects.fetch(api, {digest: plan.steps[-1].manifest_bytes}, pool, range_bytes=DEFAULT_RANGE_BYTES)
+    manifest = load_manifest(objects, digest)
+    there = [f.path for f in manifest.files if os.path.lexists(checkout.root / f.path)]
+    if not there:
+        return None
+    if not adopt:
+        names = ", ".join(there[:3]) + (f" and {len(there) - 3} more" if len(there) > 3 else "")
+        raise errors.UnmanagedFiles(
+            f"{checkout.root} already has files weightsync does not manage ({names}): pull into an empty "
+            "directory, or adopt it (CLI --adopt) to take them over"
+        )
+    candidate = CheckoutState.of(model, plan.target, digest, manifest, api.server)
+    if checkout.verify(candidate, dpool, deep=True):
+        checkout.adopt(candidate)
+        return candidate
+    log.warning("%s: the files there are not v%s: pulling in full over them", checkout.root, plan.target)
+    return None
 
 
 def pull(
@@ -181,13 +216,45 @@ def pull(
     options: FetchOptions = FetchOptions(),
     pool: ThreadPoolExecutor,
     meter: Meter | None = None,
+    adopt: bool = False,
 ) -> PullResult:
     """Bring `checkout` to `version` (None: head) of `model`; see :meth:`Subscriber.pull`.
 
     `options.cache_dir` None: the checkout's own object cache, emptied after a successful
     pull unless `keep_objects`. Conflict when the checkout holds another model
-    or another process is updating it.
+    or another process is updating it; UnmanagedFiles when a directory weightsync does
+    not manage already has files where the version puts its own, unless `adopt`: then
+    files that already are the version are taken over without a download, else they
+    are replaced. A refused directory is left as it was (no ``.weightsync`` either).
     """
+    fresh = not os.path.lexists(checkout.meta)
+    try:
+        return _pull(
+            api, model, checkout, version=version, holder=holder, options=options, pool=pool, meter=meter, adopt=adopt
+        )
+    except errors.UnmanagedFiles:
+        if fresh:
+            shutil.rmtree(checkout.meta, ignore_errors=True)
+        raise
+
+
+class _Restart(Exception):
+    """The checkout's version is not the server's under that number: start over with a full pull."""
+
+
+def _pull(
+    api: Api,
+    model: str,
+    checkout: Checkout,
+    *,
+    version: int | None = None,
+    holder: str | None = None,
+    options: FetchOptions = FetchOptions(),
+    pool: ThreadPoolExecutor,
+    meter: Meter | None = None,
+    adopt: bool = False,
+) -> PullResult:
+    """:func:`pull`, leaving cleanup of a refused directory to it."""
     t0 = time.perf_counter()
     meter = meter or Meter(None)
     timings: dict[str, float] = {}
@@ -204,7 +271,7 @@ def pull(
         objects = checkout.objects() if cache is None else cache
         if own_cache:
             objects.sweep()
-        repaired = False
+        repaired = adopted = False
         have = None
         with ThreadPoolExecutor(options.decode_threads or os.cpu_count() or 1) as dpool:
             if state is not None:
@@ -223,6 +290,10 @@ def pull(
                 plan = api.get_plan(model, have=have, want=version, holder=holder)
                 timings["plan_s"] = time.perf_counter() - t
                 steps, target = plan.steps, plan.target
+                if state is None and steps:
+                    taken = _take_over(api, model, checkout, plan, objects, pool, dpool, adopt=adopt)
+                    if taken is not None:
+                        steps, state, have, adopted = [], taken, target, True
                 if not steps and have == target:
                     assert state is not None
                     if not options.keep_objects and own_cache:
@@ -230,8 +301,8 @@ def pull(
                     return PullResult(
                         model=model,
                         version=target,
-                        previous=have,
-                        mode="current",
+                        previous=None if adopted else have,
+                        mode="adopted" if adopted else "current",
                         steps=0,
                         bytes_received=meter.bytes,
                         plan_bytes=0,

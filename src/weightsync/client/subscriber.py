@@ -110,7 +110,7 @@ class Subscriber:
 
     # --- directories --------------------------------------------------------------------
 
-    def pull(self, dir: str | os.PathLike, version: int | None = None) -> PullResult:
+    def pull(self, dir: str | os.PathLike, version: int | None = None, *, adopt: bool = False) -> PullResult:
         """Make `dir` hold `version` (default: the head) byte for byte, incrementally from what it holds.
 
         Before an incremental pull the directory is checked against its state
@@ -118,8 +118,11 @@ class Subscriber:
         back is pulled in full (``repaired`` in the result). The version is
         switched in atomically: every ``dir/<file>`` is a link through
         ``dir/.weightsync/current``, replaced in one rename (docs/DESIGN.md
-        "Checkouts"). Files not part of the model are left alone. Sets
-        :attr:`version`. Raises ModelNotFound,
+        "Checkouts"). Files not part of the model are left alone. A directory
+        weightsync does not manage that already has files where the version puts
+        its own raises UnmanagedFiles (nothing is changed) unless `adopt`: files
+        that already are the version are then taken over without a download
+        (``mode == "adopted"``), others replaced. Sets :attr:`version`. Raises ModelNotFound,
         VersionNotFound, AuthError, ServerUnavailable, DigestMismatch, ...
         """
         with self._lock:
@@ -136,6 +139,7 @@ class Subscriber:
                     options=self.options,
                     pool=self._pool,
                     meter=meter,
+                    adopt=adopt,
                 )
             finally:
                 self.api.on_bytes = None
