@@ -169,6 +169,18 @@ def test_pull_never_replaces_a_users_files_unless_adopting(server, model, tmp_pa
         assert tree_bytes(copy) == tree_bytes(sources[1])
 
 
+def test_one_publisher_at_a_time_per_cache_directory(server, model, tmp_path: Path) -> None:
+    """Two publishers sharing a base cache would overwrite each other's base: the second is refused."""
+    sources = _versions(tmp_path, 2, seed=17)
+    cache = tmp_path / "cache"
+    with Publisher(server.url, model, cache_dir=cache, **SMALL) as first:
+        first.publish(sources[0])
+        with pytest.raises(errors.Conflict, match="another publisher"):
+            Publisher(server.url, model, cache_dir=cache, **SMALL)
+    with Publisher(server.url, model, cache_dir=cache, **SMALL) as again:  # released on close
+        assert again.publish(sources[1]).kind == "delta"  # on the base the first one left
+
+
 def test_publish_state_dict_async_in_order(server, model, tmp_path: Path) -> None:
     trainer = TinyTrainer(seed=3)
     futures = []

@@ -9,6 +9,7 @@ brings the base to the head with an incremental pull first.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import shutil
@@ -17,10 +18,11 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
+from weightsync import errors
 from weightsync.client._http import Api
 from weightsync.client.checkout import Checkout
 from weightsync.client.decode import HeldFile, Tree
@@ -88,6 +90,21 @@ def _same_sizes(a: Checkpoint, b: Checkpoint) -> bool:
     )
 
 
+def _own(path: Path) -> IO[bytes]:
+    """An open file holding an exclusive flock on `path` (created); Conflict when another process holds it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    f = open(path, "a+b")  # noqa: SIM115 - held open for the keeper's lifetime: the lock lives with it
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise errors.Conflict(
+            f"{path.parent.parent}: another publisher on this host keeps its base here: one publisher per "
+            "model and server, or give this one another cache directory"
+        ) from None
+    return f
+
+
 @dataclass
 class Base:
     """The version a publisher diffs against: its checkout state and its bytes."""
@@ -101,7 +118,10 @@ class Base:
 class BaseKeeper:
     """Holds a publisher's base, in memory or in the checkout `cache_dir` (None: memory only).
 
-    Not thread-safe: the publisher calls it under its own lock.
+    A cache directory belongs to one publisher at a time: the keeper holds an exclusive lock
+    on it from construction to :meth:`close` (Conflict for a second one on the same host), so
+    two publishers never take turns overwriting each other's base. Not thread-safe: the
+    publisher calls it under its own lock.
     """
 
     def __init__(
@@ -111,6 +131,15 @@ class BaseKeeper:
         self.checkout = Checkout(cache_dir) if cache_dir is not None else None
         self.pool = pool
         self._base: Base | None = None
+        self._owner: IO[bytes] | None = None
+        if self.checkout is not None:
+            self._owner = _own(self.checkout.meta / "publisher.lock")
+
+    def close(self) -> None:
+        """Release the cache directory (the base stays there for the next publisher)."""
+        if self._owner is not None:
+            self._owner.close()  # closing the file releases its flock
+            self._owner = None
 
     @property
     def number(self) -> int | None:

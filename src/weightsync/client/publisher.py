@@ -92,9 +92,14 @@ class Publisher:
         )
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="weightsync-upload")
-        self._base = BaseKeeper(
-            self.api, model, self.cache_dir, download=self.on_mismatch == "download", pool=self._pool
-        )
+        try:
+            self._base = BaseKeeper(
+                self.api, model, self.cache_dir, download=self.on_mismatch == "download", pool=self._pool
+            )
+        except BaseException:  # the cache directory is another publisher's: release what was opened
+            self._pool.shutdown(wait=False)
+            self.api.close()
+            raise
         self._background: ThreadPoolExecutor | None = None
         self._snapshots = SnapshotBuffers()  # publish_async's host buffers, reused across publishes
 
@@ -108,6 +113,7 @@ class Publisher:
         if self._background is not None:
             self._background.shutdown(wait=True)
         self._pool.shutdown(wait=True)
+        self._base.close()
         self.api.close()
 
     def __enter__(self) -> Publisher:
