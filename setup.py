@@ -13,6 +13,8 @@ setup(
         Extension(
             "weightsync.codec._kernels",
             sources=["src/weightsync/codec/_kernels.c"],
+            # The loops are headers included by _kernels.c (one translation unit).
+            depends=["src/weightsync/codec/_kernels_sum.h", "src/weightsync/codec/_kernels_loops.h"],
             define_macros=[("Py_LIMITED_API", "0x030B0000")],
             py_limited_api=True,
             extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"],

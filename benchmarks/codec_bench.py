@@ -3,15 +3,18 @@
 For every case of the corpus (benchmarks/corpus.py) and every consecutive pair of
 versions, in one run on the same bytes:
 
-- ours: delta bytes (frames, and frames + manifest), encode and decode+apply GB/s
-  with 1 thread and with all cores;
-- baseline: per-tensor XOR + zstd level 1 (the RL-framework peers' codec), bytes
-  and encode / decode GB/s (single-threaded, as the peers run it);
+- ours: whole delta files as a publisher uploads them (frames packed into objects plus
+  the stored manifest) in FORMAT v2 and v1, with the manifest's share; encode and
+  decode+apply GB/s with 1 thread and with all cores (v2);
+- baseline: per-tensor XOR + zstd level 1 (the RL-framework peers' codec), its payload
+  bytes and encode / decode GB/s (single-threaded, as the peers run it);
 - the zero-order entropy bound H(changed mask) + H(XOR values), per tensor;
 - keyframes: ours vs full-snapshot zstd-1 on the first version;
-- per core, same bytes: our encode vs the baseline's, our verified apply in place vs the
-  baseline's verified decode (xxh3-128 of each result), 1 and all threads; the FORMAT v2
-  tensor checksum vs xxh3-128 over every tensor, 1 and all threads.
+- per core, same bytes, interleaved: our encode (v1, v2) vs the baseline's, our verified
+  apply in place (v1: xxh3-128, v2: the tensor checksum) vs the baseline's verified decode
+  (xxh3-128 of each result); the FORMAT v2 tensor checksum vs xxh3-128 over every tensor.
+
+``--no-speed`` measures bytes only (fast: for the many sparse cases of the corpus).
 
 Throughput is GB/s of raw model bytes (the new version's tensor payload), best of
 ``--repeats``, measured in memory so the disk is not what is timed. Results go to
@@ -34,10 +37,14 @@ from benchmarks import baselines
 from benchmarks.corpus import ensure_case
 from weightsync.codec import Checkpoint, Decoder, Encoder, FrameRef, kernels
 from weightsync.codec.checksum import tensor_sum
+from weightsync.codec.encoder import Encoded
 from weightsync.codec.frame import xxh3_128, zigzag
+from weightsync.codec.pack import pack
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_CASES = ["bf16-lr1e-6", "bf16-lr1e-5", "fp8-lr1e-5", "mxfp4-lr1e-5", "nvfp4-lr1e-5", "moe-bf16"]
+SPARSE_CASES = [f"{fmt}-lr1e-{k}" for k in (5, 6, 7, 8) for fmt in ("fp8", "mxfp4", "nvfp4")]
+"""The quantized exports at densities from ~5 % (lr 1e-5) down to ~0.02 % (lr 1e-8): issue 11's size target."""
 
 
 def _best(fn, repeats: int, setup=None) -> tuple[object, float]:
@@ -82,6 +89,19 @@ def _load(path: Path) -> tuple[Checkpoint, dict]:
     return ck, tensors
 
 
+def published_bytes(encoded: Encoded) -> tuple[int, int]:
+    """(frames, stored manifest) bytes of a version as a publisher uploads it: frames packed into
+    store objects, the manifest naming them, with a model name, number, parent and step."""
+    manifest, objects = pack(encoded)
+    manifest.model, manifest.number, manifest.parent, manifest.step = "bench-model", 2, 1, 2
+    return sum(len(o.data) for o in objects), len(manifest.encode())
+
+
+def _file_sizes(base: Checkpoint, new: Checkpoint, version: int) -> dict:
+    frames, manifest = published_bytes(Encoder(threads=1, format_version=version).encode(new, base))
+    return {"frames_bytes": frames, "manifest_bytes": manifest}
+
+
 def _ours_delta(base: Checkpoint, new: Checkpoint, threads: int, repeats: int) -> dict:
     enc = Encoder(threads=threads)
     encoded, t_enc = _best(lambda: enc.encode(new, base), repeats)
@@ -111,9 +131,10 @@ def _ours_delta(base: Checkpoint, new: Checkpoint, threads: int, repeats: int) -
     for out, f in zip(applied.files, new.files, strict=True):
         if not np.array_equal(out.data, f.data):
             raise AssertionError("our in-place apply is not exact")
+    packed_frames, stored_manifest = published_bytes(encoded)
     return {
-        "frames_bytes": len(area),
-        "manifest_bytes": len(manifest.encode()),
+        "frames_bytes": packed_frames,
+        "manifest_bytes": stored_manifest,
         "encode_s": t_enc,
         "decode_s": t_dec,
         "apply_s": t_apply,
@@ -122,42 +143,69 @@ def _ours_delta(base: Checkpoint, new: Checkpoint, threads: int, repeats: int) -
 
 
 def _per_core(base_ck: Checkpoint, new_ck: Checkpoint, base_t: dict, new_t: dict, repeats: int) -> dict:
-    """One thread each, measurements interleaved (ours, baseline, ours, ...), best of `repeats` each.
+    """One thread each, measurements interleaved (ours v1, ours v2, baseline, ...), best of `repeats` each.
 
-    On a shared machine the load drifts during a run; alternating the two codecs gives both
-    the same conditions, which back-to-back blocks of repeats do not.
+    On a shared machine the load drifts during a run; alternating the codecs gives them the
+    same conditions, which back-to-back blocks of repeats do not. Our apply is verified as a
+    subscriber runs it: bases checked, results checked (v1: xxh3-128; v2: the tensor checksum).
     """
-    enc = Encoder(threads=1)
+    encoders = {v: Encoder(threads=1, format_version=v) for v in (1, 2)}
     dec = Decoder(threads=1)
-    encoded = enc.encode(new_ck, base_ck)
-    frames = [fr.data for fr in encoded.frames]
-    offsets = np.cumsum([0] + [len(f) for f in frames])
-    manifest = encoded.with_locations(lambda i, fr: (None, int(offsets[i])))
-    area = b"".join(frames)
-
-    def read(ref: FrameRef) -> memoryview:
-        return memoryview(area)[ref.offset : ref.offset + ref.length]
-
+    located = {}
+    for v, enc in encoders.items():
+        encoded = enc.encode(new_ck, base_ck)
+        offsets = np.cumsum([0] + [len(fr.data) for fr in encoded.frames])
+        area = b"".join(fr.data for fr in encoded.frames)
+        located[v] = (encoded.with_locations(lambda i, fr, o=offsets: (None, int(o[i]))), area)
     peer = baselines.xor_zstd1_encode(base_t, new_t, 1, checksum=True)
-    best = {"ours_enc": float("inf"), "base_enc": float("inf"), "ours_apply": float("inf"), "base_dec": float("inf")}
+    best = dict.fromkeys(["v1_enc", "v2_enc", "base_enc", "v1_apply", "v2_apply", "base_dec"], float("inf"))
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        enc.encode(new_ck, base_ck)
-        best["ours_enc"] = min(best["ours_enc"], time.perf_counter() - t0)
+        for v, enc in encoders.items():
+            t0 = time.perf_counter()
+            enc.encode(new_ck, base_ck)
+            best[f"v{v}_enc"] = min(best[f"v{v}_enc"], time.perf_counter() - t0)
         t0 = time.perf_counter()
         baselines.xor_zstd1_encode(base_t, new_t, 1)  # the peers' encode, without even a checksum
         best["base_enc"] = min(best["base_enc"], time.perf_counter() - t0)
-        target = Checkpoint([type(f)(f.layout, f.data.copy()) for f in base_ck.files])  # untimed
-        t0 = time.perf_counter()
-        dec.decode(manifest, read, [f.data for f in target.files], target)  # base and result verified
-        best["ours_apply"] = min(best["ours_apply"], time.perf_counter() - t0)
+        for v, (manifest, area) in located.items():
+            target = Checkpoint([type(f)(f.layout, f.data.copy()) for f in base_ck.files])  # untimed
+
+            def read(ref: FrameRef, area: bytes = area) -> memoryview:
+                return memoryview(area)[ref.offset : ref.offset + ref.length]
+
+            t0 = time.perf_counter()
+            dec.decode(manifest, read, [f.data for f in target.files], target)  # base and result verified
+            best[f"v{v}_apply"] = min(best[f"v{v}_apply"], time.perf_counter() - t0)
+            if target.files[0].data.tobytes() != new_ck.files[0].data.tobytes():
+                raise AssertionError(f"our verified v{v} apply is not exact")
         t0 = time.perf_counter()
         baselines.xor_zstd1_decode(base_t, peer)  # result verified (xxh3-128 per tensor)
         best["base_dec"] = min(best["base_dec"], time.perf_counter() - t0)
-        if target.files[0].data.tobytes() != new_ck.files[0].data.tobytes():
-            raise AssertionError("our verified apply is not exact")
     raw = sum(t.data.size for t in new_t.values())
     return {k: raw / v / 1e9 for k, v in best.items()}
+
+
+def _staging(base: Checkpoint, new: Checkpoint) -> dict | None:
+    """Bytes per changed element that `Subscriber.prepare(device=...)` stages for `apply`, measured on the CPU
+    (the staging is the same torch code on a GPU); None without torch."""
+    try:
+        import torch  # noqa: F401  (the SDK's tensor paths need it)
+    except ImportError:
+        return None
+    from weightsync.client.inplace import prepare
+
+    encoded = Encoder().encode(new, base)
+    offsets = np.cumsum([0] + [len(fr.data) for fr in encoded.frames])
+    manifest = encoded.with_locations(lambda i, fr: (None, int(offsets[i])))
+    area = b"".join(fr.data for fr in encoded.frames)
+    read = lambda ref: memoryview(area)[ref.offset : ref.offset + ref.length]  # noqa: E731
+    prepared = prepare([manifest], read, model="bench", base=1, target=2, device="cpu")
+    changed = sum(u.changed_elements for u in prepared.updates.values() if u.ops)
+    by_width: dict[int, int] = {}
+    for u in prepared.updates.values():
+        if u.ops:
+            by_width[u.dtype.width] = by_width.get(u.dtype.width, 0) + u.changed_elements
+    return {"staged_bytes": prepared.staged_bytes, "changed": changed, "changed_by_width": by_width}
 
 
 def _checksum_speed(new: Checkpoint, repeats: int, threads: int) -> dict:
@@ -217,38 +265,75 @@ def _zipnn_key(tensors: dict, repeats: int) -> dict | None:
     return {"bytes": total, "encode_s": t_enc, "decode_s": t_dec}
 
 
+def _density(base_t: dict, new_t: dict) -> float:
+    changed, total = 0, 0
+    for tname, t in new_t.items():
+        b = base_t.get(tname)
+        if b is not None and b.dtype == t.dtype and b.shape == t.shape:
+            w = baselines.element_size(t.dtype)
+            x = baselines.as_elements(t.data, w) != baselines.as_elements(b.data, w)
+            changed += int(np.count_nonzero(x))
+            total += x.size
+    return changed / max(total, 1)
+
+
+def _size_row(base_ck: Checkpoint, new_ck: Checkpoint, base_t: dict, new_t: dict) -> dict:
+    """Whole delta files, v1 and v2, against the baseline's payload, for one pair."""
+    row: dict = {"raw": sum(t.data.size for t in new_t.values()), "density": _density(base_t, new_t)}
+    row["baseline"] = baselines.xor_zstd1(base_t, new_t, level=1)
+    for v in (1, 2):
+        sizes = _file_sizes(base_ck, new_ck, v)
+        row[f"v{v}_frames"], row[f"v{v}_manifest"] = sizes["frames_bytes"], sizes["manifest_bytes"]
+        row[f"v{v}_file"] = sizes["frames_bytes"] + sizes["manifest_bytes"]
+    return row
+
+
+def _size_summary(rows: list[dict]) -> dict:
+    """Means over the pairs, and the worst pair (file / baseline): the target is "never larger"."""
+    mean = {k: statistics.fmean(r[k] for r in rows) for k in rows[0]}
+    out = {
+        "density": mean["density"],
+        "density_min": min(r["density"] for r in rows),
+        "density_max": max(r["density"] for r in rows),
+        "baseline_bytes": mean["baseline"],
+    }
+    for v in (1, 2):
+        out[f"v{v}_file_bytes"] = mean[f"v{v}_file"]
+        out[f"v{v}_manifest_bytes"] = mean[f"v{v}_manifest"]
+        out[f"v{v}_manifest_share"] = mean[f"v{v}_manifest"] / mean[f"v{v}_file"]
+        out[f"v{v}_file_vs_baseline"] = mean[f"v{v}_file"] / mean["baseline"]
+        out[f"v{v}_file_vs_baseline_worst"] = max(r[f"v{v}_file"] / r["baseline"] for r in rows)
+    return out
+
+
+def run_sizes(name: str, steps: int, pairs: int, cache: Path | None) -> dict:
+    """Bytes only: whole v1 and v2 files against the baseline's payload, every pair of the case."""
+    dirs = ensure_case(name, steps, cache) if cache else ensure_case(name, steps)
+    loaded = [_load(d) for d in dirs[: pairs + 1]]
+    rows = [_size_row(b, n, bt, nt) for (b, bt), (n, nt) in zip(loaded, loaded[1:], strict=False)]
+    return {"case": name, "pairs": len(rows), "raw_bytes": rows[0]["raw"], **_size_summary(rows)}
+
+
 def run_case(name: str, steps: int, pairs: int, repeats: int, cache: Path | None) -> dict:
     dirs = ensure_case(name, steps, cache) if cache else ensure_case(name, steps)
     loaded = [_load(d) for d in dirs[: pairs + 1]]
     threads_all = os.cpu_count() or 1
     rows = []
-    for (base_ck, base_t), (new_ck, new_t) in zip(loaded, loaded[1:], strict=True):
+    for (base_ck, base_t), (new_ck, new_t) in zip(loaded, loaded[1:], strict=False):
         raw = sum(t.data.size for t in new_t.values())
-        changed, total = 0, 0
-        for tname, t in new_t.items():
-            b = base_t.get(tname)
-            if b is not None and b.dtype == t.dtype and b.shape == t.shape:
-                w = baselines.element_size(t.dtype)
-                x = baselines.as_elements(t.data, w) != baselines.as_elements(b.data, w)
-                changed += int(np.count_nonzero(x))
-                total += x.size
         one = _ours_delta(base_ck, new_ck, 1, repeats)
         many = _ours_delta(base_ck, new_ck, threads_all, repeats)
         peer = baselines.measure_xor_zstd1(base_t, new_t, level=1, repeats=repeats)
         peer_v = baselines.measure_xor_zstd1(base_t, new_t, level=1, repeats=repeats, checksum=True)
         core = _per_core(base_ck, new_ck, base_t, new_t, repeats)
-        bound = baselines.entropy_bound(base_t, new_t)
         rows.append(
             {
-                "raw": raw,
-                "density": changed / max(total, 1),
+                **_size_row(base_ck, new_ck, base_t, new_t),
                 "ours": one["frames_bytes"],
                 "bound_diff": diff_bound(base_t, new_t),
                 "apply1": raw / one["apply_s"] / 1e9,
                 "applyN": raw / many["apply_s"] / 1e9,
-                "ours_with_manifest": one["frames_bytes"] + one["manifest_bytes"],
-                "baseline": peer["bytes"],
-                "bound": bound,
+                "bound": baselines.entropy_bound(base_t, new_t),
                 "enc1": raw / one["encode_s"] / 1e9,
                 "encN": raw / many["encode_s"] / 1e9,
                 "dec1": raw / one["decode_s"] / 1e9,
@@ -256,13 +341,11 @@ def run_case(name: str, steps: int, pairs: int, repeats: int, cache: Path | None
                 "base_enc": raw / peer["encode_s"] / 1e9,
                 "base_dec": raw / peer["decode_s"] / 1e9,
                 "base_dec_verified": raw / peer_v["decode_s"] / 1e9,
-                "pc_ours_enc": core["ours_enc"],
-                "pc_base_enc": core["base_enc"],
-                "pc_ours_apply": core["ours_apply"],
-                "pc_base_dec": core["base_dec"],
+                **{f"pc_{k}": v for k, v in core.items()},
             }
         )
     first_ck, first_t = loaded[0]
+    staging = _staging(loaded[0][0], loaded[1][0])
     sums = _checksum_speed(loaded[1][0], repeats, threads_all)
     key = _ours_key(first_ck, repeats, threads_all)
     snap = baselines.measure_snapshot_zstd1(first_t, level=1, repeats=repeats)
@@ -274,18 +357,16 @@ def run_case(name: str, steps: int, pairs: int, repeats: int, cache: Path | None
         "pairs": len(rows),
         "tensors": len(first_t),
         "raw_bytes": raw0,
-        "density": mean["density"],
+        **_size_summary(rows),
         "ours_bytes": mean["ours"],
-        "ours_with_manifest_bytes": mean["ours_with_manifest"],
-        "baseline_bytes": mean["baseline"],
         "bound_bytes": mean["bound"],
-        "ratio_ours": mean["raw"] / mean["ours"],
+        "ratio_ours": mean["raw"] / mean["v2_file"],
         "ratio_baseline": mean["raw"] / mean["baseline"],
         "ratio_bound": mean["raw"] / mean["bound"] if mean["bound"] else float("inf"),
-        "ours_vs_baseline": mean["baseline"] / mean["ours"],
-        "pct_of_bound": mean["bound"] / mean["ours"] * 100,
+        "ours_vs_baseline": mean["baseline"] / mean["v2_file"],
+        "pct_of_bound": mean["bound"] / mean["v2_file"] * 100,
         "bound_diff_bytes": mean["bound_diff"],
-        "pct_of_diff_bound": mean["bound_diff"] / mean["ours"] * 100,
+        "pct_of_diff_bound": mean["bound_diff"] / mean["v2_file"] * 100,
         "apply_gbps_1": mean["apply1"],
         "apply_gbps_all": mean["applyN"],
         "encode_gbps_1": mean["enc1"],
@@ -295,12 +376,14 @@ def run_case(name: str, steps: int, pairs: int, repeats: int, cache: Path | None
         "baseline_encode_gbps": mean["base_enc"],
         "baseline_decode_gbps": mean["base_dec"],
         "baseline_decode_verified_gbps": mean["base_dec_verified"],
-        "per_core_encode_gbps": mean["pc_ours_enc"],
-        "per_core_baseline_encode_gbps": mean["pc_base_enc"],
-        "per_core_apply_gbps": mean["pc_ours_apply"],
-        "per_core_baseline_decode_gbps": mean["pc_base_dec"],
-        "encode_vs_baseline_1": mean["pc_ours_enc"] / mean["pc_base_enc"],
-        "apply_vs_baseline_verified_1": mean["pc_ours_apply"] / mean["pc_base_dec"],
+        **{f"per_core_{k}_gbps": mean[f"pc_{k}"] for k in ("v1_enc", "v2_enc", "base_enc", "v1_apply", "v2_apply")},
+        "per_core_base_dec_gbps": mean["pc_base_dec"],
+        "encode_vs_baseline_1": mean["pc_v2_enc"] / mean["pc_base_enc"],
+        "apply_vs_baseline_verified_1": mean["pc_v2_apply"] / mean["pc_base_dec"],
+        "v1_encode_vs_baseline_1": mean["pc_v1_enc"] / mean["pc_base_enc"],
+        "v1_apply_vs_baseline_verified_1": mean["pc_v1_apply"] / mean["pc_base_dec"],
+        "staged_bytes_per_change": staging["staged_bytes"] / max(staging["changed"], 1) if staging else None,
+        "staged_changes_by_width": staging["changed_by_width"] if staging else None,
         "threads_all": threads_all,
         "kernels": kernels.active().name,
         **sums,
@@ -327,7 +410,7 @@ def machine() -> str:
 
 def table(results: list[dict]) -> str:
     head = (
-        "| case | density | raw MB | ours KB | baseline KB | XOR bound KB | ours vs baseline "
+        "| case | density | raw MB | ours KB (whole file, v2) | baseline KB | XOR bound KB | ours vs baseline "
         "| % of XOR bound | % of diff bound | encode GB/s 1t / all | apply in place GB/s 1t / all "
         "| decode to new buffer GB/s 1t / all | baseline enc / dec GB/s | keyframe ours / zstd-1 / ZipNN |\n|"
         + "---|"
@@ -337,7 +420,7 @@ def table(results: list[dict]) -> str:
     for r in results:
         lines.append(
             f"| {r['case']} | {r['density'] * 100:.2f} % | {r['raw_bytes'] / 1e6:.1f} | "
-            f"{r['ours_bytes'] / 1e3:.1f} | {r['baseline_bytes'] / 1e3:.1f} | {r['bound_bytes'] / 1e3:.1f} | "
+            f"{r['v2_file_bytes'] / 1e3:.1f} | {r['baseline_bytes'] / 1e3:.1f} | {r['bound_bytes'] / 1e3:.1f} | "
             f"**{r['ours_vs_baseline']:.2f}x** | {r['pct_of_bound']:.1f} % | {r['pct_of_diff_bound']:.1f} % | "
             f"{r['encode_gbps_1']:.2f} / {r['encode_gbps_all']:.2f} | "
             f"{r['apply_gbps_1']:.2f} / {r['apply_gbps_all']:.2f} | "
@@ -349,21 +432,43 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def speed_table(results: list[dict]) -> str:
-    """Per-core speed against the baseline, same run, same bytes, interleaved (issue 11's CPU targets)."""
+def sizes_table(results: list[dict]) -> str:
+    """Whole delta files (frames + stored manifest) against the baseline's payload, v2 and v1."""
     lines = [
-        "| case | kernels | encode GB/s 1t (all) | baseline encode 1t | encode vs baseline "
-        "| verified apply in place GB/s 1t (all) | baseline verified decode 1t | apply vs baseline "
-        "| checksum GB/s 1t / all | xxh3-128 GB/s 1t |",
-        "|" + "---|" * 10,
+        "| case | pairs | density (min-max) | baseline KB | v2 file KB (manifest share) | v2 / baseline (worst pair) "
+        "| v1 file KB (manifest share) | v1 / baseline (worst pair) |",
+        "|" + "---|" * 8,
     ]
     for r in results:
         lines.append(
-            f"| {r['case']} | {r['kernels']} | {r['per_core_encode_gbps']:.2f} ({r['encode_gbps_all']:.2f}) | "
-            f"{r['per_core_baseline_encode_gbps']:.2f} | **{r['encode_vs_baseline_1']:.2f}x** | "
-            f"{r['per_core_apply_gbps']:.2f} ({r['apply_gbps_all']:.2f}) | "
-            f"{r['per_core_baseline_decode_gbps']:.2f} | **{r['apply_vs_baseline_verified_1']:.2f}x** | "
-            f"{r['checksum_gbps_1']:.2f} / {r['checksum_gbps_all']:.2f} | {r['xxh3_gbps_1']:.2f} |"
+            f"| {r['case']} | {r['pairs']} | {r['density'] * 100:.3f} % ({r['density_min'] * 100:.3f}-"
+            f"{r['density_max'] * 100:.3f}) | {r['baseline_bytes'] / 1e3:.1f} | "
+            f"{r['v2_file_bytes'] / 1e3:.1f} ({r['v2_manifest_share'] * 100:.1f} %) | "
+            f"**{r['v2_file_vs_baseline']:.3f}** ({r['v2_file_vs_baseline_worst']:.3f}) | "
+            f"{r['v1_file_bytes'] / 1e3:.1f} ({r['v1_manifest_share'] * 100:.1f} %) | "
+            f"{r['v1_file_vs_baseline']:.3f} ({r['v1_file_vs_baseline_worst']:.3f}) |"
+        )
+    return "\n".join(lines)
+
+
+def speed_table(results: list[dict]) -> str:
+    """Per-core speed against the baseline, same run, same bytes, interleaved (issue 11's CPU targets)."""
+    lines = [
+        "| case | kernels | encode GB/s 1t v1 / v2 | baseline encode 1t | v2 (v1) encode vs baseline "
+        "| verified apply in place GB/s 1t v1 / v2 | baseline verified decode 1t | v2 (v1) apply vs baseline "
+        "| checksum GB/s 1t / all | xxh3-128 GB/s 1t | staged bytes / changed element |",
+        "|" + "---|" * 11,
+    ]
+    for r in results:
+        lines.append(
+            f"| {r['case']} | {r['kernels']} | {r['per_core_v1_enc_gbps']:.2f} / {r['per_core_v2_enc_gbps']:.2f} | "
+            f"{r['per_core_base_enc_gbps']:.2f} | **{r['encode_vs_baseline_1']:.2f}x** "
+            f"({r['v1_encode_vs_baseline_1']:.2f}x) | "
+            f"{r['per_core_v1_apply_gbps']:.2f} / {r['per_core_v2_apply_gbps']:.2f} | "
+            f"{r['per_core_base_dec_gbps']:.2f} | **{r['apply_vs_baseline_verified_1']:.2f}x** "
+            f"({r['v1_apply_vs_baseline_verified_1']:.2f}x) | "
+            f"{r['checksum_gbps_1']:.2f} / {r['checksum_gbps_all']:.2f} | {r['xxh3_gbps_1']:.2f} | "
+            + (f"{r['staged_bytes_per_change']:.2f} |" if r.get("staged_bytes_per_change") else "n/a |")
         )
     return "\n".join(lines)
 
@@ -419,32 +524,47 @@ def plots(results: list[dict], out: Path) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="weightsync bench codec", description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", nargs="*", default=DEFAULT_CASES)
+    ap.add_argument(
+        "--cases", nargs="*", default=DEFAULT_CASES, help=f"sparse quantized cases: {' '.join(SPARSE_CASES)}"
+    )
     ap.add_argument("--steps", type=int, default=8, help="optimizer steps (versions) per case")
     ap.add_argument("--pairs", type=int, default=4, help="consecutive version pairs measured per case")
     ap.add_argument("--repeats", type=int, default=3, help="timing repeats (best is kept)")
+    ap.add_argument("--no-speed", action="store_true", help="bytes only: whole files v1 / v2 vs the baseline")
     ap.add_argument("--cache", type=Path, default=None, help="corpus cache directory")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    pairs = min(args.pairs, args.steps)
     results = []
     for case in args.cases:
-        r = run_case(case, args.steps, min(args.pairs, args.steps), args.repeats, args.cache)
+        if args.no_speed:
+            r = run_sizes(case, args.steps, pairs, args.cache)
+        else:
+            r = run_case(case, args.steps, pairs, args.repeats, args.cache)
         results.append(r)
-        print(
-            f"{case}: ours {r['ratio_ours']:.1f}x, baseline {r['ratio_baseline']:.1f}x, "
-            f"bound {r['ratio_bound']:.1f}x ({r['pct_of_bound']:.1f} % of bound), "
-            f"ours vs baseline {r['ours_vs_baseline']:.2f}x, encode {r['encode_gbps_1']:.2f} GB/s/core, "
-            f"apply in place {r['apply_gbps_1']:.2f} GB/s/core; per core vs baseline: encode "
-            f"{r['encode_vs_baseline_1']:.2f}x, verified apply {r['apply_vs_baseline_verified_1']:.2f}x",
-            flush=True,
+        line = (
+            f"{case}: density {r['density'] * 100:.3f} %, whole file v2 {r['v2_file_vs_baseline']:.3f} of the "
+            f"baseline (worst pair {r['v2_file_vs_baseline_worst']:.3f}, "
+            f"manifest {r['v2_manifest_share'] * 100:.1f} %), "
+            f"v1 {r['v1_file_vs_baseline']:.3f} (manifest {r['v1_manifest_share'] * 100:.1f} %)"
         )
+        if not args.no_speed:
+            line += (
+                f"; per core vs baseline: encode v2 {r['encode_vs_baseline_1']:.2f}x "
+                f"(v1 {r['v1_encode_vs_baseline_1']:.2f}x), verified apply v2 "
+                f"{r['apply_vs_baseline_verified_1']:.2f}x (v1 {r['v1_apply_vs_baseline_verified_1']:.2f}x)"
+            )
+        print(line, flush=True)
     doc = {"machine": machine(), "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "results": results}
-    (args.out / "codec.json").write_text(json.dumps(doc, indent=1))
-    md = f"Machine: {doc['machine']}. Run: {doc['when']}.\n\n{table(results)}\n\n{speed_table(results)}\n"
-    (args.out / "codec.md").write_text(md)
-    for p in plots(results, args.out):
-        print(f"wrote {p}")
+    name = "codec_sizes" if args.no_speed else "codec"
+    (args.out / f"{name}.json").write_text(json.dumps(doc, indent=1))
+    md = f"Machine: {doc['machine']}. Run: {doc['when']}.\n\n{sizes_table(results)}\n"
+    if not args.no_speed:
+        md += f"\n{table(results)}\n\n{speed_table(results)}\n"
+        for p in plots(results, args.out):
+            print(f"wrote {p}")
+    (args.out / f"{name}.md").write_text(md)
     print(md)
     return 0
 

@@ -7,6 +7,7 @@ version i (fp32 master weights, fp32 math), exported in an inference format:
 case                what is exported after every step
 ==================  =================================================================================
 bf16-lr1e-6         all-MiniLM-L6-v2 (shipped weights) trained with MLM at lr 1e-6; bf16 casts
+FMT-lr1e-K          the same trajectory at lr 1e-K (K in 5..9) exported as FMT (bf16, fp8, mxfp4, nvfp4)
 bf16-lr1e-5         the same at lr 1e-5
 fp8-lr1e-5          the lr 1e-5 trajectory; linear weights FP8 E4M3 + ``<name>_scale`` (F32 scalar)
 mxfp4-lr1e-5        the lr 1e-5 trajectory; linear weights ``<name>_blocks``/``<name>_scales`` (gpt-oss)
@@ -84,16 +85,23 @@ _MOE = TrainSpec("moe", 1e-5, batch=2, seq_len=32)
 
 
 class _Cases(dict):
-    """The fixed cases, plus "moe-bf16-xN": the MoE with N times the experts and N times their width.
+    """The fixed cases, plus two families generated on demand:
 
-    Sizes per bf16 version: x1 58 MB, x4 ~0.43 GB, x6 ~0.94 GB, x8 ~1.6 GB (training memory ~8x that).
+    - "moe-bf16-xN": the MoE with N times the experts and N times their width. Sizes per bf16
+      version: x1 58 MB, x4 ~0.43 GB, x6 ~0.94 GB, x8 ~1.6 GB (training memory ~8x that);
+    - "FMT-lr1e-K" (FMT one of bf16, fp8, mxfp4, nvfp4; K 5 to 9): the MiniLM trajectory at lr 1e-K
+      in that export. Smaller steps change fewer elements: at lr 1e-6 / 1e-7 the quantized exports
+      change ~0.05-1 % of their elements per step (the sparse end of real RL steps).
     """
 
     def __missing__(self, name: str) -> CaseSpec:
         m = re.fullmatch(r"moe-bf16-x([1-9][0-9]?)", name)
-        if m is None:
-            raise KeyError(name)
-        return CaseSpec(TrainSpec("moe", 1e-5, batch=2, seq_len=32, moe_scale=int(m.group(1))), "bf16")
+        if m is not None:
+            return CaseSpec(TrainSpec("moe", 1e-5, batch=2, seq_len=32, moe_scale=int(m.group(1))), "bf16")
+        m = re.fullmatch(r"(bf16|fp8|mxfp4|nvfp4)-lr1e-([5-9])", name)
+        if m is not None:
+            return CaseSpec(TrainSpec("minilm", float(f"1e-{m.group(2)}")), m.group(1))
+        raise KeyError(name)
 
     def __contains__(self, name: object) -> bool:
         try:

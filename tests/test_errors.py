@@ -34,6 +34,7 @@ EXPECTED_WIRE = {
     ("conflict", None): (409, errors.Conflict),
     ("incomplete-publish", None): (409, errors.IncompletePublish),
     ("removes-content", None): (409, errors.RemovesContent),
+    ("format-not-readable", None): (406, errors.FormatNotReadable),
     ("invalid-checkpoint", None): (422, errors.InvalidCheckpoint),
     ("base-mismatch", None): (409, errors.BaseMismatch),
     ("not-found", None): (404, errors.NotFound),

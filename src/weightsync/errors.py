@@ -286,6 +286,12 @@ class IncompletePublish(WeightsyncError):
     code, status, title, exit_code = "incomplete-publish", 409, "Incomplete publish", EXIT_CONFLICT
 
 
+class FormatNotReadable(WeightsyncError):
+    """The version is stored in a manifest format the client says it cannot read (plan ``formats``): upgrade it."""
+
+    code, status, title = "format-not-readable", 406, "Format not readable"
+
+
 class RemovesContent(Conflict):
     """A version drops files or tensors its parent had, and the publisher did not say removals are intended."""
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -144,8 +145,9 @@ def test_keyframe_replaces_and_new_tensors_need_reload(server, model, tmp_path: 
 # --- in process, no server: inplace.prepare from a manifest and its frames ----------------------------
 
 
-def _local_update(published: list[dict], base: int, target: int, **kw):
-    """inplace.prepare of the delta published[base-1] → published[target-1], encoded in process (no server)."""
+def _local_update(published: list[dict], base: int, target: int, *, version: int = 2, **kw):
+    """inplace.prepare of the delta published[base-1] → published[target-1], encoded in process (no server),
+    in FORMAT `version`."""
     from weightsync.client import inplace
     from weightsync.client.tensors import serialize_state_dict
     from weightsync.codec.checkpoint import Checkpoint
@@ -154,7 +156,9 @@ def _local_update(published: list[dict], base: int, target: int, **kw):
     def ck(sd: dict) -> Checkpoint:
         return Checkpoint.from_bytes({"model.safetensors": serialize_state_dict(sd).tobytes()})
 
-    encoded = Encoder(chunk_bytes=16 << 10).encode(ck(published[target - 1]), ck(published[base - 1]))
+    encoded = Encoder(chunk_bytes=16 << 10, format_version=version).encode(
+        ck(published[target - 1]), ck(published[base - 1])
+    )
     area = b"".join(fr.data for fr in encoded.frames)
     starts = [0]
     for fr in encoded.frames:
@@ -180,33 +184,38 @@ def _trained(n: int, seed: int = 3) -> list[dict]:
     return out
 
 
-@pytest.mark.parametrize("staged", [False, True], ids=["in-place-hash", "staged-hash"])
-def test_local_prepare_and_verified_apply(staged: bool) -> None:
+@pytest.mark.parametrize(
+    "version, staged", [(1, False), (1, True), (2, False)], ids=["v1-in-place-hash", "v1-staged-hash", "v2-checksum"]
+)
+def test_local_prepare_and_verified_apply(version: int, staged: bool) -> None:
     from weightsync.client import inplace
-    from weightsync.client.verify import IN_PLACE, STAGED_HOST, HostHasher
+    from weightsync.client.verify import IN_PLACE, STAGED_HOST, SUM_CPU, HostHasher
 
     published = _trained(2)
-    prepared = _local_update(published, 1, 2, device="cpu")
+    prepared = _local_update(published, 1, 2, version=version, device="cpu")
     assert prepared.steps == 1 and prepared.changed_elements > 0
+    assert prepared.digest_kind == ("xxh3-128" if version == 1 else "sum64x16")
     tensors = _snapshot(published[0])
     # Tiny staging buffers: the larger tensors stream through them in many pieces.
     hasher = HostHasher(threads=2, buffers=2, buffer_bytes=8 << 10, piece_bytes=3000, stage_cpu=staged)
     applied = inplace.apply(tensors, prepared, model="local", version=1, verify=True, strict=True, hasher=hasher)
     applied.check()
     _assert_identical(tensors, published[1])
-    assert applied.verified_by == ((STAGED_HOST,) if staged else (IN_PLACE,))
+    want = {(1, True): STAGED_HOST, (1, False): IN_PLACE, (2, False): SUM_CPU}[version, staged]
+    assert applied.verified_by == (want,), "v2 checksums tensors where they lie: no staging, no hashing"
     assert applied.base_check_s > 0 and applied.result_check_s > 0
     assert applied.tensors == len(prepared.updates)
     unverified = inplace.apply(_snapshot(published[0]), prepared, model="local", version=1, verify=False, strict=True)
     assert unverified.verified_by == () and unverified.base_check_s == 0
 
 
-def test_local_base_mismatch_names_the_tensor_and_writes_nothing() -> None:
+@pytest.mark.parametrize("version", [1, 2])
+def test_local_base_mismatch_names_the_tensor_and_writes_nothing(version: int) -> None:
     from weightsync.client import inplace
     from weightsync.client.verify import HostHasher
 
     published = _trained(2, seed=4)
-    prepared = _local_update(published, 1, 2)
+    prepared = _local_update(published, 1, 2, version=version)
     for staged in (False, True):
         tensors = _snapshot(published[0])
         victim = sorted(prepared.updates)[-1]  # the last one checked: every other tensor passed its check
@@ -218,15 +227,16 @@ def test_local_base_mismatch_names_the_tensor_and_writes_nothing() -> None:
         _assert_identical(tensors, before)
 
 
-def test_local_result_mismatch_raises_after_the_write() -> None:
+@pytest.mark.parametrize("version", [1, 2])
+def test_local_result_mismatch_raises_after_the_write(version: int) -> None:
     """As before this change: a failed result check raises ChecksumMismatch naming the tensor; the
     tensors hold what the update wrote (no restore), and the caller must reload the version."""
     from weightsync.client import inplace
 
     published = _trained(2, seed=5)
-    prepared = _local_update(published, 1, 2)
+    prepared = _local_update(published, 1, 2, version=version)
     name = sorted(prepared.updates)[0]
-    prepared.updates[name].result_xxh3 = "0" * 32
+    prepared.updates[name].result_digest = "0" * 32
     tensors = _snapshot(published[0])
     applied = inplace.apply(tensors, prepared, model="local", version=1, verify=True, strict=True)
     with pytest.raises(errors.ChecksumMismatch, match=repr(name)):
@@ -240,7 +250,86 @@ def test_result_mismatch_through_the_subscriber(server, model, tmp_path: Path) -
         tensors = _fresh_load(server.url, model, 1, tmp_path)
         prepared = sub.prepare()
         name = next(iter(prepared.updates))
-        prepared.updates[name].result_xxh3 = "f" * 32
+        prepared.updates[name].result_digest = "f" * 32
         with pytest.raises(errors.ChecksumMismatch, match=repr(name)):
             sub.apply(tensors, prepared)
         assert sub.version == 2  # the tensors changed: they hold v2 or must be reloaded (unchanged semantics)
+
+
+def test_staged_changes_are_compact_and_apply_exactly() -> None:
+    """Staging (client/tensors.py): block-coded positions where that is smaller; the same bytes as the host apply."""
+    from weightsync.client.tensors import BLOCK_BITS, apply_staged, stage_change
+    from weightsync.codec.values import Change
+
+    rng = np.random.default_rng(0)
+    n = 3 * (1 << BLOCK_BITS) + 777
+    for density, add in [(0.0275, True), (0.001, False), (1e-5, True), (0.9, True), (0.0, True)]:
+        positions = np.flatnonzero(rng.random(n) < density).astype(np.int64)
+        operands = rng.integers(-(2**15), 2**15, len(positions)).astype(np.int16)
+        operands[operands == 0] = 1
+        change = Change(add, positions, operands)
+        base = rng.integers(-(2**15), 2**15, n).astype(np.int16)
+        want = base.copy()
+        change.apply(want)
+        staged = stage_change(change, "cpu", elements=n)
+        t = torch.from_numpy(base.copy()).view(torch.bfloat16)
+        apply_staged(t, staged)
+        assert np.array_equal(t.view(torch.int16).numpy(), want), (density, add)
+        if len(positions) > 4 * (n >> BLOCK_BITS):  # several changes per block: block-coded, ~4 bytes each
+            assert staged.positions is None and staged.nbytes <= 5 * len(positions), density
+        else:
+            assert staged.nbytes <= 6 * len(positions)  # int32 positions
+
+
+def test_prepare_stages_few_bytes_per_changed_element() -> None:
+    published = _trained(3, seed=7)
+    prepared = _local_update(published, 1, 3, device="cpu")
+    k = prepared.changed_elements
+    assert k > 0 and prepared.staged_bytes > 0
+    widths = {u.dtype.width for u in prepared.updates.values() if u.ops}
+    assert prepared.staged_bytes <= (4 + max(widths)) * k  # never the 8-byte positions of before
+
+
+def test_a_plan_across_formats_applies_and_verifies_each_step_with_its_own_kind() -> None:
+    """v1 delta, then a v2 keyframe (a new format starts a chain with one), then a v2 delta. A plan from v1
+    replaces every tensor from the keyframe on and checks the results with the checksum; the v1 step alone
+    checks base and result with xxh3-128."""
+    from weightsync.client import inplace
+    from weightsync.client.tensors import serialize_state_dict
+    from weightsync.codec.checkpoint import Checkpoint
+    from weightsync.codec.encoder import Encoder
+
+    published = _trained(4, seed=9)
+
+    def ck(sd: dict) -> Checkpoint:
+        return Checkpoint.from_bytes({"model.safetensors": serialize_state_dict(sd).tobytes()})
+
+    steps = [(1, 0, False), (2, 1, True), (2, 2, False)]  # (format, base index, keyframe) of versions 2..4
+    area = bytearray()
+    manifests = []
+    for target, (version, base, keyframe) in enumerate(steps, start=1):
+        encoded = Encoder(chunk_bytes=16 << 10, format_version=version).encode(
+            ck(published[target]), ck(published[base]), keyframe=keyframe
+        )
+        starts = []
+        for fr in encoded.frames:
+            starts.append(len(area))
+            area.extend(fr.data)
+        manifests.append(encoded.with_locations(lambda i, fr, s=starts: (None, s[i])))
+    assert [m.digest_kind for m in manifests] == ["xxh3-128", "sum64x16", "sum64x16"]
+
+    def read(ref):
+        return memoryview(area)[ref.offset : ref.offset + ref.length]
+
+    whole = inplace.prepare(manifests, read, model="m", base=1, target=4)
+    assert whole.digest_kind == "sum64x16" and all(u.replace is not None for u in whole.updates.values())
+    tensors = _snapshot(published[0])
+    inplace.apply(tensors, whole, model="m", version=1, verify=True, strict=True).check()
+    _assert_identical(tensors, published[3])
+    first = inplace.prepare(manifests[:1], read, model="m", base=1, target=2)
+    assert first.digest_kind == "xxh3-128" and {u.base_kind for u in first.updates.values()} == {"xxh3-128"}
+    tensors = _snapshot(published[0])
+    applied = inplace.apply(tensors, first, model="m", version=1, verify=True, strict=True)
+    applied.check()
+    assert applied.verified_by == ("cpu",)
+    _assert_identical(tensors, published[1])

@@ -198,3 +198,45 @@ def test_another_writer_is_a_conflict(tmp_path: Path) -> None:
     co = Checkout(tmp_path / "dest")
     with co.locked(), pytest.raises(errors.Conflict), Checkout(tmp_path / "dest").locked():
         pass
+
+
+def test_state_files_of_both_formats_read_and_verify(tmp_path: Path) -> None:
+    """A checkout state records digests of its manifest's kind; a state written before FORMAT v2 still reads."""
+    import json
+    from concurrent.futures import ThreadPoolExecutor
+
+    from weightsync.client.state import CheckoutState
+    from weightsync.codec import Encoder
+
+    ck = Checkpoint.from_bytes(VERSIONS[0])
+    with ThreadPoolExecutor(2) as pool:
+        for version, kind in [(1, "xxh3-128"), (2, "sum64x16")]:
+            manifest = Encoder(format_version=version).encode(ck).manifest
+            state = CheckoutState.of("m", 1, "d" * 64, manifest)
+            assert state.digest_kind == kind
+            again = CheckoutState.read(_write(tmp_path / f"s{version}.json", state.to_json()))
+            assert again == state
+            root = tmp_path / f"plain{version}"
+            for path, data in VERSIONS[0].items():
+                _write(root / path, data)
+            checkout = Checkout(root)
+            assert checkout.verify(state, pool)
+            (root / "model.safetensors").write_bytes(b"\0" + VERSIONS[0]["model.safetensors"][1:])
+            assert not checkout.verify(state, pool), "a changed byte fails the deep check"
+            assert checkout.verify(state, pool, deep=False)
+        old = json.loads(state.to_json())  # version 1 state files: xxh3, no widths
+        v1 = CheckoutState.of("m", 1, "d" * 64, Encoder(format_version=1).encode(ck).manifest)
+        rows = [{"path": f.path, "size": f.size, "segments": [s[:3] for s in f.segments]} for f in v1.files]
+        old.update(version=1, files=rows)
+        del old["digest_kind"]
+        read = CheckoutState.read(_write(tmp_path / "old.json", json.dumps(old).encode()))
+        assert read is not None and read.digest_kind == "xxh3-128"
+        assert [[s[:3] for s in f.segments] for f in read.files] == [[s[:3] for s in f.segments] for f in v1.files]
+        old["version"] = 2
+        assert CheckoutState.read(_write(tmp_path / "bad.json", json.dumps(old).encode())) is None  # v2 needs a kind
+
+
+def _write(path: Path, data: bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return path

@@ -284,7 +284,7 @@ def test_watch_reconnects_with_backoff_reset_by_a_success(monkeypatch: pytest.Mo
         httpx.Response(204),
         _problem(404, "not-found", "no model", resource="model"),
         httpx.Response(200, json=VERSION),
-        httpx.Response(200, json={**VERSION, "number": 2}),  # not newer than what was yielded: skipped
+        httpx.Response(200, json={**VERSION, "number": 3}),  # the version already yielded: skipped
         httpx.Response(200, json={**VERSION, "number": 5}),
     ]
 

@@ -171,6 +171,8 @@ def _pairs() -> list[tuple[type[models.Wire], type]]:
     return [
         (models.Health, schemas.Health),
         (models.Model, schemas.ModelOut),
+        (models.Info, schemas.InfoOut),
+        (models.DeletedModel, schemas.DeletedModelOut),
         (models.ModelList, schemas.ModelList),
         (models.Version, schemas.VersionOut),
         (models.VersionList, schemas.VersionList),

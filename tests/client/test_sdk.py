@@ -181,6 +181,34 @@ def test_one_publisher_at_a_time_per_cache_directory(server, model, tmp_path: Pa
         assert again.publish(sources[1]).kind == "delta"  # on the base the first one left
 
 
+def test_the_publisher_encodes_in_a_format_the_server_reads(server, model, tmp_path: Path) -> None:
+    """Format 2 with a server that reads it; a chain keeps its format; format 1 for a server that predates 2."""
+    import httpx
+
+    from weightsync.client.models import PublishBegin
+    from weightsync.codec.manifest import Manifest
+
+    def stored_format(number: int) -> int:
+        digest = httpx.get(f"{server.url}/v1/models/{model}/versions/{number}").json()["manifest"]
+        return Manifest.decode(httpx.get(f"{server.url}/v1/objects/{digest}").content).version
+
+    sources = _versions(tmp_path, 2, seed=19)
+    with Publisher(server.url, model, **SMALL) as pub:
+        assert [pub.publish(s).kind for s in sources] == ["keyframe", "delta"]
+        assert stored_format(1) == stored_format(2) == 2
+        held = pub._base.held()
+        assert held is not None and pub._format_for(held) == 2
+        # What an older server answers: no "formats" member, so format 1 only; the held base is format 2.
+        old = PublishBegin.from_json(
+            {
+                **pub.api.begin_publish(model, parent=2, step=None, metadata=None, keyframe=False).to_dict(),
+                "formats": None,
+            }
+        )
+        pub._formats = tuple(old.formats or [1])
+        assert pub._format_for(held) == 1 and pub._format_for(None) == 1
+
+
 def test_publish_state_dict_async_in_order(server, model, tmp_path: Path) -> None:
     trainer = TinyTrainer(seed=3)
     futures = []

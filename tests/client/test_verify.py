@@ -135,3 +135,68 @@ def test_cuda_tensors_stream_through_pinned_buffers() -> None:
     assert got.digests == [_want(t) for t in host]
     assert got.paths == (STAGED_CUDA,)
     assert tensor_xxh3(tensors[0]) == _want(host[0])
+
+
+# --- FORMAT v2: the tensor checksum, where the tensor lives ---------------------------------------
+
+
+def _want_sum(t: torch.Tensor) -> str:
+    from weightsync.codec.checksum import reference_sum
+
+    return reference_sum(t.contiguous().reshape(-1).view(torch.uint8).numpy(), t.element_size()).hex()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    specs=stn.lists(
+        stn.tuples(stn.sampled_from(DTYPES), stn.one_of(stn.integers(0, 3), stn.integers(0, 40_000))),
+        min_size=1,
+        max_size=6,
+    ),
+    threads=stn.integers(1, 3),
+    seed=stn.integers(0, 2**16),
+)
+def test_checksums_of_cpu_tensors_equal_the_reference(specs: list[tuple[str, int]], threads: int, seed: int) -> None:
+    from weightsync import devsum
+    from weightsync.client.verify import SUM_CPU, checksums
+
+    tensors = [_tensor(name, n, seed + i) for i, (name, n) in enumerate(specs)]
+    got = checksums(tensors, threads=threads)
+    want = [_want_sum(t) for t in tensors]
+    assert got.digests == want and got.paths == (SUM_CPU,) and got.staged_bytes == 0
+    assert [s.hex() for s in devsum.tensor_sums(tensors, chunk=5000)] == want  # torch, as on a GPU
+
+
+def test_checksums_of_large_tensors_are_summed_in_parts_and_views_are_their_own() -> None:
+    from weightsync.client.verify import checksums
+
+    big = _tensor("BF16", 9_000_001, 3)  # 18 MB: several parts of 8 MiB
+    strided = _tensor("F32", 64, 5).reshape(8, 8).t()
+    scalar = torch.tensor(3.5, dtype=torch.float64)
+    assert checksums([big, big[:100], strided, scalar], threads=3).digests == [
+        _want_sum(big),
+        _want_sum(big[:100]),
+        _want_sum(strided),
+        _want_sum(scalar),
+    ]
+
+
+def test_digests_follow_the_manifest_kind() -> None:
+    from weightsync.client.verify import SUM_CPU, digests
+
+    tensors = [_tensor("BF16", 1000, 1), _tensor("I64", 7, 2)]
+    hasher = HostHasher(threads=2)
+    assert digests(tensors, "xxh3-128", hasher).digests == [_want(t) for t in tensors]
+    summed = digests(tensors, "sum64x16", hasher)
+    assert summed.digests == [_want_sum(t) for t in tensors] and summed.paths == (SUM_CPU,)
+    with pytest.raises(ValueError):
+        digests(tensors, "md5", hasher)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tensors_are_checksummed_on_the_device() -> None:
+    from weightsync.client.verify import SUM_DEVICE, checksums
+
+    host = [_tensor("BF16", 3_000_001, 1), _tensor("F32", 5, 2), _tensor("U8", 0, 3), _tensor("I64", 70_001, 4)]
+    got = checksums([t.cuda() for t in host])
+    assert got.digests == [_want_sum(t) for t in host] and got.paths == (SUM_DEVICE,) and got.staged_bytes == 0

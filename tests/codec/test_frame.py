@@ -47,27 +47,63 @@ def tensor_bytes(draw):
     return dtype, base, rng
 
 
-@given(tensor_bytes(), st.sampled_from(DENSITIES), st.sampled_from([1, 3]), st.sampled_from([None, True, False]))
+@given(
+    tensor_bytes(),
+    st.sampled_from(DENSITIES),
+    st.sampled_from([1, 3]),
+    st.sampled_from([None, True, False]),
+    st.sampled_from(fr.VERSIONS),
+)
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-def test_delta_round_trip(case, density, level, add):
+def test_delta_round_trip(case, density, level, add, version):
     dtype, base, rng = case
     n = len(base) // dtype.width
     new = mutate(rng, base, dtype.width, changed_count(density, n))
-    frame = fr.encode_delta(base, new, dtype, level=level, add=add)
+    frame = fr.encode_delta(base, new, dtype, level=level, add=add, version=version)
     target = base.copy()
     head = fr.apply_frame(frame, target)
-    assert head.delta and head.raw_len == len(new)
+    assert head.delta and head.raw_len == len(new) and head.version == version
     assert head.add == (fr.uses_add(dtype) if add is None else add)
     assert target.tobytes() == new.tobytes()
     assert fr.decode_frame(frame, base).tobytes() == new.tobytes()
 
 
-@given(tensor_bytes(), st.sampled_from([1, 3]))
+@given(tensor_bytes(), st.sampled_from([1, 3]), st.sampled_from(fr.VERSIONS))
 @settings(max_examples=200, deadline=None)
-def test_keyframe_round_trip(case, level):
+def test_keyframe_round_trip(case, level, version):
     dtype, data, _ = case
-    frame = fr.encode_key(data, dtype, level=level)
+    frame = fr.encode_key(data, dtype, level=level, version=version)
     assert fr.decode_frame(frame).tobytes() == data.tobytes()
+
+
+@given(tensor_bytes(), st.sampled_from(DENSITIES))
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_a_v2_frame_is_the_v1_frame_without_its_hashes(case, density):
+    """FORMAT §4.1: same payload; version byte 2, both hash fields zero, its own header checksum."""
+    dtype, base, rng = case
+    new = mutate(rng, base, dtype.width, changed_count(density, len(base) // dtype.width))
+    for one, two in [
+        (fr.encode_delta(base, new, dtype), fr.encode_delta(base, new, dtype, version=2)),
+        (fr.encode_key(new, dtype), fr.encode_key(new, dtype, version=2)),
+    ]:
+        assert one[fr.HEADER_SIZE :] == two[fr.HEADER_SIZE :]
+        assert two[4] == 2 and two[24:56] == bytes(32) and one[5:24] == two[5:24]
+        assert fr.parse_header(two).version == 2 and not fr.parse_header(two).checked
+
+
+def test_v2_frames_check_nothing_themselves_and_refuse_hashes():
+    dt, base, new = _pair()
+    frame = fr.encode_delta(base, new, dt, version=2)
+    other = mutate(np.random.default_rng(9), base, 2, 1)
+    fr.apply_frame(frame, other)  # no base hash to refuse it: the v2 manifest's checksums do (FORMAT §5.3)
+    with pytest.raises(CorruptData):
+        fr.parse_header(_forge(frame, base=b"\x01" * 16))
+    with pytest.raises(CorruptData):
+        fr.parse_header(_forge(frame, result=b"\x01" * 16))
+    with pytest.raises(ValueError):
+        fr.encode_delta_pieces([base], [new], dt, version=2, piece_hashes=[])
+    with pytest.raises(UnsupportedVersion):
+        fr.encode_key(new, dt, version=3)
 
 
 def test_density_selects_method():
@@ -167,7 +203,8 @@ def _forge(frame: bytes, **fields) -> bytes:
     "fields, error",
     [
         ({"magic": b"XXXX"}, BadMagic),
-        ({"version": 2}, UnsupportedVersion),
+        ({"version": 3}, UnsupportedVersion),
+        ({"version": 0}, UnsupportedVersion),
         ({"flags": 0x81}, UnsupportedVersion),
         ({"method": 9}, UnsupportedVersion),
         ({"dtype": 200}, WeightsyncError),

@@ -284,12 +284,21 @@ assert frame.decode_frame(blob, base).tobytes() == new.tobytes()
     assert len(warnings) == 1, out.stderr
 
 
+def _digest(version: int, data: np.ndarray, width: int) -> str:
+    """What a manifest of `version` records for a segment's bytes: xxh3-128 (1) or the §10 checksum (2)."""
+    from weightsync.codec.checksum import reference_sum
+
+    return fr.xxh3_128(data).hex() if version == 1 else reference_sum(data, width).hex()
+
+
+@pytest.mark.parametrize("version", [1, 2])
 @pytest.mark.parametrize("threads", [1, 2, 4])
 @pytest.mark.parametrize("keyframe", [False, True])
-def test_hashing_in_the_coding_pass_gives_every_segments_own_hash(threads, keyframe):
-    # The encoder hashes each byte once, inside the frame tasks (whole segments from the
-    # coder, segments cut across frames chained chunk by chunk): the manifest must hold
-    # exactly the xxh3-128 of each segment's bytes, and the known base hashes passed in.
+def test_hashing_in_the_coding_pass_gives_every_segments_own_hash(threads, keyframe, version):
+    # The encoder digests each byte once, inside the frame tasks (v1: whole segments from the
+    # coder, segments cut across frames chained chunk by chunk; v2: every piece's checksum at its
+    # position, added): the manifest must hold exactly the digest of each segment's bytes, and
+    # the known base digests passed in.
     from _ckpt import safetensors_file
 
     from weightsync.codec import Checkpoint, Decoder, Encoder
@@ -297,28 +306,35 @@ def test_hashing_in_the_coding_pass_gives_every_segments_own_hash(threads, keyfr
     rng = np.random.default_rng(threads)
     tensors = {f"t{i}": ("BF16", (int(rng.integers(1, 40)), 64), None) for i in range(30)}
     tensors["big"] = ("BF16", (300, 64), None)  # 38 KB: cut into chunks
+    tensors["wide"] = ("F64", (100, 16), None)  # 12.8 KB of 8-byte elements: 4 lanes, cut into chunks
     tensors["empty"] = ("F32", (0, 4), None)
+    tensors["same"] = ("F32", (7, 3), None)  # left unchanged below
     base_t = {k: (d, s, rng.integers(0, 256, by_name(d).nbytes(s), dtype=np.uint8)) for k, (d, s, _) in tensors.items()}
     new_t = {}
     for k, (d, s, data) in base_t.items():
         data = data.copy()
-        data[rng.random(len(data)) < 0.02] ^= 1
+        if k != "same":
+            data[rng.random(len(data)) < 0.02] ^= 1
         new_t[k] = (d, s, data)
     base = Checkpoint.from_bytes({"m.safetensors": safetensors_file(base_t, {})})
     new = Checkpoint.from_bytes({"m.safetensors": safetensors_file(new_t, {})})
-    enc = Encoder(threads=threads, chunk_bytes=4096)
+    enc = Encoder(threads=threads, chunk_bytes=4096, format_version=version)
     encoded = enc.encode(new, base, keyframe=keyframe)
+    assert encoded.manifest.version == version
     assert len(encoded.frames) > 5
     for f, fe in zip(new.files, encoded.manifest.files, strict=True):
         bf = base.files[0]
         for seg, entry in zip(f.layout.segments, fe.segments, strict=True):
-            assert entry.xxh3 == fr.xxh3_128(f.segment_bytes(seg)).hex(), seg.name
+            assert entry.digest == _digest(version, f.segment_bytes(seg), seg.dtype.width), seg.name
             if not keyframe:
                 other = next(s for s in bf.layout.segments if s.key == seg.key)
-                assert entry.base_xxh3 == fr.xxh3_128(bf.segment_bytes(other)).hex(), seg.name
-    known = {("m.safetensors", e.segment.kind, e.segment.name): "ab" * 16 for e in encoded.manifest.files[0].segments}
-    again = enc.encode(new, base, base_hashes=known)
-    assert all(e.base_xxh3 == "ab" * 16 for e in again.manifest.files[0].segments)
+                assert entry.base_digest == _digest(version, bf.segment_bytes(other), seg.dtype.width), seg.name
+    known = {
+        ("m.safetensors", e.segment.kind, e.segment.name): e.base_digest for e in encoded.manifest.files[0].segments
+    }
+    if not keyframe:
+        again = enc.encode(new, base, base_digests=known)
+        assert again.manifest.files == encoded.manifest.files
     frames = [x.data for x in encoded.frames]
     offsets = np.cumsum([0] + [len(x) for x in frames])
     manifest = encoded.with_locations(lambda i, _: (None, int(offsets[i])))
@@ -328,3 +344,184 @@ def test_hashing_in_the_coding_pass_gives_every_segments_own_hash(threads, keyfr
         manifest, lambda r: area[r.offset : r.offset + r.length], out, base, verify_segments=True
     )
     assert out[0].tobytes() == new.files[0].data.tobytes()
+
+
+# --- fused kernels: coding or applying with the tensor checksum in the same pass ---------
+
+
+@st.composite
+def pieces(draw, big: bool = False):
+    """(width, base pieces, new pieces, starts): a changed pair cut at drawn points.
+
+    `big` makes pieces span several checksum blocks (4 KiB), so block edges, whole blocks
+    and tails are all exercised.
+    """
+    width, base, new = draw(pair()) if not big else draw(big_pair())
+    n = len(base) // width
+    cuts = sorted({0, n, *draw(st.lists(st.integers(0, n), max_size=4))})
+    spans = [(a * width, b * width) for a, b in zip(cuts, cuts[1:], strict=False)] or [(0, 0)]
+    starts = [draw(st.integers(0, 1 << 40)) for _ in spans]
+    return width, [base[a:b] for a, b in spans], [new[a:b] for a, b in spans], starts
+
+
+@st.composite
+def big_pair(draw):
+    width = draw(st.sampled_from((1, 2, 4, 8)))
+    n = draw(st.sampled_from([4096 // width - 1, 4096 // width, 4096 // width + 1, 3 * 4096 // width + 17]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    base = rng.integers(0, 256, n * width, dtype=np.uint8)
+    new = base.copy()
+    density = draw(st.sampled_from([0.0, 0.001, 0.02, 0.3]))
+    idx = np.flatnonzero(rng.random(n) < density)
+    new.view(UINT[width])[idx] += np.array(1, dtype=UINT[width])
+    return width, base, new
+
+
+def _reference_sums(pieces_: list[np.ndarray], width: int, starts: list[int]) -> list[tuple[int, ...]]:
+    from weightsync.codec.checksum import reference_sum
+
+    return [reference_sum(p, width, start=s).lanes for p, s in zip(pieces_, starts, strict=True)]
+
+
+@SETTINGS
+@given(st.one_of(pieces(), pieces(big=True)), st.booleans(), st.integers(0, 400), st.booleans(), st.booleans())
+def test_fused_encode_codes_and_sums_like_the_reference(p, add, cap, before, after):
+    width, bases, news, starts = p
+    ref, nat = kernels.REFERENCE, need_native()
+    a = ref.encode_sparse_sums(bases, news, starts, width, add, cap, before=before, after=after)
+    b = nat.encode_sparse_sums(bases, news, starts, width, add, cap, before=before, after=after)
+    assert (a is None) == (b is None)
+    if a is None or b is None:
+        return
+    assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+    assert a[2] == b[2]
+    scratch = np.full((kernels.GAP_PLANES + width, cap + 3), 0xEE, dtype=np.uint8)  # reused: planes are views
+    c = nat.encode_sparse_sums(bases, news, starts, width, add, cap, before=before, after=after, scratch=scratch)
+    assert c is not None and np.array_equal(c[0], b[0]) and np.array_equal(c[1], b[1]) and c[2] == b[2]
+    # the pieces code as their concatenation, and each sum is the piece's checksum at its start
+    whole = ref.encode_sparse(np.concatenate(bases), np.concatenate(news), width, add, cap)
+    assert whole is not None and np.array_equal(whole[0], b[0]) and np.array_equal(whole[1], b[1])
+    assert [s.before for s in b[2]] == (_reference_sums(bases, width, starts) if before else [None] * len(bases))
+    assert [s.after for s in b[2]] == (_reference_sums(news, width, starts) if after else [None] * len(news))
+
+
+@SETTINGS
+@given(st.one_of(pieces(), pieces(big=True)), st.booleans(), st.booleans(), st.booleans())
+def test_fused_dense_encode_codes_and_sums_like_the_reference(p, add, before, after):
+    width, bases, news, starts = p
+    ref, nat = kernels.REFERENCE, need_native()
+    planes, sums = nat.encode_dense_sums(bases, news, starts, width, add, before=before, after=after)
+    assert ref.encode_dense_sums(bases, news, starts, width, add, before=before, after=after)[1] == sums
+    scratch = np.zeros((width + 1, sum(len(x) for x in news) // width + 5), dtype=np.uint8)
+    again, _ = nat.encode_dense_sums(bases, news, starts, width, add, before=False, after=False, scratch=scratch)
+    assert np.array_equal(again, planes)
+    assert np.array_equal(planes, ref.encode_dense(np.concatenate(bases), np.concatenate(news), width, add))
+    assert [s.before for s in sums] == (_reference_sums(bases, width, starts) if before else [None] * len(bases))
+    assert [s.after for s in sums] == (_reference_sums(news, width, starts) if after else [None] * len(news))
+
+
+@SETTINGS
+@given(st.one_of(pieces(), pieces(big=True)), st.booleans(), st.sampled_from(OPS), st.booleans(), st.booleans())
+def test_fused_apply_patches_and_sums_like_the_reference(p, add, op, before, after):
+    width, bases, news, starts = p
+    ref, nat = kernels.REFERENCE, need_native()
+    base, new = np.concatenate(bases), np.concatenate(news)
+    n = len(base) // width
+    sparse = ref.encode_sparse(base, new, width, add, n)
+    assert sparse is not None
+    gaps, values = list(sparse[0]), list(sparse[1])
+    dense = list(ref.encode_dense(base, new, width, add))
+    for kind in ("sparse", "dense"):
+        results = []
+        for impl in (ref, nat):
+            targets = [b.copy() for b in bases]
+            if kind == "sparse":
+                sums = impl.apply_sparse_sums(
+                    targets, starts, width, op, len(gaps[0]), gaps, values, before=before, after=after
+                )
+            else:
+                sums = impl.apply_dense_sums(targets, starts, width, op, dense, before=before, after=after)
+            assert sums is not None
+            results.append((targets, sums))
+        (ref_t, ref_s), (nat_t, nat_s) = results
+        assert all(np.array_equal(x, y) for x, y in zip(ref_t, nat_t, strict=True)), kind
+        assert ref_s == nat_s, kind
+        if op == (kernels.OP_ADD if add else kernels.OP_XOR):
+            assert np.concatenate(nat_t).tobytes() == new.tobytes()
+        expect_before = _reference_sums(bases, width, starts) if before else [None] * len(bases)
+        expect_after = _reference_sums(nat_t, width, starts) if after else [None] * len(bases)
+        assert [s.before for s in nat_s] == expect_before and [s.after for s in nat_s] == expect_after
+
+
+@pytest.mark.parametrize("impl", IMPLS, ids=lambda k: k.name)
+def test_fused_apply_past_the_end_writes_nothing(impl):
+    targets = [np.arange(10, dtype=np.uint8), np.arange(6, dtype=np.uint8)]  # 8 two-byte elements
+    before = [t.copy() for t in targets]
+    gaps = [np.array([3, 4], dtype=np.uint8)] + [np.zeros(2, dtype=np.uint8)] * 3  # positions 3 and 8
+    values = [np.array([1, 1], dtype=np.uint8), np.array([0, 0], dtype=np.uint8)]
+    assert impl.apply_sparse_sums(targets, [0, 5], 2, kernels.OP_XOR, 2, gaps, values, before=True, after=True) is None
+    assert all(np.array_equal(t, b) for t, b in zip(targets, before, strict=True))
+
+
+def test_fused_kernels_reject_bad_arguments_before_touching_memory():
+    ext = kernels.EXTENSION
+    assert ext is not None
+    c = 0x9E3779B97F4A7C15
+    t = np.zeros(8, dtype=np.uint8)
+    planes = [np.zeros(4, np.uint8)] * 2
+    g = [np.zeros(2, np.uint8)] * 4
+    with pytest.raises(ValueError):  # one start per piece
+        ext.apply_dense_sums([t], [0, 1], 2, kernels.OP_XOR, planes, c, 3)
+    with pytest.raises(ValueError):  # planes shorter than the targets
+        ext.apply_dense_sums([t, t], [0, 0], 2, kernels.OP_XOR, planes, c, 3)
+    with pytest.raises(ValueError):  # a piece that is not whole elements
+        ext.apply_dense_sums([t[:3]], [0], 2, kernels.OP_XOR, [np.zeros(1, np.uint8)] * 2, c, 3)
+    with pytest.raises(ValueError):  # unknown checksum selection
+        ext.apply_sparse_sums([t], [0], 2, kernels.OP_XOR, 2, g, [np.zeros(2, np.uint8)] * 2, c, 4)
+    with pytest.raises((ValueError, BufferError, TypeError)):  # read-only target
+        ext.apply_dense_sums([bytes(8)], [0], 2, kernels.OP_XOR, planes, c, 3)
+    with pytest.raises(ValueError):  # base and new pieces of different lengths
+        ext.encode_sparse_sums([t], [t[:6]], [0], 2, True, 4, [t] * 4, [t] * 2, c, 3)
+    with pytest.raises(ValueError):  # more base pieces than new ones
+        ext.encode_sparse_sums([t, t], [t], [0], 2, True, 4, [t] * 4, [t] * 2, c, 3)
+    with pytest.raises(OverflowError):  # a negative start
+        ext.encode_sparse_sums([t], [t], [-1], 2, True, 4, [t] * 4, [t] * 2, c, 3)
+    with pytest.raises(ValueError):  # dense planes shorter than the pieces
+        ext.encode_dense_sums([t], [t], [0], 2, True, [np.zeros(3, np.uint8)] * 2, c, 3)
+    nat = need_native()
+    for scratch in (np.zeros((5, 9), np.uint8), np.zeros((6, 3), np.uint8), np.zeros((6, 9), np.uint16)):
+        with pytest.raises(ValueError):  # too few planes, too short, not bytes
+            nat.encode_sparse_sums([t], [t], [0], 2, True, 4, before=True, after=True, scratch=scratch)
+    assert not t.any()
+
+
+@pytest.mark.slow  # ~10 s: a second pytest run
+@pytest.mark.skipif(os.environ.get("WEIGHTSYNC_KERNELS_PORTABLE") == "1", reason="already the portable run")
+def test_the_portable_loops_pass_the_differential_tests():
+    # The AVX2 loops have portable twins (any other CPU); run the differential tests on them.
+    script = "from weightsync.codec import kernels; assert kernels.EXTENSION.AVX2 == 0"
+    env = {**os.environ, "WEIGHTSYNC_KERNELS_PORTABLE": "1", "WEIGHTSYNC_NATIVE": "1"}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    selection = "(agree or like) and not portable"
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            __file__,
+            "-q",
+            "-p",
+            "no:randomly",
+            "-p",
+            "no:cacheprovider",
+            "-k",
+            selection,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

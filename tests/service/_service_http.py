@@ -68,6 +68,7 @@ def publish(
     keyframe: bool = False,
     step: int | None = None,
     commit: bool = True,
+    format_version: int | None = None,
 ) -> Published:
     begin = ok(
         client.post(
@@ -76,7 +77,8 @@ def publish(
         ),
         201,
     )
-    encoded = Encoder(chunk_bytes=1 << 16, threads=2).encode(ck, base if begin["kind"] == "delta" else None)
+    fmt = {} if format_version is None else {"format_version": format_version}
+    encoded = Encoder(chunk_bytes=1 << 16, threads=2, **fmt).encode(ck, base if begin["kind"] == "delta" else None)
     manifest, objects = pack(encoded, target_bytes=1 << 17)
     manifest.model, manifest.parent, manifest.step = model, parent, step
     manifest.metadata = {"by": "test"}

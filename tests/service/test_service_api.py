@@ -24,6 +24,11 @@ OPERATION_IDS = {
     "listModels",
     "createModel",
     "getModel",
+    "updateModel",
+    "deleteModel",
+    "pinModel",
+    "unpinModel",
+    "getInfo",
     "listVersions",
     "getVersion",
     "getLineage",
@@ -320,6 +325,33 @@ def test_commit_refuses_a_version_that_is_not_publishable(service, model, versio
         path = f"/v1/models/{model}/publishes/{bad.begin['publish_id']}/commit"
         assert why in problem(c.post(path, json={"manifest": bad.manifest}), 422, "invalid-checkpoint")["detail"]
     assert ok(c.get(f"/v1/models/{model}"), 200)["head"] == first.version["number"]
+
+
+def test_formats_are_negotiated(service, model, versions):
+    """Begin answers the formats the server reads; a plan names what the reader reads (406 otherwise);
+    a chain never mixes formats (a format-2 delta on a format-1 parent is 409 base-mismatch)."""
+    c = service.client("publisher")
+    begin = ok(c.post(f"/v1/models/{model}/publishes", json={"parent": None}), 201)
+    assert begin["formats"] == [1, 2]
+    ok(c.delete(f"/v1/models/{model}/publishes/{begin['publish_id']}"), 204)
+    publish_chain(c, model, versions[:2])  # the test helper's Encoder writes the default: format 2
+    reader = service.client("reader")
+    plan = f"/v1/models/{model}/plan"
+    assert [s["number"] for s in ok(reader.get(plan, params={"formats": "1,2"}), 200)["steps"]] == [1, 2]
+    assert "format 2" in problem(reader.get(plan, params={"formats": "1"}), 406, "format-not-readable")["detail"]
+    problem(reader.get(plan, params={"formats": "one"}), 422, "validation")
+    # A format-1 keyframe, then a format-2 delta on it: refused at commit.
+    other = model + "-v1"
+    v1 = publish(c, other, versions[0], None, None, format_version=1)
+    assert v1.version["number"] == 1
+    assert ok(reader.get(f"/v1/models/{other}/plan", params={"formats": "1"}), 200)["target"] == 1
+    bad = publish(c, other, versions[1], versions[0], 1, format_version=2, commit=False)
+    commit = f"/v1/models/{other}/publishes/{bad.begin['publish_id']}/commit"
+    assert (
+        "never mixes formats"
+        in problem(c.post(commit, json={"manifest": bad.manifest}), 409, "base-mismatch")["detail"]
+    )
+    assert publish(c, other, versions[1], versions[0], 1, format_version=1).version["kind"] == "delta"
 
 
 def test_replica_ledger(service, model, versions):

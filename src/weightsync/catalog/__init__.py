@@ -10,19 +10,32 @@ from __future__ import annotations
 
 from .core import DEFAULT_PENDING_TTL, DEFAULT_SETTINGS, Catalog, validate_model_name
 from .engine import make_engine, normalize_url
-from .records import ChainInfo, ImportedVersion, Lease, Model, ObjectInfo, Pinned, Replica, Version
+from .records import (
+    ChainInfo,
+    DeletedModel,
+    ImportedVersion,
+    Lease,
+    Model,
+    ObjectInfo,
+    Pinned,
+    Replica,
+    Target,
+    Version,
+)
 
 __all__ = [
     "DEFAULT_PENDING_TTL",
     "DEFAULT_SETTINGS",
     "Catalog",
     "ChainInfo",
+    "DeletedModel",
     "ImportedVersion",
     "Lease",
     "Model",
     "ObjectInfo",
     "Pinned",
     "Replica",
+    "Target",
     "Version",
     "make_engine",
     "normalize_url",

@@ -3,7 +3,7 @@
 docs/CATALOG.md is the reference for the states, the compare-and-swap rule and idempotency.
 Each public method checks its arguments (:mod:`.checks`), then runs one function of an
 aggregate module in one transaction: :mod:`.models`, :mod:`.publishes`, :mod:`.versions`,
-:mod:`.objects`, :mod:`.leases`, :mod:`.ledger`, :mod:`.recovery`.
+:mod:`.objects`, :mod:`.leases`, :mod:`.ledger`, :mod:`.recovery`, :mod:`.identity`.
 """
 
 from __future__ import annotations
@@ -19,11 +19,22 @@ from sqlalchemy.engine import URL
 from sqlalchemy.orm import Session, sessionmaker
 
 from .. import errors
-from . import checks, leases, ledger, models, objects, publishes, recovery, versions
+from . import checks, identity, leases, ledger, models, objects, publishes, recovery, versions
 from . import migrate as migrations
 from .checks import DEFAULT_PENDING_TTL, DEFAULT_SETTINGS, UNSET, validate_model_name
 from .engine import make_engine, writer
-from .records import ChainInfo, ImportedVersion, Lease, Model, ObjectInfo, Pinned, Replica, Version
+from .records import (
+    ChainInfo,
+    DeletedModel,
+    ImportedVersion,
+    Lease,
+    Model,
+    ObjectInfo,
+    Pinned,
+    Replica,
+    Target,
+    Version,
+)
 from .rows import db_errors
 from .schema import STATES
 
@@ -90,6 +101,10 @@ class Catalog:
         with db_errors(), maker.begin() as s:
             return fn(s)
 
+    def server_id(self) -> str:
+        """Return this catalog's server id: made once (migration 0003), the same for every service on it."""
+        return self._tx(identity.server_id)
+
     # --- models ----------------------------------------------------------------------
 
     def create_model(
@@ -102,6 +117,9 @@ class Catalog:
         now: datetime | None = None,
     ) -> Model:
         """Create model ``name``; idempotent: an existing model is returned unchanged.
+
+        The name of a deleted model is free: creating it again starts with no head and no pin, and
+        its first commit continues the old numbering (docs/CATALOG.md "Deleting a model").
 
         Settings not given take :data:`DEFAULT_SETTINGS`. If the model exists and a setting
         given here differs from its value, raises :class:`~weightsync.errors.Conflict` (use
@@ -147,6 +165,26 @@ class Catalog:
         """
         given = checks.settings(keyframe_interval, max_chain_ratio, keep_last)
         return self._tx(lambda s: models.update_settings(s, name, given), write=True)
+
+    def pin_model(self, name: str, number: int | None) -> Model:
+        """Make followers of model ``name`` hold committed version ``number`` (None: unpin) and return the model.
+
+        While pinned, :meth:`follow_target` is that version whatever the head, and :meth:`mark_deleted`
+        keeps its chain. Raises ModelNotFound, VersionNotFound (never committed, or deleted).
+        """
+        if number is not None:
+            checks.nonneg("version", number)
+        return self._tx(lambda s: models.pin(s, name, number), write=True)
+
+    def delete_model(self, name: str, *, now: datetime | None = None) -> DeletedModel:
+        """Delete model ``name`` in one transaction and say what went; raises ModelNotFound.
+
+        Every committed version is marked deleted and every pending publish aborted (their objects
+        enter GC's grace period, unless other versions refer to them), its leases and ledger entries
+        are removed, and the model disappears: every lookup raises ModelNotFound until it is created again.
+        """
+        at = checks.utc(now)
+        return self._tx(lambda s: models.delete(s, name, at), write=True)
 
     # --- publishing --------------------------------------------------------------------
 
@@ -327,6 +365,10 @@ class Catalog:
         """Return the model's head version, or None if nothing is committed yet."""
         return self._tx(lambda s: versions.head(s, model))
 
+    def follow_target(self, model: str) -> Target:
+        """Return what followers of ``model`` hold: the pinned version if it is pinned, else the head."""
+        return self._tx(lambda s: versions.target(s, model))
+
     def lineage(self, model: str, number: int) -> list[Version]:
         """Return the chain from version ``number``'s keyframe to it, keyframe first.
 
@@ -365,11 +407,11 @@ class Catalog:
         """Mark committed versions ``numbers`` deleted; return the numbers actually deleted.
 
         Without ``force``, a version is kept (silently left out of the result) if it is the
-        head, or in the chain of a version that stays committed, or in the chain of a version
-        an active lease holds: deleting it would break a materialization. Already deleted
-        numbers are ignored; numbers that never existed raise VersionNotFound. ``force``
-        (fsck repair) deletes exactly what is asked; if the head goes, the head moves to
-        the newest remaining committed version (or None).
+        head or the pinned version, or in the chain of a version that stays committed, or in the
+        chain of a version an active lease holds: deleting it would break a materialization.
+        Already deleted numbers are ignored; numbers that never existed raise VersionNotFound.
+        ``force`` (fsck repair) deletes exactly what is asked; if the head goes, the head moves to
+        the newest remaining committed version (or None); if the pinned version goes, the pin goes.
         """
         asked = set(numbers)
         at = checks.utc(now)

@@ -9,7 +9,7 @@ from typing import Any
 
 @dataclass(frozen=True, slots=True)
 class Model:
-    """A model: its head and its chain and retention settings."""
+    """A model: its head, its chain and retention settings, and the version it is pinned to (None: the head)."""
 
     name: str
     created_at: datetime
@@ -17,6 +17,7 @@ class Model:
     keyframe_interval: int
     max_chain_ratio: float
     keep_last: int | None
+    pinned: int | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,3 +118,29 @@ class Pinned:
 
     added: tuple[str, ...]
     deleting: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """What followers of a model hold: the pinned version, or the head (None before the first commit)."""
+
+    version: Version | None
+    pinned: bool
+
+    def news_for(self, after: int | None) -> bool:
+        """Whether a follower holding ``after`` (None: nothing) must move: to a pin other than it, or a newer head."""
+        if self.version is None or self.version.number is None:
+            return False
+        if after is None:
+            return True
+        return self.version.number != after if self.pinned else self.version.number > after
+
+
+@dataclass(frozen=True, slots=True)
+class DeletedModel:
+    """What :meth:`Catalog.delete_model` did: the committed versions it deleted and the publishes it aborted."""
+
+    name: str
+    versions: tuple[Version, ...]
+    aborted: tuple[Version, ...]
+    deleted_at: datetime

@@ -69,7 +69,7 @@ def import_version(
 
 def dump(s: Session, model: str | None) -> dict[str, Any]:
     """Committed versions and heads as plain JSON data (see Catalog.dump_committed)."""
-    mstmt = select(ModelRow).order_by(ModelRow.name)
+    mstmt = select(ModelRow).where(ModelRow.deleted_at.is_(None)).order_by(ModelRow.name)
     if model is not None:
         mstmt = mstmt.where(ModelRow.id == model_row(s, model).id)
     out: dict[str, Any] = {"models": {}, "versions": []}

@@ -67,9 +67,9 @@ def db_errors() -> Iterator[None]:
 
 
 def model_row(s: Session, name: str, *, lock: bool = False) -> ModelRow:
-    """Return the row of model ``name``; ModelNotFound. ``lock`` takes its row lock (writers of one model)."""
+    """Return the row of model ``name``; ModelNotFound (a deleted model too). ``lock`` takes its row lock."""
     validate_model_name(name)
-    stmt = select(ModelRow).where(ModelRow.name == name)
+    stmt = select(ModelRow).where(ModelRow.name == name, ModelRow.deleted_at.is_(None))
     if lock:
         # Serializes writers of one model on PostgreSQL; SQLite ignores it (BEGIN IMMEDIATE).
         stmt = stmt.with_for_update()
@@ -99,6 +99,7 @@ def model_record(row: ModelRow) -> Model:
         keyframe_interval=row.keyframe_interval,
         max_chain_ratio=row.max_chain_ratio,
         keep_last=row.keep_last,
+        pinned=row.pinned,
     )
 
 

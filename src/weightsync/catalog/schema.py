@@ -102,6 +102,8 @@ class ModelRow(Base):
         CheckConstraint("keyframe_interval >= 1", name="keyframe_interval_positive"),
         CheckConstraint("max_chain_ratio > 0", name="max_chain_ratio_positive"),
         CheckConstraint("keep_last IS NULL OR keep_last >= 1", name="keep_last_positive"),
+        # A deleted model follows nothing and has no head.
+        CheckConstraint("deleted_at IS NULL OR (pinned IS NULL AND head IS NULL)", name="deleted_is_empty"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -114,6 +116,10 @@ class ModelRow(Base):
     max_chain_ratio: Mapped[float] = mapped_column(Float)
     # Committed versions to keep; NULL keeps all.
     keep_last: Mapped[int | None] = mapped_column(Integer)
+    # The version followers hold instead of the head (docs/CATALOG.md "Pins"); NULL: follow the head.
+    pinned: Mapped[int | None] = mapped_column(Integer)
+    # Set when the model was deleted: it is invisible, its name free; versions keep their numbers.
+    deleted_at: Mapped[datetime | None]
 
 
 class VersionRow(Base):
@@ -222,3 +228,15 @@ class LeaseRow(Base):
     holder: Mapped[str] = mapped_column(String(255))
     acquired_at: Mapped[datetime]
     expires_at: Mapped[datetime] = mapped_column(index=True)
+
+
+class ServerIdentityRow(Base):
+    """The one row naming this catalog: every service on it reports ``server_id`` (``GET /v1/info``)."""
+
+    __tablename__ = "server_identity"
+    __table_args__ = (CheckConstraint("id = 1", name="single_row"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    # uuid4 hex, made by the migration that created the table: one per catalog, never changed.
+    server_id: Mapped[str] = mapped_column(String(32))
+    created_at: Mapped[datetime]

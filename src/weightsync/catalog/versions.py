@@ -1,7 +1,7 @@
-"""Committed versions: reading them (head, lineage, chain), retention, and deleting them.
+"""Committed versions: reading them (head, follow target, lineage, chain), retention, and deleting them.
 
 docs/CATALOG.md "States and transitions". Deleting never breaks a materialization unless
-forced: the head, the chains of versions that stay, and leased chains are kept.
+forced: the head, the pinned version, the chains of versions that stay, and leased chains are kept.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from sqlalchemy.orm import Session
 
 from .. import errors
 from . import leases, objects
-from .records import Version
+from .records import Target, Version
 from .rows import chunks, committed_row, model_row, version_record
 from .schema import ModelRow, VersionObjectRow, VersionRow
 
-__all__ = ["drop", "get", "head", "lineage", "listing", "mark_deleted", "retention_candidates"]
+__all__ = ["drop", "get", "head", "lineage", "listing", "mark_deleted", "retention_candidates", "target"]
 
 
 def drop(s: Session, rows: Sequence[VersionRow], now: datetime) -> None:
@@ -73,6 +73,14 @@ def head(s: Session, model: str) -> Version | None:
     """The model's head version, or None before its first commit."""
     m = model_row(s, model)
     return None if m.head is None else version_record(committed_row(s, m, m.head), m.name)
+
+
+def target(s: Session, model: str) -> Target:
+    """What followers of ``model`` hold: its pinned version if pinned, else its head (docs/CATALOG.md "Pins")."""
+    m = model_row(s, model)
+    number = m.head if m.pinned is None else m.pinned
+    found = None if number is None else version_record(committed_row(s, m, number), m.name)
+    return Target(found, pinned=m.pinned is not None)
 
 
 def lineage(s: Session, model: str, number: int) -> list[Version]:
@@ -149,8 +157,7 @@ def mark_deleted(s: Session, model: str, asked: set[int], force: bool, now: date
     if not force:
         parents = _parents(s, m)
         roots = (set(parents) - targets) | leases.held_numbers(s, m, now)
-        if m.head is not None:
-            roots.add(m.head)
+        roots.update(n for n in (m.head, m.pinned) if n is not None)
         keep: set[int] = set()
         for root in roots & set(parents):
             keep.update(_chain(parents, root))
@@ -160,4 +167,6 @@ def mark_deleted(s: Session, model: str, asked: set[int], force: bool, now: date
         m.head = s.scalar(
             select(func.max(VersionRow.number)).where(VersionRow.model_id == m.id, VersionRow.state == "committed")
         )
+    if m.pinned in targets:  # forced: followers go back to the head
+        m.pinned = None
     return sorted(targets)

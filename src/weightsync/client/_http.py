@@ -4,7 +4,9 @@ Every call goes through :meth:`Api.request`, which retries connection errors,
 429 and 5xx with jittered exponential backoff (honouring ``Retry-After``) and
 maps ``application/problem+json`` answers to the named exceptions of
 :mod:`weightsync.errors`. Thread-safe: one :class:`Api` (one connection pool)
-serves the transfer threads of a publisher or subscriber.
+serves the transfer threads of a publisher or subscriber. A transfer running in a
+batch of :func:`~weightsync.client._pool.run_all` stops between two chunks (and
+during a retry's wait) once its batch is stopped: Ctrl-C ends a push or pull at once.
 """
 
 from __future__ import annotations
@@ -13,18 +15,48 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
 from weightsync import __version__, errors
 from weightsync.client import models
+from weightsync.client._pool import check_cancelled, pause
 from weightsync.client.wire import Retry, TokenBucket, problem_error
+from weightsync.codec.manifest import DIGEST_KINDS
 
 log = logging.getLogger("weightsync.client")
+READ_FORMATS = ",".join(str(v) for v in sorted(DIGEST_KINDS))
+"""The manifest formats this client reads, as the plan's ``formats`` query (FORMAT §5.4)."""
 
 DEFAULT_SERVER = "http://127.0.0.1:8400"
 _RETRY_STATUS = {429, 500, 502, 503, 504}
 UPLOAD_CHUNK = 256 << 10
+
+
+def check_server_url(server: str) -> str:
+    """Return `server` without a trailing slash if it is a server's root URL, else raise InvalidArgument.
+
+    The URL needs a scheme (http or https) and a host, and no path, query or fragment: the
+    API lives at ``/v1/…`` under the root. The message says what to write instead.
+    """
+    text = server.strip()
+    try:
+        parts = urlsplit(text)
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number
+    except ValueError as exc:
+        raise errors.InvalidArgument(f"not a server URL: {server!r} ({exc})") from None
+    if parts.scheme not in ("http", "https"):
+        if "://" in text:
+            raise errors.InvalidArgument(f"not a server URL: {server!r}: the scheme must be http or https")
+        hint = "http://" + text.partition("/")[0]
+        raise errors.InvalidArgument(f"not a server URL: {server!r} has no scheme: use {hint}")
+    if not parts.hostname:
+        raise errors.InvalidArgument(f"not a server URL: {server!r} has no host")
+    if parts.path.strip("/") or parts.query or parts.fragment:
+        root = f"{parts.scheme}://{parts.netloc}"
+        raise errors.InvalidArgument(f"not a server URL: {server!r} has a path: use the server's root, {root}")
+    return f"{parts.scheme}://{parts.netloc}"
 
 
 class Api:
@@ -36,6 +68,7 @@ class Api:
     ``limiter`` (a :class:`TokenBucket`) caps object and manifest bytes both
     ways; ``transport`` replaces httpx's (tests inject faults with it).
     ``on_bytes`` is called with every body chunk moved (progress reporting).
+    ``server`` must be a root URL (:func:`check_server_url`; InvalidArgument otherwise).
     """
 
     def __init__(
@@ -49,7 +82,7 @@ class Api:
         limiter: TokenBucket | None = None,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
-        self.server = server.rstrip("/")
+        self.server = check_server_url(server)
         self.retry = retry or Retry()
         self.limiter = limiter
         self.on_bytes: Callable[[int], None] | None = None
@@ -102,7 +135,9 @@ class Api:
         retry_after: str | None = None
         for attempt in range(self.retry.attempts):
             if attempt:
-                time.sleep(self.retry.delay(attempt - 1, retry_after))
+                pause(self.retry.delay(attempt - 1, retry_after))
+            check_cancelled()
+            started = time.monotonic()
             retry_after = None
             try:
                 req = client.build_request(
@@ -127,14 +162,14 @@ class Api:
                         resp.close()
             except httpx.TransportError as exc:  # connection refused/reset, timeouts, protocol errors
                 last = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-                log.debug("%s %s: %s (attempt %d)", method, path, last, attempt + 1)
+                log.debug("%s %s: %s (attempt %d, %.1fs)", method, path, last, attempt + 1, time.monotonic() - started)
                 continue
             if resp.status_code in _RETRY_STATUS:
                 retry_after = resp.headers.get("retry-after")
                 last = str(problem_error(resp, not_found=not_found))
-                log.debug("%s %s: %s (attempt %d)", method, path, last, attempt + 1)
+                log.debug("%s %s: %s (attempt %d, %.1fs)", method, path, last, attempt + 1, time.monotonic() - started)
                 continue
-            raise problem_error(resp, not_found=not_found)
+            raise problem_error(resp, not_found=not_found, server=None if bare else self.server)
         where = self.server if not bare else "object storage"
         raise errors.ServerUnavailable(f"{where} unavailable after {self.retry.attempts} attempts: {last}")
 
@@ -152,6 +187,28 @@ class Api:
 
     def get_model(self, model: str) -> models.Model:
         return models.Model.from_json(self._json("GET", f"/v1/models/{model}"))
+
+    def info(self) -> models.Info:
+        """The server's identity: its id (stable, shared by every service on one catalog), release, formats."""
+        return models.Info.from_json(self._json("GET", "/v1/info"))
+
+    def update_model(self, model: str, **settings: int | float | None) -> models.Model:
+        """Change the settings given (keyframe_interval, max_chain_ratio, keep_last; keep_last=None keeps all)."""
+        return models.Model.from_json(self._json("PATCH", f"/v1/models/{model}", json=settings))
+
+    def delete_model(self, model: str) -> models.DeletedModel:
+        """Delete the model (admin scope); GC reclaims its objects after its grace period."""
+        return models.DeletedModel.from_json(self._json("DELETE", f"/v1/models/{model}"))
+
+    def pin(self, model: str, version: int) -> models.Model:
+        """Make followers hold committed `version` while the head moves on (VersionNotFound if not committed)."""
+        return models.Model.from_json(
+            self._json("PUT", f"/v1/models/{model}/pin", json={"version": version}, not_found=errors.VersionNotFound)
+        )
+
+    def unpin(self, model: str) -> models.Model:
+        """Make followers follow the head again."""
+        return models.Model.from_json(self._json("DELETE", f"/v1/models/{model}/pin"))
 
     def list_versions(
         self, model: str, *, limit: int | None = None, before: int | None = None, after: int | None = None
@@ -181,6 +238,7 @@ class Api:
             params["want"] = want
         if holder:
             params["holder"] = holder
+        params["formats"] = READ_FORMATS  # a version in a format this client cannot read is a 406, not a crash
         return models.Plan.from_json(
             self._json("GET", f"/v1/models/{model}/plan", params=params, not_found=errors.VersionNotFound)
         )
@@ -279,6 +337,7 @@ class Api:
 
         def chunks() -> Iterator[bytes]:
             for pos in range(0, len(view), UPLOAD_CHUNK):
+                check_cancelled()
                 piece = view[pos : pos + UPLOAD_CHUNK]
                 if self.limiter is not None:
                     self.limiter.acquire(len(piece))
@@ -333,6 +392,7 @@ class Api:
             sink(b"")
             n = 0
             for chunk in resp.iter_bytes(UPLOAD_CHUNK):
+                check_cancelled()
                 if self.limiter is not None:
                     self.limiter.acquire(len(chunk))
                 sink(chunk)

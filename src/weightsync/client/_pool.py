@@ -1,25 +1,113 @@
-"""Running a batch of jobs on a shared thread pool, all-or-nothing."""
+"""Running a batch of jobs on a shared thread pool, all-or-nothing, and stopping it early.
+
+A batch stops as soon as one job fails or the caller is interrupted (Ctrl-C reaches the
+waiting thread as KeyboardInterrupt): jobs not started are cancelled, and jobs in flight
+are told to stop through the batch's *scope*. Long waits inside a job (a transfer's
+chunks, the bandwidth cap, a retry's backoff) call :func:`check_cancelled` or
+:func:`pause`, so a stopped batch ends within a fraction of a second instead of after
+every transfer in flight has finished.
+"""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import Executor, wait
+from concurrent.futures import FIRST_EXCEPTION, Executor, Future, wait
 from typing import Any, TypeVar
 
 T = TypeVar("T")
 
+_SLICE = 0.05
+"""How often a paused job looks at the scopes around its own (a nested batch's parent)."""
+
+_local = threading.local()
+
+
+class Cancelled(Exception):  # noqa: N818 - a signal between threads, not an error a caller sees
+    """A job stopped because its batch was stopped; :func:`run_all` never lets it escape to its caller."""
+
+
+class _Scope:
+    """The stop flag of one batch; a batch started inside a job of another sees the outer flag too."""
+
+    def __init__(self, parent: _Scope | None) -> None:
+        self.parent = parent
+        self.event = threading.Event()
+
+    def stopped(self) -> bool:
+        scope: _Scope | None = self
+        while scope is not None:
+            if scope.event.is_set():
+                return True
+            scope = scope.parent
+        return False
+
+
+def _current() -> _Scope | None:
+    return getattr(_local, "scope", None)
+
+
+def check_cancelled() -> None:
+    """Raise Cancelled if the batch the calling job belongs to was stopped (a no-op outside a batch)."""
+    scope = _current()
+    if scope is not None and scope.stopped():
+        raise Cancelled
+
+
+def pause(seconds: float) -> None:
+    """Sleep `seconds`, waking early with Cancelled when the calling job's batch is stopped.
+
+    Outside a batch this is ``time.sleep`` (the main thread is interrupted by Ctrl-C itself).
+    """
+    scope = _current()
+    if scope is None:
+        time.sleep(seconds)
+        return
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        if scope.event.wait(min(left, _SLICE)) or scope.stopped():
+            raise Cancelled
+    check_cancelled()
+
 
 def run_all(pool: Executor, fn: Callable[[T], Any], items: Iterable[T]) -> list[Any]:
-    """Run `fn` on every item; on the first failure cancel what has not started, wait for what has, re-raise.
+    """Run `fn` on every item and return the results in order; stop everything at the first failure.
 
-    Waiting matters: a job still writing a cache file or a temporary after the
+    On a failure (or an interrupt of the calling thread) jobs not yet started are
+    cancelled, jobs in flight are stopped (see the module docstring), and, once all have
+    returned, the first failure is raised (the interrupt, if that came first). Waiting for
+    the jobs in flight matters: a job still writing a cache file or a temporary after the
     caller has given up would race with the caller's clean-up or its retry.
     """
-    futures = [pool.submit(fn, item) for item in items]
+    scope = _Scope(_current())
+
+    def job(item: T) -> Any:
+        outer = _current()
+        _local.scope = scope
+        try:
+            check_cancelled()
+            return fn(item)
+        finally:
+            _local.scope = outer
+
+    futures = [pool.submit(job, item) for item in items]
     try:
-        return [f.result() for f in futures]
+        wait(futures, return_when=FIRST_EXCEPTION)
+        failed = _first_failure(futures)
+        if failed is None:
+            return [f.result() for f in futures]
+        raise failed
     except BaseException:
+        scope.event.set()
         for f in futures:
             f.cancel()
         wait(futures)
         raise
+
+
+def _first_failure(futures: list[Future[Any]]) -> BaseException | None:
+    """The exception of the first failed job in submission order, a real failure before a Cancelled."""
+    raised = [e for f in futures if f.done() and not f.cancelled() and (e := f.exception()) is not None]
+    real = [e for e in raised if not isinstance(e, Cancelled)]
+    return next(iter(real or raised), None)

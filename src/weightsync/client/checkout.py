@@ -39,7 +39,9 @@ from weightsync.client._objects import ObjectCache
 from weightsync.client.decode import Tree, map_file
 from weightsync.client.state import CheckoutState, write_atomic
 from weightsync.codec.checkpoint import STATE_DIR, Checkpoint, CheckpointFile, layout_of
+from weightsync.codec.decoder import sums_of
 from weightsync.codec.frame import xxh3_128
+from weightsync.codec.manifest import DIGEST_XXH3
 
 DATA = "data"
 """Where a version directory keeps the model files."""
@@ -167,7 +169,8 @@ class Checkout:
 
     def verify(self, state: CheckoutState, pool: ThreadPoolExecutor, *, deep: bool = True) -> bool:
         """Whether the checkout still holds `state`'s version: every file there with its size and,
-        if `deep`, every segment's xxh3."""
+        if `deep`, every segment's digest (of the state's kind: xxh3-128, or the tensor checksum
+        with large segments summed in parts on `pool`)."""
         where = self.locate(state)
         if where is None:
             return False
@@ -181,11 +184,11 @@ class Checkout:
                 return False
             if deep:
                 maps.append((f, map_file(where[f.path], f.size)))
-        jobs = [
-            (h, pool.submit(lambda m, o, n: xxh3_128(m[o : o + n]).hex(), m, o, n))
-            for f, m in maps
-            for o, n, h in f.segments
-        ]
+        segments = [(m[o : o + n], h, w) for f, m in maps for o, n, h, w in f.segments]
+        if state.digest_kind != DIGEST_XXH3:
+            sums = sums_of(pool, [(data, w) for data, _, w in segments])
+            return all(s.hex() == h for s, (_, h, _) in zip(sums, segments, strict=True))
+        jobs = [(h, pool.submit(lambda d: xxh3_128(d).hex(), data)) for data, h, _ in segments]
         return all(fut.result() == h for h, fut in jobs)
 
     def _current_data(self) -> Path:

@@ -2,16 +2,19 @@
 
 A pull decodes each step of its plan onto the previous one (FORMAT §5.2):
 
-- a file whose every segment is unchanged (same place, xxh3 equal to its base)
+- a file whose every segment is unchanged (same place, digest equal to its base)
   is not rewritten: the new version shares it;
 - a file with the same layout is copied (the kernel copies, reflinks where the
   filesystem can) and patched in place: only changed pages are touched;
 - any other file is written whole into a new temporary file.
 
 Base checks happen at segment level before anything is decoded (FORMAT §5.2),
-so frames skip their own base check; every frame still checks its result.
-Files of the held version are only ever read; what is written goes to
-temporaries of the caller's scratch space.
+so frames skip their own base check. Results are checked as they decode: by
+each version 1 frame's own xxh3, or, for version 2, by adding the checksums of
+every segment's pieces, each summed right after its frame applied (§5.3). A
+version 2 segment equal to its base has no frames: a file written whole gets
+it copied from the base. Files of the held version are only ever read; what is
+written goes to temporaries of the caller's scratch space.
 """
 
 from __future__ import annotations
@@ -27,8 +30,10 @@ import numpy as np
 
 from weightsync import errors
 from weightsync.client._pool import run_all
+from weightsync.codec.checksum import TensorSum
+from weightsync.codec.decoder import apply_summed, check_frame, check_results, describe
 from weightsync.codec.frame import apply_frame
-from weightsync.codec.manifest import FrameRef, Manifest, SegmentEntry
+from weightsync.codec.manifest import VERSION_2, FrameRef, Manifest, Piece, SegmentEntry
 
 
 class Scratch(Protocol):
@@ -53,7 +58,7 @@ class HeldFile:
     location: Path
     size: int
     owned: bool
-    # (offset, length) -> xxh3: a 0-length tensor shares its offset with the next segment
+    # (offset, length) -> digest: a 0-length tensor shares its offset with the next segment
     segments: dict[tuple[int, int], str]
 
 
@@ -63,6 +68,8 @@ class Tree:
 
     single_file: bool
     files: dict[str, HeldFile] = field(default_factory=dict)
+    digest_kind: str | None = None
+    """The kind of the segments' digests (its manifest's); None while it holds nothing to diff against."""
 
     def base_for(self, manifest: Manifest, path: str) -> HeldFile | None:
         """The base file of `path` (FORMAT §5.2: in single-file mode, the parent's only file)."""
@@ -72,16 +79,25 @@ class Tree:
 
 
 def check_bases(manifest: Manifest, tree: Tree) -> None:
-    """Every delta segment's base must be what `tree` holds at that place (hash and length); else BaseMismatch."""
+    """Every delta segment's base must be what `tree` holds at that place (digest and length); else BaseMismatch.
+
+    Digests compare as strings of one kind: a delta whose manifest is of another format
+    than the tree's is refused whole (a chain never mixes formats, FORMAT §5.3).
+    """
+    deltas = any(e.base_offset is not None for f in manifest.files for e in f.segments)
+    if deltas and tree.digest_kind is not None and tree.digest_kind != manifest.digest_kind:
+        raise errors.BaseMismatch(
+            f"this delta has {manifest.digest_kind} digests but the version held has {tree.digest_kind}: "
+            "a chain never mixes formats"
+        )
     for f in manifest.files:
         base = tree.base_for(manifest, f.path)
         for e in f.segments:
             if e.base_offset is None:
                 continue
             held = None if base is None else base.segments.get((e.base_offset, e.segment.length))
-            if held is None or held != e.base_xxh3:
-                what = "header" if e.segment.kind == "header" else f"{e.segment.kind} {e.segment.name!r}"
-                raise errors.BaseMismatch(f"{f.path}: base {what} is not the one this delta was made against")
+            if held is None or held != e.base_digest:
+                raise errors.BaseMismatch(f"{f.path}: base {describe(e)} is not the one this delta was made against")
 
 
 def decode_step(
@@ -92,7 +108,7 @@ def decode_step(
     outputs: list[np.ndarray | None] = [None] * n
     bases: list[np.ndarray | None] = [None] * n
     modes: list[str] = [""] * n
-    new = Tree(manifest.single_file)
+    new = Tree(manifest.single_file, digest_kind=manifest.digest_kind)
     for fi, f in enumerate(manifest.files):
         b = tree.base_for(manifest, f.path)
         deltas = [e for e in f.segments if e.base_offset is not None]
@@ -104,7 +120,7 @@ def decode_step(
             and all(e.base_offset == e.segment.offset for e in deltas)
         )
         segs = f.spans()
-        unchanged = same_layout and len(deltas) == len(f.segments) and all(e.xxh3 == e.base_xxh3 for e in deltas)
+        unchanged = same_layout and len(deltas) == len(f.segments) and all(e.unchanged for e in deltas)
         if b is not None and unchanged:
             modes[fi] = "unchanged"
             bases[fi] = map_file(b.location, b.size)
@@ -132,7 +148,7 @@ def decode_step(
         if modes[fi] == "unchanged":
             return True
         e = manifest.files[fi].segments[si]
-        return modes[fi] == "inplace" and e.base_offset == e.segment.offset and e.xxh3 == e.base_xxh3
+        return modes[fi] == "inplace" and e.base_offset == e.segment.offset and e.unchanged
 
     def out(fi: int) -> np.ndarray:
         o = outputs[fi]
@@ -144,11 +160,15 @@ def decode_step(
         assert b is not None and e.base_offset is not None, "a delta frame's segment has a base"
         return b[e.base_offset + offset : e.base_offset + offset + length]
 
-    def run(ref: FrameRef) -> None:
+    v2 = manifest.version == VERSION_2
+
+    def run(ref: FrameRef) -> list[tuple[Piece, TensorSum]]:
+        """Decode one frame into its outputs; (piece, checksum of its result) of each piece for version 2."""
         pieces = ref.pieces
         if all(skip(p.file, p.seg) for p in pieces):
-            return
+            return []
         blob = read_frame(ref)
+        check_frame(manifest, ref, blob)
         if len(pieces) == 1:
             p = pieces[0]
             e = manifest.files[p.file].segments[p.seg]
@@ -156,8 +176,10 @@ def decode_step(
             target = out(p.file)[start : start + p.length]
             if ref.delta and modes[p.file] == "new":
                 target[:] = base(p.file, e, p.offset, p.length)
+            if v2:  # the result's checksum comes from the apply pass itself
+                return apply_summed(blob, pieces, [target])
             apply_frame(blob, target, verify_base=False)
-            return
+            return []
         if ref.delta:
             parts = []
             for p in pieces:
@@ -165,16 +187,34 @@ def decode_step(
             scratch = np.concatenate(parts)
         else:
             scratch = np.empty(ref.raw_len, dtype=np.uint8)
-        apply_frame(blob, scratch, verify_base=False)
-        pos = 0
-        for p in pieces:
+        bounds = np.cumsum([0] + [p.length for p in pieces])
+        views = [scratch[lo:hi] for lo, hi in zip(bounds, bounds[1:], strict=False)]
+        sums = apply_summed(blob, pieces, views) if v2 else []
+        if not v2:
+            apply_frame(blob, scratch, verify_base=False)
+        for p, view in zip(pieces, views, strict=True):
             if not skip(p.file, p.seg):
                 start = manifest.files[p.file].segments[p.seg].segment.offset + p.offset
-                out(p.file)[start : start + p.length] = scratch[pos : pos + p.length]
-            pos += p.length
+                out(p.file)[start : start + p.length] = view
+        return sums
+
+    def copy_unchanged(job: tuple[int, SegmentEntry]) -> None:
+        fi, e = job
+        start = e.segment.offset
+        out(fi)[start : start + e.segment.length] = base(fi, e, 0, e.segment.length)
 
     try:
-        run_all(pool, run, manifest.frames)
+        sums = [x for done in run_all(pool, run, manifest.frames) for x in done]
+        if v2:  # segments equal to their base have no frames: a file written whole copies them
+            copies = [
+                (fi, e)
+                for fi, f in enumerate(manifest.files)
+                if modes[fi] == "new"
+                for e in f.segments
+                if e.unchanged and e.segment.length
+            ]
+            run_all(pool, copy_unchanged, copies)
+            check_results(manifest, sums)
         for o in outputs:
             if isinstance(o, np.memmap):
                 o.flush()

@@ -6,7 +6,12 @@ path: every delta step of every tensor is decoded into a
 (``codec.values.compose``), so each element changes at most once however many
 versions the update spans. `apply` is the only part that pauses serving: it
 changes just those elements, with torch index ops on the tensors' own device;
-only the small (positions, operands) arrays cross to it.
+only the small (positions, operands) arrays cross to it, staged compactly
+(client/tensors.py: ~4 bytes per changed bf16 element).
+
+Verification uses the digests of the manifests' kind (client/verify.py): for
+FORMAT v2 the tensor checksum, computed where the tensors live (no host copy);
+for v1 xxh3-128 through pinned host buffers.
 """
 
 from __future__ import annotations
@@ -23,9 +28,11 @@ import numpy as np
 
 from weightsync import errors
 from weightsync.client._pool import run_all
-from weightsync.client.verify import HostHasher
+from weightsync.client.tensors import StagedChange
+from weightsync.client.verify import HostHasher, digests
+from weightsync.codec.decoder import check_frame
 from weightsync.codec.dtypes import DType, by_name
-from weightsync.codec.manifest import FrameRef, Manifest
+from weightsync.codec.manifest import DIGEST_XXH3, FrameRef, Manifest
 from weightsync.codec.values import Change, apply_values, compose, decode_values, keyframe_bytes
 
 
@@ -36,15 +43,18 @@ class TensorUpdate:
     name: str
     dtype: DType
     shape: tuple[int, ...]
-    base_xxh3: str | None
-    """xxh3 the tensor must have before (None when it is replaced whole)."""
-    result_xxh3: str = ""
+    base_digest: str | None
+    """Digest the tensor must have before (None when it is replaced whole)."""
+    base_kind: str = DIGEST_XXH3
+    """The kind of `base_digest`: that of the manifest it came from."""
+    result_digest: str = ""
+    """Digest the tensor must have after, of the kind of `Prepared.digest_kind`."""
     replace: np.ndarray | None = None
     staged_replace: Any = None
     ops: list[Change] = field(default_factory=list)
     """Changes to apply in order (one per run of a kind: in practice one)."""
-    staged: list[tuple[Any, Any]] = field(default_factory=list)
-    """`ops` as (positions, operands) torch tensors on the staging device."""
+    staged: list[StagedChange] = field(default_factory=list)
+    """`ops` on the staging device, compact (client/tensors.py)."""
 
     @property
     def changed_elements(self) -> int:
@@ -62,15 +72,22 @@ class Prepared:
     target: int
     updates: dict[str, TensorUpdate]
     specs: dict[str, tuple[DType, tuple[int, ...], str]]
-    """Every tensor of the target version: dtype, shape, xxh3."""
+    """Every tensor of the target version: dtype, shape, digest."""
     steps: int
     bytes_received: int
     seconds: float
     device: Any = None
+    digest_kind: str = DIGEST_XXH3
+    """The kind of the target version's digests (its manifest's)."""
 
     @property
     def changed_elements(self) -> int:
         return sum(u.changed_elements for u in self.updates.values())
+
+    @property
+    def staged_bytes(self) -> int:
+        """Bytes the element-wise changes hold on the staging device (whole replacements not included)."""
+        return sum(s.nbytes for u in self.updates.values() for s in u.staged)
 
 
 def _touched(manifest: Manifest, updates: dict[str, TensorUpdate]) -> tuple[dict[tuple[int, int], str], set[str]]:
@@ -88,10 +105,11 @@ def _touched(manifest: Manifest, updates: dict[str, TensorUpdate]) -> tuple[dict
                     seg.name, seg.dtype, seg.shape, None, replace=np.empty(seg.length, dtype=np.uint8)
                 )
                 touched.add(seg.name)
-            elif e.xxh3 != e.base_xxh3:
+            elif not e.unchanged:
                 u = updates.get(seg.name)
                 if u is None or u.dtype is not seg.dtype or u.shape != seg.shape:
-                    updates[seg.name] = TensorUpdate(seg.name, seg.dtype, seg.shape, e.base_xxh3)
+                    kind = manifest.digest_kind
+                    updates[seg.name] = TensorUpdate(seg.name, seg.dtype, seg.shape, e.base_digest, kind)
                 touched.add(seg.name)
     return names, touched
 
@@ -100,7 +118,7 @@ def decode_updates(
     manifests: list[Manifest], read_frame: Callable[[FrameRef], Any], pool: ThreadPoolExecutor
 ) -> tuple[dict[str, TensorUpdate], dict[str, tuple[DType, tuple[int, ...], str]]]:
     """The per-tensor updates that take tensors holding the parent of `manifests[0]` to `manifests[-1]`,
-    and every tensor of the final version (dtype, shape, xxh3). Frames decode on `pool`."""
+    and every tensor of the final version (dtype, shape, digest). Frames decode on `pool`."""
     updates: dict[str, TensorUpdate] = {}
     for manifest in manifests:
         names, touched = _touched(manifest, updates)
@@ -109,6 +127,7 @@ def decode_updates(
 
         def run(
             ref: FrameRef,
+            manifest: Manifest = manifest,
             names: dict[tuple[int, int], str] = names,
             touched: set[str] = touched,
             pieces: dict[str, list[Change]] = pieces,
@@ -117,11 +136,10 @@ def decode_updates(
             if not any(names.get((p.file, p.seg)) in touched for p in ref.pieces):
                 return
             blob = read_frame(ref)
+            check_frame(manifest, ref, blob)
             change = data = None
             if ref.delta:
                 change = decode_values(blob)
-                if change.header.dtype.name != ref.dtype or change.header.raw_len != ref.raw_len:
-                    raise errors.FormatError("frame header disagrees with its manifest entry")
             else:
                 data = keyframe_bytes(blob)
             width = by_name(ref.dtype).width
@@ -151,7 +169,7 @@ def decode_updates(
             updates[name].ops = compose([*updates[name].ops, *parts])
     final = manifests[-1]
     specs = {
-        e.segment.name: (e.segment.dtype, e.segment.shape, e.xxh3)
+        e.segment.name: (e.segment.dtype, e.segment.shape, e.digest)
         for f in final.files
         for e in f.segments
         if e.segment.kind == "tensor"
@@ -161,23 +179,23 @@ def decode_updates(
             del updates[name]  # removed by the update: nothing to apply
             continue
         u = updates[name]
-        u.result_xxh3 = specs[name][2]
+        u.result_digest = specs[name][2]
         if u.replace is None and not u.ops:
             del updates[name]  # changes that cancelled out over several steps
     return updates, specs
 
 
 def stage(prepared: Prepared, device: Any) -> None:
-    """Copy `prepared`'s changes to `device` ahead of `apply`, so the apply moves nothing."""
-    from weightsync.client.tensors import torch_module
+    """Copy `prepared`'s changes to `device` ahead of `apply`, so the apply moves nothing (compactly:
+    `Prepared.staged_bytes` tells what they hold there)."""
+    from weightsync.client.tensors import stage_change, torch_module
 
     torch = torch_module()
     for u in prepared.updates.values():
         if u.replace is not None:
             u.staged_replace = torch.from_numpy(u.replace).to(device)
-        u.staged = [
-            (torch.from_numpy(op.positions).to(device), torch.from_numpy(op.operands).to(device)) for op in u.ops
-        ]
+        elements = int(np.prod(u.shape, dtype=np.int64))
+        u.staged = [stage_change(op, device, elements=elements) for op in u.ops]
     prepared.device = device
 
 
@@ -214,6 +232,7 @@ def prepare(
         steps=len(manifests),
         bytes_received=bytes_received,
         seconds=0.0,
+        digest_kind=manifests[-1].digest_kind if manifests else DIGEST_XXH3,
     )
     if device is not None and manifests:
         stage(prepared, device)
@@ -231,6 +250,8 @@ class Applied:
     tensors: int
     changed: list[tuple[TensorUpdate, Any]] = field(repr=False)
     """(update, tensor) pairs that were changed."""
+    digest_kind: str = DIGEST_XXH3
+    """The kind of the target version's digests: what `check` computes."""
     hasher: HostHasher = field(default_factory=HostHasher, repr=False)
     base_check_s: float = 0.0
     """Seconds the base check took (0 without verification)."""
@@ -242,15 +263,15 @@ class Applied:
     def check(self) -> None:
         """ChecksumMismatch unless every changed tensor now holds the target version's bytes.
 
-        All changed tensors are hashed in one batched pass (client/verify.py), each
-        once; the error names the first tensor, in update order, that differs.
+        All changed tensors are digested in one batched pass where they live
+        (client/verify.py); the error names the first tensor, in update order, that differs.
         """
         t0 = time.perf_counter()
-        hashed = self.hasher.hash([t for _, t in self.changed])
+        hashed = digests([t for _, t in self.changed], self.digest_kind, self.hasher)
         self.result_check_s = time.perf_counter() - t0
         self.verified_by = tuple(sorted({*self.verified_by, *hashed.paths}))
         for (u, _), digest in zip(self.changed, hashed.digests, strict=True):
-            if digest != u.result_xxh3:
+            if digest != u.result_digest:
                 raise errors.ChecksumMismatch(
                     f"tensor {u.name!r} does not match v{self.target} after the update: load the version afresh"
                 )
@@ -293,15 +314,16 @@ def apply(
     """Apply `prepared` in place into `tensors` (name → torch tensor) holding `version` of `model`.
 
     Refuses, changing nothing: BaseMismatch (another model or base version,
-    or with `verify` a tensor whose xxh3 is not the base's), ReloadRequired (a
+    or with `verify` a tensor whose digest is not the base's), ReloadRequired (a
     tensor missing, or of another dtype, shape or layout). With `verify`, every
-    tensor about to change is hashed in one batched pass before the first
-    write (`hasher`, default :class:`HostHasher()`: CPU tensors where they lie,
-    device tensors through pinned staging buffers). The result check is the
-    caller's (:meth:`Applied.check`, same hasher), after it has recorded that
-    the tensors changed.
+    tensor about to change is digested in one batched pass before the first
+    write, with its manifest's digest kind (client/verify.py: the FORMAT v2
+    checksum where the tensor lives; for v1 xxh3 via `hasher`, default
+    :class:`HostHasher()`: CPU tensors where they lie, device tensors through
+    pinned staging buffers). The result check is the caller's
+    (:meth:`Applied.check`), after it has recorded that the tensors changed.
     """
-    from weightsync.client.tensors import byte_view, int_view, torch_module
+    from weightsync.client.tensors import apply_staged, byte_view, stage_change, torch_module
 
     torch = torch_module()
     if prepared.model != model:
@@ -315,15 +337,17 @@ def apply(
     paths: tuple[str, ...] = ()
     if verify:
         t0 = time.perf_counter()
-        checked = [(u, t) for u, t in work if u.base_xxh3 is not None]  # whole replacements have no base
-        hashed = hasher.hash([t for _, t in checked])
+        checked = [(u, t) for u, t in work if u.base_digest is not None]  # whole replacements have no base
+        for kind in sorted({u.base_kind for u, _ in checked}):
+            of_kind = [(u, t) for u, t in checked if u.base_kind == kind]
+            hashed = digests([t for _, t in of_kind], kind, hasher)
+            paths = tuple(sorted({*paths, *hashed.paths}))
+            for (u, _), digest in zip(of_kind, hashed.digests, strict=True):
+                if digest != u.base_digest:
+                    raise errors.BaseMismatch(
+                        f"tensor {u.name!r} does not hold v{prepared.base}'s bytes; nothing was changed"
+                    )
         base_check_s = time.perf_counter() - t0
-        paths = hashed.paths
-        for (u, _), digest in zip(checked, hashed.digests, strict=True):
-            if digest != u.base_xxh3:
-                raise errors.BaseMismatch(
-                    f"tensor {u.name!r} does not hold v{prepared.base}'s bytes; nothing was changed"
-                )
     devices = {t.device for _, t in work}
     t0 = time.perf_counter()
     with torch.no_grad():
@@ -332,15 +356,9 @@ def apply(
                 src = u.staged_replace if u.staged_replace is not None else torch.from_numpy(u.replace)
                 byte_view(t).copy_(src, non_blocking=True)
                 continue
-            view = int_view(t)
             for i, op in enumerate(u.ops):
-                if i < len(u.staged) and u.staged[i][0].device == t.device:
-                    pos, vals = u.staged[i]
-                else:
-                    pos = torch.from_numpy(op.positions).to(t.device, non_blocking=True)
-                    vals = torch.from_numpy(op.operands).to(t.device, non_blocking=True)
-                cur = view.index_select(0, pos)
-                view.index_copy_(0, pos, cur + vals if op.add else cur ^ vals)
+                staged = u.staged[i] if i < len(u.staged) and u.staged[i].operands.device == t.device else None
+                apply_staged(t, staged or stage_change(op, t.device, elements=t.numel()))
         for d in devices:
             if d.type == "cuda":
                 torch.cuda.synchronize(d)
@@ -349,6 +367,7 @@ def apply(
         time.perf_counter() - t0,
         len(work),
         work,
+        digest_kind=prepared.digest_kind,
         hasher=hasher,
         base_check_s=base_check_s,
         verified_by=paths,

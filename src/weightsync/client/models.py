@@ -146,7 +146,7 @@ class Health(Wire):
 
 @dataclass(frozen=True)
 class Model(Wire):
-    """A model, its head and its chain and retention settings (docs/API.md, Model)."""
+    """A model, its head, its chain and retention settings and its pin (docs/API.md, Model)."""
 
     name: str
     head: int | None
@@ -154,6 +154,27 @@ class Model(Wire):
     keyframe_interval: int
     max_chain_ratio: float
     keep_last: int | None
+    pinned: int | None = None
+    """The version followers hold instead of the head; None: the head (and from servers without pins)."""
+
+
+@dataclass(frozen=True)
+class DeletedModel(Wire):
+    """``DELETE /v1/models/{model}``: what went; GC reclaims the objects after its grace period."""
+
+    name: str
+    versions_deleted: list[int]
+    publishes_aborted: int
+    deleted_at: datetime
+
+
+@dataclass(frozen=True)
+class Info(Wire):
+    """``GET /v1/info``: the server's id (stable, shared by every service on one catalog), release, formats."""
+
+    id: str
+    version: str
+    formats: list[int]
 
 
 @dataclass(frozen=True)
@@ -232,6 +253,8 @@ class PublishBegin(Wire):
     expires_at: datetime | None
     missing: list[str] | None = None
     """When the begin listed objects and they were checked: which to upload (as CheckObjects)."""
+    formats: list[int] | None = None
+    """The manifest formats the server reads (None: a server that predates format 2 reads format 1 only)."""
     uploads: dict[str, PresignedPut] | None = None
 
     def checked(self) -> CheckObjects | None:

@@ -35,10 +35,13 @@ from weightsync.client.state import CheckoutState
 from weightsync.client.tensors import SnapshotBuffers, snapshot_state_dict
 from weightsync.client.wire import Retry, TokenBucket
 from weightsync.codec.encoder import DEFAULT_CHUNK, Encoder
+from weightsync.codec.manifest import DIGEST_KINDS
+from weightsync.codec.manifest import VERSION as MANIFEST_V1
 from weightsync.codec.pack import DEFAULT_OBJECT_BYTES
 from weightsync.common import model_path_name
 
 log = logging.getLogger("weightsync.client")
+KIND_FORMAT = {kind: version for version, kind in DIGEST_KINDS.items()}
 
 
 class Publisher:
@@ -101,6 +104,7 @@ class Publisher:
             self.api.close()
             raise
         self._background: ThreadPoolExecutor | None = None
+        self._formats: tuple[int, ...] | None = None  # the server's manifest formats, from its last begin
         self._snapshots = SnapshotBuffers()  # publish_async's host buffers, reused across publishes
 
     @property
@@ -182,6 +186,7 @@ class Publisher:
                     self.encoder,
                     checkpoint,
                     base,
+                    version=self._format_for(base),
                     model=self.model,
                     parent=parent,
                     step=step,
@@ -201,6 +206,8 @@ class Publisher:
                 catch_up=catch_up,
                 prepare=lambda held: pack_for(held, held.state.number),
             )
+            # The formats the server reads (one that predates format 2 says nothing: format 1 only).
+            self._formats = tuple(begun.formats or [MANIFEST_V1])
             # source, base (and a catch-up) and beginPublish; an encoding made first is counted in encode_s
             timings["begin_s"] = time.perf_counter() - t0 - timings.get("encode_s", 0.0)
             try:
@@ -247,6 +254,13 @@ class Publisher:
                 timings=timings,
                 warnings=tuple(warnings),
             )
+
+    def _format_for(self, base: Base | None) -> int:
+        """The manifest format to encode in: the base's while the server reads it (a chain never mixes
+        formats), else the newest format both sides read (a keyframe starts the chain in it)."""
+        readable = [v for v in self._formats or DIGEST_KINDS if v in DIGEST_KINDS]
+        held = None if base is None else KIND_FORMAT.get(base.state.digest_kind)
+        return held if held in readable else max(readable)
 
     def _abort(self, publish_id: str) -> None:
         """Best effort: release a failed publish's hold on its objects (a re-run still finds them in the store)."""

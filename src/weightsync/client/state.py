@@ -1,7 +1,10 @@
-"""What a checkout holds: the state file of a version (model, number, manifest, files and segment hashes).
+"""What a checkout holds: the state file of a version (model, number, manifest, files and segment digests).
 
 Each version directory of a checkout carries one (client/checkout.py); an
-incremental pull first proves the checkout still holds what it says.
+incremental pull first proves the checkout still holds what it says. Digests
+are of the kind the version's manifest has (FORMAT §5: xxh3-128 for version 1
+manifests, the tensor checksum for version 2, which needs each segment's
+element width); a state file of version 1 (before FORMAT v2) holds xxh3-128.
 """
 
 from __future__ import annotations
@@ -11,28 +14,30 @@ import os
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from weightsync import errors
 from weightsync.client.decode import HeldFile, Tree
 from weightsync.codec.checkpoint import check_path
-from weightsync.codec.manifest import Manifest
+from weightsync.codec.manifest import DIGEST_KINDS, DIGEST_XXH3, Manifest
 
 STATE_FORMAT = "weightsync.checkout"
-STATE_VERSION = 1
+STATE_VERSION = 2
+"""Version 2 adds the digest kind and each segment's element width; version 1 states (xxh3-128) still read."""
 
 
 @dataclass
 class FileState:
-    """One file of the held version: its size and segments as (offset, length, xxh3 hex)."""
+    """One file of the held version: its size and segments as (offset, length, digest hex, element width)."""
 
     path: str
     size: int
-    segments: list[tuple[int, int, str]]
+    segments: list[tuple[int, int, str, int]]
 
 
 @dataclass
 class CheckoutState:
-    """What a checkout holds: model, version, manifest digest, and every file's size and segment hashes."""
+    """What a checkout holds: model, version, manifest digest, and every file's size and segment digests."""
 
     model: str
     number: int
@@ -40,14 +45,20 @@ class CheckoutState:
     single_file: bool
     files: list[FileState]
     server: str | None = None
+    digest_kind: str = DIGEST_XXH3
+    """The kind of the segments' digests: the manifest's (`Manifest.digest_kind`)."""
 
     @classmethod
     def of(cls, model: str, number: int, digest: str, manifest: Manifest, server: str | None = None) -> CheckoutState:
         files = [
-            FileState(f.path, f.size, [(e.segment.offset, e.segment.length, e.xxh3) for e in f.segments])
+            FileState(
+                f.path,
+                f.size,
+                [(e.segment.offset, e.segment.length, e.digest, e.segment.dtype.width) for e in f.segments],
+            )
             for f in manifest.files
         ]
-        return cls(model, number, digest, manifest.single_file, files, server)
+        return cls(model, number, digest, manifest.single_file, files, server, manifest.digest_kind)
 
     def to_json(self) -> bytes:
         doc = {
@@ -58,6 +69,7 @@ class CheckoutState:
             "manifest": self.manifest,
             "single_file": self.single_file,
             "server": self.server,
+            "digest_kind": self.digest_kind,
             "files": [{"path": f.path, "size": f.size, "segments": [list(s) for s in f.segments]} for f in self.files],
         }
         return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
@@ -67,9 +79,10 @@ class CheckoutState:
         return Tree(
             self.single_file,
             {
-                f.path: HeldFile(where / f.path, f.size, False, {(o, n): h for o, n, h in f.segments})
+                f.path: HeldFile(where / f.path, f.size, False, {(o, n): h for o, n, h, _ in f.segments})
                 for f in self.files
             },
+            self.digest_kind,
         )
 
     @classmethod
@@ -77,14 +90,13 @@ class CheckoutState:
         """The state stored at `path`, or None when absent or unreadable (treated as holding nothing)."""
         try:
             doc = json.loads(path.read_bytes())
-            if doc.get("format") != STATE_FORMAT or doc.get("version") != STATE_VERSION:
+            version = doc.get("version")
+            if doc.get("format") != STATE_FORMAT or version not in (1, STATE_VERSION):
                 return None
-            files = [
-                FileState(
-                    check_path(f["path"]), int(f["size"]), [(int(o), int(n), str(h)) for o, n, h in f["segments"]]
-                )
-                for f in doc["files"]
-            ]
+            kind = DIGEST_XXH3 if version == 1 else str(doc["digest_kind"])
+            if kind not in DIGEST_KINDS.values():
+                return None
+            files = [FileState(check_path(f["path"]), int(f["size"]), _segments(f["segments"])) for f in doc["files"]]
             return cls(
                 str(doc["model"]),
                 int(doc["number"]),
@@ -92,9 +104,22 @@ class CheckoutState:
                 bool(doc["single_file"]),
                 files,
                 doc.get("server"),
+                kind,
             )
         except (OSError, ValueError, KeyError, TypeError, errors.InvalidName):
             return None
+
+
+def _segments(rows: list[list[Any]]) -> list[tuple[int, int, str, int]]:
+    """(offset, length, digest, width) rows; a version 1 state has no width (xxh3 needs none: 1)."""
+    out = []
+    for row in rows:
+        o, n, h, *w = row
+        width = int(w[0]) if w else 1
+        if width not in (1, 2, 4, 8):
+            raise ValueError(f"element width {width}")
+        out.append((int(o), int(n), str(h), width))
+    return out
 
 
 def write_atomic(path: Path, data: bytes) -> None:

@@ -14,6 +14,7 @@ import threading
 import weakref
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -311,3 +312,89 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
     """A flat view of `t`'s bytes (uint8), sharing storage."""
     torch = torch_module()
     return t.detach().view(-1).view(torch.uint8)
+
+
+BLOCK_BITS = 16
+"""Staged positions are kept as their low 16 bits within blocks of 2^16 elements, plus a count per block."""
+APPLY_CHUNK = 1 << 20
+"""Changes applied per step: the positions expanded for a step (4 bytes each) are bounded by this."""
+
+
+@dataclass
+class StagedChange:
+    """A :class:`~weightsync.codec.values.Change` on the device that applies it, in few bytes per element.
+
+    Positions are block-coded when that is smaller: each as an int16 of its low bits
+    (``low``) and, per block of 2^16 elements that has changes, its id and count: 2 bytes
+    per changed element plus 8 per such block. Else (a few changes per block) they are
+    int32 (int64 for tensors of 2^31 elements or more). Operands keep the element width,
+    so a bf16 change costs ~4 bytes staged instead of 10 (int64 positions). `apply`
+    expands at most APPLY_CHUNK positions at a time.
+    """
+
+    add: bool
+    operands: Any
+    positions: Any | None = None
+    low: Any | None = None
+    blocks: Any | None = None
+    counts: Any | None = None
+    spans: list[tuple[int, int, int, int]] = field(default_factory=list)
+    """Block-coded: steps of whole blocks as (first block, end block, first change, end change)."""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this change holds on its device."""
+        parts = (self.operands, self.positions, self.low, self.blocks, self.counts)
+        return sum(int(p.numel()) * p.element_size() for p in parts if p is not None)
+
+
+def stage_change(change: Any, device: Any, *, elements: int) -> StagedChange:
+    """`change` (a codec Change of a tensor of `elements` elements) moved to `device`, compactly."""
+    torch = torch_module()
+    pos: np.ndarray = change.positions
+    operands = torch.from_numpy(np.ascontiguousarray(change.operands)).to(device)
+    wide = elements >= 1 << 31
+    index = np.int64 if wide else np.int32
+    if len(pos) == 0:
+        return StagedChange(change.add, operands, positions=torch.from_numpy(pos.astype(index)).to(device))
+    block = pos >> BLOCK_BITS
+    starts = np.flatnonzero(np.diff(block, prepend=-1))  # first change of each block that has one
+    if 8 * len(starts) >= 2 * len(pos):  # int32 positions are smaller: few changes per block
+        return StagedChange(change.add, operands, positions=torch.from_numpy(pos.astype(index)).to(device))
+    counts = np.diff(np.append(starts, len(pos)))
+    low = (pos & ((1 << BLOCK_BITS) - 1)).astype(np.uint16).view(np.int16)
+    spans = []
+    b = 0
+    while b < len(starts):  # whole blocks per step, about APPLY_CHUNK changes each (one block may exceed it)
+        e = int(np.searchsorted(starts, starts[b] + APPLY_CHUNK, side="right"))
+        e = max(e, b + 1)
+        spans.append((b, e, int(starts[b]), int(starts[e]) if e < len(starts) else len(pos)))
+        b = e
+    return StagedChange(
+        change.add,
+        operands,
+        low=torch.from_numpy(low).to(device),
+        blocks=torch.from_numpy(block[starts].astype(index)).to(device),
+        counts=torch.from_numpy(counts.astype(np.int64)).to(device),
+        spans=spans,
+    )
+
+
+def apply_staged(t: torch.Tensor, staged: StagedChange) -> None:
+    """Apply `staged` in place to `t` (contiguous, on the change's device) with index ops there."""
+    torch = torch_module()
+    view = int_view(t)
+
+    def apply(pos: Any, operands: Any) -> None:
+        cur = view.index_select(0, pos)
+        view.index_put_((pos,), cur + operands if staged.add else cur ^ operands)
+
+    if staged.positions is not None:
+        for lo in range(0, int(staged.positions.numel()), APPLY_CHUNK):
+            apply(staged.positions[lo : lo + APPLY_CHUNK], staged.operands[lo : lo + APPLY_CHUNK])
+        return
+    assert staged.low is not None and staged.blocks is not None and staged.counts is not None
+    for b0, b1, c0, c1 in staged.spans:
+        first = torch.repeat_interleave(staged.blocks[b0:b1] << BLOCK_BITS, staged.counts[b0:b1], output_size=c1 - c0)
+        low = staged.low[c0:c1].to(first.dtype) & ((1 << BLOCK_BITS) - 1)
+        apply(first + low, staged.operands[c0:c1])

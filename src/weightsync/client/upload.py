@@ -59,13 +59,18 @@ def pack_version(
     object_bytes: int,
     forget_base: Callable[[], None],
     timings: dict[str, float],
+    version: int,
 ) -> Packed:
-    """Encode `checkpoint` (a delta on `base`, a keyframe without one) and pack it into objects.
+    """Encode `checkpoint` in manifest format `version` (a delta on `base`, a keyframe without one), pack it.
 
-    A base whose bytes are not the version it claims (the encoder hashed them) is forgotten
-    through `forget_base` and a keyframe is packed instead. Sets ``timings["encode_s"]``.
+    A base whose bytes are not the version it claims (the encoder hashed them), or that is
+    stored in another format (a chain never mixes formats), is forgotten through
+    `forget_base` and a keyframe is packed instead. Sets ``timings["encode_s"]``.
     """
     t = time.perf_counter()
+    encoder.format_version = version
+    if base is not None and base.state.digest_kind != encoder.digest_kind:
+        base = None  # a format change starts a new chain
     encoded = encoder.encode(checkpoint, base.checkpoint if base else None)
     if base is not None:
         try:  # the encoder hashed the base bytes: they must be the version we think we hold
@@ -180,6 +185,7 @@ def commit(
             raise errors.RemovesContent(removal_message(base.state.number, dropped))
     fits = (
         packed is not None
+        and packed.manifest.version in (begun.formats or [1])
         and packed.manifest.parent == begun.parent
         and packed.manifest.kind == begun.kind
         and (begun.kind == "keyframe" or use is not None)

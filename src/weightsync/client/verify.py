@@ -1,8 +1,14 @@
-"""Hash tensors' bytes on the host, fast: xxh3-128 exactly as manifests record segments (FORMAT §5.1).
+"""Digest tensors where they live, fast, of the kind their manifest records (FORMAT §5).
 
-`apply` checks every tensor it touches against the manifest's xxh3-128 before
-writing and after. The format fixes the hash (xxh3-128 of the tensor's bytes),
-so device tensors must reach the host; how they get there is what costs:
+`apply` checks every tensor it touches against the manifest's digests before
+writing and after (:func:`digests`):
+
+- version 2 manifests record the tensor checksum (FORMAT §10), which CPU and GPU
+  compute alike: CPU tensors are summed by the C kernel on their own memory (no
+  copy, large ones in parts on several threads), device tensors by torch on their
+  device (`weightsync.devsum`). Nothing crosses to the host but the sums.
+- version 1 manifests record xxh3-128 of the bytes, so device tensors must reach
+  the host (:class:`HostHasher`); how they get there is what costs:
 
 - CPU tensors are hashed where they lie (no copy), one tensor per thread.
 - Other tensors stream through a few reusable staging buffers (pinned on
@@ -33,6 +39,8 @@ from typing import Any
 import xxhash
 
 from weightsync.client.tensors import byte_view, raw_bytes, torch_module
+from weightsync.codec.decoder import sums_of
+from weightsync.codec.manifest import DIGEST_SUM, DIGEST_XXH3
 
 IN_PLACE = "cpu"
 """Path name: CPU tensors hashed where they lie."""
@@ -40,17 +48,63 @@ STAGED_CUDA = "cuda-pinned"
 """Path name: CUDA tensors copied asynchronously through pinned staging buffers."""
 STAGED_HOST = "host-staged"
 """Path name: tensors copied synchronously through staging buffers (other devices, or forced)."""
+SUM_CPU = "cpu-checksum"
+"""Path name: CPU tensors checksummed where they lie (the C kernel, several threads)."""
+SUM_DEVICE = "device-checksum"
+"""Path name: device tensors checksummed on their device (weightsync.devsum)."""
 
 
 @dataclass(frozen=True)
 class Hashed:
-    """The xxh3-128 hex digests of some tensors (in their order), and how they were computed."""
+    """The hex digests of some tensors (in their order), and how they were computed."""
 
     digests: list[str]
     paths: tuple[str, ...]
-    """The paths that ran, sorted (:data:`IN_PLACE`, :data:`STAGED_CUDA`, :data:`STAGED_HOST`)."""
+    """The paths that ran, sorted (:data:`IN_PLACE`, :data:`STAGED_CUDA`, :data:`STAGED_HOST`, :data:`SUM_CPU`,
+    :data:`SUM_DEVICE`)."""
     staged_bytes: int
-    """Bytes that went through staging buffers."""
+    """Bytes that went through staging buffers (host copies of device tensors)."""
+
+
+def digests(tensors: Sequence[Any], kind: str, hasher: HostHasher) -> Hashed:
+    """The digest of each tensor of `kind` ("xxh3-128": `hasher`; "sum64x16": :func:`checksums` on as
+    many threads)."""
+    if kind == DIGEST_XXH3:
+        return hasher.hash(tensors)
+    if kind == DIGEST_SUM:
+        return checksums(tensors, threads=hasher.workers)
+    raise ValueError(f"unknown digest kind {kind!r}")
+
+
+def checksums(tensors: Sequence[Any], *, threads: int | None = None) -> Hashed:
+    """The FORMAT §10 checksum (hex wire form) of each tensor's elements, computed where the tensor lives.
+
+    CPU tensors: the C kernel on their memory (no copy when contiguous), on `threads`
+    threads (default all cores), large tensors in parts. Other devices: torch on the
+    device, every tensor queued before one read-back. Thread-safe.
+    """
+    out: list[str | None] = [None] * len(tensors)
+    paths: set[str] = set()
+    on_host = [i for i, t in enumerate(tensors) if t.device.type == "cpu"]
+    if on_host:
+        paths.add(SUM_CPU)
+        with ThreadPoolExecutor(threads or os.cpu_count() or 1, thread_name_prefix="weightsync-sum") as pool:
+            sums = sums_of(pool, [(raw_bytes(tensors[i]), tensors[i].element_size()) for i in on_host])
+        for i, s in zip(on_host, sums, strict=True):
+            out[i] = s.hex()
+    by_device: dict[Any, list[int]] = {}
+    for i, t in enumerate(tensors):
+        if t.device.type != "cpu":
+            by_device.setdefault(t.device, []).append(i)
+    if by_device:
+        from weightsync import devsum  # imports torch: only where a device tensor is summed
+
+        paths.add(SUM_DEVICE)
+        for items in by_device.values():
+            for i, s in zip(items, devsum.tensor_sums([tensors[i] for i in items]), strict=True):
+                out[i] = s.hex()
+    assert all(d is not None for d in out)
+    return Hashed([d for d in out if d is not None], tuple(sorted(paths)), 0)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 
 from weightsync import errors
+from weightsync.client._pool import pause
 from weightsync.common import Backoff
 
 
@@ -21,6 +22,7 @@ class TokenBucket:
 
     The bucket holds at most `burst` bytes (default a quarter second of traffic,
     at least 64 KiB), so an idle period does not let a later burst exceed the cap.
+    A wait inside a stopped batch of transfers ends at once (client/_pool.py ``pause``).
     """
 
     def __init__(self, rate: float, *, burst: float | None = None) -> None:
@@ -40,7 +42,7 @@ class TokenBucket:
             self._tokens -= n  # may go negative: the debt is paid by waiting, so large chunks work too
             wait = -self._tokens / self.rate if self._tokens < 0 else 0.0
         if wait > 0:
-            time.sleep(wait)
+            pause(wait)
 
 
 Retry = Backoff
@@ -58,12 +60,18 @@ _BY_STATUS: dict[int, type[errors.WeightsyncError]] = {
 }
 
 
-def problem_error(resp: httpx.Response, *, not_found: type[errors.WeightsyncError]) -> errors.WeightsyncError:
+def problem_error(
+    resp: httpx.Response, *, not_found: type[errors.WeightsyncError], server: str | None = None
+) -> errors.WeightsyncError:
     """The named exception for an error response: the class errors.problem_class names for its problem code.
 
     The problem's ``resource`` member says which thing a 404 is about; ``not_found`` (what the
     endpoint looks up) is used only for a 404 that is not a weightsync problem (the object store,
     a proxy). The exception's ``status`` is the status received and ``problem`` the body.
+
+    ``server`` is the weightsync server's URL when the request went to it (not to a presigned
+    URL): a 404 from there that names no missing resource means the route itself is unknown,
+    so the URL most likely points at something else, and the message says so.
     """
     problem: dict[str, Any] = {}
     try:
@@ -80,6 +88,9 @@ def problem_error(resp: httpx.Response, *, not_found: type[errors.WeightsyncErro
     if not isinstance(detail, str):
         detail = str(detail)
     message = f"{detail} (HTTP {resp.status_code})"
+    ours = isinstance(type_, str) and type_.startswith(errors.PROBLEM_BASE)
+    if resp.status_code == 404 and server is not None and (not ours or (code == "not-found" and resource is None)):
+        message += f"{_route(resp)}: is {server} the root URL of a weightsync server?"
     # A resource this client does not know (a newer server's) is still that code's problem.
     cls = errors.problem_class(code, resource if isinstance(resource, str) else None) or errors.problem_class(code)
     if cls is None and resp.status_code == 404:
@@ -90,3 +101,11 @@ def problem_error(resp: httpx.Response, *, not_found: type[errors.WeightsyncErro
     exc.status = resp.status_code
     exc.problem = problem
     return exc
+
+
+def _route(resp: httpx.Response) -> str:
+    """`` from GET /v1/models`` (what was asked for), or nothing when the response has no request."""
+    try:
+        return f" from {resp.request.method} {resp.request.url.path}"
+    except RuntimeError:
+        return ""

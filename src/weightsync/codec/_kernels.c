@@ -3,7 +3,9 @@
  * Every function here mirrors a pure-numpy reference in weightsync/codec/kernels.py and
  * weightsync/codec/checksum.py; tests/codec/test_kernels.py asserts they agree bit for bit.
  * Built against the limited API (Py_LIMITED_API = 3.11) so one .abi3.so serves every
- * CPython >= 3.11. No library beyond libc and pthreads.
+ * CPython >= 3.11. No library beyond libc and pthreads. The loops live in two headers
+ * included below (one translation unit): _kernels_sum.h (the tensor checksum, FORMAT §10)
+ * and _kernels_loops.h (find changes, byte planes, apply); this file is the Python side.
  *
  * Rules every entry point keeps:
  *   - arguments are parsed and buffers acquired with the GIL held; every loop runs with the
@@ -13,12 +15,18 @@
  *   - data-dependent failures (a sparse position past the end) are reported as a return
  *     value checked before the first write, so the target is untouched (FORMAT §4.2).
  * Elements are little-endian unsigned integers of 1, 2, 4 or 8 bytes (FORMAT §3).
+ *
+ * The fused entry points (*_sums) do in one pass over the bytes what would otherwise be
+ * two or three: code the changes and take the checksums of base and new; or take the
+ * base's checksum, apply, and take the result's. They work through each piece in blocks
+ * of SUM_BLOCK bytes, so the second and third looks at a block hit L1, not memory.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
 #include <pthread.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
@@ -34,6 +42,11 @@
 #ifndef HOT
 #define HOT
 #endif
+#if defined(__GNUC__)
+#define ALWAYS_INLINE __attribute__((always_inline))
+#else
+#define ALWAYS_INLINE
+#endif
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define WS_X86 1
@@ -45,6 +58,9 @@ typedef uint8_t u8;
 typedef uint16_t u16;
 typedef uint32_t u32;
 typedef uint64_t u64;
+
+#include "_kernels_sum.h"
+#include "_kernels_loops.h"
 
 /* ---- buffers ------------------------------------------------------------------------- */
 
@@ -99,79 +115,114 @@ static int check_width(int width) {
     return -1;
 }
 
-/* ---- element access ------------------------------------------------------------------ */
+/* The pieces of a frame: any number of buffers, each a whole number of elements, and the
+ * position of each one's first element within its tensor (the checksum's `start`). */
+typedef struct {
+    Py_ssize_t n, held;
+    Py_buffer *views;
+    u64 *starts;
+    u64 elements; /* total */
+} Pieces;
 
-static inline u64 load(const u8 *p, int w) {
-    switch (w) {
-    case 1: return p[0];
-    case 2: { u16 v; memcpy(&v, p, 2); return v; }
-    case 4: { u32 v; memcpy(&v, p, 4); return v; }
-    default: { u64 v; memcpy(&v, p, 8); return v; }
+static void release_pieces(Pieces *p) {
+    for (Py_ssize_t i = 0; i < p->held; i++) PyBuffer_Release(&p->views[i]);
+    PyMem_Free(p->views);
+    PyMem_Free(p->starts);
+    *p = (Pieces){0};
+}
+
+static int hold_pieces(Pieces *p, PyObject *seq, PyObject *starts, int writable, int w) {
+    *p = (Pieces){0};
+    if (!PySequence_Check(seq) || !PySequence_Check(starts)) {
+        PyErr_SetString(PyExc_ValueError, "pieces and starts must be sequences");
+        return -1;
     }
-}
-
-static inline void store(u8 *p, int w, u64 v) {
-    switch (w) {
-    case 1: p[0] = (u8)v; break;
-    case 2: { u16 x = (u16)v; memcpy(p, &x, 2); break; }
-    case 4: { u32 x = (u32)v; memcpy(p, &x, 4); break; }
-    default: memcpy(p, &v, 8);
+    p->n = PySequence_Size(seq);
+    if (p->n < 0) return -1;
+    if (PySequence_Size(starts) != p->n) {
+        PyErr_SetString(PyExc_ValueError, "one start per piece");
+        return -1;
     }
+    p->views = PyMem_Calloc(p->n ? (size_t)p->n : 1, sizeof(Py_buffer));
+    p->starts = PyMem_Calloc(p->n ? (size_t)p->n : 1, sizeof(u64));
+    if (p->views == NULL || p->starts == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    int flags = writable ? PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS : PyBUF_C_CONTIGUOUS;
+    for (Py_ssize_t i = 0; i < p->n; i++) {
+        PyObject *item = PySequence_GetItem(seq, i);
+        if (item == NULL) return -1;
+        int bad = PyObject_GetBuffer(item, &p->views[i], flags);
+        Py_DECREF(item);
+        if (bad < 0) return -1;
+        p->held++;
+        if (p->views[i].len % w) {
+            PyErr_Format(PyExc_ValueError, "piece %zd is not a whole number of elements", i);
+            return -1;
+        }
+        p->elements += (u64)p->views[i].len / w;
+        PyObject *s = PySequence_GetItem(starts, i);
+        if (s == NULL) return -1;
+        p->starts[i] = PyLong_AsUnsignedLongLong(s);
+        Py_DECREF(s);
+        if (PyErr_Occurred()) return -1;
+    }
+    return 0;
 }
 
-static inline u64 mask_of(int w) { return w == 8 ? ~(u64)0 : (((u64)1 << (8 * w)) - 1); }
+static u8 *piece(const Pieces *p, Py_ssize_t i) { return (u8 *)p->views[i].buf; }
+static u64 piece_elements(const Pieces *p, Py_ssize_t i, int w) { return (u64)p->views[i].len / w; }
 
-/* FORMAT §4.2: zigzag of the wrapping difference, so 0,-1,1,-2 -> 0,1,2,3 at width w. */
-static inline u64 zigzag(u64 d, int w) {
-    u64 m = mask_of(w);
-    d &= m;
-    u64 sign = (d >> (8 * w - 1)) & 1;
-    return ((d << 1) ^ ((u64)0 - sign)) & m;
+/* ---- checksum results ----------------------------------------------------------------- */
+
+enum { SUM_BEFORE = 1, SUM_AFTER = 2 }; /* which checksums a fused kernel takes */
+
+/* Per piece: lanes of the bytes before (base) and after (new or result), 4 slots each. */
+typedef struct {
+    u64 before[4], after[4];
+} PieceSums;
+
+static PyObject *lanes_tuple(const u64 *lanes, int L) {
+    PyObject *out = PyTuple_New(L);
+    if (out == NULL) return NULL;
+    for (int j = 0; j < L; j++) {
+        PyObject *v = PyLong_FromUnsignedLongLong(lanes[j]);
+        if (v == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyTuple_SetItem(out, j, v);
+    }
+    return out;
 }
 
-static inline u64 unzigzag(u64 z, int w) { return ((z >> 1) ^ ((u64)0 - (z & 1))) & mask_of(w); }
+/* [(before lanes or None, after lanes or None) for each piece] */
+static PyObject *sums_list(const PieceSums *sums, Py_ssize_t n, int L, int want) {
+    PyObject *out = PyList_New(n);
+    if (out == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *b = want & SUM_BEFORE ? lanes_tuple(sums[i].before, L) : Py_NewRef(Py_None);
+        PyObject *a = want & SUM_AFTER ? lanes_tuple(sums[i].after, L) : Py_NewRef(Py_None);
+        PyObject *pair = b && a ? PyTuple_Pack(2, b, a) : NULL;
+        Py_XDECREF(b);
+        Py_XDECREF(a);
+        if (pair == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SetItem(out, i, pair);
+    }
+    return out;
+}
 
-/* The delta value of one element (FORMAT §4.2): zigzag(new - old) for ADD, else old ^ new. */
-static inline u64 delta_value(u64 old, u64 new_, int w, int add) {
-    return add ? zigzag(new_ - old, w) : (old ^ new_);
+static int parse_want(int want) {
+    if (want >= 0 && want <= (SUM_BEFORE | SUM_AFTER)) return 0;
+    PyErr_Format(PyExc_ValueError, "unknown checksum selection %d", want);
+    return -1;
 }
 
 /* ---- encode -------------------------------------------------------------------------- */
-
-/* Whether the 32 bytes at a and b differ: four 8-byte compares, so unchanged runs cost
- * little. */
-static inline int block_differs(const u8 *a, const u8 *b) {
-    u64 x[4], y[4];
-    memcpy(x, a, 32);
-    memcpy(y, b, 32);
-    return ((x[0] ^ y[0]) | (x[1] ^ y[1]) | (x[2] ^ y[2]) | (x[3] ^ y[3])) != 0;
-}
-
-/* Per-width loops: T is the element type; loads go through memcpy, so any alignment works. */
-#define COUNT_LOOP(T)                                             \
-    static u64 count_##T(const u8 *a, const u8 *b, u64 n) {       \
-        u64 count = 0;                                            \
-        for (u64 i = 0; i < n; i++) {                             \
-            T x, y;                                               \
-            memcpy(&x, a + i * sizeof(T), sizeof(T));             \
-            memcpy(&y, b + i * sizeof(T), sizeof(T));             \
-            count += x != y;                                      \
-        }                                                         \
-        return count;                                             \
-    }
-HOT COUNT_LOOP(u8)
-HOT COUNT_LOOP(u16)
-HOT COUNT_LOOP(u32)
-HOT COUNT_LOOP(u64)
-
-static u64 count_changed_loop(const u8 *a, const u8 *b, u64 nbytes, int w) {
-    switch (w) {
-    case 1: return count_u8(a, b, nbytes);
-    case 2: return count_u16(a, b, nbytes / 2);
-    case 4: return count_u32(a, b, nbytes / 4);
-    default: return count_u64(a, b, nbytes / 8);
-    }
-}
 
 static PyObject *count_changed(PyObject *self, PyObject *args) {
     PyObject *ob, *on;
@@ -196,122 +247,8 @@ fail:
     return NULL;
 }
 
-/* Sparse method (FORMAT §4.2): for the k-th changed element, byte j of its gap (u32, the
- * unchanged elements since the previous change) goes to gaps[j][k] and byte j of its value
- * to vals[j][k]. Returns the number of changes written, or cap + 1 as soon as there are
- * more than `cap` (the caller then codes the frame dense). 32-byte blocks without a change
- * are skipped with one compare. */
-#define SPARSE_LOOP(T)                                                                          \
-    static u64 sparse_##T(const u8 *a, const u8 *b, u64 n, int add, u8 **gaps, u8 **vals,      \
-                          u64 cap) {                                                           \
-        const u64 per = 32 / sizeof(T);                                                        \
-        u64 k = 0, prev = (u64)-1;                                                             \
-        for (u64 i = 0; i < n;) {                                                              \
-            if (i + per <= n && !block_differs(a + i * sizeof(T), b + i * sizeof(T))) {         \
-                i += per;                                                                      \
-                continue;                                                                      \
-            }                                                                                  \
-            u64 end = i + per <= n ? i + per : n;                                              \
-            for (; i < end; i++) {                                                             \
-                T x, y;                                                                        \
-                memcpy(&x, a + i * sizeof(T), sizeof(T));                                      \
-                memcpy(&y, b + i * sizeof(T), sizeof(T));                                      \
-                if (x == y) continue;                                                          \
-                if (k == cap) return cap + 1;                                                        \
-                u64 gap = i - prev - 1, v = delta_value(x, y, sizeof(T), add);                 \
-                prev = i;                                                                      \
-                gaps[0][k] = (u8)gap;                                                          \
-                gaps[1][k] = (u8)(gap >> 8);                                                   \
-                gaps[2][k] = (u8)(gap >> 16);                                                  \
-                gaps[3][k] = (u8)(gap >> 24);                                                  \
-                for (unsigned j = 0; j < sizeof(T); j++) vals[j][k] = (u8)(v >> (8 * j));      \
-                k++;                                                                           \
-            }                                                                                  \
-        }                                                                                      \
-        return k;                                                                              \
-    }
-HOT SPARSE_LOOP(u8)
-HOT SPARSE_LOOP(u16)
-HOT SPARSE_LOOP(u32)
-HOT SPARSE_LOOP(u64)
-
-#ifdef WS_X86
-/* AVX2 for 1- and 2-byte elements (bf16, fp16, fp8: most of a model): compare 32 elements
- * at once into a bit mask of changed elements, then visit only the set bits. */
-#define SPARSE_AVX2(T)                                                                           \
-    __attribute__((target("avx2"))) static u64 sparse_avx2_##T(const u8 *a, const u8 *b, u64 n,  \
-                                                                int add, u8 **gaps, u8 **vals, u64 cap) { \
-        u64 k = 0, prev = (u64)-1, i = 0;                                                        \
-        for (; i + 32 <= n; i += 32) {                                                           \
-            u32 eq;                                                                              \
-            if (sizeof(T) == 1) {                                                                \
-                __m256i x = _mm256_loadu_si256((const __m256i *)(a + i));                        \
-                __m256i y = _mm256_loadu_si256((const __m256i *)(b + i));                        \
-                eq = (u32)_mm256_movemask_epi8(_mm256_cmpeq_epi8(x, y));                         \
-            } else {                                                                             \
-                const u8 *pa = a + 2 * i, *pb = b + 2 * i;                                       \
-                __m256i c0 = _mm256_cmpeq_epi16(_mm256_loadu_si256((const __m256i *)pa),         \
-                                                _mm256_loadu_si256((const __m256i *)pb));        \
-                __m256i c1 = _mm256_cmpeq_epi16(_mm256_loadu_si256((const __m256i *)(pa + 32)),  \
-                                                _mm256_loadu_si256((const __m256i *)(pb + 32))); \
-                /* packs interleaves 128-bit lanes; the permute restores element order */        \
-                __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi16(c0, c1), 0xD8);     \
-                eq = (u32)_mm256_movemask_epi8(packed);                                          \
-            }                                                                                    \
-            u32 changed = ~eq;                                                                   \
-            while (changed) {                                                                    \
-                u64 e = i + (u64)__builtin_ctz(changed);                                         \
-                changed &= changed - 1;                                                          \
-                if (k == cap) return cap + 1;                                                          \
-                T x, y;                                                                          \
-                memcpy(&x, a + e * sizeof(T), sizeof(T));                                        \
-                memcpy(&y, b + e * sizeof(T), sizeof(T));                                        \
-                u64 gap = e - prev - 1, v = delta_value(x, y, sizeof(T), add);                   \
-                prev = e;                                                                        \
-                gaps[0][k] = (u8)gap;                                                            \
-                gaps[1][k] = (u8)(gap >> 8);                                                     \
-                gaps[2][k] = (u8)(gap >> 16);                                                    \
-                gaps[3][k] = (u8)(gap >> 24);                                                    \
-                vals[0][k] = (u8)v;                                                              \
-                if (sizeof(T) == 2) vals[1][k] = (u8)(v >> 8);                                   \
-                k++;                                                                             \
-            }                                                                                    \
-        }                                                                                        \
-        for (; i < n; i++) {                                                                     \
-            T x, y;                                                                              \
-            memcpy(&x, a + i * sizeof(T), sizeof(T));                                            \
-            memcpy(&y, b + i * sizeof(T), sizeof(T));                                            \
-            if (x == y) continue;                                                                \
-            if (k == cap) return cap + 1;                                                              \
-            u64 gap = i - prev - 1, v = delta_value(x, y, sizeof(T), add);                       \
-            prev = i;                                                                            \
-            gaps[0][k] = (u8)gap;                                                                \
-            gaps[1][k] = (u8)(gap >> 8);                                                         \
-            gaps[2][k] = (u8)(gap >> 16);                                                        \
-            gaps[3][k] = (u8)(gap >> 24);                                                        \
-            vals[0][k] = (u8)v;                                                                  \
-            if (sizeof(T) == 2) vals[1][k] = (u8)(v >> 8);                                       \
-            k++;                                                                                 \
-        }                                                                                        \
-        return k;                                                                                \
-    }
-SPARSE_AVX2(u8)
-SPARSE_AVX2(u16)
-#endif
-
-static u64 sparse_loop(const u8 *a, const u8 *b, u64 nbytes, int w, int add, u8 **gaps, u8 **vals, u64 cap) {
-#ifdef WS_X86
-    if (has_avx2 && w == 1) return sparse_avx2_u8(a, b, nbytes, add, gaps, vals, cap);
-    if (has_avx2 && w == 2) return sparse_avx2_u16(a, b, nbytes / 2, add, gaps, vals, cap);
-#endif
-    switch (w) {
-    case 1: return sparse_u8(a, b, nbytes, add, gaps, vals, cap);
-    case 2: return sparse_u16(a, b, nbytes / 2, add, gaps, vals, cap);
-    case 4: return sparse_u32(a, b, nbytes / 4, add, gaps, vals, cap);
-    default: return sparse_u64(a, b, nbytes / 8, add, gaps, vals, cap);
-    }
-}
-
+/* encode_sparse(base, new, width, add, cap, gap_planes, value_planes) -> changes written, or
+ * cap + 1 as soon as there are more than `cap` (the caller then codes the frame dense). */
 static PyObject *encode_sparse(PyObject *self, PyObject *args) {
     PyObject *ob, *on, *og, *ov;
     int w, add;
@@ -320,57 +257,104 @@ static PyObject *encode_sparse(PyObject *self, PyObject *args) {
         return NULL;
     Held h = {.n = 0};
     Py_ssize_t lb, ln;
-    u8 *gaps[4], *vals[8];
+    Coder c = {.cap = cap, .k = 0, .prev = (u64)-1};
     u8 *a = hold(&h, ob, 0, &lb), *b = a ? hold(&h, on, 0, &ln) : NULL;
     if (b == NULL) goto fail;
     if (lb != ln || ln % w || (u64)ln / w > 0xFFFFFFFFull) {
         PyErr_SetString(PyExc_ValueError, "base and new must be the same whole number (< 2^32) of elements");
         goto fail;
     }
-    if (hold_planes(&h, og, 4, (Py_ssize_t)cap, 1, gaps) < 0 || hold_planes(&h, ov, w, (Py_ssize_t)cap, 1, vals) < 0)
+    if (hold_planes(&h, og, 4, (Py_ssize_t)cap, 1, c.gaps) < 0 || hold_planes(&h, ov, w, (Py_ssize_t)cap, 1, c.vals) < 0)
         goto fail;
-    u64 k;
+    int full;
     Py_BEGIN_ALLOW_THREADS
-    k = sparse_loop(a, b, (u64)ln, w, add, gaps, vals, cap);
+    full = scan(a, b, (u64)ln / w, w, 0, add, &c) < 0;
     Py_END_ALLOW_THREADS
     release_all(&h);
-    return PyLong_FromUnsignedLongLong(k);
+    return PyLong_FromUnsignedLongLong(full ? cap + 1 : c.k);
 fail:
     release_all(&h);
     return NULL;
 }
 
-/* Dense values (FORMAT §4.2 PLANES/STORED): byte j of element i's delta value -> planes[j][i]. */
-HOT static void dense_loop(const u8 *a, const u8 *b, u64 n, int w, int add, u8 **planes) {
-    switch (w) {
-    case 1:
-        if (add) for (u64 i = 0; i < n; i++) planes[0][i] = (u8)zigzag((u64)b[i] - a[i], 1);
-        else for (u64 i = 0; i < n; i++) planes[0][i] = a[i] ^ b[i];
-        break;
-    case 2: {
-        u8 *p0 = planes[0], *p1 = planes[1];
-        for (u64 i = 0; i < n; i++) {
-            u16 x, y;
-            memcpy(&x, a + 2 * i, 2);
-            memcpy(&y, b + 2 * i, 2);
-            u16 v;
-            if (add) {
-                u16 d = (u16)(y - x);
-                v = (u16)((u16)(d << 1) ^ (u16)(0 - (d >> 15)));
-            } else {
-                v = x ^ y;
-            }
-            p0[i] = (u8)v;
-            p1[i] = (u8)(v >> 8);
-        }
-        break;
-    }
-    default:
-        for (u64 i = 0; i < n; i++) {
-            u64 v = delta_value(load(a + i * w, w), load(b + i * w, w), w, add);
-            for (int j = 0; j < w; j++) planes[j][i] = (u8)(v >> (8 * j));
+/* A frame's base and new pieces: as many of each, pairwise of the same length. */
+static int hold_pairs(Pieces *bases, Pieces *news, PyObject *obs, PyObject *ons, PyObject *ost, int w) {
+    if (hold_pieces(bases, obs, ost, 0, w) < 0 || hold_pieces(news, ons, ost, 0, w) < 0) return -1;
+    for (Py_ssize_t i = 0; i <= news->n; i++) {
+        if (bases->n != news->n || (i < news->n && bases->views[i].len != news->views[i].len)) {
+            PyErr_SetString(PyExc_ValueError, "one base piece of the same length per new piece");
+            return -1;
         }
     }
+    return 0;
+}
+
+/* Code the pieces as their concatenation and take their checksums in the same pass, block
+ * by block. Returns -1 when there are more than c->cap changes (sums are then partial). */
+static int code_pieces(const Pieces *bases, const Pieces *news, int w, int add, int want, u64 constant, Coder *c,
+                       PieceSums *sums) {
+    const int L = w == 1 ? 1 : w / 2;
+    const u64 per = SUM_BLOCK / w;
+    u64 e0 = 0;
+    for (Py_ssize_t i = 0; i < news->n; i++) {
+        const u8 *a = piece(bases, i), *b = piece(news, i);
+        const u64 n = piece_elements(news, i, w), start = news->starts[i];
+        for (u64 off = 0; off < n; off += per) {
+            u64 m = n - off < per ? n - off : per;
+            if (want & SUM_BEFORE) sum_range(a + off * w, m, w, start + off, sums[i].before);
+            if (want & SUM_AFTER) sum_range(b + off * w, m, w, start + off, sums[i].after);
+            if (scan(a + off * w, b + off * w, m, w, e0 + off, add, c) < 0) return -1;
+        }
+        sum_constant(start, n, constant, L, sums[i].before);
+        sum_constant(start, n, constant, L, sums[i].after);
+        e0 += n;
+    }
+    return 0;
+}
+
+/* encode_sparse_sums(bases, news, starts, width, add, cap, gap_planes, value_planes, constant,
+ * want) -> (changes, sums): `encode_sparse` of the concatenated pieces plus, per piece, the
+ * checksum (FORMAT §10, first element at its start) of the base and/or new bytes as `want`
+ * selects; (cap + 1, None) when there are more than `cap` changes. */
+static PyObject *encode_sparse_sums(PyObject *self, PyObject *args) {
+    PyObject *obs, *ons, *ost, *og, *ov;
+    int w, add, want;
+    unsigned long long cap, constant;
+    if (!PyArg_ParseTuple(args, "OOOipKOOKi", &obs, &ons, &ost, &w, &add, &cap, &og, &ov, &constant, &want) ||
+        check_width(w) < 0 || parse_want(want) < 0)
+        return NULL;
+    Held h = {.n = 0};
+    Pieces bases = {0}, news = {0};
+    PieceSums *sums = NULL;
+    Coder c = {.cap = cap, .k = 0, .prev = (u64)-1};
+    PyObject *out = NULL;
+    if (hold_pairs(&bases, &news, obs, ons, ost, w) < 0) goto done;
+    if (news.elements > 0xFFFFFFFFull) {
+        PyErr_SetString(PyExc_ValueError, "a sparse frame holds fewer than 2^32 elements");
+        goto done;
+    }
+    if (hold_planes(&h, og, 4, (Py_ssize_t)cap, 1, c.gaps) < 0 || hold_planes(&h, ov, w, (Py_ssize_t)cap, 1, c.vals) < 0)
+        goto done;
+    if ((sums = PyMem_Calloc(news.n ? (size_t)news.n : 1, sizeof(PieceSums))) == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int full;
+    Py_BEGIN_ALLOW_THREADS
+    full = code_pieces(&bases, &news, w, add, want, constant, &c, sums) < 0;
+    Py_END_ALLOW_THREADS
+    if (full) {
+        out = Py_BuildValue("(KO)", cap + 1, Py_None);
+    } else {
+        PyObject *list = sums_list(sums, news.n, w == 1 ? 1 : w / 2, want);
+        out = list ? Py_BuildValue("(KN)", (unsigned long long)c.k, list) : NULL;
+    }
+done:
+    PyMem_Free(sums);
+    release_pieces(&bases);
+    release_pieces(&news);
+    release_all(&h);
+    return out;
 }
 
 static PyObject *encode_dense(PyObject *self, PyObject *args) {
@@ -397,18 +381,60 @@ fail:
     return NULL;
 }
 
-/* Byte planes of raw elements (keyframes, FORMAT §4.4): planes[j][i] = byte j of element i. */
-HOT static void split_loop(const u8 *src, u64 n, int w, u8 **planes) {
-    if (w == 2) {
-        u8 *p0 = planes[0], *p1 = planes[1];
-        for (u64 i = 0; i < n; i++) {
-            p0[i] = src[2 * i];
-            p1[i] = src[2 * i + 1];
+/* Dense values of the pieces (their concatenation) with their checksums, block by block. */
+static void code_dense_pieces(const Pieces *bases, const Pieces *news, int w, int add, int want, u64 constant,
+                              u8 *const *planes, PieceSums *sums) {
+    const int L = w == 1 ? 1 : w / 2;
+    const u64 per = SUM_BLOCK / w;
+    u64 e0 = 0;
+    for (Py_ssize_t i = 0; i < news->n; i++) {
+        const u8 *a = piece(bases, i), *b = piece(news, i);
+        const u64 n = piece_elements(news, i, w), start = news->starts[i];
+        for (u64 off = 0; off < n; off += per) {
+            const u64 m = n - off < per ? n - off : per;
+            u8 *at[8];
+            for (int j = 0; j < w; j++) at[j] = planes[j] + e0 + off;
+            if (want & SUM_BEFORE) sum_range(a + off * w, m, w, start + off, sums[i].before);
+            if (want & SUM_AFTER) sum_range(b + off * w, m, w, start + off, sums[i].after);
+            dense_loop(a + off * w, b + off * w, m, w, add, at);
         }
-        return;
+        sum_constant(start, n, constant, L, sums[i].before);
+        sum_constant(start, n, constant, L, sums[i].after);
+        e0 += n;
     }
-    for (u64 i = 0; i < n; i++)
-        for (int j = 0; j < w; j++) planes[j][i] = src[i * w + j];
+}
+
+/* encode_dense_sums(bases, news, starts, width, add, value_planes, constant, want) -> per
+ * piece (before lanes or None, after lanes or None): `encode_dense` of the concatenated
+ * pieces (planes of their total length) with the pieces' checksums, in one pass. */
+static PyObject *encode_dense_sums(PyObject *self, PyObject *args) {
+    PyObject *obs, *ons, *ost, *op;
+    int w, add, want;
+    unsigned long long constant;
+    if (!PyArg_ParseTuple(args, "OOOipOKi", &obs, &ons, &ost, &w, &add, &op, &constant, &want) ||
+        check_width(w) < 0 || parse_want(want) < 0)
+        return NULL;
+    Held h = {.n = 0};
+    Pieces bases = {0}, news = {0};
+    PieceSums *sums = NULL;
+    u8 *planes[8];
+    PyObject *out = NULL;
+    if (hold_pairs(&bases, &news, obs, ons, ost, w) < 0) goto done;
+    if (hold_planes(&h, op, w, (Py_ssize_t)news.elements, 1, planes) < 0) goto done;
+    if ((sums = PyMem_Calloc(news.n ? (size_t)news.n : 1, sizeof(PieceSums))) == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    code_dense_pieces(&bases, &news, w, add, want, constant, planes, sums);
+    Py_END_ALLOW_THREADS
+    out = sums_list(sums, news.n, w == 1 ? 1 : w / 2, want);
+done:
+    PyMem_Free(sums);
+    release_pieces(&bases);
+    release_pieces(&news);
+    release_all(&h);
+    return out;
 }
 
 static PyObject *split_planes(PyObject *self, PyObject *args) {
@@ -436,61 +462,6 @@ fail:
 }
 
 /* ---- decode / apply ------------------------------------------------------------------ */
-
-enum { OP_SET = 0, OP_XOR = 1, OP_ADD = 2, OP_SUB = 3 };
-
-static inline u64 joined(u8 *const *planes, int w, u64 i) {
-    u64 v = 0;
-    for (int j = 0; j < w; j++) v |= (u64)planes[j][i] << (8 * j);
-    return v;
-}
-
-static inline u64 combine(u64 cur, u64 v, int w, int op) {
-    switch (op) {
-    case OP_SET: return v;
-    case OP_XOR: return cur ^ v;
-    case OP_ADD: return (cur + unzigzag(v, w)) & mask_of(w);
-    default: return (cur - unzigzag(v, w)) & mask_of(w);
-    }
-}
-
-/* Dense: target[i] = target[i] op join(planes)[i] for every element (op SET: keyframe planes).
- * One loop per width and operation, no branch inside, restrict pointers: these vectorise. */
-#define DENSE_APPLY(T, NAME, EXPR)                                                             \
-    HOT static void NAME(u8 *restrict t, u64 n, u8 *const *planes) {                          \
-        const u8 *restrict p0 = planes[0];                                                      \
-        const u8 *restrict p1 = sizeof(T) > 1 ? planes[1] : planes[0];                          \
-        for (u64 i = 0; i < n; i++) {                                                           \
-            T v = sizeof(T) > 1 ? (T)(p0[i] | (T)(p1[i] << 8)) : (T)p0[i], cur;                 \
-            memcpy(&cur, t + i * sizeof(T), sizeof(T));                                         \
-            T d = (T)((T)(v >> 1) ^ (T)(0 - (T)(v & 1)));                                       \
-            (void)d;                                                                            \
-            cur = (T)(EXPR);                                                                    \
-            memcpy(t + i * sizeof(T), &cur, sizeof(T));                                         \
-        }                                                                                       \
-    }
-DENSE_APPLY(u8, dense_set_u8, v)
-DENSE_APPLY(u8, dense_xor_u8, cur ^ v)
-DENSE_APPLY(u8, dense_add_u8, cur + d)
-DENSE_APPLY(u8, dense_sub_u8, cur - d)
-DENSE_APPLY(u16, dense_set_u16, v)
-DENSE_APPLY(u16, dense_xor_u16, cur ^ v)
-DENSE_APPLY(u16, dense_add_u16, cur + d)
-DENSE_APPLY(u16, dense_sub_u16, cur - d)
-
-typedef void (*dense_apply_fn)(u8 *, u64, u8 *const *);
-static const dense_apply_fn DENSE_APPLY_FNS[2][4] = {
-    {dense_set_u8, dense_xor_u8, dense_add_u8, dense_sub_u8},
-    {dense_set_u16, dense_xor_u16, dense_add_u16, dense_sub_u16},
-};
-
-static void dense_apply_loop(u8 *t, u64 n, int w, int op, u8 *const *planes) {
-    if (w <= 2) {
-        DENSE_APPLY_FNS[w - 1][op](t, n, planes);
-        return;
-    }
-    for (u64 i = 0; i < n; i++) store(t + i * w, w, combine(load(t + i * w, w), joined(planes, w, i), w, op));
-}
 
 static int parse_op(int op) {
     if (op >= OP_SET && op <= OP_SUB) return 0;
@@ -523,55 +494,8 @@ fail:
     return NULL;
 }
 
-/* Position of the last change (sum of gaps + count - 1), or UINT64_MAX when count is 0. */
-HOT static u64 last_position(u8 *const *gaps, u64 count) {
-    u64 total = 0;
-    for (u64 k = 0; k < count; k++)
-        total += (u64)gaps[0][k] | ((u64)gaps[1][k] << 8) | ((u64)gaps[2][k] << 16) | ((u64)gaps[3][k] << 24);
-    return count ? total + count - 1 : UINT64_MAX;
-}
-
-/* Per width and operation, so the loop body has no branch but the data's. */
-#define SPARSE_APPLY(T, NAME, EXPR)                                                                     \
-    static void NAME(u8 *t, u8 *const *gaps, u8 *const *vals, u64 count) {                              \
-        u64 pos = (u64)-1;                                                                               \
-        const u8 *g0 = gaps[0], *g1 = gaps[1], *g2 = gaps[2], *g3 = gaps[3];                             \
-        for (u64 k = 0; k < count; k++) {                                                                \
-            pos += 1 + ((u64)g0[k] | ((u64)g1[k] << 8) | ((u64)g2[k] << 16) | ((u64)g3[k] << 24));       \
-            T v = 0, cur;                                                                                \
-            for (unsigned j = 0; j < sizeof(T); j++) v |= (T)((T)vals[j][k] << (8 * j));                 \
-            memcpy(&cur, t + pos * sizeof(T), sizeof(T));                                                \
-            T d = (T)((T)(v >> 1) ^ (T)(0 - (T)(v & 1)));                                                \
-            (void)d;                                                                                     \
-            cur = (T)(EXPR);                                                                             \
-            memcpy(t + pos * sizeof(T), &cur, sizeof(T));                                                \
-        }                                                                                                \
-    }
-#define SPARSE_APPLY_ALL(T)                                \
-    SPARSE_APPLY(T, sparse_set_##T, v)                     \
-    SPARSE_APPLY(T, sparse_xor_##T, cur ^ v)               \
-    SPARSE_APPLY(T, sparse_add_##T, cur + d)               \
-    SPARSE_APPLY(T, sparse_sub_##T, cur - d)
-SPARSE_APPLY_ALL(u8)
-SPARSE_APPLY_ALL(u16)
-SPARSE_APPLY_ALL(u32)
-SPARSE_APPLY_ALL(u64)
-
-typedef void (*sparse_apply_fn)(u8 *, u8 *const *, u8 *const *, u64);
-static const sparse_apply_fn SPARSE_APPLY_FNS[4][4] = {
-    {sparse_set_u8, sparse_xor_u8, sparse_add_u8, sparse_sub_u8},
-    {sparse_set_u16, sparse_xor_u16, sparse_add_u16, sparse_sub_u16},
-    {sparse_set_u32, sparse_xor_u32, sparse_add_u32, sparse_sub_u32},
-    {sparse_set_u64, sparse_xor_u64, sparse_add_u64, sparse_sub_u64},
-};
-
-static void sparse_apply_loop(u8 *t, int w, int op, u8 *const *gaps, u8 *const *vals, u64 count) {
-    int wi = w == 1 ? 0 : w == 2 ? 1 : w == 4 ? 2 : 3;
-    SPARSE_APPLY_FNS[wi][op](t, gaps, vals, count);
-}
-
-/* Sparse (FORMAT §4.2): apply `count` changes given as gap planes and value planes. Returns
- * False, without writing, when a position would fall outside the target. */
+/* apply_sparse(target, width, op, count, gap_planes, value_planes) -> False, without
+ * writing, when a position would fall outside the target (FORMAT §4.2). */
 static PyObject *apply_sparse(PyObject *self, PyObject *args) {
     PyObject *ot, *og, *ov;
     int w, opc;
@@ -581,21 +505,24 @@ static PyObject *apply_sparse(PyObject *self, PyObject *args) {
         return NULL;
     Held h = {.n = 0};
     Py_ssize_t lt;
-    u8 *gaps[4], *vals[8];
+    Changes s;
     u8 *t = hold(&h, ot, 1, &lt);
     if (t == NULL) goto fail;
     if (lt % w) {
         PyErr_SetString(PyExc_ValueError, "target is not a whole number of elements");
         goto fail;
     }
-    if (hold_planes(&h, og, 4, (Py_ssize_t)count, 0, gaps) < 0 ||
-        hold_planes(&h, ov, w, (Py_ssize_t)count, 0, vals) < 0)
+    if (hold_planes(&h, og, 4, (Py_ssize_t)count, 0, s.gaps) < 0 ||
+        hold_planes(&h, ov, w, (Py_ssize_t)count, 0, s.vals) < 0)
         goto fail;
     int ok;
     Py_BEGIN_ALLOW_THREADS
-    u64 last = last_position(gaps, count);
+    u64 last = last_position(s.gaps, count);
     ok = count == 0 || last < (u64)lt / w;
-    if (ok) sparse_apply_loop(t, w, opc, gaps, vals, count);
+    if (ok) {
+        changes_start(&s, count);
+        sparse_run_for(w, opc)(t, 0, UINT64_MAX, &s);
+    }
     Py_END_ALLOW_THREADS
     release_all(&h);
     return PyBool_FromLong(ok);
@@ -604,15 +531,134 @@ fail:
     return NULL;
 }
 
-/* Positions (int64) of `count` changes from their gap planes; returns the last position + 1
- * (0 when count is 0) so the caller checks the bound. */
-HOT static u64 positions_loop(u8 *const *gaps, u64 count, int64_t *out) {
-    u64 pos = (u64)-1;
-    for (u64 k = 0; k < count; k++) {
-        pos += 1 + ((u64)gaps[0][k] | ((u64)gaps[1][k] << 8) | ((u64)gaps[2][k] << 16) | ((u64)gaps[3][k] << 24));
-        out[k] = (int64_t)pos;
+/* Apply gap-coded changes across the targets (consecutive pieces of one frame), taking each
+ * target's checksum before and/or after in the same pass, block by block: a block is summed
+ * as it comes from memory, its changes applied while it is in L1, and summed again. A block
+ * without a change needs no second sum. */
+static void apply_sparse_pieces(const Pieces *targets, int w, int op, int want, u64 constant, Changes *s,
+                                PieceSums *sums) {
+    const int L = w == 1 ? 1 : w / 2;
+    const u64 per = SUM_BLOCK / w;
+    const sparse_run_fn run = sparse_run_for(w, op);
+    u64 e0 = 0;
+    for (Py_ssize_t i = 0; i < targets->n; i++) {
+        u8 *t = piece(targets, i);
+        const u64 n = piece_elements(targets, i, w), start = targets->starts[i];
+        if (!want) {
+            run(t, e0, e0 + n, s);
+            e0 += n;
+            continue;
+        }
+        for (u64 off = 0; off < n; off += per) {
+            const u64 m = n - off < per ? n - off : per;
+            const int changes = s->k < s->count && s->pos < e0 + off + m;
+            u64 block[4] = {0, 0, 0, 0};
+            if ((want & SUM_BEFORE) || !changes) sum_range(t + off * w, m, w, start + off, block);
+            for (int j = 0; j < L; j++) sums[i].before[j] += block[j];
+            if (changes) run(t, e0, e0 + off + m, s);
+            if (!(want & SUM_AFTER)) continue;
+            if (changes) sum_range(t + off * w, m, w, start + off, sums[i].after);
+            else for (int j = 0; j < L; j++) sums[i].after[j] += block[j];
+        }
+        sum_constant(start, n, constant, L, sums[i].before);
+        sum_constant(start, n, constant, L, sums[i].after);
+        e0 += n;
     }
-    return pos + 1;
+}
+
+/* apply_sparse_sums(targets, starts, width, op, count, gap_planes, value_planes, constant,
+ * want) -> per target (before lanes or None, after lanes or None), or None, without writing,
+ * when a position falls past the targets' end. The changes' positions run across the
+ * targets as if they were concatenated (a grouped frame applies straight into each tensor). */
+static PyObject *apply_sparse_sums(PyObject *self, PyObject *args) {
+    PyObject *ots, *ost, *og, *ov;
+    int w, opc, want;
+    unsigned long long count, constant;
+    if (!PyArg_ParseTuple(args, "OOiiKOOKi", &ots, &ost, &w, &opc, &count, &og, &ov, &constant, &want) ||
+        check_width(w) < 0 || parse_op(opc) < 0 || parse_want(want) < 0)
+        return NULL;
+    Held h = {.n = 0};
+    Pieces targets = {0};
+    PieceSums *sums = NULL;
+    Changes s;
+    PyObject *out = NULL;
+    if (hold_pieces(&targets, ots, ost, 1, w) < 0) goto done;
+    if (hold_planes(&h, og, 4, (Py_ssize_t)count, 0, s.gaps) < 0 ||
+        hold_planes(&h, ov, w, (Py_ssize_t)count, 0, s.vals) < 0)
+        goto done;
+    if ((sums = PyMem_Calloc(targets.n ? (size_t)targets.n : 1, sizeof(PieceSums))) == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int ok;
+    Py_BEGIN_ALLOW_THREADS
+    ok = count == 0 || last_position(s.gaps, count) < targets.elements;
+    if (ok) {
+        changes_start(&s, count);
+        apply_sparse_pieces(&targets, w, opc, want, constant, &s, sums);
+    }
+    Py_END_ALLOW_THREADS
+    out = ok ? sums_list(sums, targets.n, w == 1 ? 1 : w / 2, want) : Py_NewRef(Py_None);
+done:
+    PyMem_Free(sums);
+    release_pieces(&targets);
+    release_all(&h);
+    return out;
+}
+
+/* Dense apply across the targets with their checksums, block by block (see apply_sparse_pieces). */
+static void apply_dense_pieces(const Pieces *targets, int w, int op, int want, u64 constant, u8 *const *planes,
+                               PieceSums *sums) {
+    const int L = w == 1 ? 1 : w / 2;
+    const u64 per = SUM_BLOCK / w;
+    u64 e0 = 0;
+    for (Py_ssize_t i = 0; i < targets->n; i++) {
+        u8 *t = piece(targets, i);
+        const u64 n = piece_elements(targets, i, w), start = targets->starts[i];
+        for (u64 off = 0; off < n; off += per) {
+            const u64 m = n - off < per ? n - off : per;
+            u8 *at[8];
+            for (int j = 0; j < w; j++) at[j] = planes[j] + e0 + off;
+            if (want & SUM_BEFORE) sum_range(t + off * w, m, w, start + off, sums[i].before);
+            dense_apply_loop(t + off * w, m, w, op, at);
+            if (want & SUM_AFTER) sum_range(t + off * w, m, w, start + off, sums[i].after);
+        }
+        sum_constant(start, n, constant, L, sums[i].before);
+        sum_constant(start, n, constant, L, sums[i].after);
+        e0 += n;
+    }
+}
+
+/* apply_dense_sums(targets, starts, width, op, value_planes, constant, want) -> per target
+ * (before lanes or None, after lanes or None); the planes hold one value per element of the
+ * concatenated targets. */
+static PyObject *apply_dense_sums(PyObject *self, PyObject *args) {
+    PyObject *ots, *ost, *op;
+    int w, opc, want;
+    unsigned long long constant;
+    if (!PyArg_ParseTuple(args, "OOiiOKi", &ots, &ost, &w, &opc, &op, &constant, &want) || check_width(w) < 0 ||
+        parse_op(opc) < 0 || parse_want(want) < 0)
+        return NULL;
+    Held h = {.n = 0};
+    Pieces targets = {0};
+    PieceSums *sums = NULL;
+    u8 *planes[8];
+    PyObject *out = NULL;
+    if (hold_pieces(&targets, ots, ost, 1, w) < 0) goto done;
+    if (hold_planes(&h, op, w, (Py_ssize_t)targets.elements, 0, planes) < 0) goto done;
+    if ((sums = PyMem_Calloc(targets.n ? (size_t)targets.n : 1, sizeof(PieceSums))) == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    apply_dense_pieces(&targets, w, opc, want, constant, planes, sums);
+    Py_END_ALLOW_THREADS
+    out = sums_list(sums, targets.n, w == 1 ? 1 : w / 2, want);
+done:
+    PyMem_Free(sums);
+    release_pieces(&targets);
+    release_all(&h);
+    return out;
 }
 
 static PyObject *gap_positions(PyObject *self, PyObject *args) {
@@ -638,27 +684,6 @@ static PyObject *gap_positions(PyObject *self, PyObject *args) {
 fail:
     release_all(&h);
     return NULL;
-}
-
-/* Where a run of gap-coded changes crosses the ascending element `bounds` of consecutive
- * pieces: cuts[i] = index of the first change at or after bounds[i], firsts[i] = its
- * position (-1 if none). Returns the last position + 1 (0 when count is 0). */
-HOT static u64 cuts_loop(u8 *const *gaps, u64 count, const int64_t *bounds, u64 nb, int64_t *cuts,
-                         int64_t *firsts) {
-    u64 pos = (u64)-1, bi = 0;
-    for (u64 k = 0; k < count; k++) {
-        pos += 1 + ((u64)gaps[0][k] | ((u64)gaps[1][k] << 8) | ((u64)gaps[2][k] << 16) | ((u64)gaps[3][k] << 24));
-        while (bi < nb && (u64)bounds[bi] <= pos) {
-            cuts[bi] = (int64_t)k;
-            firsts[bi] = (int64_t)pos;
-            bi++;
-        }
-    }
-    for (; bi < nb; bi++) {
-        cuts[bi] = (int64_t)count;
-        firsts[bi] = -1;
-    }
-    return pos + 1;
 }
 
 static PyObject *gap_cuts(PyObject *self, PyObject *args) {
@@ -692,20 +717,6 @@ fail:
     return NULL;
 }
 
-/* Join byte planes into elements (values of a decoded frame). */
-HOT static void join_loop(u8 *const *planes, u64 n, int w, u8 *out) {
-    if (w == 2) {
-        const u8 *p0 = planes[0], *p1 = planes[1];
-        for (u64 i = 0; i < n; i++) {
-            out[2 * i] = p0[i];
-            out[2 * i + 1] = p1[i];
-        }
-        return;
-    }
-    for (u64 i = 0; i < n; i++)
-        for (int j = 0; j < w; j++) out[i * w + j] = planes[j][i];
-}
-
 static PyObject *join_planes(PyObject *self, PyObject *args) {
     PyObject *op, *oo;
     int w;
@@ -732,109 +743,16 @@ fail:
 
 /* ---- the tensor checksum (FORMAT §10) ------------------------------------------------ */
 
-/* Words are bytes (1-byte elements) or little-endian u16 (wider elements); an element of
- * width w holds L = max(1, w/2) words and word h of every element feeds lane h:
- *     lane[h] = sum over elements i of (word(i, h) + C) * (2 * (start + i) + 1)  mod 2^64.
- * Blocks of ROWS rows of VEC words: accumulator j sees word j of every row. Without any
- * multiplication in the inner loop: s[j] sums the words and t[j] sums the running s[j], so
- * after the block t[j] = sum_r u(r, j) * (ROWS - r), hence sum_r u(r, j) * r = ROWS*s[j] - t[j].
- * Word (r, j) belongs to element r*VEC/L + j/L of the block and lane j % L. 32-bit
- * accumulators cannot overflow: t <= ROWS^2 * 2^16 = 2^30. */
-#define VEC 16
-#define ROWS 128
-#define BLOCK (VEC * ROWS)
-
-/* GCC vector extensions: eight u32 per vector (one AVX2 register, two SSE ones). */
-typedef u32 v8u32 __attribute__((vector_size(32)));
-typedef u16 v8u16 __attribute__((vector_size(16)));
-
-#define CHECKSUM_BLOCK(T, V)                                                                  \
-    static void checksum_block_##T(const u8 *p, u32 *restrict s_out, u32 *restrict t_out) {  \
-        v8u32 s0 = {0}, s1 = {0}, t0 = {0}, t1 = {0};                                         \
-        for (int r = 0; r < ROWS; r++) {                                                      \
-            V lo, hi;                                                                         \
-            memcpy(&lo, p + (size_t)r * VEC * sizeof(T), sizeof(V));                          \
-            memcpy(&hi, p + (size_t)r * VEC * sizeof(T) + sizeof(V), sizeof(V));              \
-            s0 += __builtin_convertvector(lo, v8u32);                                         \
-            s1 += __builtin_convertvector(hi, v8u32);                                         \
-            t0 += s0;                                                                         \
-            t1 += s1;                                                                         \
-        }                                                                                     \
-        memcpy(s_out, &s0, 32);                                                               \
-        memcpy(s_out + 8, &s1, 32);                                                           \
-        memcpy(t_out, &t0, 32);                                                               \
-        memcpy(t_out + 8, &t1, 32);                                                           \
-    }
-typedef u8 v16u8 __attribute__((vector_size(16)));
-HOT static void checksum_block_u8(const u8 *p, u32 *restrict s_out, u32 *restrict t_out) {
-    v8u32 s0 = {0}, s1 = {0}, t0 = {0}, t1 = {0};
-    for (int r = 0; r < ROWS; r++) {
-        v16u8 x;
-        memcpy(&x, p + (size_t)r * VEC, sizeof(x));
-        s0 += __builtin_convertvector(__builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7), v8u32);
-        s1 += __builtin_convertvector(__builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15), v8u32);
-        t0 += s0;
-        t1 += s1;
-    }
-    memcpy(s_out, &s0, 32);
-    memcpy(s_out + 8, &s1, 32);
-    memcpy(t_out, &t0, 32);
-    memcpy(t_out + 8, &t1, 32);
-}
-HOT CHECKSUM_BLOCK(u16, v8u16)
-
-#ifdef WS_X86
-/* GCC widens bytes to u32 lanes poorly from vector extensions; AVX2 does it in one instruction. */
-__attribute__((target("avx2"))) static void checksum_block_u8_avx2(const u8 *p, u32 *restrict s_out,
-                                                                    u32 *restrict t_out) {
-    __m256i s0 = _mm256_setzero_si256(), s1 = s0, t0 = s0, t1 = s0;
-    for (int r = 0; r < ROWS; r++) {
-        __m128i x = _mm_loadu_si128((const __m128i *)(p + (size_t)r * VEC));
-        s0 = _mm256_add_epi32(s0, _mm256_cvtepu8_epi32(x));
-        s1 = _mm256_add_epi32(s1, _mm256_cvtepu8_epi32(_mm_srli_si128(x, 8)));
-        t0 = _mm256_add_epi32(t0, s0);
-        t1 = _mm256_add_epi32(t1, s1);
-    }
-    _mm256_storeu_si256((__m256i *)s_out, s0);
-    _mm256_storeu_si256((__m256i *)(s_out + 8), s1);
-    _mm256_storeu_si256((__m256i *)t_out, t0);
-    _mm256_storeu_si256((__m256i *)(t_out + 8), t1);
-}
-#endif
-
-static void checksum_loop(const u8 *data, u64 nwords, int wordbytes, int L, u64 start, u64 *lanes) {
-    u64 m = 0, elem = start;
-    const u64 per_row = VEC / L; /* elements per row */
-    for (; m + BLOCK <= nwords; m += BLOCK, elem += BLOCK / L) {
-        u32 s[VEC] = {0}, t[VEC] = {0};
-#ifdef WS_X86
-        if (wordbytes == 1 && has_avx2) checksum_block_u8_avx2(data + m, s, t);
-        else
-#endif
-        if (wordbytes == 1) checksum_block_u8(data + m, s, t);
-        else checksum_block_u16(data + 2 * m, s, t);
-        for (int j = 0; j < VEC; j++) {
-            /* sum over the block's words of lane j%L: u * (2 * (elem + r*per_row + j/L) + 1) */
-            u64 weighted_rows = (u64)ROWS * s[j] - t[j]; /* sum_r u * r */
-            lanes[j % L] += (u64)s[j] * (2 * (elem + (u64)(j / L)) + 1) + 2 * per_row * weighted_rows;
-        }
-    }
-    for (; m < nwords; m++) {
-        u64 u = wordbytes == 1 ? data[m] : (u64)data[2 * m] | ((u64)data[2 * m + 1] << 8);
-        lanes[m % L] += u * (2 * (start + m / L) + 1);
-    }
-}
-
 typedef struct {
     const u8 *data;
-    u64 nwords, start;
-    int wordbytes, L;
+    u64 n, start;
+    int w;
     u64 lanes[4];
 } Part;
 
 static void *checksum_part(void *arg) {
     Part *p = (Part *)arg;
-    checksum_loop(p->data, p->nwords, p->wordbytes, p->L, p->start, p->lanes);
+    sum_range(p->data, p->n, p->w, p->start, p->lanes);
     return NULL;
 }
 
@@ -855,21 +773,21 @@ static PyObject *checksum(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "data is not a whole number of elements");
         return NULL;
     }
-    int wordbytes = w == 1 ? 1 : 2, L = w == 1 ? 1 : w / 2;
-    u64 nwords = (u64)ld / wordbytes, n = (u64)ld / w;
+    const int L = w == 1 ? 1 : w / 2;
+    const u64 n = (u64)ld / w, per_block = SUM_BLOCK / w;
     u64 lanes[4] = {0, 0, 0, 0};
     if (threads < 1) threads = 1;
     if (threads > 64) threads = 64;
     /* at least 8 MiB per thread: below that a thread costs more than it saves */
-    u64 per = (u64)ld / threads < (8u << 20) ? 0 : nwords / threads / BLOCK * BLOCK;
+    u64 per = (u64)ld / threads < (8u << 20) ? 0 : n / threads / per_block * per_block;
     int used = per ? threads : 1;
     Py_BEGIN_ALLOW_THREADS
     Part parts[64];
     pthread_t ids[64];
     int started[64] = {0};
     for (int i = 0; i < used; i++) {
-        u64 first = per * i, count = i == used - 1 ? nwords - first : per;
-        parts[i] = (Part){data + first * wordbytes, count, start + first / L, wordbytes, L, {0, 0, 0, 0}};
+        u64 first = per * i, count = i == used - 1 ? n - first : per;
+        parts[i] = (Part){data + first * w, count, start + first, w, {0, 0, 0, 0}};
         if (i < used - 1) started[i] = pthread_create(&ids[i], NULL, checksum_part, &parts[i]) == 0;
     }
     for (int i = 0; i < used; i++)
@@ -878,22 +796,10 @@ static PyObject *checksum(PyObject *self, PyObject *args) {
         if (started[i]) pthread_join(ids[i], NULL);
         for (int j = 0; j < L; j++) lanes[j] += parts[i].lanes[j];
     }
-    /* the constant's share: C * sum over i in [start, start+n) of (2i + 1) = C * ((start+n)^2 - start^2) */
-    u64 end = start + n, weights = end * end - start * start;
-    for (int j = 0; j < L; j++) lanes[j] += constant * weights;
+    sum_constant(start, n, constant, L, lanes);
     Py_END_ALLOW_THREADS
     release_all(&h);
-    PyObject *out = PyTuple_New(L);
-    if (out == NULL) return NULL;
-    for (int j = 0; j < L; j++) {
-        PyObject *v = PyLong_FromUnsignedLongLong(lanes[j]);
-        if (v == NULL) {
-            Py_DECREF(out);
-            return NULL;
-        }
-        PyTuple_SetItem(out, j, v);
-    }
-    return out;
+    return lanes_tuple(lanes, L);
 }
 
 /* ---- module -------------------------------------------------------------------------- */
@@ -902,13 +808,23 @@ static PyMethodDef methods[] = {
     {"count_changed", count_changed, METH_VARARGS, "count_changed(base, new, width) -> changed elements"},
     {"encode_sparse", encode_sparse, METH_VARARGS,
      "encode_sparse(base, new, width, add, cap, gap_planes, value_planes) -> changes, cap + 1 if more"},
+    {"encode_sparse_sums", encode_sparse_sums, METH_VARARGS,
+     "encode_sparse_sums(bases, news, starts, width, add, cap, gap_planes, value_planes, constant, want)"
+     " -> (changes, [(base lanes, new lanes)]), (cap + 1, None) if more"},
     {"encode_dense", encode_dense, METH_VARARGS, "encode_dense(base, new, width, add, value_planes)"},
+    {"encode_dense_sums", encode_dense_sums, METH_VARARGS,
+     "encode_dense_sums(bases, news, starts, width, add, value_planes, constant, want) -> [(before, after)]"},
     {"split_planes", split_planes, METH_VARARGS, "split_planes(src, width, planes)"},
     {"join_planes", join_planes, METH_VARARGS, "join_planes(planes, width, out)"},
     {"gap_cuts", gap_cuts, METH_VARARGS, "gap_cuts(count, gap_planes, bounds, cuts_out, firsts_out) -> end"},
     {"apply_dense", apply_dense, METH_VARARGS, "apply_dense(target, width, op, value_planes)"},
+    {"apply_dense_sums", apply_dense_sums, METH_VARARGS,
+     "apply_dense_sums(targets, starts, width, op, value_planes, constant, want) -> [(before, after)]"},
     {"apply_sparse", apply_sparse, METH_VARARGS,
      "apply_sparse(target, width, op, count, gap_planes, value_planes) -> False if out of range"},
+    {"apply_sparse_sums", apply_sparse_sums, METH_VARARGS,
+     "apply_sparse_sums(targets, starts, width, op, count, gap_planes, value_planes, constant, want)"
+     " -> [(before, after)], None if out of range"},
     {"gap_positions", gap_positions, METH_VARARGS, "gap_positions(count, gap_planes, out_int64) -> end"},
     {"checksum", checksum, METH_VARARGS, "checksum(data, width, start, constant, threads) -> lanes"},
     {NULL, NULL, 0, NULL},
@@ -922,10 +838,20 @@ static struct PyModuleDef module = {
     .m_methods = methods,
 };
 
+/* WEIGHTSYNC_KERNELS_PORTABLE=1 selects the portable loops on an AVX2 host, so the tests
+ * run both (the module's AVX2 attribute says which were picked). */
 PyMODINIT_FUNC PyInit__kernels(void) {
+    int avx2 = 0;
 #ifdef WS_X86
     __builtin_cpu_init();
-    has_avx2 = __builtin_cpu_supports("avx2");
+    const char *portable = getenv("WEIGHTSYNC_KERNELS_PORTABLE");
+    has_avx2 = __builtin_cpu_supports("avx2") && !(portable && strcmp(portable, "1") == 0);
+    avx2 = has_avx2;
 #endif
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddIntConstant(m, "AVX2", avx2) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

@@ -21,7 +21,7 @@ the C kernel (:func:`tensor_sum`, GIL released, threads over parts) and
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -149,3 +149,57 @@ def tensor_sum(
     _check_start(start)
     lanes = ext.checksum(arr, width, start, CONSTANT, max(1, threads))
     return TensorSum(width, len(arr) // width, tuple(int(x) for x in lanes))
+
+
+class PieceSums:
+    """The checksums of a frame's pieces, taken as the frame codes them (FORMAT §10.2).
+
+    Piece `i` starts at element ``starts[i]`` of its segment, so a segment cut across
+    frames sums its frames' pieces with no ordering between them. The coder either hands
+    over each piece's sums from its own pass (`take`: the fused kernels) or feeds parts of
+    the pieces in order (`update`), each summed at its own position. Base bytes are summed
+    only where a piece's `base` flag is set (a base checksum already known is not
+    recomputed). Not thread-safe: one frame task fills one instance.
+    """
+
+    def __init__(self, width: int, starts: Sequence[int], base: Sequence[bool]) -> None:
+        lanes_of(width)
+        if len(starts) != len(base):
+            raise InvalidArgument("one base flag per piece")
+        self.width = width
+        self.starts = list(starts)
+        self._wants_base = list(base)
+        self.restart()
+
+    @property
+    def wants_base(self) -> bool:
+        """Whether any piece's base checksum is wanted."""
+        return any(self._wants_base)
+
+    def take(self, sizes: Sequence[int], sums: Sequence[tuple[Sequence[int] | None, Sequence[int] | None]]) -> None:
+        """Set every piece's checksums from (base lanes, new lanes) pairs computed by the coder (pieces of `sizes`
+        bytes); base lanes are kept where wanted."""
+        self.restart()
+        for i, (n, (before, after)) in enumerate(zip(sizes, sums, strict=True)):
+            if after is None:
+                raise InvalidArgument("the coder did not sum a piece's new bytes")
+            self.new[i] = TensorSum(self.width, n // self.width, tuple(after))
+            if self._wants_base[i]:
+                if before is None:
+                    raise InvalidArgument("the coder did not sum a piece's base bytes")
+                self.base[i] = TensorSum(self.width, n // self.width, tuple(before))
+
+    def restart(self) -> None:
+        """Forget what was fed (a coding pass that gave up part way feeds every piece again)."""
+        self._pos = list(self.starts)
+        self.new = [TensorSum.empty(self.width) for _ in self.starts]
+        self.base: list[TensorSum | None] = [TensorSum.empty(self.width) if b else None for b in self._wants_base]
+
+    def update(self, i: int, base: np.ndarray, new: np.ndarray) -> None:
+        """Feed the next bytes of piece `i`: `new` always, `base` when its base checksum is wanted."""
+        start = self._pos[i]
+        self.new[i] = self.new[i] + tensor_sum(new, self.width, start=start)
+        known = self.base[i]
+        if known is not None:
+            self.base[i] = known + tensor_sum(base, self.width, start=start)
+        self._pos[i] = start + len(new) // self.width

@@ -1,9 +1,11 @@
 """The delta container file and offline diff/patch (docs/FORMAT.md §6).
 
 A container holds one manifest and the frames it references, so a delta can be
-shipped as a single file (like bsdiff for checkpoints). ``patch`` writes its
-output under a temporary name and renames it into place only after every
-checksum has passed: on any error nothing appears at OUT.
+shipped as a single file (like bsdiff for checkpoints). The manifest may be of
+either format version (FORMAT §5.2, §5.3): ``diff`` writes what its encoder
+writes (v2 by default), ``patch`` reads both. ``patch`` writes its output under
+a temporary name and renames it into place only after every checksum has
+passed: on any error nothing appears at OUT.
 """
 
 from __future__ import annotations

@@ -1,10 +1,13 @@
 """Frames: the codec's self-describing unit (docs/FORMAT.md §4).
 
 A frame encodes one chunk of raw tensor bytes, either whole (a keyframe frame)
-or as the XOR against the same bytes of a base version (a delta frame). Every
-frame carries the xxh3-128 of the bytes it produces and, for deltas, of the
-base bytes it applies to, so applying to the wrong base or decoding corrupted
-bytes is an error, never silent drift (DESIGN.md invariant 4).
+or as the XOR against the same bytes of a base version (a delta frame). A
+version 1 frame carries the xxh3-128 of the bytes it produces and, for deltas,
+of the base bytes it applies to, so applying to the wrong base or decoding
+corrupted bytes is an error, never silent drift (DESIGN.md invariant 4). A
+version 2 frame leaves those fields zero: it lives under a v2 manifest, whose
+segment checksums (FORMAT §10) cover every byte it decodes, so encoding hashes
+each byte once, for the manifest, and decoding checks segments, not frames.
 
 Functions here are pure and thread-safe; zstd contexts are kept per thread. The
 element loops are `kernels.active()`: C outside the GIL when built, else numpy.
@@ -14,7 +17,7 @@ from __future__ import annotations
 
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,6 +25,7 @@ import xxhash
 import zstandard
 
 from weightsync.codec import kernels
+from weightsync.codec.checksum import PieceSums, TensorSum
 from weightsync.codec.dtypes import DType, by_code
 from weightsync.codec.kernels import OP_ADD, OP_SET, OP_SUB, OP_XOR
 from weightsync.codec.kernels import unzigzag as unzigzag  # re-exported: values.py and benchmarks use them
@@ -40,6 +44,10 @@ from weightsync.errors import (
 
 MAGIC = b"WSFR"
 VERSION = 1
+"""Frame format version 1: the header carries the base and result xxh3-128 (FORMAT §4.1)."""
+VERSION_2 = 2
+"""Frame format version 2: the header's hash fields are zero; the v2 manifest's checksums cover the bytes."""
+VERSIONS = (VERSION, VERSION_2)
 FLAG_DELTA = 0x01
 FLAG_ADD = 0x02  # delta values are zigzag-coded wrapping differences instead of XOR (FORMAT §4.2)
 KNOWN_FLAGS = FLAG_DELTA | FLAG_ADD
@@ -63,8 +71,10 @@ GAP_WIDTH = 4  # gaps are u32: a frame holds at most MAX_FRAME_ELEMENTS elements
 MAX_FRAME_RAW = 1 << 30  # FORMAT §8 cap: 1 GiB of decoded bytes per frame
 MAX_FRAME_ELEMENTS = (1 << 32) - 1
 
-SPARSE_MAX_DENSITY = 0.25
-"""Above this fraction of changed elements, dense XOR planes beat gap coding (FORMAT §4.4)."""
+SPARSE_MAX_DENSITY = 0.5
+"""Above this fraction of changed elements, dense planes beat gap coding (FORMAT §4.4). Measured: bf16
+one-ulp steps cross over at ~50 % (sparse 0.67x the planes at 20 %, 0.89x at 40 %, 1.07x at 60 %);
+at 25 % the grouped frames of a MoE step (busy experts together) fell to planes and grew 4 %."""
 
 ZERO_HASH = bytes(16)
 DEFAULT_LEVEL = 1  # measured: level 1 codes byte planes smaller than 3 (FORMAT §4.4)
@@ -87,6 +97,12 @@ class FrameHeader:
     payload_len: int
     base_hash: bytes
     result_hash: bytes
+    version: int = VERSION
+
+    @property
+    def checked(self) -> bool:
+        """Whether the frame carries its own base and result hashes (version 1), or relies on its manifest (2)."""
+        return self.version == VERSION
 
     @property
     def frame_len(self) -> int:
@@ -182,9 +198,16 @@ class _Reader:
 
 
 def _header(
-    flags: int, dtype: DType, method: int, raw_len: int, payload_len: int, base_hash: bytes, result_hash: bytes
+    version: int,
+    flags: int,
+    dtype: DType,
+    method: int,
+    raw_len: int,
+    payload_len: int,
+    base_hash: bytes,
+    result_hash: bytes,
 ) -> bytes:
-    head = _HEADER.pack(MAGIC, VERSION, flags, dtype.code, method, raw_len, payload_len, base_hash, result_hash, 0)[
+    head = _HEADER.pack(MAGIC, version, flags, dtype.code, method, raw_len, payload_len, base_hash, result_hash, 0)[
         : HEADER_SIZE - 8
     ]
     return head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head))
@@ -200,10 +223,25 @@ def _check_encodable(data: np.ndarray, dtype: DType) -> None:
 
 
 def _finish(
-    flags: int, dtype: DType, method: int, raw_len: int, parts: list[bytes], base_hash: bytes, result_hash: bytes
+    version: int,
+    flags: int,
+    dtype: DType,
+    method: int,
+    raw_len: int,
+    parts: list[bytes],
+    base_hash: bytes,
+    result_hash: bytes,
 ) -> bytes:
     payload_len = sum(len(p) for p in parts)
-    return b"".join([_header(flags, dtype, method, raw_len, payload_len, base_hash, result_hash), *parts])
+    if version != VERSION:  # FORMAT §4.1: a version 2 header's hash fields are zero
+        base_hash = result_hash = ZERO_HASH
+    head = _header(version, flags, dtype, method, raw_len, payload_len, base_hash, result_hash)
+    return b"".join([head, *parts])
+
+
+def _check_version(version: int) -> None:
+    if version not in VERSIONS:
+        raise UnsupportedVersion(f"frame format version {version} (this writer knows {VERSIONS})")
 
 
 def uses_add(dtype: DType) -> bool:
@@ -216,23 +254,32 @@ def uses_add(dtype: DType) -> bool:
 
 
 def encode_key(
-    data: np.ndarray, dtype: DType, *, level: int = DEFAULT_LEVEL, result_hash: bytes | None = None
+    data: np.ndarray,
+    dtype: DType,
+    *,
+    level: int = DEFAULT_LEVEL,
+    result_hash: bytes | None = None,
+    version: int = VERSION,
 ) -> bytes:
-    """Encode `data` (raw tensor bytes, 1-D uint8) as a keyframe frame.
+    """Encode `data` (raw tensor bytes, 1-D uint8) as a keyframe frame of format `version`.
 
     Byte planes split the exponent-carrying byte from the mantissa bytes so zstd's
     entropy coder sees each distribution apart; stored raw when that does not help.
-    `result_hash`, when the caller already knows the xxh3-128 of `data`, skips hashing it again.
+    `result_hash`, when the caller already knows the xxh3-128 of `data`, skips hashing it
+    again; a version 2 frame hashes nothing (its manifest carries the checksum).
     """
+    _check_version(version)
     _check_encodable(data, dtype)
     data = np.ascontiguousarray(data)
-    result_hash = xxh3_128(data) if result_hash is None else result_hash
+    if version == VERSION and result_hash is None:
+        result_hash = xxh3_128(data)
+    rh = result_hash or ZERO_HASH
     parts: list[bytes] = []
     for plane in _planes(data, dtype.width):
         parts.extend(_section(plane, level))
     if sum(len(p) for p in parts) >= len(data):
-        return _finish(0, dtype, METHOD_STORED, len(data), [data.tobytes()], ZERO_HASH, result_hash)
-    return _finish(0, dtype, METHOD_PLANES, len(data), parts, ZERO_HASH, result_hash)
+        return _finish(version, 0, dtype, METHOD_STORED, len(data), [data.tobytes()], ZERO_HASH, rh)
+    return _finish(version, 0, dtype, METHOD_PLANES, len(data), parts, ZERO_HASH, rh)
 
 
 def encode_delta(
@@ -244,8 +291,9 @@ def encode_delta(
     base_hash: bytes | None = None,
     result_hash: bytes | None = None,
     add: bool | None = None,
+    version: int = VERSION,
 ) -> bytes:
-    """Encode `new` element-wise against `base` (same length, 1-D uint8) as a delta frame.
+    """Encode `new` element-wise against `base` (same length, 1-D uint8) as a delta frame of format `version`.
 
     Values are wrapping differences (zigzag) or XORs, per `uses_add` unless `add` is
     given. The method follows the measured density of changed elements: gap-coded
@@ -253,7 +301,9 @@ def encode_delta(
     Hashes already known to the caller may be passed to avoid recomputing them.
     """
     _check_encodable(new, dtype)
-    return encode_delta_pieces([base], [new], dtype, level=level, base_hash=base_hash, result_hash=result_hash, add=add)
+    return encode_delta_pieces(
+        [base], [new], dtype, level=level, base_hash=base_hash, result_hash=result_hash, add=add, version=version
+    )
 
 
 def encode_delta_pieces(
@@ -266,6 +316,8 @@ def encode_delta_pieces(
     result_hash: bytes | None = None,
     add: bool | None = None,
     piece_hashes: list[tuple[bytes, bytes]] | None = None,
+    version: int = VERSION,
+    piece_sums: PieceSums | None = None,
 ) -> bytes:
     """`encode_delta` of the concatenations of `bases` and of `news` (pairwise equal lengths), without concatenating.
 
@@ -277,7 +329,13 @@ def encode_delta_pieces(
     in cache. `piece_hashes`, when given (a list), receives (xxh3-128 of the new piece,
     of the base piece) for every piece, from that same pass: a caller that needs the
     pieces' hashes too (the manifest's segment hashes) does not read them again.
+
+    A version 2 frame hashes nothing of its own; `piece_sums`, when given, is fed every
+    part of every piece in the same pass instead (the manifest's checksums, FORMAT §10).
     """
+    _check_version(version)
+    if version != VERSION and piece_hashes is not None:
+        raise ValueError("version 2 frames carry no xxh3: pass piece_sums for the pieces' checksums")
     if len(bases) != len(news) or not news:
         raise LimitExceeded("one base piece per new piece, at least one")
     for b, nw in zip(bases, news, strict=True):
@@ -297,9 +355,11 @@ def encode_delta_pieces(
     k = kernels.active()
     width = dtype.width
     n = raw_len // width
+    if version != VERSION:
+        return _encode_pieces_v2(k, bases, news, dtype, level, add, piece_sums)
     hashes = _Hashes(len(news), per_piece=piece_hashes is not None, new=result_hash is None, base=base_hash is None)
     parts: list[bytes] = []
-    sparse = _sparse_pieces(k, bases, news, width, add, int(SPARSE_MAX_DENSITY * n), hashes)
+    sparse = _sparse_pieces(k, bases, news, width, add, int(SPARSE_MAX_DENSITY * n), hashes.update)
     if sparse is not None:
         gaps, values = sparse
         parts.append(_COUNT.pack(len(gaps[0])))
@@ -319,10 +379,63 @@ def encode_delta_pieces(
         rh = result_hash if result_hash is not None else _xxh3_128_pieces(news)
         if piece_hashes is not None:
             piece_hashes.extend((xxh3_128(nw), xxh3_128(b)) for b, nw in zip(bases, news, strict=True))
+    return _finish_delta(k, VERSION, flags, dtype, method, raw_len, parts, bases, news, add, bh, rh)
+
+
+def _encode_pieces_v2(
+    k: kernels.Kernels,
+    bases: Sequence[np.ndarray],
+    news: Sequence[np.ndarray],
+    dtype: DType,
+    level: int,
+    add: bool,
+    sums: PieceSums | None,
+) -> bytes:
+    """A version 2 delta frame of the pieces: no hash of its own; `sums` filled by the coding pass itself
+    (the fused kernels read each byte once for the coding and both checksums)."""
+    width = dtype.width
+    raw_len = sum(len(nw) for nw in news)
+    flags = FLAG_DELTA | (FLAG_ADD if add else 0)
+    starts = sums.starts if sums is not None else [0] * len(news)
+    before, after = sums is not None and sums.wants_base, sums is not None
+    parts: list[bytes] = []
+    cap = int(SPARSE_MAX_DENSITY * (raw_len // width))
+    sparse = k.encode_sparse_sums(bases, news, starts, width, add, cap, before=before, after=after)
+    if sparse is not None:
+        gaps, values, found = sparse
+        parts.append(_COUNT.pack(gaps.shape[1]))
+        for plane in (*gaps, *values):
+            parts.extend(_section(plane, level))
+        method = METHOD_SPARSE
+    else:
+        planes, found = k.encode_dense_sums(bases, news, starts, width, add, before=before, after=after)
+        for plane in planes:
+            parts.extend(_section(plane, level))
+        method = METHOD_PLANES
+    if sums is not None:
+        sums.take([len(nw) for nw in news], found)
+    return _finish_delta(k, VERSION_2, flags, dtype, method, raw_len, parts, bases, news, add, ZERO_HASH, ZERO_HASH)
+
+
+def _finish_delta(
+    k: kernels.Kernels,
+    version: int,
+    flags: int,
+    dtype: DType,
+    method: int,
+    raw_len: int,
+    parts: list[bytes],
+    bases: Sequence[np.ndarray],
+    news: Sequence[np.ndarray],
+    add: bool,
+    bh: bytes,
+    rh: bytes,
+) -> bytes:
+    """The delta frame of `parts`, or STORED when coding did not make it smaller (FORMAT §4.4)."""
     if sum(len(p) for p in parts) >= raw_len:
-        stored = k.join_planes(list(k.encode_dense(_concat(bases), _concat(news), width, add)), width)
-        return _finish(flags, dtype, METHOD_STORED, raw_len, [stored.tobytes()], bh, rh)
-    return _finish(flags, dtype, method, raw_len, parts, bh, rh)
+        stored = k.join_planes(list(k.encode_dense(_concat(bases), _concat(news), dtype.width, add)), dtype.width)
+        return _finish(version, flags, dtype, METHOD_STORED, raw_len, [stored.tobytes()], bh, rh)
+    return _finish(version, flags, dtype, method, raw_len, parts, bh, rh)
 
 
 _HOT_BYTES = 512 << 10
@@ -390,13 +503,14 @@ def _sparse_pieces(
     width: int,
     add: bool,
     cap: int,
-    hashes: _Hashes,
+    feed: Callable[[int, np.ndarray, np.ndarray], None],
 ) -> tuple[list[np.ndarray], list[np.ndarray]] | None:
     """Sparse planes of the concatenated pieces, or None above `cap` changes (FORMAT §4.2).
 
-    Works through the pieces in parts of at most _HOT_BYTES, feeding `hashes` each part
-    right after coding it. Each part codes its first gap from its own start; the frame
-    counts from its previous change, so that one gap is rewritten.
+    Works through the pieces in parts of at most _HOT_BYTES, calling ``feed(piece, base
+    part, new part)`` on each part right after coding it (hashes or checksums, in cache).
+    Each part codes its first gap from its own start; the frame counts from its previous
+    change, so that one gap is rewritten.
     """
     gap_rows: list[list[np.ndarray]] = [[] for _ in range(kernels.GAP_PLANES)]
     value_rows: list[list[np.ndarray]] = [[] for _ in range(width)]
@@ -409,7 +523,7 @@ def _sparse_pieces(
             found = k.encode_sparse(b, nw, width, add, cap - count)
             if found is None:
                 return None
-            hashes.update(i, b, nw)
+            feed(i, b, nw)
             gaps, values = found
             m = gaps.shape[1]
             if m:
@@ -457,8 +571,10 @@ def parse_header(frame: bytes | memoryview | np.ndarray) -> FrameHeader:
         raise BadMagic("not a weightsync frame")
     if xxhash.xxh3_64_intdigest(view[: HEADER_SIZE - 8]) != check:
         raise CorruptData("frame header checksum mismatch")
-    if version != VERSION:
-        raise UnsupportedVersion(f"frame format version {version} (this reader knows {VERSION})")
+    if version not in VERSIONS:
+        raise UnsupportedVersion(f"frame format version {version} (this reader knows {VERSIONS})")
+    if version != VERSION and (bh != ZERO_HASH or rh != ZERO_HASH):
+        raise CorruptData("a version 2 frame's hash fields must be zero")
     if flags & ~KNOWN_FLAGS:
         raise UnsupportedVersion(f"unknown frame flags 0x{flags:02x}")
     if method not in KNOWN_METHODS:
@@ -480,7 +596,7 @@ def parse_header(frame: bytes | memoryview | np.ndarray) -> FrameHeader:
         raise CorruptData("stored frame whose payload length differs from its raw length")
     if len(view) - HEADER_SIZE < payload_len:
         raise TruncatedInput(f"frame payload needs {payload_len} bytes, got {len(view) - HEADER_SIZE}")
-    return FrameHeader(delta, add, dtype, method, raw_len, payload_len, bh, rh)
+    return FrameHeader(delta, add, dtype, method, raw_len, payload_len, bh, rh, version)
 
 
 @dataclass(frozen=True)
@@ -587,22 +703,66 @@ def apply_frame_pieces(
     bytes; the same checks and undo on a result mismatch as `apply_frame`.
     """
     head = parse_header(frame)
+    _check_targets(targets, head)
+    if head.checked and head.delta and verify_base and _xxh3_128_pieces(targets) != head.base_hash:
+        raise BaseMismatch("delta frame applied to a different base")
+    payload = _read_payload(frame, head)
+    op = (OP_ADD if head.add else OP_XOR) if head.delta else OP_SET
+    _apply_payload(targets, head, payload, op)
+    if head.checked and _xxh3_128_pieces(targets) != head.result_hash:
+        if head.delta:
+            _apply_payload(targets, head, payload, OP_SUB if head.add else OP_XOR)
+        raise ChecksumMismatch("decoded frame does not match its result checksum")
+    return head
+
+
+def apply_frame_sums(
+    frame: bytes | memoryview | np.ndarray, targets: Sequence[np.ndarray], starts: Sequence[int]
+) -> tuple[FrameHeader, list[TensorSum]]:
+    """Apply a version 2 `frame` into the concatenation of `targets` and return each target's checksum after.
+
+    The checksums come from the pass that applies (FORMAT §10.2: target `i` summed at
+    ``starts[i]``, its first element's position in its segment), so checking a result
+    reads no byte again. Nothing of the frame's own is checked (it has no hashes): the
+    caller compares the sums with its manifest's digests (FORMAT §5.3). Same target
+    rules as `apply_frame_pieces`; CorruptData, nothing written, on a change past the end.
+    """
+    head = parse_header(frame)
+    if head.checked:
+        raise UnsupportedVersion("apply_frame_sums applies version 2 frames (version 1 frames check themselves)")
+    _check_targets(targets, head)
+    if len(starts) != len(targets):
+        raise LimitExceeded("one start per target")
+    payload = _read_payload(frame, head)
+    k = kernels.active()
+    width = head.dtype.width
+    op = (OP_ADD if head.add else OP_XOR) if head.delta else OP_SET
+    planes = payload.values
+    if payload.stored is not None:  # STORED holds values whole, not as planes
+        planes = [payload.stored] if width == 1 else list(k.split_planes(payload.stored, width))
+    if payload.count is None:
+        found = k.apply_dense_sums(targets, starts, width, op, planes, before=False, after=True)
+    else:
+        sparse = k.apply_sparse_sums(
+            targets, starts, width, op, payload.count, payload.gaps, planes, before=False, after=True
+        )
+        if sparse is None:
+            raise CorruptData("sparse frame position past the end of the chunk")
+        found = sparse
+    sums = []
+    for t, (_, after) in zip(targets, found, strict=True):
+        assert after is not None, "asked for"
+        sums.append(TensorSum(width, len(t) // width, tuple(after)))
+    return head, sums
+
+
+def _check_targets(targets: Sequence[np.ndarray], head: FrameHeader) -> None:
     if not targets or any(
         t.dtype != np.uint8 or t.ndim != 1 or not t.flags.c_contiguous or len(t) % head.dtype.width for t in targets
     ):
         raise LimitExceeded("frame targets must be contiguous 1-D uint8 arrays of whole elements")
     if sum(len(t) for t in targets) != head.raw_len:
         raise LimitExceeded(f"frame decodes to {head.raw_len} bytes, targets hold {sum(len(t) for t in targets)}")
-    if head.delta and verify_base and _xxh3_128_pieces(targets) != head.base_hash:
-        raise BaseMismatch("delta frame applied to a different base")
-    payload = _read_payload(frame, head)
-    op = (OP_ADD if head.add else OP_XOR) if head.delta else OP_SET
-    _apply_payload(targets, head, payload, op)
-    if _xxh3_128_pieces(targets) != head.result_hash:
-        if head.delta:
-            _apply_payload(targets, head, payload, OP_SUB if head.add else OP_XOR)
-        raise ChecksumMismatch("decoded frame does not match its result checksum")
-    return head
 
 
 def apply_frame(frame: bytes | memoryview | np.ndarray, target: np.ndarray, *, verify_base: bool = True) -> FrameHeader:
@@ -613,6 +773,9 @@ def apply_frame(frame: bytes | memoryview | np.ndarray, target: np.ndarray, *, v
     the XOR is applied in place, and the result hash is checked; on a mismatch the
     XOR is undone, so `target` again holds the base, and ChecksumMismatch is raised.
     Raises only weightsync FormatError subclasses or BaseMismatch on bad input.
+
+    A version 2 frame carries no hashes: nothing is checked here, and the caller checks
+    base and result with its manifest's segment checksums (FORMAT §5.3).
     """
     head = parse_header(frame)
     if target.dtype != np.uint8 or target.ndim != 1 or len(target) != head.raw_len:

@@ -7,13 +7,21 @@ extension (`_kernels.c`, docs/DESIGN.md "Native core") does each in one pass wit
 released, so frames encode and decode on as many cores as there are threads.
 
 Both implementations satisfy :class:`Kernels` and produce identical bytes
-(tests/codec/test_kernels.py checks them against each other). :func:`active` returns the
-native one when the extension is built, else the reference, after logging one warning;
-``WEIGHTSYNC_NATIVE=0`` in the environment selects the reference (measurements, debugging).
+(tests/codec/test_kernels.py checks them against each other): the numpy reference in
+`kernels_numpy`, the extension's wrapper in `kernels_native`; this module picks one.
+:func:`active` returns the native one when the extension is built, else the reference,
+after logging one warning;
+``WEIGHTSYNC_NATIVE=0`` in the environment selects the reference (measurements, debugging);
+``WEIGHTSYNC_KERNELS_PORTABLE=1`` keeps the extension but makes it skip its AVX2 loops (the
+tests run the differential suite both ways).
 
 Arrays are 1-D uint8 (raw little-endian element bytes) unless stated; a plane array is
 2-D uint8 ``(planes, elements)``, one C-contiguous row per plane. Functions are pure and
 thread-safe; writes go only to the target a caller passes.
+
+The ``*_sums`` primitives fuse the tensor checksum (FORMAT §10) into the pass that codes or
+applies a frame's pieces: a frame's bytes are read from memory once, not once to code and
+once or twice more to checksum (docs/DESIGN.md "Native core").
 """
 
 from __future__ import annotations
@@ -27,21 +35,19 @@ from typing import Protocol
 
 import numpy as np
 
-from weightsync.codec.dtypes import SIGNED, UINT
+from weightsync.codec.kernel_ops import GAP_PLANES as GAP_PLANES
+from weightsync.codec.kernel_ops import OP_ADD as OP_ADD
+from weightsync.codec.kernel_ops import OP_SET as OP_SET
+from weightsync.codec.kernel_ops import OP_SUB as OP_SUB
+from weightsync.codec.kernel_ops import OP_XOR as OP_XOR
+from weightsync.codec.kernel_ops import Lanes as Lanes
+from weightsync.codec.kernel_ops import Sums as Sums
+from weightsync.codec.kernels_native import NativeKernels
+from weightsync.codec.kernels_numpy import ReferenceKernels
+from weightsync.codec.kernels_numpy import unzigzag as unzigzag
+from weightsync.codec.kernels_numpy import zigzag as zigzag
 
 log = logging.getLogger(__name__)
-
-GAP_PLANES = 4  # gaps are u32 (FORMAT §4.2)
-
-# Apply operations: target element ∘= value (FORMAT §4.2).
-OP_SET = 0
-"""Keyframe: the element becomes the value."""
-OP_XOR = 1
-"""XOR delta (and its own undo)."""
-OP_ADD = 2
-"""ADD delta: add the zigzag-decoded difference, wrapping."""
-OP_SUB = 3
-"""Undo of OP_ADD."""
 
 
 class Kernels(Protocol):
@@ -106,203 +112,83 @@ class Kernels(Protocol):
         """
         ...
 
-
-def _rows(a: np.ndarray) -> list[np.ndarray]:
-    return [a[j] for j in range(a.shape[0])]
-
-
-class ReferenceKernels:
-    """The numpy implementation: the definition the C kernels are tested against."""
-
-    name = "reference"
-
-    def count_changed(self, base: np.ndarray, new: np.ndarray, width: int) -> int:
-        """See :class:`Kernels`."""
-        return int(np.count_nonzero(base.view(UINT[width]) != new.view(UINT[width])))
-
-    def encode_sparse(
-        self, base: np.ndarray, new: np.ndarray, width: int, add: bool, cap: int
-    ) -> tuple[np.ndarray, np.ndarray] | None:
-        """See :class:`Kernels`."""
-        old_v, new_v = base.view(UINT[width]), new.view(UINT[width])
-        changed = old_v != new_v  # nonzero() over a bool mask is several times faster than over ints
-        if np.count_nonzero(changed) > cap:
-            return None
-        positions = np.flatnonzero(changed)
-        gaps = np.diff(positions, prepend=-1)
-        gaps -= 1
-        values = _delta_values(old_v[positions], new_v[positions], add)
-        return self.split_planes(gaps.astype("<u4").view(np.uint8), GAP_PLANES), self.split_planes(
-            values.view(np.uint8), width
-        )
-
-    def encode_dense(self, base: np.ndarray, new: np.ndarray, width: int, add: bool) -> np.ndarray:
-        """See :class:`Kernels`."""
-        values = _delta_values(base.view(UINT[width]), new.view(UINT[width]), add)
-        return self.split_planes(values.view(np.uint8), width)
-
-    def split_planes(self, data: np.ndarray, width: int) -> np.ndarray:
-        """See :class:`Kernels`."""
-        return np.ascontiguousarray(data.reshape(-1, width).T)
-
-    def join_planes(self, planes: Sequence[np.ndarray], width: int) -> np.ndarray:
-        """See :class:`Kernels`."""
-        if width == 1:
-            return np.array(planes[0], dtype=np.uint8, copy=True)
-        return np.ascontiguousarray(np.stack(planes, axis=1)).reshape(-1)
-
-    def apply_dense(self, target: np.ndarray, width: int, op: int, planes: Sequence[np.ndarray]) -> None:
-        """See :class:`Kernels`."""
-        view = target.view(UINT[width])
-        values = self.join_planes(planes, width).view(UINT[width])
-        _apply(view, values, op, None)
-
-    def apply_sparse(
+    def encode_sparse_sums(
         self,
-        target: np.ndarray,
+        bases: Sequence[np.ndarray],
+        news: Sequence[np.ndarray],
+        starts: Sequence[int],
+        width: int,
+        add: bool,
+        cap: int,
+        *,
+        before: bool,
+        after: bool,
+        scratch: np.ndarray | None = None,
+    ) -> tuple[np.ndarray, np.ndarray, list[Sums]] | None:
+        """`encode_sparse` of the concatenated pieces, plus each piece's checksums, in one pass.
+
+        `starts[i]` is the position of piece i's first element within its tensor (the
+        checksum's start, FORMAT §10.2); `before`/`after` ask for the checksums of the base
+        and of the new pieces. None above `cap` changes (no checksums then).
+
+        `scratch`, a C-contiguous uint8 array of at least (GAP_PLANES + width, cap), may
+        hold the planes (they are then views of it, valid until its next use): a thread
+        coding frame after frame reuses it instead of faulting in fresh pages each time.
+        """
+        ...
+
+    def encode_dense_sums(
+        self,
+        bases: Sequence[np.ndarray],
+        news: Sequence[np.ndarray],
+        starts: Sequence[int],
+        width: int,
+        add: bool,
+        *,
+        before: bool,
+        after: bool,
+        scratch: np.ndarray | None = None,
+    ) -> tuple[np.ndarray, list[Sums]]:
+        """`encode_dense` of the concatenated pieces (no copy of them), plus each piece's checksums, in one pass.
+
+        `scratch`: as for `encode_sparse_sums`, at least (width, elements).
+        """
+        ...
+
+    def apply_sparse_sums(
+        self,
+        targets: Sequence[np.ndarray],
+        starts: Sequence[int],
         width: int,
         op: int,
         count: int,
         gaps: Sequence[np.ndarray],
         values: Sequence[np.ndarray],
-    ) -> bool:
-        """See :class:`Kernels`."""
-        positions = self.gap_positions(count, gaps)
-        if count and positions[-1] >= len(target) // width:
-            return False
-        _apply(target.view(UINT[width]), self.join_planes(values, width).view(UINT[width]), op, positions)
-        return True
+        *,
+        before: bool,
+        after: bool,
+    ) -> list[Sums] | None:
+        """Apply `count` gap-coded changes across the concatenated `targets`, with each target's checksums.
 
-    def gap_positions(self, count: int, gaps: Sequence[np.ndarray]) -> np.ndarray:
-        """See :class:`Kernels`."""
-        g = self.join_planes(gaps, GAP_PLANES).view("<u4")
-        positions = np.cumsum(g, dtype=np.int64)
-        positions += np.arange(0, count, dtype=np.int64)
-        return positions
+        One pass: each block of a target is checksummed (`before`), patched and checksummed
+        again (`after`) while in cache. None, with every target untouched, if a change falls
+        past the targets' end.
+        """
+        ...
 
-    def gap_cuts(
-        self, count: int, gaps: Sequence[np.ndarray], bounds: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray, int]:
-        """See :class:`Kernels`."""
-        positions = self.gap_positions(count, gaps)
-        cuts = np.searchsorted(positions, bounds).astype(np.int64)
-        firsts = np.full(len(cuts), -1, dtype=np.int64)
-        has = cuts < count
-        firsts[has] = positions[cuts[has]]
-        return cuts, firsts, int(positions[-1]) + 1 if count else 0
-
-
-def zigzag(d: np.ndarray) -> np.ndarray:
-    """Map wrapping differences to unsigned so small magnitudes of either sign are small: 0,-1,1,-2 → 0,1,2,3."""
-    signed: np.ndarray = d.view(SIGNED[d.itemsize])
-    out: np.ndarray = ((signed << 1) ^ (signed >> (8 * d.itemsize - 1))).view(d.dtype)
-    return out
-
-
-def unzigzag(z: np.ndarray) -> np.ndarray:
-    """Inverse of `zigzag`, as wrapping unsigned differences."""
-    out: np.ndarray = (z >> 1) ^ (np.zeros_like(z) - (z & 1))
-    return out
-
-
-def _delta_values(old: np.ndarray, new: np.ndarray, add: bool) -> np.ndarray:
-    return zigzag(new - old) if add else np.bitwise_xor(old, new)
-
-
-def _apply(view: np.ndarray, values: np.ndarray, op: int, positions: np.ndarray | None) -> None:
-    if op == OP_SET:
-        if positions is None:
-            view[:] = values
-        else:
-            view[positions] = values
-        return
-    if op == OP_XOR:
-        if positions is None:
-            np.bitwise_xor(view, values, out=view)
-        else:
-            view[positions] ^= values
-        return
-    diff = unzigzag(values)
-    if op == OP_SUB:
-        diff = np.zeros_like(diff) - diff
-    if positions is None:
-        np.add(view, diff, out=view)
-    else:
-        view[positions] += diff
-
-
-class NativeKernels:
-    """The C implementation (`_kernels.c`): one pass per primitive, GIL released."""
-
-    name = "native"
-
-    def __init__(self, ext: ModuleType) -> None:
-        self._ext = ext
-
-    def count_changed(self, base: np.ndarray, new: np.ndarray, width: int) -> int:
-        """See :class:`Kernels`."""
-        return int(self._ext.count_changed(base, new, width))
-
-    def encode_sparse(
-        self, base: np.ndarray, new: np.ndarray, width: int, add: bool, cap: int
-    ) -> tuple[np.ndarray, np.ndarray] | None:
-        """See :class:`Kernels`."""
-        # Room for `cap` changes; pages past the written prefix are never touched.
-        gaps = np.empty((GAP_PLANES, cap), dtype=np.uint8)
-        values = np.empty((width, cap), dtype=np.uint8)
-        count = int(self._ext.encode_sparse(base, new, width, add, cap, _rows(gaps), _rows(values)))
-        if count > cap:
-            return None
-        return gaps[:, :count], values[:, :count]
-
-    def encode_dense(self, base: np.ndarray, new: np.ndarray, width: int, add: bool) -> np.ndarray:
-        """See :class:`Kernels`."""
-        planes = np.empty((width, len(new) // width), dtype=np.uint8)
-        self._ext.encode_dense(base, new, width, add, _rows(planes))
-        return planes
-
-    def split_planes(self, data: np.ndarray, width: int) -> np.ndarray:
-        """See :class:`Kernels`."""
-        planes = np.empty((width, len(data) // width), dtype=np.uint8)
-        self._ext.split_planes(data, width, _rows(planes))
-        return planes
-
-    def join_planes(self, planes: Sequence[np.ndarray], width: int) -> np.ndarray:
-        """See :class:`Kernels`."""
-        out = np.empty(len(planes[0]) * width, dtype=np.uint8)
-        self._ext.join_planes(planes, width, out)
-        return out
-
-    def apply_dense(self, target: np.ndarray, width: int, op: int, planes: Sequence[np.ndarray]) -> None:
-        """See :class:`Kernels`."""
-        self._ext.apply_dense(target, width, op, planes)
-
-    def apply_sparse(
+    def apply_dense_sums(
         self,
-        target: np.ndarray,
+        targets: Sequence[np.ndarray],
+        starts: Sequence[int],
         width: int,
         op: int,
-        count: int,
-        gaps: Sequence[np.ndarray],
-        values: Sequence[np.ndarray],
-    ) -> bool:
-        """See :class:`Kernels`."""
-        return bool(self._ext.apply_sparse(target, width, op, count, gaps, values))
-
-    def gap_positions(self, count: int, gaps: Sequence[np.ndarray]) -> np.ndarray:
-        """See :class:`Kernels`."""
-        out = np.empty(count, dtype=np.int64)
-        self._ext.gap_positions(count, gaps, out)
-        return out
-
-    def gap_cuts(
-        self, count: int, gaps: Sequence[np.ndarray], bounds: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray, int]:
-        """See :class:`Kernels`."""
-        bounds = np.ascontiguousarray(bounds, dtype=np.int64)
-        cuts, firsts = np.empty_like(bounds), np.empty_like(bounds)
-        end = int(self._ext.gap_cuts(count, gaps, bounds, cuts, firsts))
-        return cuts, firsts, end
+        planes: Sequence[np.ndarray],
+        *,
+        before: bool,
+        after: bool,
+    ) -> list[Sums]:
+        """`apply_dense` across the concatenated `targets` (planes of their total length), with their checksums."""
+        ...
 
 
 REFERENCE: Kernels = ReferenceKernels()

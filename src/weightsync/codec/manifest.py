@@ -1,11 +1,15 @@
-"""The manifest: JSON description of one encoded version (docs/FORMAT.md §5).
+"""The manifest: the description of one encoded version (docs/FORMAT.md §5).
 
-A manifest lists the version's files and their segments (with xxh3-128 of each
+A manifest lists the version's files and their segments (with a digest of each
 segment's bytes and, for delta-coded segments, of the base bytes they apply to)
 and the frames that produce them, each naming where its bytes live and which
-pieces of which segments it decodes into. ``Manifest.parse`` is the one strict
-validator: every cap and cross-reference is checked there, before any decode
-allocates anything.
+pieces of which segments it decodes into. Two JSON forms exist: version 1
+(objects per segment and frame, xxh3-128 digests, §5.2, in `manifest_v1`) and
+version 2 (columns, tensor checksums, no pieces for a segment equal to its base,
+§5.3, in `manifest_v2`). Both parse into the same objects; a digest is a lowercase hex
+string of the manifest's `digest_kind`, so callers compare digests as strings.
+``Manifest.parse`` is the one strict validator: every cap and cross-reference is
+checked there, before any decode allocates anything.
 """
 
 from __future__ import annotations
@@ -20,9 +24,8 @@ import xxhash
 import zstandard
 
 from weightsync.codec.checkpoint import FileLayout, Segment, check_path
-from weightsync.codec.dtypes import by_name
-from weightsync.codec.frame import MAX_FRAME_RAW
-from weightsync.common import DIGEST_PATTERN, MODEL_NAME_PATTERN
+from weightsync.codec.dtypes import DType, by_name
+from weightsync.common import MODEL_NAME_PATTERN
 from weightsync.errors import (
     BadMagic,
     CorruptData,
@@ -36,27 +39,52 @@ from weightsync.errors import (
 
 FORMAT = "weightsync.manifest"
 VERSION = 1
+VERSION_2 = 2
+LATEST = VERSION_2
+DIGEST_XXH3 = "xxh3-128"
+"""Digest kind of version 1 manifests: xxh3-128 of the bytes, 32 hex."""
+DIGEST_SUM = "sum64x16"
+"""Digest kind of version 2 manifests: the tensor checksum of FORMAT §10 in its wire form, as hex."""
+DIGEST_KINDS = {VERSION: DIGEST_XXH3, VERSION_2: DIGEST_SUM}
 MAX_MANIFEST = 256 << 20
 MAX_FILES = 100_000
 MAX_SEGMENTS = 2_000_000
 MAX_FRAMES = 4_000_000
 MAX_FILE_SIZE = 1 << 44  # 16 TiB
-_HEX32 = re.compile(r"[0-9a-f]{32}")
-_KINDS = ("header", "tensor", "blob")
+KINDS = ("header", "tensor", "blob")
 MAGIC = b"WSMF"
+ENVELOPE_VERSION = 1
+"""The envelope (§5.1) is the same for every manifest version; the JSON says which one it holds."""
 # FORMAT §5.1: magic, version, flags, reserved, JSON length, xxh3-64 of the JSON; then zstd(JSON).
 _ENVELOPE = struct.Struct("<4sBBHQQ")
 ENVELOPE_SIZE = _ENVELOPE.size  # 24
+_SMALL_JSON = 256 << 10
+"""Up to this size the JSON is compressed at zstd level 15 (3-9 % smaller than 9 on the corpus, 3-4 ms; 19 gains
+nothing more); above it, at 9."""
 
 
 @dataclass(frozen=True)
 class SegmentEntry:
-    """A segment plus its checksums; `base_offset` set means delta-coded against the base file."""
+    """A segment plus its digests; `base_offset` set means delta-coded against the base file.
+
+    `digest` is the segment's bytes' digest in this version and `base_digest` the digest
+    the base bytes must have, both of the manifest's `digest_kind`. `unchanged`: delta-coded
+    and its bytes equal its base's (then ``digest == base_digest``; a v2 manifest gives it
+    no frame pieces, FORMAT §5.3). It is stated, never inferred from equal digests: the v2
+    checksum is linear, so a few small changes of a small tensor can add up to the base's
+    checksum (tests/codec/test_format_v2.py found one: 3 bytes of a 12-byte BOOL tensor).
+    """
 
     segment: Segment
-    xxh3: str
+    digest: str
     base_offset: int | None = None
-    base_xxh3: str | None = None
+    base_digest: str | None = None
+    unchanged: bool = False
+
+    @property
+    def base_xxh3(self) -> str | None:
+        """The former name of `base_digest`, read by ops/core.py until it moves to `base_digest`."""
+        return self.base_digest
 
 
 @dataclass(frozen=True)
@@ -70,11 +98,11 @@ class FileEntry:
         return FileLayout(self.path, self.size, tuple(e.segment for e in self.segments))
 
     def spans(self) -> dict[tuple[int, int], str]:
-        """Each segment's xxh3 hex by (offset, length): what a delta's base must hold at that place.
+        """Each segment's digest by (offset, length): what a delta's base must hold at that place.
 
         Keyed by both, not the offset alone: a 0-element tensor shares its offset with the segment after it.
         """
-        return {(e.segment.offset, e.segment.length): e.xxh3 for e in self.segments}
+        return {(e.segment.offset, e.segment.length): e.digest for e in self.segments}
 
 
 @dataclass(frozen=True)
@@ -114,6 +142,13 @@ class Manifest:
     parent: int | None = None
     step: int | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    version: int = VERSION
+    """The manifest format version: 1 (§5.2) or 2 (§5.3); it fixes `digest_kind` and the frames' version."""
+
+    @property
+    def digest_kind(self) -> str:
+        """What the segments' digests are: "xxh3-128" (version 1) or "sum64x16" (version 2)."""
+        return DIGEST_KINDS[self.version]
 
     @property
     def raw_bytes(self) -> int:
@@ -132,40 +167,13 @@ class Manifest:
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        files = []
-        for f in self.files:
-            segs = []
-            for e in f.segments:
-                s = e.segment
-                d: dict[str, Any] = {
-                    "kind": s.kind,
-                    "name": s.name,
-                    "dtype": s.dtype.name,
-                    "shape": list(s.shape),
-                    "offset": s.offset,
-                    "length": s.length,
-                    "xxh3": e.xxh3,
-                }
-                if e.base_offset is not None:
-                    d["base_offset"] = e.base_offset
-                    d["base_xxh3"] = e.base_xxh3
-                segs.append(d)
-            files.append({"path": f.path, "size": f.size, "segments": segs})
-        frames = [
-            {
-                "object": fr.object,
-                "offset": fr.offset,
-                "length": fr.length,
-                "delta": fr.delta,
-                "dtype": fr.dtype,
-                "raw_len": fr.raw_len,
-                "pieces": [[p.file, p.seg, p.offset, p.length] for p in fr.pieces],
-            }
-            for fr in self.frames
-        ]
+        """The JSON document of the manifest's version (§5.2 or §5.3)."""
+        from weightsync.codec import manifest_v1, manifest_v2  # they build on this module
+
+        body = manifest_v2.document(self) if self.version == VERSION_2 else manifest_v1.document(self)
         return {
             "format": FORMAT,
-            "version": VERSION,
+            "version": self.version,
             "kind": self.kind,
             "single_file": self.single_file,
             "model": self.model,
@@ -173,10 +181,7 @@ class Manifest:
             "parent": self.parent,
             "step": self.step,
             "metadata": self.metadata,
-            "raw_bytes": self.raw_bytes,
-            "stored_bytes": self.stored_bytes,
-            "files": files,
-            "frames": frames,
+            **body,
         }
 
     def to_json(self) -> bytes:
@@ -186,8 +191,9 @@ class Manifest:
     def encode(self) -> bytes:
         """The manifest's stored form (FORMAT §5.1): a small envelope around zstd of the canonical JSON."""
         body = self.to_json()
-        packed = zstandard.ZstdCompressor(level=9, write_content_size=True).compress(body)
-        return _ENVELOPE.pack(MAGIC, VERSION, 0, 0, len(body), xxhash.xxh3_64_intdigest(body)) + packed
+        level = 15 if self.version == VERSION_2 and len(body) <= _SMALL_JSON else 9
+        packed = zstandard.ZstdCompressor(level=level, write_content_size=True).compress(body)
+        return _ENVELOPE.pack(MAGIC, ENVELOPE_VERSION, 0, 0, len(body), xxhash.xxh3_64_intdigest(body)) + packed
 
     @classmethod
     def decode(cls, data: bytes | memoryview) -> Manifest:
@@ -200,7 +206,7 @@ class Manifest:
         magic, version, flags, reserved, length, check = _ENVELOPE.unpack(view[:ENVELOPE_SIZE])
         if magic != MAGIC:
             raise BadMagic("not a weightsync manifest")
-        if version != VERSION or flags or reserved:
+        if version != ENVELOPE_VERSION or flags or reserved:
             raise UnsupportedVersion(f"manifest envelope version {version}, flags {flags}")
         if length > MAX_MANIFEST:
             raise LimitExceeded(f"manifest declares {length} bytes, cap is {MAX_MANIFEST}")
@@ -232,137 +238,109 @@ class Manifest:
             raise FormatError("manifest JSON nests too deeply") from None
         try:
             return _validate(doc)
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
             raise FormatError(f"malformed manifest: {type(exc).__name__}: {exc}") from None
 
 
-def _int(v: Any, what: str, hi: int) -> int:
+# --- shared checks (both JSON forms) ----------------------------------------------------------
+
+
+def check_int(v: Any, what: str, hi: int) -> int:
+    """`v` if it is an integer in [0, hi], else LimitExceeded."""
     if type(v) is not int or v < 0 or v > hi:
         raise LimitExceeded(f"{what}: {v!r} is not an integer in [0, {hi}]")
     return v
 
 
-def _opt_int(v: Any, what: str) -> int | None:
-    return None if v is None else _int(v, what, 1 << 62)
+def opt_int(v: Any, what: str) -> int | None:
+    """None, or `v` if it is an integer in [0, 2^62]."""
+    return None if v is None else check_int(v, what, 1 << 62)
 
 
-def _hex(v: Any, pattern: re.Pattern[str], what: str) -> str:
+def check_hex(v: Any, pattern: re.Pattern[str], what: str) -> str:
+    """`v` if it is a string `pattern` matches whole, else FormatError."""
     if not isinstance(v, str) or not pattern.fullmatch(v):
         raise FormatError(f"{what}: not a lowercase hex digest")
     return v
 
 
-def _validate(doc: Any) -> Manifest:
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise FormatError("not a weightsync manifest")
-    if doc.get("version") != VERSION:
-        raise UnsupportedVersion(f"manifest version {doc.get('version')!r} (this reader knows {VERSION})")
-    kind = doc["kind"]
-    if kind not in ("keyframe", "delta"):
-        raise FormatError(f"manifest kind {kind!r}")
-    raw_files = doc["files"]
-    raw_frames = doc["frames"]
+def check_dtype(name: Any, what: str) -> DType:
+    """The dtype named `name`, else FormatError."""
+    try:
+        return by_name(name)
+    except (UnsupportedDtype, TypeError, KeyError):
+        raise FormatError(f"{what}: unknown dtype {name!r}") from None
+
+
+def check_segment(path: str, kind: Any, name: Any, dtype: DType, shape_doc: Any, offset: int, size: int) -> Segment:
+    """A segment at `offset` of file `path` (`size` bytes); its length follows from dtype and shape."""
+    if kind not in KINDS or not isinstance(name, str):
+        raise FormatError(f"{path}: bad segment kind or name")
+    if not isinstance(shape_doc, list):
+        raise FormatError(f"{path}: segment {name!r} shape is not a list")
+    shape = tuple(check_int(d, f"{path}: shape", 1 << 48) for d in shape_doc)
+    try:
+        length = dtype.nbytes(shape)
+    except UnsupportedDtype as exc:
+        raise FormatError(f"{path}: {exc}") from None
+    if length > size - offset:
+        raise FormatError(f"{path}: segment {name!r} runs past the end of the file")
+    return Segment(kind, name, dtype, shape, offset, length)
+
+
+def check_paths(raw_files: Any) -> list[tuple[str, int, Any]]:
+    """(path, size, segments document) of every file: caps, safe and unique paths, sizes."""
     if not isinstance(raw_files, list) or len(raw_files) > MAX_FILES:
         raise LimitExceeded("manifest files: not a list or too many")
-    if not isinstance(raw_frames, list) or len(raw_frames) > MAX_FRAMES:
-        raise LimitExceeded("manifest frames: not a list or too many")
-    files: list[FileEntry] = []
-    seen_paths: set[str] = set()
-    total_segments = 0
+    out = []
+    seen: set[str] = set()
     for f in raw_files:
         path = check_path(f["path"])
-        if path in seen_paths:
+        if path in seen:
             raise FormatError(f"file {path!r} listed twice")
-        seen_paths.add(path)
-        size = _int(f["size"], f"{path}: size", MAX_FILE_SIZE)
-        segs = []
-        cursor = 0
-        raw_segs = f["segments"]
-        total_segments += len(raw_segs)
-        if total_segments > MAX_SEGMENTS:
-            raise LimitExceeded("too many segments")
-        for s in raw_segs:
-            if s["kind"] not in _KINDS or not isinstance(s["name"], str):
-                raise FormatError(f"{path}: bad segment kind or name")
-            try:
-                dtype = by_name(s["dtype"])
-            except UnsupportedDtype as exc:
-                raise FormatError(f"{path}: {exc}") from None
-            shape = tuple(_int(d, f"{path}: shape", 1 << 48) for d in s["shape"])
-            offset = _int(s["offset"], f"{path}: offset", size)
-            length = _int(s["length"], f"{path}: length", size)
-            if offset != cursor:
-                raise FormatError(f"{path}: segments do not tile the file at offset {cursor}")
-            try:
-                if dtype.nbytes(shape) != length:
-                    raise FormatError(f"{path}: segment {s['name']!r} length disagrees with its shape")
-            except UnsupportedDtype as exc:
-                raise FormatError(f"{path}: {exc}") from None
-            cursor += length
-            base_offset = _opt_int(s.get("base_offset"), f"{path}: base_offset")
-            base_xxh3 = None if base_offset is None else _hex(s["base_xxh3"], _HEX32, "base_xxh3")
-            segs.append(
-                SegmentEntry(
-                    Segment(s["kind"], s["name"], dtype, shape, offset, length),
-                    _hex(s["xxh3"], _HEX32, "xxh3"),
-                    base_offset,
-                    base_xxh3,
-                )
-            )
-        if cursor != size:
-            raise FormatError(f"{path}: segments cover {cursor} of {size} bytes")
-        files.append(FileEntry(path, size, tuple(segs)))
-    if doc.get("single_file") and len(files) != 1:
-        raise FormatError("single-file manifest with other than one file")
-    frames: list[FrameRef] = []
+        seen.add(path)
+        out.append((path, check_int(f["size"], f"{path}: size", MAX_FILE_SIZE), f["segments"]))
+    return out
+
+
+def check_pieces(files: list[FileEntry], raw: Any, delta: bool | None, dtype: DType | None) -> tuple[Piece, ...]:
+    """Frame pieces `raw` ([file, segment, offset, length] each), checked against `files`.
+
+    `delta` and `dtype`, when given, are the frame's: each piece's segment must agree.
+    """
+    pieces = []
+    for p in raw:
+        if not isinstance(p, list) or len(p) != 4:
+            raise FormatError("frame piece is not [file, segment, offset, length]")
+        fi = check_int(p[0], "piece file", len(files) - 1)
+        si = check_int(p[1], "piece segment", len(files[fi].segments) - 1)
+        entry = files[fi].segments[si]
+        off = check_int(p[2], "piece offset", entry.segment.length)
+        ln = check_int(p[3], "piece length", entry.segment.length - off)
+        width = entry.segment.dtype.width
+        if dtype is not None and entry.segment.dtype is not dtype:
+            raise FormatError("frame dtype differs from a segment it decodes into")
+        if off % width or ln % width:
+            raise FormatError("piece not aligned to whole elements")
+        if delta is not None and delta != (entry.base_offset is not None):
+            raise FormatError(f"a {'delta' if delta else 'keyframe'} frame decodes into a segment coded otherwise")
+        pieces.append(Piece(fi, si, off, ln))
+    return tuple(pieces)
+
+
+def check_coverage(files: list[FileEntry], frames: list[FrameRef], *, skip_unchanged: bool) -> None:
+    """The pieces of all frames cover every segment exactly once (unchanged ones: not at all, when skipped)."""
     covered: dict[tuple[int, int], list[tuple[int, int]]] = {}
-    for fr in raw_frames:
-        obj = fr["object"]
-        if obj is not None:
-            _hex(obj, DIGEST_PATTERN, "frame object")
-        try:
-            dtype = by_name(fr["dtype"])
-        except UnsupportedDtype:
-            raise FormatError(f"frame dtype {fr['dtype']!r}") from None
-        delta = fr["delta"]
-        if type(delta) is not bool:
-            raise FormatError("frame delta flag is not a boolean")
-        raw_len = _int(fr["raw_len"], "frame raw_len", MAX_FRAME_RAW)
-        pieces = []
-        total = 0
-        for p in fr["pieces"]:
-            if not isinstance(p, list) or len(p) != 4:
-                raise FormatError("frame piece is not [file, segment, offset, length]")
-            fi = _int(p[0], "piece file", len(files) - 1)
-            si = _int(p[1], "piece segment", len(files[fi].segments) - 1)
-            entry = files[fi].segments[si]
-            off = _int(p[2], "piece offset", entry.segment.length)
-            ln = _int(p[3], "piece length", entry.segment.length - off)
-            if entry.segment.dtype is not dtype:
-                raise FormatError("frame dtype differs from a segment it decodes into")
-            if off % dtype.width or ln % dtype.width:
-                raise FormatError("piece not aligned to whole elements")
-            if delta and entry.base_offset is None:
-                raise FormatError("delta frame decodes into a segment with no base")
-            pieces.append(Piece(fi, si, off, ln))
-            covered.setdefault((fi, si), []).append((off, ln))
-            total += ln
-        if total != raw_len:
-            raise FormatError(f"frame pieces hold {total} bytes, raw_len says {raw_len}")
-        frames.append(
-            FrameRef(
-                obj,
-                _int(fr["offset"], "frame offset", 1 << 62),
-                _int(fr["length"], "frame length", MAX_FRAME_RAW + (64 << 20)),
-                delta,
-                dtype.name,
-                raw_len,
-                tuple(pieces),
-            )
-        )
+    for fr in frames:
+        for p in fr.pieces:
+            covered.setdefault((p.file, p.seg), []).append((p.offset, p.length))
     for fi, f in enumerate(files):
         for si, e in enumerate(f.segments):
             spans = sorted(covered.get((fi, si), []))
+            if skip_unchanged and e.unchanged:
+                if spans:
+                    raise FormatError(f"{f.path}: segment {e.segment.name!r} equals its base but has frame pieces")
+                continue
             cursor = 0
             for off, ln in spans:
                 if off != cursor:
@@ -372,6 +350,22 @@ def _validate(doc: Any) -> Manifest:
                 raise FormatError(
                     f"{f.path}: frames cover {cursor} of {e.segment.length} bytes of segment {e.segment.name!r}"
                 )
+
+
+def _validate(doc: Any) -> Manifest:
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise FormatError("not a weightsync manifest")
+    version = doc.get("version")
+    if type(version) is not int or version not in DIGEST_KINDS:
+        raise UnsupportedVersion(f"manifest version {version!r} (this reader knows {sorted(DIGEST_KINDS)})")
+    kind = doc["kind"]
+    if kind not in ("keyframe", "delta"):
+        raise FormatError(f"manifest kind {kind!r}")
+    from weightsync.codec import manifest_v1, manifest_v2  # they build on this module
+
+    files, frames = manifest_v2.read(doc) if version == VERSION_2 else manifest_v1.read(doc)
+    if doc.get("single_file") and len(files) != 1:
+        raise FormatError("single-file manifest with other than one file")
     model = doc.get("model")
     if model is not None and (not isinstance(model, str) or not MODEL_NAME_PATTERN.fullmatch(model)):
         raise InvalidName(f"bad model name {model!r}")
@@ -384,8 +378,9 @@ def _validate(doc: Any) -> Manifest:
         files=files,
         frames=frames,
         model=model,
-        number=_opt_int(doc.get("number"), "number"),
-        parent=_opt_int(doc.get("parent"), "parent"),
-        step=_opt_int(doc.get("step"), "step"),
+        number=opt_int(doc.get("number"), "number"),
+        parent=opt_int(doc.get("parent"), "parent"),
+        step=opt_int(doc.get("step"), "step"),
         metadata=metadata,
+        version=version,
     )

@@ -17,7 +17,7 @@ import contextlib
 import hashlib
 import logging
 from collections import OrderedDict
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, ParamSpec, TypeVar
@@ -25,8 +25,9 @@ from typing import Any, ParamSpec, TypeVar
 import numpy as np
 
 from weightsync import errors
-from weightsync.catalog import Catalog, Lease, Model, ObjectInfo, Replica, Version
+from weightsync.catalog import Catalog, Lease, Model, ObjectInfo, Replica, Target, Version
 from weightsync.codec import Checkpoint, CheckpointFile, Decoder, FrameRef, Manifest
+from weightsync.codec.manifest import DIGEST_KINDS
 from weightsync.codec.validate import check_publishable
 from weightsync.common import removal_message, removed_content
 from weightsync.ops.records import record_of
@@ -127,6 +128,10 @@ def removed(manifest: Manifest, parent: Manifest) -> list[str]:
         return {f.path: {e.segment.name for e in f.segments if e.segment.kind == "tensor"} for f in m.files}
 
     return removed_content(names(parent), names(manifest), single_file=manifest.single_file and parent.single_file)
+
+
+FORMATS: tuple[int, ...] = tuple(sorted(DIGEST_KINDS))
+"""The manifest formats this server reads (and accepts at commit), answered with every begin."""
 
 
 class Ops:
@@ -459,7 +464,17 @@ class Ops:
 
     @staticmethod
     def _check_bases(manifest: Manifest, parent: Manifest) -> None:
-        """Every delta segment's base_xxh3 must be the parent version's bytes at that place (invariant 4)."""
+        """Every delta segment's base digest must be the parent version's at that place (invariant 4).
+
+        The digests must be of one kind: a chain never mixes manifest formats (FORMAT §5.4).
+        """
+        if manifest.digest_kind != parent.digest_kind and any(
+            e.base_offset is not None for f in manifest.files for e in f.segments
+        ):
+            raise errors.BaseMismatch(
+                f"a format-{manifest.version} delta on version {manifest.parent}, stored in format "
+                f"{parent.version}: a chain never mixes formats (publish a keyframe)"
+            )
         if manifest.single_file and len(parent.files) == 1:
             by_path = {manifest.files[0].path: parent.files[0]}
         else:
@@ -471,7 +486,7 @@ class Ops:
                 if e.base_offset is None:
                     continue
                 held = spans.get((e.base_offset, e.segment.length))
-                if held is None or held != e.base_xxh3:
+                if held is None or held != e.base_digest:
                     raise errors.BaseMismatch(
                         f"{f.path}: {e.segment.kind} {e.segment.name!r} was diffed against bytes that are "
                         f"not version {manifest.parent}'s"
@@ -529,15 +544,33 @@ class Ops:
     async def lineage(self, model: str, number: int) -> list[Version]:
         return await self._db(self.catalog.lineage, model, number)
 
-    async def plan(self, model: str, *, have: int | None, want: int | None = None, holder: str | None = None) -> Plan:
-        """The cheapest versions to fetch to go from `have` (None: nothing) to `want` (None: head).
+    async def plan(
+        self,
+        model: str,
+        *,
+        have: int | None,
+        want: int | None = None,
+        holder: str | None = None,
+        formats: Collection[int] | None = None,
+    ) -> Plan:
+        """The cheapest versions to fetch to go from `have` (None: nothing) to `want`.
+
+        `want` None is what followers hold: the pinned version while the model is pinned, else the head.
 
         Either the deltas after `have` (when `have` is in the target's chain and
         not after it) or the target's keyframe and every delta up to the target,
         whichever moves fewer bytes. With `holder`, a lease on the target's chain
-        keeps GC from deleting it while the reader fetches.
+        keeps GC from deleting it while the reader fetches. `formats`: the manifest
+        formats the reader can read (None: any); FormatNotReadable when the chosen
+        steps use another (a chain is one format, FORMAT §5.4).
         """
-        target = await self.get_version(model, want)
+        if want is None:  # what followers hold: the pinned version, else the head (one catalog read)
+            found = (await self._db(self.catalog.follow_target, model)).version
+            if found is None:
+                raise errors.VersionNotFound(f"model {model!r} has no committed version")
+            target = found
+        else:
+            target = await self.get_version(model, want)
         number, _ = committed(target)
         chain = await self.lineage(model, number)
         steps = list(await asyncio.gather(*(self._step(v) for v in chain)))  # stats at once, in chain order
@@ -550,6 +583,14 @@ class Ops:
             tail = steps[numbers.index(have) + 1 :]
             if sum(s.manifest_bytes + s.stored_bytes for s in tail) <= full:
                 chosen = tail
+        if formats is not None:
+            for s in chosen:
+                version = (await self.load_manifest(s.manifest)).version
+                if version not in formats:
+                    raise errors.FormatNotReadable(
+                        f"version {s.number} of {model!r} is stored in manifest format {version}; this client reads "
+                        f"{', '.join(map(str, sorted(formats)))}: upgrade weightsync"
+                    )
         lease = None
         if holder:
             lease = await self._db(
@@ -714,21 +755,22 @@ class Ops:
 
     async def wait_for_version(
         self, model: str, *, after: int | None, timeout: float, poll: float = 0.25
-    ) -> Version | None:
-        """Wait until the model's head is newer than `after`; return it, or None on timeout.
+    ) -> Target | None:
+        """Wait until a follower holding `after` must move (`Target.news_for`); return the target, or None on timeout.
 
-        Polls the catalog every `poll` seconds, so it sees commits made through any
-        service replica sharing the catalog; a commit made through this process
-        wakes it at once.
+        The target is the pinned version while the model is pinned (answered as soon as `after`
+        is another), else the head once it is newer than `after`. Polls the catalog every `poll`
+        seconds, so it sees commits and pins made through any service replica sharing the
+        catalog; a commit made through this process wakes it at once.
         """
         await self.get_model(model)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:
             event = self._committed
-            head = await self._db(self.catalog.head, model)
-            if head is not None and (after is None or committed(head)[0] > after):
-                return head
+            target = await self._db(self.catalog.follow_target, model)
+            if target.news_for(after):
+                return target
             if loop.time() >= deadline:
                 return None
             with contextlib.suppress(asyncio.TimeoutError):

@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import AliasChoices, AliasPath, BaseModel, ConfigDict, Field, field_validator
 
-from weightsync.catalog import Model, Replica, Version
+from weightsync.catalog import DeletedModel, Model, Replica, Version
 from weightsync.ops import BeginResult, FsckReport, GcReport, Plan
 
 _LABEL = Field(min_length=1, max_length=255)
@@ -49,6 +49,7 @@ class ModelOut(_Out):
     keyframe_interval: int
     max_chain_ratio: float
     keep_last: int | None
+    pinned: int | None = Field(description="The version followers hold instead of the head; null: the head.")
 
 
 class ModelList(_Out):
@@ -60,6 +61,31 @@ class CreateModelIn(_In):
     keyframe_interval: int | None = Field(None, ge=1, le=INT64)
     max_chain_ratio: float | None = Field(None, gt=0, allow_inf_nan=False)
     keep_last: int | None = Field(None, ge=1, le=INT64, description="null: keep every version")
+
+
+class UpdateModelIn(_In):
+    """Only the fields given change; null is refused for the first two (422) and keeps every version for keep_last."""
+
+    keyframe_interval: int | None = Field(None, ge=1, le=INT64)
+    max_chain_ratio: float | None = Field(None, gt=0, allow_inf_nan=False)
+    keep_last: int | None = Field(None, ge=1, le=INT64, description="null: keep every version")
+
+
+class PinIn(_In):
+    version: int = Field(ge=1, le=INT64, description="A committed version: followers hold it while the head moves on.")
+
+
+class DeletedModelOut(_Out):
+    name: str
+    versions_deleted: list[int]
+    publishes_aborted: int
+    deleted_at: datetime
+
+
+class InfoOut(_Out):
+    id: str = Field(description="The catalog's server id: the same for every service on one catalog, stable.")
+    version: str
+    formats: list[int] = Field(description="Manifest format versions this server reads (FORMAT §5).")
 
 
 # --- versions -------------------------------------------------------------------------
@@ -159,6 +185,9 @@ class BeginOut(_Out):
     parent_manifest: str | None
     expires_at: datetime | None
     missing: list[str] | None = Field(None, description="Present when the request's objects were checked.")
+    formats: list[int] | None = Field(
+        None, description="The manifest formats this server reads: encode in one of them (always set)."
+    )
     uploads: dict[str, PresignedPut] | None = Field(
         None, description="Present only when objects were checked and the store presigns uploads."
     )
@@ -290,6 +319,15 @@ class Readiness(_Out):
 
 def model_out(m: Model) -> ModelOut:
     return ModelOut.model_validate(m)
+
+
+def deleted_model_out(d: DeletedModel) -> DeletedModelOut:
+    return DeletedModelOut(
+        name=d.name,
+        versions_deleted=[v.number for v in d.versions if v.number is not None],
+        publishes_aborted=len(d.aborted),
+        deleted_at=d.deleted_at,
+    )
 
 
 def version_out(v: Version) -> VersionOut:

@@ -1,12 +1,23 @@
-"""Models: list, create, get."""
+"""Models: list, create, get, change settings, delete, and pin the version followers hold."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Response, status
 
 from weightsync import errors
-from weightsync.service.deps import OpsDep, Publisher, Reader
-from weightsync.service.schemas import CreateModelIn, ModelList, ModelOut, model_out
+from weightsync.ops.admin import delete_model as run_delete_model
+from weightsync.ops.admin import pin_model
+from weightsync.service.deps import Admin, OpsDep, Publisher, Reader
+from weightsync.service.schemas import (
+    CreateModelIn,
+    DeletedModelOut,
+    ModelList,
+    ModelOut,
+    PinIn,
+    UpdateModelIn,
+    deleted_model_out,
+    model_out,
+)
 
 router = APIRouter(prefix="/v1/models", tags=["models"])
 
@@ -43,5 +54,30 @@ async def create_model(body: CreateModelIn, ops: OpsDep, who: Publisher, respons
 
 @router.get("/{model:model}", operation_id="getModel", response_model=ModelOut)
 async def get_model(model: str, ops: OpsDep, who: Reader) -> ModelOut:
-    """One model: its head and its chain and retention settings."""
+    """One model: its head, its chain and retention settings, and its pin."""
     return model_out(await ops.get_model(model))
+
+
+@router.patch("/{model:model}", operation_id="updateModel", response_model=ModelOut)
+async def update_model(model: str, body: UpdateModelIn, ops: OpsDep, who: Publisher) -> ModelOut:
+    """Change the settings given (keyframe_interval, max_chain_ratio, keep_last); the others stay."""
+    return model_out(await ops.update_model_settings(model, **body.model_dump(exclude_unset=True)))
+
+
+@router.delete("/{model:model}", operation_id="deleteModel", response_model=DeletedModelOut)
+async def delete_model(model: str, ops: OpsDep, who: Admin) -> DeletedModelOut:
+    """Delete the model: its versions (GC reclaims their objects after its grace period), pending
+    publishes, leases and ledger. Its name is free again; a new model under it numbers on."""
+    return deleted_model_out(await run_delete_model(ops, model))
+
+
+@router.put("/{model:model}/pin", operation_id="pinModel", response_model=ModelOut)
+async def pin(model: str, body: PinIn, ops: OpsDep, who: Publisher) -> ModelOut:
+    """Make followers hold committed version ``version`` while the head moves on (404 if not committed)."""
+    return model_out(await pin_model(ops, model, body.version))
+
+
+@router.delete("/{model:model}/pin", operation_id="unpinModel", response_model=ModelOut)
+async def unpin(model: str, ops: OpsDep, who: Publisher) -> ModelOut:
+    """Make followers follow the head again."""
+    return model_out(await pin_model(ops, model, None))

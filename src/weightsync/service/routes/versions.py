@@ -12,6 +12,7 @@ from fastapi.responses import StreamingResponse
 
 from weightsync import errors
 from weightsync.ops import Ops, committed
+from weightsync.ops.core import FORMATS
 from weightsync.service.deps import MetricsDep, OpsDep, Publisher, Reader, SettingsDep
 from weightsync.service.metrics import Metrics
 from weightsync.service.problems import ApiProblem
@@ -115,9 +116,18 @@ async def get_plan(
     have: Annotated[int | None, Query(ge=-INT64, le=INT64)] = None,
     want: Annotated[int | None, Query(ge=-INT64, le=INT64)] = None,
     holder: Annotated[str | None, Query(min_length=1, max_length=255)] = None,
+    formats: Annotated[
+        str | None,
+        Query(
+            max_length=64,
+            pattern=r"^[0-9]{1,3}(,[0-9]{1,3})*$",
+            description="Manifest formats the reader reads, comma-separated (e.g. 1,2); 406 if the plan needs another.",
+        ),
+    ] = None,
 ) -> PlanOut:
     """What to fetch to go from ``have`` to ``want`` (default: the head); ``holder`` leases the chain."""
-    return plan_out(await ops.plan(model, have=have, want=want, holder=holder))
+    readable = None if formats is None else {int(f) for f in formats.split(",")}
+    return plan_out(await ops.plan(model, have=have, want=want, holder=holder, formats=readable))
 
 
 # --- publishing -----------------------------------------------------------------------------
@@ -137,6 +147,7 @@ async def begin_publish(model: str, body: BeginIn, ops: OpsDep, who: Publisher, 
         model, parent=body.parent, step=body.step, metadata=body.metadata, keyframe=body.keyframe
     )
     out = begin_out(begun)
+    out.formats = list(FORMATS)
     if body.objects is not None and begun.kind == ("keyframe" if body.keyframe else "delta"):
         checked = await _check(model, begun.publish_id, body.objects, ops, settings)
         out.missing, out.uploads = checked.missing, checked.uploads
@@ -243,15 +254,19 @@ async def watch_model(
     after: Annotated[int | None, Query(ge=-INT64, le=INT64)] = None,
     timeout: Annotated[float, Query(ge=0, le=MAX_WATCH_S)] = 30.0,
 ) -> VersionOut | Response:
-    """Long poll: the head as soon as it is newer than ``after`` (200), or 204 after ``timeout`` seconds."""
+    """Long poll: the version to hold as soon as it is not ``after`` (200), or 204 after ``timeout`` seconds.
+
+    That is the pinned version while the model is pinned (a rollback below ``after`` too), else
+    the head once it is newer than ``after``.
+    """
     metrics.watchers.inc()
     try:
-        head = await ops.wait_for_version(model, after=after, timeout=timeout, poll=settings.watch_poll_s)
+        target = await ops.wait_for_version(model, after=after, timeout=timeout, poll=settings.watch_poll_s)
     finally:
         metrics.watchers.dec()
-    if head is None:
+    if target is None or target.version is None:
         return Response(status_code=status.HTTP_204_NO_CONTENT)
-    return version_out(head)
+    return version_out(target.version)
 
 
 @router.get(
@@ -276,7 +291,9 @@ async def stream_events(
 ) -> StreamingResponse:
     """Server-Sent Events: every version committed after ``after`` (or ``Last-Event-ID``), with keep-alives.
 
-    Without either, the first event is the current head (if any).
+    Without either, the first event is the current head (if any). While the model is pinned, the
+    pinned version alone (unless it is the last one sent) and then nothing; after an unpin, the head
+    alone. The stream ends when the model is deleted.
     """
     await ops.get_model(model)  # 404 now, not inside the stream
     if (
@@ -301,21 +318,29 @@ async def _events(
     try:
         yield f"retry: {int(poll * 4000)}\n: watching {model}\n\n"
         last = after
+        held = False  # the last event sent was a pinned version
         while True:
             try:
-                head = await ops.wait_for_version(model, after=last, timeout=keepalive, poll=poll)
-                if head is None:
+                target = await ops.wait_for_version(model, after=last, timeout=keepalive, poll=poll)
+                if target is None or target.version is None:
                     yield ": keep-alive\n\n"
                     continue
-                new = [head] if last is None else await ops.list_versions(model, after=last, limit=None)
+                number = committed(target.version)[0]
+                if last is None or target.pinned or held or number < last:
+                    new = [target.version]  # a pin, the head after an unpin, or the first event
+                else:
+                    new = await ops.list_versions(model, after=last, before=number + 1, limit=None)
             except errors.CatalogUnavailable as exc:
                 log.warning("event stream of %s: %s", model, exc)
                 yield ": catalog unavailable, retrying\n\n"
                 await asyncio.sleep(keepalive)
                 continue
+            except errors.ModelNotFound:
+                yield f": {model} was deleted\n\n"
+                return
             for v in new:
                 data = version_out(v).model_dump_json()
                 yield f"id: {v.number}\nevent: version\ndata: {data}\n\n"
-            last = max([committed(head)[0], *(committed(v)[0] for v in new)])
+            last, held = number, target.pinned
     finally:
         metrics.sse_streams.dec()

@@ -1,0 +1,427 @@
+/* The codec's element loops (included once, by _kernels.c): find changes, code and join
+ * byte planes, apply values. No Python here: _kernels.c checks every length before calling.
+ * Elements are little-endian unsigned integers of 1, 2, 4 or 8 bytes (FORMAT §3); loads go
+ * through memcpy, so any alignment works. */
+
+/* ---- element access ------------------------------------------------------------------ */
+
+static inline u64 load(const u8 *p, int w) {
+    switch (w) {
+    case 1: return p[0];
+    case 2: { u16 v; memcpy(&v, p, 2); return v; }
+    case 4: { u32 v; memcpy(&v, p, 4); return v; }
+    default: { u64 v; memcpy(&v, p, 8); return v; }
+    }
+}
+
+static inline void store(u8 *p, int w, u64 v) {
+    switch (w) {
+    case 1: p[0] = (u8)v; break;
+    case 2: { u16 x = (u16)v; memcpy(p, &x, 2); break; }
+    case 4: { u32 x = (u32)v; memcpy(p, &x, 4); break; }
+    default: memcpy(p, &v, 8);
+    }
+}
+
+static inline u64 mask_of(int w) { return w == 8 ? ~(u64)0 : (((u64)1 << (8 * w)) - 1); }
+
+/* FORMAT §4.2: zigzag of the wrapping difference, so 0,-1,1,-2 -> 0,1,2,3 at width w. */
+static inline u64 zigzag(u64 d, int w) {
+    u64 m = mask_of(w);
+    d &= m;
+    u64 sign = (d >> (8 * w - 1)) & 1;
+    return ((d << 1) ^ ((u64)0 - sign)) & m;
+}
+
+static inline u64 unzigzag(u64 z, int w) { return ((z >> 1) ^ ((u64)0 - (z & 1))) & mask_of(w); }
+
+/* The delta value of one element (FORMAT §4.2): zigzag(new - old) for ADD, else old ^ new. */
+static inline u64 delta_value(u64 old, u64 new_, int w, int add) {
+    return add ? zigzag(new_ - old, w) : (old ^ new_);
+}
+
+static inline u64 gap_at(u8 *const *gaps, u64 k) {
+    return (u64)gaps[0][k] | ((u64)gaps[1][k] << 8) | ((u64)gaps[2][k] << 16) | ((u64)gaps[3][k] << 24);
+}
+
+/* ---- count --------------------------------------------------------------------------- */
+
+#define COUNT_LOOP(T)                                             \
+    static u64 count_##T(const u8 *a, const u8 *b, u64 n) {       \
+        u64 count = 0;                                            \
+        for (u64 i = 0; i < n; i++) {                             \
+            T x, y;                                               \
+            memcpy(&x, a + i * sizeof(T), sizeof(T));             \
+            memcpy(&y, b + i * sizeof(T), sizeof(T));             \
+            count += x != y;                                      \
+        }                                                         \
+        return count;                                             \
+    }
+HOT COUNT_LOOP(u8)
+HOT COUNT_LOOP(u16)
+HOT COUNT_LOOP(u32)
+HOT COUNT_LOOP(u64)
+
+static u64 count_changed_loop(const u8 *a, const u8 *b, u64 nbytes, int w) {
+    switch (w) {
+    case 1: return count_u8(a, b, nbytes);
+    case 2: return count_u16(a, b, nbytes / 2);
+    case 4: return count_u32(a, b, nbytes / 4);
+    default: return count_u64(a, b, nbytes / 8);
+    }
+}
+
+/* ---- the sparse scan (FORMAT §4.2) ---------------------------------------------------- */
+
+/* Where a sparse coder writes: byte j of the k-th change's gap (u32: the unchanged elements
+ * since the previous change) goes to gaps[j][k] and byte j of its value to vals[j][k]. The
+ * scan is resumable: positions are frame positions, so the pieces of a grouped frame and
+ * the parts of a piece code as their concatenation. */
+typedef struct {
+    u8 *gaps[4];
+    u8 *vals[8];
+    u64 cap;  /* room for this many changes */
+    u64 k;    /* changes written */
+    u64 prev; /* frame position of the last change; (u64)-1 before the first */
+} Coder;
+
+#define EMIT(T, pos, x, y)                                                   \
+    do {                                                                     \
+        if (k == cap) goto full;                                             \
+        u64 gap_ = (pos) - prev - 1, v_ = delta_value(x, y, sizeof(T), add); \
+        prev = (pos);                                                        \
+        g0[k] = (u8)gap_;                                                    \
+        g1[k] = (u8)(gap_ >> 8);                                             \
+        g2[k] = (u8)(gap_ >> 16);                                            \
+        g3[k] = (u8)(gap_ >> 24);                                            \
+        for (unsigned j_ = 0; j_ < sizeof(T); j_++) vals[j_][k] = (u8)(v_ >> (8 * j_)); \
+        k++;                                                                 \
+    } while (0)
+
+/* Scan n elements at a (base) and b (new), the first at frame position e0, appending the
+ * changes to c. Returns 0, or -1 as soon as there are more than c->cap (c is then spent).
+ * 32-byte blocks without a change are skipped with one compare. */
+#define SCAN_LOOP(T)                                                                         \
+    static int scan_##T(const u8 *a, const u8 *b, u64 n, u64 e0, int add, Coder *c) {       \
+        u64 k = c->k, prev = c->prev, cap = c->cap;                                          \
+        u8 *g0 = c->gaps[0], *g1 = c->gaps[1], *g2 = c->gaps[2], *g3 = c->gaps[3];           \
+        u8 **vals = c->vals;                                                                 \
+        const u64 per = 32 / sizeof(T);                                                      \
+        for (u64 i = 0; i < n;) {                                                            \
+            if (i + per <= n) {                                                              \
+                u64 x4[4], y4[4];                                                            \
+                memcpy(x4, a + i * sizeof(T), 32);                                           \
+                memcpy(y4, b + i * sizeof(T), 32);                                           \
+                if (((x4[0] ^ y4[0]) | (x4[1] ^ y4[1]) | (x4[2] ^ y4[2]) | (x4[3] ^ y4[3])) == 0) { \
+                    i += per;                                                                \
+                    continue;                                                                \
+                }                                                                            \
+            }                                                                                \
+            u64 end = i + per <= n ? i + per : n;                                            \
+            for (; i < end; i++) {                                                           \
+                T x, y;                                                                      \
+                memcpy(&x, a + i * sizeof(T), sizeof(T));                                    \
+                memcpy(&y, b + i * sizeof(T), sizeof(T));                                    \
+                if (x != y) EMIT(T, e0 + i, x, y);                                           \
+            }                                                                                \
+        }                                                                                    \
+        c->k = k;                                                                            \
+        c->prev = prev;                                                                      \
+        return 0;                                                                            \
+    full:                                                                                    \
+        c->k = k;                                                                            \
+        return -1;                                                                           \
+    }
+HOT SCAN_LOOP(u8)
+HOT SCAN_LOOP(u16)
+HOT SCAN_LOOP(u32)
+HOT SCAN_LOOP(u64)
+
+#ifdef WS_X86
+/* AVX2 for 1- and 2-byte elements (bf16, fp16, fp8: most of a model): compare 32 elements
+ * at once into a bit mask of changed elements, then visit only the set bits. (Tried and
+ * measured slower on Zen 3 from 0.05 % to 5 % density: coding the first two bits of every
+ * group without a branch, with or without a (gap, value) scratch array split into planes
+ * afterwards; the scratch wins ~15 % only above ~8 % density.) */
+#define SCAN_AVX2(T)                                                                                 \
+    __attribute__((target("avx2"))) static int scan_avx2_##T(const u8 *a, const u8 *b, u64 n, u64 e0,  \
+                                                              int add, Coder *c) {                   \
+        u64 k = c->k, prev = c->prev, cap = c->cap, i = 0;                                           \
+        u8 *g0 = c->gaps[0], *g1 = c->gaps[1], *g2 = c->gaps[2], *g3 = c->gaps[3];                   \
+        u8 **vals = c->vals;                                                                         \
+        for (; i + 32 <= n; i += 32) {                                                               \
+            u32 eq;                                                                                  \
+            if (sizeof(T) == 1) {                                                                    \
+                __m256i x = _mm256_loadu_si256((const __m256i *)(a + i));                            \
+                __m256i y = _mm256_loadu_si256((const __m256i *)(b + i));                            \
+                eq = (u32)_mm256_movemask_epi8(_mm256_cmpeq_epi8(x, y));                             \
+            } else {                                                                                 \
+                const u8 *pa = a + 2 * i, *pb = b + 2 * i;                                           \
+                __m256i c0 = _mm256_cmpeq_epi16(_mm256_loadu_si256((const __m256i *)pa),             \
+                                                _mm256_loadu_si256((const __m256i *)pb));            \
+                __m256i c1 = _mm256_cmpeq_epi16(_mm256_loadu_si256((const __m256i *)(pa + 32)),      \
+                                                _mm256_loadu_si256((const __m256i *)(pb + 32)));     \
+                /* packs interleaves 128-bit lanes; the permute restores element order */            \
+                __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi16(c0, c1), 0xD8);         \
+                eq = (u32)_mm256_movemask_epi8(packed);                                              \
+            }                                                                                        \
+            u32 changed = ~eq;                                                                       \
+            while (changed) {                                                                        \
+                u64 e = i + (u64)__builtin_ctz(changed);                                             \
+                changed &= changed - 1;                                                              \
+                T x, y;                                                                              \
+                memcpy(&x, a + e * sizeof(T), sizeof(T));                                            \
+                memcpy(&y, b + e * sizeof(T), sizeof(T));                                            \
+                EMIT(T, e0 + e, x, y);                                                               \
+            }                                                                                        \
+        }                                                                                            \
+        for (; i < n; i++) {                                                                         \
+            T x, y;                                                                                  \
+            memcpy(&x, a + i * sizeof(T), sizeof(T));                                                \
+            memcpy(&y, b + i * sizeof(T), sizeof(T));                                                \
+            if (x != y) EMIT(T, e0 + i, x, y);                                                       \
+        }                                                                                            \
+        c->k = k;                                                                                    \
+        c->prev = prev;                                                                              \
+        return 0;                                                                                    \
+    full:                                                                                            \
+        c->k = k;                                                                                    \
+        return -1;                                                                                   \
+    }
+SCAN_AVX2(u8)
+SCAN_AVX2(u16)
+#endif
+
+static int scan(const u8 *a, const u8 *b, u64 n, int w, u64 e0, int add, Coder *c) {
+#ifdef WS_X86
+    if (has_avx2 && w == 1) return scan_avx2_u8(a, b, n, e0, add, c);
+    if (has_avx2 && w == 2) return scan_avx2_u16(a, b, n, e0, add, c);
+#endif
+    switch (w) {
+    case 1: return scan_u8(a, b, n, e0, add, c);
+    case 2: return scan_u16(a, b, n, e0, add, c);
+    case 4: return scan_u32(a, b, n, e0, add, c);
+    default: return scan_u64(a, b, n, e0, add, c);
+    }
+}
+
+/* ---- dense coding and byte planes ----------------------------------------------------- */
+
+/* Dense values (FORMAT §4.2 PLANES/STORED): byte j of element i's delta value -> planes[j][i]. */
+HOT static void dense_loop(const u8 *a, const u8 *b, u64 n, int w, int add, u8 **planes) {
+    switch (w) {
+    case 1:
+        if (add) for (u64 i = 0; i < n; i++) planes[0][i] = (u8)zigzag((u64)b[i] - a[i], 1);
+        else for (u64 i = 0; i < n; i++) planes[0][i] = a[i] ^ b[i];
+        break;
+    case 2: {
+        u8 *p0 = planes[0], *p1 = planes[1];
+        for (u64 i = 0; i < n; i++) {
+            u16 x, y;
+            memcpy(&x, a + 2 * i, 2);
+            memcpy(&y, b + 2 * i, 2);
+            u16 v;
+            if (add) {
+                u16 d = (u16)(y - x);
+                v = (u16)((u16)(d << 1) ^ (u16)(0 - (d >> 15)));
+            } else {
+                v = x ^ y;
+            }
+            p0[i] = (u8)v;
+            p1[i] = (u8)(v >> 8);
+        }
+        break;
+    }
+    default:
+        for (u64 i = 0; i < n; i++) {
+            u64 v = delta_value(load(a + i * w, w), load(b + i * w, w), w, add);
+            for (int j = 0; j < w; j++) planes[j][i] = (u8)(v >> (8 * j));
+        }
+    }
+}
+
+/* Byte planes of raw elements (keyframes, FORMAT §4.4): planes[j][i] = byte j of element i. */
+HOT static void split_loop(const u8 *src, u64 n, int w, u8 **planes) {
+    if (w == 2) {
+        u8 *p0 = planes[0], *p1 = planes[1];
+        for (u64 i = 0; i < n; i++) {
+            p0[i] = src[2 * i];
+            p1[i] = src[2 * i + 1];
+        }
+        return;
+    }
+    for (u64 i = 0; i < n; i++)
+        for (int j = 0; j < w; j++) planes[j][i] = src[i * w + j];
+}
+
+/* Join byte planes into elements (values of a decoded frame). */
+HOT static void join_loop(u8 *const *planes, u64 n, int w, u8 *out) {
+    if (w == 2) {
+        const u8 *p0 = planes[0], *p1 = planes[1];
+        for (u64 i = 0; i < n; i++) {
+            out[2 * i] = p0[i];
+            out[2 * i + 1] = p1[i];
+        }
+        return;
+    }
+    for (u64 i = 0; i < n; i++)
+        for (int j = 0; j < w; j++) out[i * w + j] = planes[j][i];
+}
+
+/* ---- apply ---------------------------------------------------------------------------- */
+
+enum { OP_SET = 0, OP_XOR = 1, OP_ADD = 2, OP_SUB = 3 };
+
+static inline u64 joined(u8 *const *planes, int w, u64 i) {
+    u64 v = 0;
+    for (int j = 0; j < w; j++) v |= (u64)planes[j][i] << (8 * j);
+    return v;
+}
+
+static inline u64 combine(u64 cur, u64 v, int w, int op) {
+    switch (op) {
+    case OP_SET: return v;
+    case OP_XOR: return cur ^ v;
+    case OP_ADD: return (cur + unzigzag(v, w)) & mask_of(w);
+    default: return (cur - unzigzag(v, w)) & mask_of(w);
+    }
+}
+
+/* Dense: target[i] = target[i] op join(planes)[i] for every element (op SET: keyframe planes).
+ * One loop per width and operation, no branch inside, restrict pointers: these vectorise. */
+#define DENSE_APPLY(T, NAME, EXPR)                                                             \
+    HOT static void NAME(u8 *restrict t, u64 n, u8 *const *planes) {                          \
+        const u8 *restrict p0 = planes[0];                                                      \
+        const u8 *restrict p1 = sizeof(T) > 1 ? planes[1] : planes[0];                          \
+        for (u64 i = 0; i < n; i++) {                                                           \
+            T v = sizeof(T) > 1 ? (T)(p0[i] | (T)(p1[i] << 8)) : (T)p0[i], cur;                 \
+            memcpy(&cur, t + i * sizeof(T), sizeof(T));                                         \
+            T d = (T)((T)(v >> 1) ^ (T)(0 - (T)(v & 1)));                                       \
+            (void)d;                                                                            \
+            cur = (T)(EXPR);                                                                    \
+            memcpy(t + i * sizeof(T), &cur, sizeof(T));                                         \
+        }                                                                                       \
+    }
+DENSE_APPLY(u8, dense_set_u8, v)
+DENSE_APPLY(u8, dense_xor_u8, cur ^ v)
+DENSE_APPLY(u8, dense_add_u8, cur + d)
+DENSE_APPLY(u8, dense_sub_u8, cur - d)
+DENSE_APPLY(u16, dense_set_u16, v)
+DENSE_APPLY(u16, dense_xor_u16, cur ^ v)
+DENSE_APPLY(u16, dense_add_u16, cur + d)
+DENSE_APPLY(u16, dense_sub_u16, cur - d)
+
+typedef void (*dense_apply_fn)(u8 *, u64, u8 *const *);
+static const dense_apply_fn DENSE_APPLY_FNS[2][4] = {
+    {dense_set_u8, dense_xor_u8, dense_add_u8, dense_sub_u8},
+    {dense_set_u16, dense_xor_u16, dense_add_u16, dense_sub_u16},
+};
+
+/* n elements at t; planes[j] points at byte j of the first of them. */
+static void dense_apply_loop(u8 *t, u64 n, int w, int op, u8 *const *planes) {
+    if (w <= 2) {
+        DENSE_APPLY_FNS[w - 1][op](t, n, planes);
+        return;
+    }
+    for (u64 i = 0; i < n; i++) store(t + i * w, w, combine(load(t + i * w, w), joined(planes, w, i), w, op));
+}
+
+/* Position of the last change (sum of gaps + count - 1), or UINT64_MAX when count is 0 or
+ * the position does not fit 64 bits (crafted planes of 2^32 changes or more). */
+HOT static u64 last_position(u8 *const *gaps, u64 count) {
+    if (count == 0 || count > ((u64)1 << 32)) return UINT64_MAX;
+    u64 total = 0; /* < 2^32 gaps of < 2^32 each: no overflow */
+    for (u64 k = 0; k < count; k++)
+        total += (u64)gaps[0][k] | ((u64)gaps[1][k] << 8) | ((u64)gaps[2][k] << 16) | ((u64)gaps[3][k] << 24);
+    return total + count - 1;
+}
+
+/* Gap-coded changes read in order; change k lies at frame position pos (when k < count). */
+typedef struct {
+    u8 *gaps[4];
+    u8 *vals[8];
+    u64 count, k, pos;
+} Changes;
+
+static void changes_start(Changes *s, u64 count) {
+    s->count = count;
+    s->k = 0;
+    s->pos = count ? gap_at(s->gaps, 0) : 0;
+}
+
+/* Apply the next changes that lie before frame position `limit` to t, which holds frame
+ * position t0 at its start; returns how many. Per width and operation, so the loop body
+ * has no branch but the data's. Positions were bound-checked by the caller. */
+#define SPARSE_RUN(T, NAME, EXPR)                                                               \
+    static u64 NAME(u8 *t, u64 t0, u64 limit, Changes *s) {                                     \
+        u64 k = s->k, pos = s->pos, first = k;                                                  \
+        const u64 count = s->count;                                                              \
+        u8 *const *vals = s->vals;                                                               \
+        while (k < count && pos < limit) {                                                       \
+            T v = 0, cur;                                                                        \
+            for (unsigned j = 0; j < sizeof(T); j++) v |= (T)((T)vals[j][k] << (8 * j));         \
+            u8 *at = t + (pos - t0) * sizeof(T);                                                 \
+            memcpy(&cur, at, sizeof(T));                                                         \
+            T d = (T)((T)(v >> 1) ^ (T)(0 - (T)(v & 1)));                                        \
+            (void)d;                                                                             \
+            cur = (T)(EXPR);                                                                     \
+            memcpy(at, &cur, sizeof(T));                                                         \
+            if (++k < count) pos += 1 + gap_at(s->gaps, k);                                      \
+        }                                                                                        \
+        s->k = k;                                                                                \
+        s->pos = pos;                                                                            \
+        return k - first;                                                                        \
+    }
+#define SPARSE_RUN_ALL(T)                               \
+    SPARSE_RUN(T, sparse_set_##T, v)                    \
+    SPARSE_RUN(T, sparse_xor_##T, cur ^ v)              \
+    SPARSE_RUN(T, sparse_add_##T, cur + d)              \
+    SPARSE_RUN(T, sparse_sub_##T, cur - d)
+SPARSE_RUN_ALL(u8)
+SPARSE_RUN_ALL(u16)
+SPARSE_RUN_ALL(u32)
+SPARSE_RUN_ALL(u64)
+
+typedef u64 (*sparse_run_fn)(u8 *, u64, u64, Changes *);
+static const sparse_run_fn SPARSE_RUN_FNS[4][4] = {
+    {sparse_set_u8, sparse_xor_u8, sparse_add_u8, sparse_sub_u8},
+    {sparse_set_u16, sparse_xor_u16, sparse_add_u16, sparse_sub_u16},
+    {sparse_set_u32, sparse_xor_u32, sparse_add_u32, sparse_sub_u32},
+    {sparse_set_u64, sparse_xor_u64, sparse_add_u64, sparse_sub_u64},
+};
+
+static sparse_run_fn sparse_run_for(int w, int op) {
+    return SPARSE_RUN_FNS[w == 1 ? 0 : w == 2 ? 1 : w == 4 ? 2 : 3][op];
+}
+
+/* Positions (int64) of `count` changes from their gap planes; returns the last position + 1
+ * (0 when count is 0) so the caller checks the bound. */
+HOT static u64 positions_loop(u8 *const *gaps, u64 count, int64_t *out) {
+    u64 pos = (u64)-1;
+    for (u64 k = 0; k < count; k++) {
+        pos += 1 + ((u64)gaps[0][k] | ((u64)gaps[1][k] << 8) | ((u64)gaps[2][k] << 16) | ((u64)gaps[3][k] << 24));
+        out[k] = (int64_t)pos;
+    }
+    return pos + 1;
+}
+
+/* Where a run of gap-coded changes crosses the ascending element `bounds` of consecutive
+ * pieces: cuts[i] = index of the first change at or after bounds[i], firsts[i] = its
+ * position (-1 if none). Returns the last position + 1 (0 when count is 0). */
+HOT static u64 cuts_loop(u8 *const *gaps, u64 count, const int64_t *bounds, u64 nb, int64_t *cuts,
+                         int64_t *firsts) {
+    u64 pos = (u64)-1, bi = 0;
+    for (u64 k = 0; k < count; k++) {
+        pos += 1 + ((u64)gaps[0][k] | ((u64)gaps[1][k] << 8) | ((u64)gaps[2][k] << 16) | ((u64)gaps[3][k] << 24));
+        while (bi < nb && (u64)bounds[bi] <= pos) {
+            cuts[bi] = (int64_t)k;
+            firsts[bi] = (int64_t)pos;
+            bi++;
+        }
+    }
+    for (; bi < nb; bi++) {
+        cuts[bi] = (int64_t)count;
+        firsts[bi] = -1;
+    }
+    return pos + 1;
+}

@@ -1,0 +1,313 @@
+"""One encode's work: the frame plan, the frames, and each segment's digests (docs/FORMAT.md §4.5, §5).
+
+Each byte is digested once, in the pass that codes it, while it is in cache. Version 1
+(xxh3-128) streams: a segment cut across frames is hashed by its chunks' tasks in order
+(`XxhChain`). Version 2 (the tensor checksum, FORMAT §10) adds the checksums of a
+segment's pieces, each taken at its position, so chunks need no order; and a delta-coded
+segment whose bytes equal its base's is found first (a compare that stops at the first
+change) and gets no frame at all (FORMAT §5.3). `weightsync.codec.encoder` drives these.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from weightsync.codec import kernels
+from weightsync.codec.checksum import PieceSums, TensorSum, tensor_sum
+from weightsync.codec.decoder import base_offset
+from weightsync.codec.dtypes import DType
+from weightsync.codec.frame import encode_delta_pieces, encode_key, xxh3_128
+from weightsync.codec.manifest import VERSION_2, Piece, SegmentEntry
+
+_COMPARE_FIRST = 64 << 10
+_COMPARE_MAX = 4 << 20
+
+
+@dataclass
+class EncodedFrame:
+    """A frame's bytes plus what it decodes into (the manifest entry lacks only its location)."""
+
+    data: bytes
+    delta: bool
+    dtype: str
+    raw_len: int
+    pieces: tuple[Piece, ...]
+
+
+@dataclass
+class Plan:
+    delta: bool
+    dtype: DType
+    pieces: list[Piece]
+
+    @property
+    def raw_len(self) -> int:
+        return sum(p.length for p in self.pieces)
+
+
+def plan_frames(entries: list[list[SegmentEntry]], chunk_bytes: int, skip: set[tuple[int, int]]) -> list[Plan]:
+    """Frames for every segment with bytes, but those in `skip` (FORMAT §4.5)."""
+    plans: list[Plan] = []
+    open_groups: dict[tuple[bool, str], Plan] = {}
+    for fi, segs in enumerate(entries):
+        for si, entry in enumerate(segs):
+            seg = entry.segment
+            if seg.length == 0 or (fi, si) in skip:
+                continue
+            delta = entry.base_offset is not None
+            step = max(seg.dtype.width, chunk_bytes - chunk_bytes % seg.dtype.width)
+            if seg.length >= chunk_bytes:
+                for off in range(0, seg.length, step):
+                    plans.append(Plan(delta, seg.dtype, [Piece(fi, si, off, min(step, seg.length - off))]))
+                continue
+            key = (delta, seg.dtype.name)
+            group = open_groups.get(key)
+            if group is not None and group.raw_len + seg.length > chunk_bytes:
+                plans.append(group)
+                group = None
+            if group is None:
+                group = open_groups[key] = Plan(delta, seg.dtype, [])
+            group.pieces.append(Piece(fi, si, 0, seg.length))
+    plans.extend(g for g in open_groups.values() if g.pieces)
+    return plans
+
+
+class XxhChain:
+    """Version 1: the xxh3-128 of a segment cut into several frames, fed by the frames' tasks in chunk order.
+
+    Each task feeds its chunk right after coding it (the bytes are still in cache) once
+    the previous chunk has been fed; `feed` always releases the next chunk, even on error.
+    """
+
+    def __init__(self, *, base: bool) -> None:
+        self.new = xxhash.xxh3_128()
+        self.base = xxhash.xxh3_128() if base else None
+        self._fed: list[threading.Event] = []
+
+    def add_link(self) -> int:
+        """Reserve the next chunk's turn; returns its index."""
+        self._fed.append(threading.Event())
+        return len(self._fed) - 1
+
+    def feed(self, i: int, new: np.ndarray, base: np.ndarray | None) -> None:
+        """Hash chunk `i` after chunk i-1."""
+        try:
+            if i:
+                self._fed[i - 1].wait()
+            self.new.update(new.data)
+            if self.base is not None and base is not None:
+                self.base.update(base.data)
+        finally:
+            self._fed[i].set()
+
+
+def same_bytes(base: np.ndarray, new: np.ndarray, width: int, want_sum: bool) -> tuple[bool, TensorSum | None]:
+    """Whether `new` equals `base`, stopping at the first block that differs; and, if equal and
+    `want_sum`, the checksum of the bytes, summed block by block while they are in cache."""
+    k = kernels.active()
+    total = TensorSum.empty(width) if want_sum else None
+    off, step = 0, _COMPARE_FIRST
+    while off < len(new):
+        step = max(width, step - step % width)
+        b, n = base[off : off + step], new[off : off + step]
+        if k.count_changed(b, n, 1):
+            return False, None
+        if total is not None:
+            total = total + tensor_sum(n, width, start=off // width)
+        off += len(n)
+        step = min(2 * step, _COMPARE_MAX)
+    return True, total
+
+
+@dataclass
+class Digested:
+    """What the frame tasks learned of one segment: its digest and, for delta-coded ones, its base's."""
+
+    new: dict[tuple[int, int], str]
+    base: dict[tuple[int, int], str]
+    same: set[tuple[int, int]]
+    """Delta-coded segments whose bytes equal their base's (v1: whose digests do: xxh3-128 is no linear sum)."""
+
+
+class Job:
+    """One encode: the segments, their bytes, and the frame coding both versions share."""
+
+    def __init__(
+        self,
+        entries: list[list[SegmentEntry]],
+        new: list[np.ndarray],
+        base: list[np.ndarray],
+        *,
+        level: int,
+        chunk_bytes: int,
+    ) -> None:
+        self.level = level
+        self.chunk_bytes = chunk_bytes
+        self.entries = entries
+        self.new_arrays = new
+        self.base_arrays = base
+
+    def new_bytes(self, fi: int, si: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        """Bytes of segment `si` of file `fi` in the new version (a view), from `offset`."""
+        seg = self.entries[fi][si].segment
+        n = seg.length - offset if length is None else length
+        return self.new_arrays[fi][seg.offset + offset :][:n]
+
+    def base_bytes(self, fi: int, si: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        """Bytes of a delta-coded segment's base (a view), from `offset`."""
+        e = self.entries[fi][si]
+        n = e.segment.length - offset if length is None else length
+        return self.base_arrays[fi][base_offset(e) + offset :][:n]
+
+    def frame(self, plan: Plan, data: bytes) -> EncodedFrame:
+        """The encoded frame of `plan`."""
+        return EncodedFrame(data, plan.delta, plan.dtype.name, plan.raw_len, tuple(plan.pieces))
+
+    def whole(self, p: Piece) -> bool:
+        """Whether `p` covers its segment entirely."""
+        return p.offset == 0 and p.length == self.entries[p.file][p.seg].segment.length
+
+
+class V1Job(Job):
+    """Version 1 (FORMAT §5.2): every segment in frames; xxh3-128 of whole segments from the frame coder,
+    of segments cut across frames chained chunk by chunk (`XxhChain`)."""
+
+    def run(self, pool: ThreadPoolExecutor) -> tuple[list[EncodedFrame], Digested]:
+        plans = plan_frames(self.entries, self.chunk_bytes, set())
+        in_frame = {(p.file, p.seg) for plan in plans for p in plan.pieces if self.whole(p)}
+        chains: dict[tuple[int, int], XxhChain] = {}
+        links: list[tuple[XxhChain, int] | None] = []
+        for plan in plans:
+            p = plan.pieces[0]
+            key = (p.file, p.seg)
+            if key in in_frame:
+                links.append(None)
+                continue
+            chain = chains.get(key)
+            if chain is None:
+                e = self.entries[p.file][p.seg]
+                chain = chains[key] = XxhChain(base=e.base_offset is not None and e.base_digest is None)
+            links.append((chain, chain.add_link()))
+        level = self.level
+
+        def run(index: int) -> tuple[EncodedFrame, list[tuple[int, int, str, str | None]]]:
+            plan = plans[index]
+            # Pieces are coded where they lie (no scratch copy of a grouped frame's tensors).
+            news = [self.new_bytes(p.file, p.seg, p.offset, p.length) for p in plan.pieces]
+            olds = [self.base_bytes(p.file, p.seg, p.offset, p.length) for p in plan.pieces] if plan.delta else None
+            if olds is not None:
+                piece_hashes: list[tuple[bytes, bytes]] = []
+                blob = encode_delta_pieces(olds, news, plan.dtype, level=level, piece_hashes=piece_hashes, version=1)
+            else:
+                piece_hashes = [(xxh3_128(x), b"") for x in news]
+                data = news[0] if len(news) == 1 else np.concatenate(news)
+                known = piece_hashes[0][0] if len(news) == 1 else None
+                blob = encode_key(data, plan.dtype, level=level, result_hash=known, version=1)
+            hashed: list[tuple[int, int, str, str | None]] = []
+            for p, (h, bh) in zip(plan.pieces, piece_hashes, strict=True):
+                if (p.file, p.seg) in in_frame:
+                    e = self.entries[p.file][p.seg]
+                    known_base = e.base_digest if e.base_digest is not None else (bh.hex() if olds else None)
+                    hashed.append((p.file, p.seg, h.hex(), known_base))
+            link = links[index]
+            if link is not None:
+                link[0].feed(link[1], news[0], olds[0] if olds is not None else None)
+            return self.frame(plan, blob), hashed
+
+        # map() queues the frames in plan order and workers take them in that order, so a
+        # chunk waiting for its predecessor's hash update waits only on a running task.
+        results = list(pool.map(run, range(len(plans))))
+        out = Digested({}, {}, set())
+        for fi, si, h, bh in (x for _, hs in results for x in hs):
+            out.new[fi, si] = h
+            if bh is not None:
+                out.base[fi, si] = bh
+        for (fi, si), chain in chains.items():
+            out.new[fi, si] = chain.new.hexdigest()
+            e = self.entries[fi][si]
+            if e.base_digest is not None:
+                out.base[fi, si] = e.base_digest
+            elif chain.base is not None:
+                out.base[fi, si] = chain.base.hexdigest()
+        empty = xxh3_128(b"").hex()
+        for fi, row in enumerate(self.entries):  # empty segments: in no frame
+            for si, e in enumerate(row):
+                if (fi, si) not in out.new:
+                    out.new[fi, si] = empty
+                    if e.base_offset is not None:
+                        out.base[fi, si] = e.base_digest or empty
+        out.same = {key for key, b in out.base.items() if out.new[key] == b}
+        return [fr for fr, _ in results], out
+
+
+class V2Job(Job):
+    """Version 2 (FORMAT §5.3): segments equal to their base get no frame; the others' checksums are
+    added from their pieces' checksums, each summed by the frame coder at the piece's position."""
+
+    def run(self, pool: ThreadPoolExecutor) -> tuple[list[EncodedFrame], Digested]:
+        out = Digested({}, {}, set())
+        candidates = [
+            (fi, si, e) for fi, row in enumerate(self.entries) for si, e in enumerate(row) if e.base_offset is not None
+        ]
+
+        def compare(item: tuple[int, int, SegmentEntry]) -> tuple[bool, TensorSum | None]:
+            fi, si, e = item
+            return same_bytes(
+                self.base_bytes(fi, si), self.new_bytes(fi, si), e.segment.dtype.width, e.base_digest is None
+            )
+
+        for (fi, si, e), (same, total) in zip(candidates, pool.map(compare, candidates), strict=True):
+            if same:
+                digest = e.base_digest if e.base_digest is not None else _hex(total)
+                out.new[fi, si] = out.base[fi, si] = digest
+                out.same.add((fi, si))
+        plans = plan_frames(self.entries, self.chunk_bytes, out.same)
+        level = self.level
+
+        def run(plan: Plan) -> tuple[EncodedFrame, PieceSums]:
+            width = plan.dtype.width
+            starts = [p.offset // width for p in plan.pieces]
+            news = [self.new_bytes(p.file, p.seg, p.offset, p.length) for p in plan.pieces]
+            if plan.delta:
+                wants = [self.entries[p.file][p.seg].base_digest is None for p in plan.pieces]
+                sums = PieceSums(width, starts, wants)
+                olds = [self.base_bytes(p.file, p.seg, p.offset, p.length) for p in plan.pieces]
+                blob = encode_delta_pieces(olds, news, plan.dtype, level=level, version=VERSION_2, piece_sums=sums)
+            else:
+                sums = PieceSums(width, starts, [False] * len(news))
+                for i, x in enumerate(news):
+                    sums.update(i, x, x)
+                data = news[0] if len(news) == 1 else np.concatenate(news)
+                blob = encode_key(data, plan.dtype, level=level, version=VERSION_2)
+            return self.frame(plan, blob), sums
+
+        results = list(pool.map(run, plans))
+        new_sums: dict[tuple[int, int], TensorSum] = {}
+        base_sums: dict[tuple[int, int], TensorSum] = {}
+        for plan, (_, sums) in zip(plans, results, strict=True):
+            for i, p in enumerate(plan.pieces):
+                key = (p.file, p.seg)
+                new_sums[key] = new_sums[key] + sums.new[i] if key in new_sums else sums.new[i]
+                b = sums.base[i]
+                if b is not None:
+                    base_sums[key] = base_sums[key] + b if key in base_sums else b
+        for fi, row in enumerate(self.entries):
+            for si, e in enumerate(row):
+                key = (fi, si)
+                if key in out.new:
+                    continue
+                empty = TensorSum.empty(e.segment.dtype.width)
+                out.new[key] = new_sums.get(key, empty).hex()  # empty segments are in no frame
+                if e.base_offset is not None:
+                    out.base[key] = e.base_digest if e.base_digest is not None else base_sums.get(key, empty).hex()
+        return [fr for fr, _ in results], out
+
+
+def _hex(total: TensorSum | None) -> str:
+    assert total is not None, "a checksum was asked for"
+    return total.hex()

@@ -1,0 +1,190 @@
+"""The version 2 JSON form of a manifest (docs/FORMAT.md §5.3): compact columns, tensor checksums.
+
+What a v1 manifest spends its bytes on, measured on the corpus's sparse steps: per segment
+two xxh3-128 (32 hex each, random, so they do not compress), repeated keys, and numbers
+that follow from others (offsets, lengths, frame dtypes and sizes). Version 2 keeps only
+what a reader cannot derive:
+
+- per file, one list per column (``kind``, ``name``, ``dtype``, ``shape``, ``digest``,
+  ``base``, optional ``base_offset``); a segment's length follows from its dtype and
+  shape, its offset from the lengths before it;
+- digests are the lanes of the FORMAT §10 checksum as hex (8 bytes per lane; the count
+  follows from the length), so 1- and 2-byte tensors cost 8 random bytes, not 16;
+- a delta-coded segment whose bytes equal its base's has ``digest`` null and no frame
+  pieces: at sparse steps most segments are such (the encoder compares bytes to know;
+  equal checksums do not prove equal bytes);
+- frames are columns too; a frame's dtype, delta flag and raw length follow from its
+  pieces' segments, a piece covering a whole segment is ``[file, segment]``, and store
+  objects are listed once and referred to by index.
+
+In memory the segments' digests are the full wire form (count and lanes, as hex) of
+:class:`~weightsync.codec.checksum.TensorSum`, like any other digest: callers compare strings.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from typing import Any
+
+from weightsync.codec.checksum import lanes_of
+from weightsync.codec.frame import MAX_FRAME_RAW
+from weightsync.codec.manifest import (
+    MAX_FRAMES,
+    MAX_SEGMENTS,
+    FileEntry,
+    FrameRef,
+    Manifest,
+    SegmentEntry,
+    check_coverage,
+    check_dtype,
+    check_hex,
+    check_int,
+    check_paths,
+    check_pieces,
+    check_segment,
+)
+from weightsync.common import DIGEST_PATTERN
+from weightsync.errors import FormatError, LimitExceeded
+
+SEGMENT_COLUMNS = ("kind", "name", "dtype", "shape", "digest", "base")
+FRAME_COLUMNS = ("object", "offset", "length", "pieces")
+_COUNT_HEX = 16  # the u64 element count that leads a checksum's wire form, as hex
+_LANES = {n: re.compile(f"[0-9a-f]{{{16 * n}}}") for n in (1, 2, 4)}
+
+
+def _lanes(digest: str) -> str:
+    """The lanes of a checksum's hex wire form: what the JSON carries (the count follows from the length)."""
+    return digest[_COUNT_HEX:]
+
+
+def document(m: Manifest) -> dict[str, Any]:
+    """The version-specific part of `m`'s JSON document (§5.3): objects, files, frames."""
+    objects = list(dict.fromkeys(fr.object for fr in m.frames if fr.object is not None))
+    index = {digest: i for i, digest in enumerate(objects)}
+    files = [{"path": f.path, "size": f.size, "segments": _segment_columns(f)} for f in m.files]
+    frames: dict[str, list[Any]] = {c: [] for c in FRAME_COLUMNS}
+    for fr in m.frames:
+        frames["object"].append(None if fr.object is None else index[fr.object])
+        frames["offset"].append(fr.offset)
+        frames["length"].append(fr.length)
+        pieces = []
+        for p in fr.pieces:
+            whole = p.offset == 0 and p.length == m.files[p.file].segments[p.seg].segment.length
+            pieces.append([p.file, p.seg] if whole else [p.file, p.seg, p.offset, p.length])
+        frames["pieces"].append(pieces)
+    return {"objects": objects, "files": files, "frames": frames}
+
+
+def _segment_columns(f: FileEntry) -> dict[str, list[Any]]:
+    cols: dict[str, list[Any]] = {c: [] for c in SEGMENT_COLUMNS}
+    moved: list[int | None] = []
+    for e in f.segments:
+        s = e.segment
+        cols["kind"].append(s.kind)
+        cols["name"].append(s.name)
+        cols["dtype"].append(s.dtype.name)
+        cols["shape"].append(list(s.shape))
+        cols["base"].append(None if e.base_digest is None else _lanes(e.base_digest))
+        cols["digest"].append(None if e.unchanged else _lanes(e.digest))
+        moved.append(None if e.base_offset in (None, s.offset) else e.base_offset)
+    if any(o is not None for o in moved):
+        cols["base_offset"] = moved
+    return cols
+
+
+def _columns(doc: Any, required: tuple[str, ...], optional: tuple[str, ...], what: str, cap: int) -> int:
+    """The common length of the column lists of `doc` (exactly the required keys, maybe the optional ones)."""
+    if not isinstance(doc, dict) or not set(required) <= set(doc) <= set(required) | set(optional):
+        raise FormatError(f"{what}: columns must be {list(required)} (and optionally {list(optional)})")
+    lengths = {len(v) if isinstance(v, list) else -1 for v in doc.values()}
+    if len(lengths) != 1 or -1 in lengths:
+        raise FormatError(f"{what}: every column must be a list, all of one length")
+    n = lengths.pop()
+    if n > cap:
+        raise LimitExceeded(f"{what}: {n} rows, cap is {cap}")
+    return n
+
+
+def _digest(count: int, width: int, lanes: Any, what: str) -> str:
+    """The hex wire form of a checksum of `count` elements of `width` bytes, given its lanes' hex."""
+    return struct.pack("<Q", count).hex() + check_hex(lanes, _LANES[lanes_of(width)], what)
+
+
+def read(doc: dict[str, Any]) -> tuple[list[FileEntry], list[FrameRef]]:
+    """The files and frames of a version 2 document, every rule of §5.3 checked."""
+    objects = doc["objects"]
+    if not isinstance(objects, list) or len(objects) > MAX_FRAMES or len(set(map(str, objects))) != len(objects):
+        raise FormatError("manifest objects: not a list of distinct digests")
+    for o in objects:
+        check_hex(o, DIGEST_PATTERN, "object")
+    files = _read_files(doc)
+    frames = _read_frames(doc["frames"], files, objects)
+    check_coverage(files, frames, skip_unchanged=True)
+    return files, frames
+
+
+def _read_files(doc: dict[str, Any]) -> list[FileEntry]:
+    files: list[FileEntry] = []
+    total = 0
+    for path, size, cols in check_paths(doc["files"]):
+        n = _columns(cols, SEGMENT_COLUMNS, ("base_offset",), f"{path}: segments", MAX_SEGMENTS)
+        total += n
+        if total > MAX_SEGMENTS:
+            raise LimitExceeded("too many segments")
+        moved = cols.get("base_offset", [None] * n)
+        segs = []
+        cursor = 0
+        for i in range(n):
+            dtype = check_dtype(cols["dtype"][i], path)
+            seg = check_segment(path, cols["kind"][i], cols["name"][i], dtype, cols["shape"][i], cursor, size)
+            cursor += seg.length
+            count = seg.length // dtype.width
+            base_lanes, lanes = cols["base"][i], cols["digest"][i]
+            if base_lanes is None:
+                if lanes is None or moved[i] is not None:
+                    raise FormatError(f"{path}: segment {seg.name!r} has neither a digest nor a base")
+                segs.append(SegmentEntry(seg, _digest(count, dtype.width, lanes, "digest")))
+                continue
+            base = _digest(count, dtype.width, base_lanes, "base")
+            digest = base if lanes is None else _digest(count, dtype.width, lanes, "digest")
+            base_offset = seg.offset if moved[i] is None else check_int(moved[i], f"{path}: base_offset", 1 << 62)
+            segs.append(SegmentEntry(seg, digest, base_offset, base, lanes is None))
+        if cursor != size:
+            raise FormatError(f"{path}: segments cover {cursor} of {size} bytes")
+        files.append(FileEntry(path, size, tuple(segs)))
+    return files
+
+
+def _read_frames(cols: Any, files: list[FileEntry], objects: list[str]) -> list[FrameRef]:
+    n = _columns(cols, FRAME_COLUMNS, (), "frames", MAX_FRAMES)
+    used: set[int] = set()
+    frames = []
+    for i in range(n):
+        obj = cols["object"][i]
+        if obj is not None:
+            used.add(check_int(obj, "frame object", len(objects) - 1))
+        raw = cols["pieces"][i]
+        if not isinstance(raw, list) or not raw:
+            raise FormatError("a frame must list its pieces")
+        full = []
+        for p in raw:
+            if isinstance(p, list) and len(p) == 2:  # a whole segment
+                fi = check_int(p[0], "piece file", len(files) - 1)
+                si = check_int(p[1], "piece segment", len(files[fi].segments) - 1)
+                p = [fi, si, 0, files[fi].segments[si].segment.length]
+            full.append(p)
+        first = check_pieces(files, full[:1], None, None)[0]
+        entry = files[first.file].segments[first.seg]
+        delta = entry.base_offset is not None
+        pieces = check_pieces(files, full, delta, entry.segment.dtype)
+        raw_len = sum(p.length for p in pieces)
+        if raw_len > MAX_FRAME_RAW:
+            raise LimitExceeded(f"frame pieces hold {raw_len} bytes, cap is {MAX_FRAME_RAW}")
+        offset = check_int(cols["offset"][i], "frame offset", 1 << 62)
+        length = check_int(cols["length"][i], "frame length", MAX_FRAME_RAW + (64 << 20))
+        name = None if obj is None else objects[obj]
+        frames.append(FrameRef(name, offset, length, delta, entry.segment.dtype.name, raw_len, pieces))
+    if len(used) != len(objects):
+        raise FormatError("manifest lists an object no frame is in")
+    return frames

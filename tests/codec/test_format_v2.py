@@ -1,0 +1,258 @@
+"""FORMAT v2 end to end: round trips, agreement with v1, checked bases and results, chains that never mix."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from _ckpt import ALL_DTYPES, mutate, safetensors_file
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from weightsync.codec import Checkpoint, Decoder, Encoder, Manifest
+from weightsync.codec.checksum import reference_sum
+from weightsync.codec.dtypes import by_name
+from weightsync.codec.frame import encode_delta
+from weightsync.errors import BaseMismatch, ChecksumMismatch
+
+DENSITIES = [0.0, 1e-3, 0.01, 0.3, 1.0]
+SENTINEL = 0xA5
+
+
+@st.composite
+def versions(draw):
+    """(base, new) checkpoints: tensors of any dtype and shape, each changed at its own density;
+    sometimes a tensor added, dropped or reshaped, sometimes a second file."""
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    names = draw(st.lists(st.sampled_from(ALL_DTYPES), min_size=1, max_size=6))
+    base, new = {}, {}
+    for i, dt in enumerate(names):
+        d = by_name(dt)
+        group = 8 // np.gcd(d.bits, 8) if d.bits < 8 else 1  # sub-byte dtypes fill whole bytes
+        shape = (int(draw(st.integers(0, 5)) * group), draw(st.sampled_from([1, 3, 64, 700])))
+        data = rng.integers(0, 256, d.nbytes(shape), dtype=np.uint8)
+        base[f"t{i}"] = (dt, shape, data)
+        n = len(data) // d.width
+        new[f"t{i}"] = (dt, shape, mutate(rng, data, d.width, int(n * draw(st.sampled_from(DENSITIES)))))
+    edit = draw(st.sampled_from(["none", "add", "drop", "reshape"]))
+    if edit == "add":
+        new["added"] = ("F32", (3,), rng.integers(0, 256, 12, dtype=np.uint8))
+    elif edit == "drop" and len(new) > 1:
+        new.pop("t0")
+    elif edit == "reshape":
+        dt, shape, data = new["t0"]
+        new["t0"] = (dt, (shape[0] * shape[1],), data)
+    files_base = {"m.safetensors": safetensors_file(base, {"v": "1"})}
+    files_new = {"m.safetensors": safetensors_file(new, {"v": "1"})}
+    if draw(st.booleans()):
+        blob = rng.integers(0, 256, draw(st.integers(0, 3000)), dtype=np.uint8)
+        files_base["extra.bin"] = blob.tobytes()
+        files_new["extra.bin"] = mutate(rng, blob, 1, draw(st.integers(0, 3))).tobytes()
+    return Checkpoint.from_bytes(files_base), Checkpoint.from_bytes(files_new)
+
+
+def _located(enc: Encoder, new: Checkpoint, base: Checkpoint | None):
+    encoded = enc.encode(new, base)
+    offsets = np.cumsum([0] + [len(fr.data) for fr in encoded.frames])
+    manifest = encoded.with_locations(lambda i, fr: (None, int(offsets[i])))
+    area = b"".join(fr.data for fr in encoded.frames)
+    return manifest, lambda ref: memoryview(area)[ref.offset : ref.offset + ref.length]
+
+
+def _decode(manifest: Manifest, read, base: Checkpoint | None, **kw) -> list[np.ndarray]:
+    outputs = [np.full(f.size, SENTINEL, dtype=np.uint8) for f in manifest.files]
+    Decoder(threads=2).decode(manifest, read, outputs, base, **kw)
+    return outputs
+
+
+@given(versions(), st.sampled_from([1024, 4096, 1 << 20]))
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_v2_round_trip_and_v1_agree(pair, chunk):
+    base, new = pair
+    decoded = {}
+    for version in (1, 2):
+        manifest, read = _located(Encoder(threads=2, chunk_bytes=chunk, format_version=version), new, base)
+        again = Manifest.decode(manifest.encode())
+        assert again.files == manifest.files and again.frames == manifest.frames and again.version == version
+        decoded[version] = [o.tobytes() for o in _decode(again, read, base, verify_segments=True)]
+        assert decoded[version] == [f.data.tobytes() for f in new.files]
+        if version == 2:
+            for f, fe in zip(new.files, manifest.files, strict=True):
+                for seg, e in zip(f.layout.segments, fe.segments, strict=True):
+                    assert e.digest == reference_sum(f.segment_bytes(seg), seg.dtype.width).hex()
+            pieces = {(p.file, p.seg) for fr in manifest.frames for p in fr.pieces}
+            unchanged = {
+                (fi, si) for fi, fe in enumerate(manifest.files) for si, e in enumerate(fe.segments) if e.unchanged
+            }
+            assert not pieces & unchanged, "a segment equal to its base has no frame pieces"
+    assert decoded[1] == decoded[2]
+
+
+@given(versions())
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_v2_keyframes_round_trip(pair):
+    _, new = pair
+    manifest, read = _located(Encoder(threads=2, chunk_bytes=2048), new, None)
+    assert manifest.kind == "keyframe" and all(e.base_offset is None for f in manifest.files for e in f.segments)
+    assert [o.tobytes() for o in _decode(manifest, read, None)] == [f.data.tobytes() for f in new.files]
+
+
+def _step(seed: int = 0, changed: float = 0.01) -> tuple[Checkpoint, Checkpoint]:
+    rng = np.random.default_rng(seed)
+    base = {f"w{i}": ("BF16", (64, 96), rng.integers(0, 256, 64 * 96 * 2, dtype=np.uint8)) for i in range(4)}
+    base["f"] = ("F32", (300,), rng.integers(0, 256, 1200, dtype=np.uint8))
+    base["still"] = ("BF16", (40,), rng.integers(0, 256, 80, dtype=np.uint8))
+    new = {
+        k: (d, s, v if k == "still" else mutate(rng, v, by_name(d).width, max(1, int(v.size * changed) // 2)))
+        for k, (d, s, v) in base.items()
+    }
+    return (
+        Checkpoint.from_bytes({"m.safetensors": safetensors_file(base)}),
+        Checkpoint.from_bytes({"m.safetensors": safetensors_file(new)}),
+    )
+
+
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("victim", ["w2", "still"])
+def test_a_corrupted_base_is_refused_before_anything_is_written(version, victim):
+    base, new = _step()
+    manifest, read = _located(Encoder(chunk_bytes=4096, format_version=version), new, base)
+    seg = next(s for s in base.files[0].layout.segments if s.name == victim)
+    data = base.files[0].data.copy()
+    data[seg.offset + seg.length // 2] ^= 0x10
+    bad = Checkpoint.from_bytes({"m.safetensors": data})
+    outputs = [np.full(f.size, SENTINEL, dtype=np.uint8) for f in manifest.files]
+    with pytest.raises(BaseMismatch, match=victim):
+        Decoder(threads=2).decode(manifest, read, outputs, bad)
+    assert all((o == SENTINEL).all() for o in outputs), "nothing written"
+    in_place = bad.files[0].data.copy()
+    with pytest.raises(BaseMismatch):
+        Decoder(threads=2).decode(manifest, read, [bad.files[0].data], bad)
+    assert (bad.files[0].data == in_place).all(), "the base, decoded in place, is left as it was"
+
+
+def test_a_frame_that_decodes_to_other_bytes_fails_its_segments_checksum():
+    """v2 frames carry no hashes: a frame coding other bytes (valid, but wrong) is caught by the manifest."""
+    base, new = _step(seed=3)
+    manifest, read = _located(Encoder(chunk_bytes=1 << 20, format_version=2), new, base)
+    ref = next(fr for fr in manifest.frames if len(fr.pieces) == 1 and fr.delta)
+    e = manifest.files[0].segments[ref.pieces[0].seg]
+    old = base.files[0].data[e.base_offset : e.base_offset + e.segment.length]
+    liar = encode_delta(
+        old, mutate(np.random.default_rng(1), old, e.segment.dtype.width, 5), e.segment.dtype, version=2
+    )
+
+    def lying_read(r):
+        return liar if r == ref else read(r)
+
+    with pytest.raises(ChecksumMismatch, match=e.segment.name):
+        _decode(manifest, lying_read, base)
+
+
+def test_a_tampered_digest_is_caught():
+    base, new = _step(seed=4)
+    manifest, read = _located(Encoder(format_version=2), new, base)
+    doc = manifest.to_dict()
+    lanes = doc["files"][0]["segments"]["digest"][2]
+    doc["files"][0]["segments"]["digest"][2] = f"{(int(lanes, 16) + 1) % (1 << 64):016x}"
+    import json
+
+    tampered = Manifest.parse(json.dumps(doc).encode())
+    with pytest.raises(ChecksumMismatch):
+        _decode(tampered, read, base)
+
+
+def test_chains_never_mix_formats():
+    base, new = _step(seed=5)
+    with pytest.raises(BaseMismatch, match="never mixes"):
+        Encoder(format_version=2).encode(new, base, base_kind="xxh3-128")
+    with pytest.raises(BaseMismatch):
+        Encoder(format_version=1).encode(new, base, base_kind="sum64x16")
+    assert Encoder(format_version=2).encode(new, base, base_kind="sum64x16").manifest.kind == "delta"
+    assert Encoder(format_version=2).encode(new, base, base_kind="xxh3-128", keyframe=True).manifest.kind == "keyframe"
+    v1, read = _located(Encoder(format_version=1), new, base)
+    assert v1.version == 1
+    with pytest.raises(ValueError):
+        Encoder(format_version=3)
+
+
+def test_v2_is_smaller_and_skips_unchanged_tensors():
+    base, new = _step(seed=6, changed=0.0005)
+    sizes = {}
+    for version in (1, 2):
+        encoded = Encoder(chunk_bytes=4096, format_version=version).encode(new, base)
+        m = encoded.with_locations(lambda i, fr: ("ab" * 32, 0))
+        sizes[version] = len(m.encode()) + sum(len(fr.data) for fr in encoded.frames)
+        still = next(e for e in m.files[0].segments if e.segment.name == "still")
+        assert still.unchanged
+        assert any(p.seg == m.files[0].segments.index(still) for fr in m.frames for p in fr.pieces) == (version == 1)
+    assert sizes[2] < sizes[1]
+
+
+@given(versions(), st.sampled_from([1, 2]), st.data())
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_corruption_of_a_base_or_a_result_is_detected(pair, version, data):
+    """Property: any flipped byte of a delta-coded base is refused before anything is written; a delta
+    frame that decodes to other bytes fails the result check against the manifest's digests."""
+    base, new = pair
+    manifest, read = _located(Encoder(threads=2, chunk_bytes=2048, format_version=version), new, base)
+    deltas = [
+        (fi, e)
+        for fi, f in enumerate(manifest.files)
+        for e in f.segments
+        if e.base_offset is not None and e.segment.length
+    ]
+    if deltas:
+        fi, e = data.draw(st.sampled_from(deltas))
+        files = {f.layout.path: f.data.copy() for f in base.files}
+        path = manifest.files[fi].path
+        files[path][e.base_offset + data.draw(st.integers(0, e.segment.length - 1))] ^= 1 << data.draw(
+            st.integers(0, 7)
+        )
+        outputs = [np.full(f.size, SENTINEL, dtype=np.uint8) for f in manifest.files]
+        with pytest.raises(BaseMismatch):
+            Decoder(threads=2).decode(manifest, read, outputs, Checkpoint.from_bytes(files))
+        assert all((o == SENTINEL).all() for o in outputs)
+    frames = [ref for ref in manifest.frames if ref.delta]
+    if not frames:
+        return
+    ref = data.draw(st.sampled_from(frames))
+    seg = manifest.files[ref.pieces[0].file].segments[ref.pieces[0].seg].segment
+    width = seg.dtype.width
+    held = base.by_path()
+    old = np.concatenate(
+        [
+            held[manifest.files[q.file].path].data[manifest.files[q.file].segments[q.seg].base_offset + q.offset :][
+                : q.length
+            ]
+            for q in ref.pieces
+        ]
+    )
+    other = mutate(np.random.default_rng(0), old, width, max(1, len(old) // width // 3))
+    liar = encode_delta(old, other, seg.dtype, version=version)
+
+    def lying(r):
+        return liar if r == ref else read(r)
+
+    with pytest.raises(ChecksumMismatch):
+        # A v1 frame vouches only for itself (its own xxh3): the manifest's segment digests catch a
+        # frame swapped for another only with verify_segments. v2 checks every segment by default.
+        _decode(manifest, lying, base, verify_segments=version == 1)
+
+
+def test_a_changed_tensor_whose_checksum_equals_its_bases_is_still_coded():
+    """Found by test_v2_round_trip_and_v1_agree: every byte of a 12-byte BOOL tensor changed, yet
+    Σ d_i·(2i+1) = 0, so the linear checksum (FORMAT §10) is the base's. The encoder compares bytes,
+    so the tensor is still coded (digest written, equal to base, with pieces) and decodes exactly."""
+    old = np.array([228, 231, 29, 153, 129, 10, 238, 231, 165, 80, 162, 241], dtype=np.uint8)
+    now = np.array([57, 152, 150, 146, 65, 75, 250, 202, 162, 235, 164, 113], dtype=np.uint8)
+    assert reference_sum(old, 1) == reference_sum(now, 1) and not np.array_equal(old, now)
+    base = Checkpoint.from_bytes({"m.safetensors": safetensors_file({"t": ("BOOL", (4, 3), old)})})
+    new = Checkpoint.from_bytes({"m.safetensors": safetensors_file({"t": ("BOOL", (4, 3), now)})})
+    manifest, read = _located(Encoder(format_version=2), new, base)
+    e = manifest.files[0].segments[1]
+    assert not e.unchanged and e.digest == e.base_digest
+    doc = manifest.to_dict()["files"][0]["segments"]
+    assert doc["digest"][1] == doc["base"][1], "written out, not null: null would claim equal bytes"
+    again = Manifest.decode(manifest.encode())
+    assert not again.files[0].segments[1].unchanged
+    assert _decode(again, read, base)[0].tobytes() == new.files[0].data.tobytes()
