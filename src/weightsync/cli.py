@@ -1,4 +1,7 @@
-"""The `weightsync` command line. Each command parses input, calls one function, renders the result."""
+"""The `weightsync` command line. Each command parses input, calls one function, renders the result.
+
+Usage errors are one line (weightsync/cliapp.py); ``weightsync --version`` prints the version.
+"""
 
 from __future__ import annotations
 
@@ -10,14 +13,30 @@ from typing import Annotated
 
 import typer
 
+from weightsync.cliapp import new_app
 from weightsync.client.cli import register as register_client
-from weightsync.common import human_bytes
+from weightsync.common import VERSION, human_bytes
 from weightsync.errors import WeightsyncError, exit_code_of
 from weightsync.service.cli import register as register_service
 
-app = typer.Typer(
-    add_completion=False, no_args_is_help=True, help="Store and replicate model weights as exact compressed deltas."
-)
+app = new_app("weightsync")
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"weightsync {VERSION}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", is_eager=True, callback=_print_version, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """Store and replicate model weights as exact compressed deltas."""
+
+
 # Both modules import their heavy dependencies inside the commands, so the client-only
 # install (no server extra, no torch) can run every client command.
 register_service(app)
@@ -32,10 +51,10 @@ def fail(message: str, code: int = 1) -> None:
 
 @app.command()
 def diff(
-    base: Annotated[Path, typer.Argument(help="Base version: a safetensors file or a directory.")],
-    new: Annotated[Path, typer.Argument(help="New version, of the same shape (file or directory).")],
-    output: Annotated[Path, typer.Option("-o", "--output", help="Delta file to write.")],
-    threads: Annotated[int, typer.Option(help="Encoder threads (0 = all cores).")] = 0,
+    base: Annotated[Path, typer.Argument(metavar="BASE", help="Base version: a safetensors file or a directory.")],
+    new: Annotated[Path, typer.Argument(metavar="NEW", help="New version, of the same shape (file or directory).")],
+    output: Annotated[Path, typer.Option("-o", "--output", metavar="DELTA", help="Delta file to write.")],
+    threads: Annotated[int, typer.Option(metavar="N", help="Encoder threads (0 = all cores).")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Write the delta that turns BASE into NEW (like bsdiff, for checkpoints)."""
@@ -65,10 +84,10 @@ def diff(
 
 @app.command()
 def patch(
-    base: Annotated[Path, typer.Argument(help="The base the delta was made against.")],
-    delta: Annotated[Path, typer.Argument(help="Delta file written by `weightsync diff`.")],
-    output: Annotated[Path, typer.Option("-o", "--output", help="Where to write the result.")],
-    threads: Annotated[int, typer.Option(help="Decoder threads (0 = all cores).")] = 0,
+    base: Annotated[Path, typer.Argument(metavar="BASE", help="The base the delta was made against.")],
+    delta: Annotated[Path, typer.Argument(metavar="DELTA", help="Delta file written by `weightsync diff`.")],
+    output: Annotated[Path, typer.Option("-o", "--output", metavar="OUT", help="Where to write the result.")],
+    threads: Annotated[int, typer.Option(metavar="N", help="Decoder threads (0 = all cores).")] = 0,
 ) -> None:
     """Apply DELTA to BASE; OUT is byte-identical to the diffed NEW, or nothing is written."""
     from weightsync.codec import Decoder
@@ -133,5 +152,6 @@ def main() -> None:
     """Console-script entry point."""
     try:
         app()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # before a command runs (imports); commands report it themselves
+        typer.echo("weightsync: error: interrupted", err=True)
         sys.exit(130)

@@ -156,8 +156,6 @@ def test_errors_and_exit_codes(server, auth_server, model, cli, tmp_path: Path) 
     r = cli("pull", model + "-unknown", tmp_path / "x", "--server", server.url)
     assert r.exit_code == EXIT_NOT_FOUND
     assert "no model" in _one_error_line(r)
-    r = cli("watch", model + "-unknown", "--server", server.url)
-    assert r.exit_code == EXIT_NOT_FOUND
     r = cli("log", model + "-unknown", "--server", server.url)
     assert r.exit_code == EXIT_NOT_FOUND
     _one_error_line(r)
@@ -225,14 +223,14 @@ def test_real_process_unreachable_server(tmp_path: Path) -> None:
 
 def _raising_app(exc: BaseException) -> typer.Typer:
     """The client commands, plus one that fails with ``exc`` inside the same error handling."""
-    from weightsync.client import cli as client_cli
+    from weightsync.client.cli_common import one_line_errors
 
     raising = typer.Typer(add_completion=False)
     register(raising)
 
     @raising.command("fail-with")
     def fail_with() -> None:
-        with client_cli._errors():
+        with one_line_errors():
             raise exc
 
     return raising
@@ -326,3 +324,23 @@ def test_push_refuses_removals_unless_allowed(server, model, cli, tmp_path: Path
     assert allowed.exit_code == 0 and _one_json(allowed)["version"] == 2
     pulled = cli("pull", model, tmp_path / "replica", env=env)
     assert pulled.exit_code == 0 and tree_bytes(tmp_path / "replica") == tree_bytes(no_b)
+
+
+def test_pull_refuses_a_users_directory_unless_adopt(server, model, cli, tmp_path: Path) -> None:
+    """A directory weightsync does not manage, with files where the version goes: exit 3; --adopt takes over."""
+    import shutil
+
+    env = {"WEIGHTSYNC_SERVER": server.url}
+    src = write_version(tmp_path / "src", TinyTrainer(seed=41).export())
+    assert cli("push", model, src, env=env).exit_code == 0
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.json").write_text("my own")
+    refused = cli("pull", model, mine, env=env)
+    assert refused.exit_code == EXIT_CONFLICT and "--adopt" in _one_error_line(refused)
+    assert (mine / "config.json").read_text() == "my own" and sorted(p.name for p in mine.iterdir()) == ["config.json"]
+    copy = tmp_path / "copy"
+    shutil.copytree(src, copy)
+    adopted = cli("pull", model, copy, "--adopt", env=env)
+    assert adopted.exit_code == 0 and "adopted" in adopted.stdout
+    assert tree_bytes(copy) == tree_bytes(src)

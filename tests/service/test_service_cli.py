@@ -70,6 +70,23 @@ def test_bad_configuration_is_one_line(tmp_path):
     assert "hunter2" not in one_line_error(r, "unreachable")
 
 
+def test_usage_errors_are_one_line_and_exit_2(tmp_path):
+    """A flag that does not parse is a usage error (2), one line that says where help is; bad values are 1."""
+    for args, needle in (
+        (["serve", "--port", "eighty"], "'--port'"),
+        (["serve", "--bogus"], "No such option: --bogus"),
+        (["migrate", "--data"], "'--data'"),
+    ):
+        r = run_cli(args)
+        assert r.returncode == 2 and r.stdout == "", (r.returncode, r.stderr)
+        lines = r.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("weightsync: error: ") and needle in lines[0]
+        assert lines[0].endswith(f"(see python -m weightsync.service {args[0]} --help)")
+    r = run_cli(["serve", "--help"])
+    assert r.returncode == 0 and "--port PORT" in r.stdout and "[default: 8400]" in r.stdout
+    assert "<str>" not in r.stdout and "<int>" not in r.stdout and "╭" not in r.stdout
+
+
 def test_a_catalog_newer_than_the_code_is_refused(tmp_path):
     db = tmp_path / "catalog.db"
     Catalog.open(f"sqlite:///{db}").close()

@@ -230,6 +230,7 @@ class BaseKeeper:
                         fh.write(np.ascontiguousarray(f.data).data)
                     tree.files[f.layout.path] = HeldFile(loc, f.layout.size, True, {})
                 checkout.install(tree, state, work)
+                checkout.sweep()  # the previous version: the next delta needs only this one
             finally:
                 work.clear()
         self._base = Base(state, checkout.checkpoint(state))

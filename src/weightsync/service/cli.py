@@ -7,7 +7,8 @@ Start-up order: settings (flags over ``WEIGHTSYNC_*``) → tokens and bind addre
 catalog migration → store (bucket created if missing) → uvicorn with the import-string
 factory, so ``--workers N`` processes each build the app from the same environment.
 Any failure before uvicorn runs is one line on stderr and exit status 1, a missing ``server``
-extra included (the client-only install has these commands too).
+extra included (the client-only install has these commands too); a usage error (a flag
+that does not parse) is one line and exit status 2 (weightsync/cliapp.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
 import typer
+
+from weightsync.cliapp import new_app
 
 __all__ = ["main", "register"]
 
@@ -142,31 +145,37 @@ def serve(
         Path | None,
         typer.Option(
             "--data",
-            help="Data directory for the embedded SQLite catalog and filesystem store.",
-            show_default="./weightsync-data",
+            metavar="DIR",
+            help="Data directory for the embedded SQLite catalog and filesystem store [default: ./weightsync-data].",
         ),
     ] = None,
-    host: Annotated[str | None, typer.Option(help="Address to bind.", show_default="127.0.0.1")] = None,
-    port: Annotated[int | None, typer.Option(help="Port to bind.", show_default="8400")] = None,
+    host: Annotated[str | None, typer.Option(metavar="HOST", help="Address to bind [default: 127.0.0.1].")] = None,
+    port: Annotated[int | None, typer.Option(metavar="PORT", help="Port to bind [default: 8400].")] = None,
     catalog: Annotated[
         str | None,
-        typer.Option(help="Catalog URL (sqlite:///… or postgresql://…).", show_default="sqlite:///DATA/catalog.db"),
+        typer.Option(
+            metavar="URL", help="Catalog: sqlite:///… or postgresql://… [default: sqlite:///DATA/catalog.db]."
+        ),
     ] = None,
     store: Annotated[
-        str | None, typer.Option(help="Store: a directory or s3://bucket/prefix.", show_default="DATA/store")
+        str | None,
+        typer.Option(metavar="URL", help="Store: a directory or s3://bucket/prefix [default: DATA/store]."),
     ] = None,
     s3_endpoint: Annotated[
-        str | None, typer.Option("--s3-endpoint", help="S3 endpoint URL (MinIO, SeaweedFS, …).")
+        str | None, typer.Option("--s3-endpoint", metavar="URL", help="S3 endpoint URL (MinIO, SeaweedFS, …).")
     ] = None,
-    workers: Annotated[int | None, typer.Option(help="Worker processes.", show_default="1")] = None,
+    workers: Annotated[int | None, typer.Option(metavar="N", help="Worker processes [default: 1].")] = None,
     tokens: Annotated[
         Path | None,
         typer.Option(
-            "--tokens", help="Token file (JSON or TOML); without tokens the server is anonymous and loopback-only."
+            "--tokens",
+            metavar="FILE",
+            help="Token file (JSON or TOML); without tokens the server is anonymous and loopback-only.",
         ),
     ] = None,
     log_level: Annotated[
-        str | None, typer.Option("--log-level", help="debug, info, warning, error.", show_default="info")
+        str | None,
+        typer.Option("--log-level", metavar="LEVEL", help="debug, info, warning or error [default: info]."),
     ] = None,
 ) -> None:
     """Run the HTTP service (settings also from WEIGHTSYNC_* variables; flags win)."""
@@ -219,9 +228,9 @@ def serve(
 
 def migrate(
     data: Annotated[
-        Path | None, typer.Option("--data", help="Data directory (for the default SQLite catalog).")
+        Path | None, typer.Option("--data", metavar="DIR", help="Data directory (for the default SQLite catalog).")
     ] = None,
-    catalog: Annotated[str | None, typer.Option(help="Catalog URL.")] = None,
+    catalog: Annotated[str | None, typer.Option(metavar="URL", help="Catalog URL.")] = None,
 ) -> None:
     """Bring the catalog database to this release's schema and exit (a deployment's one-shot step)."""
     _require_server_extra()
@@ -236,8 +245,8 @@ def register(app: typer.Typer) -> None:
 
 
 def main() -> None:
-    """``python -m weightsync.service serve|migrate …``."""
-    app = typer.Typer(add_completion=False, no_args_is_help=True, help="The weightsync HTTP service.")
+    """``python -m weightsync.service serve|migrate …`` (usage errors in one line, as ``weightsync``'s)."""
+    app = new_app("python -m weightsync.service", help="The weightsync HTTP service.")
     register(app)
     app.command(name="migrate")(migrate)
     app()
