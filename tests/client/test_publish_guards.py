@@ -6,13 +6,14 @@ from __future__ import annotations
 import logging
 import re
 import threading
+import uuid
 from pathlib import Path
 
 import httpx
 import pytest
 import typer
 from _bad_ckpt import BAD, PICKLE, SHARD2, sharded
-from _client_util import tree_bytes
+from _client_util import TinyTrainer, tree_bytes, write_version
 from typer.testing import CliRunner
 
 from weightsync import errors
@@ -129,3 +130,47 @@ def test_push_refuses_in_one_line_with_exit_1(server, model, cli, tmp_path: Path
     (line,) = r.stderr.strip().splitlines()
     assert line.startswith("weightsync: error: ") and re.search(message.lstrip("^"), line), line
     assert _head(server.url, model) == 1
+
+
+def test_a_replica_never_installs_a_safetensors_file_that_does_not_parse(server, tmp_path: Path) -> None:
+    """A publisher that skipped the checks (raw API, layout right, header bytes wrong): the replica refuses it."""
+    import hashlib
+
+    import httpx
+    import numpy as np
+
+    from weightsync.client import Subscriber
+    from weightsync.codec import Encoder
+    from weightsync.codec.checkpoint import Checkpoint, CheckpointFile
+    from weightsync.codec.pack import pack
+
+    model = f"guard-raw-{uuid.uuid4().hex[:8]}"
+    good = write_version(tmp_path / "good", TinyTrainer(seed=43).export())
+    with Publisher(server.url, model) as pub:
+        pub.publish(good)
+    with Subscriber(server.url, model, name="careful") as sub:
+        sub.pull(tmp_path / "replica")
+        ck = Checkpoint.open(good)
+        files = []
+        for f in ck.files:
+            data = np.array(f.data)
+            if f.layout.path.endswith(".safetensors"):
+                data[8:40] = np.frombuffer(b"x" * 32, np.uint8)  # the JSON header is garbage; the layout claims tensors
+            files.append(CheckpointFile(f.layout, data))
+        encoded = Encoder().encode(Checkpoint(files), None)
+        manifest, objects = pack(encoded)
+        manifest.model, manifest.parent = model, 1
+        mbytes = manifest.encode()
+        digest = hashlib.sha256(mbytes).hexdigest()
+        with httpx.Client(base_url=server.url) as c:
+            begin = c.post(f"/v1/models/{model}/publishes", json={"parent": 1, "keyframe": True}).json()
+            for o in objects:
+                c.put(f"/v1/objects/{o.digest}", content=o.data).raise_for_status()
+            c.put(f"/v1/objects/{digest}", content=mbytes).raise_for_status()
+            c.post(
+                f"/v1/models/{model}/publishes/{begin['publish_id']}/commit", json={"manifest": digest}
+            ).raise_for_status()
+        with pytest.raises(errors.InvalidCheckpoint, match="model.safetensors"):
+            sub.pull(tmp_path / "replica")
+        assert sub.version == 1
+    assert tree_bytes(tmp_path / "replica") == tree_bytes(good)

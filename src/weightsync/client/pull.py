@@ -31,10 +31,12 @@ from weightsync.client import inplace
 from weightsync.client._http import Api
 from weightsync.client._objects import DEFAULT_RANGE_BYTES, FetchStats, ObjectCache, object_reader
 from weightsync.client.checkout import Checkout
-from weightsync.client.decode import Tree, check_bases, decode_step
+from weightsync.client.decode import Tree, check_bases, decode_step, map_file
 from weightsync.client.inplace import Prepared
 from weightsync.client.models import Plan, PlanStep, PullResult
 from weightsync.client.state import CheckoutState
+from weightsync.codec import safetensors
+from weightsync.codec.checkpoint import is_safetensors
 from weightsync.codec.manifest import Manifest
 
 log = logging.getLogger("weightsync.client")
@@ -166,6 +168,24 @@ def prepare_update(
     timings["decode_s"] = prepared.seconds
     prepared.seconds = time.perf_counter() - t0
     return prepared, timings
+
+
+def check_installable(tree: Tree) -> None:
+    """Every safetensors file of `tree` (a version decoded, about to be installed) parses completely.
+
+    A replica does not depend on every publisher being correct: a file that would not load
+    (InvalidCheckpoint naming it and the defect) is never installed; the version held stays.
+    Only headers are read.
+    """
+    for path, held in tree.files.items():
+        if not is_safetensors(path):
+            continue
+        try:
+            safetensors.parse_file(map_file(held.location, held.size))
+        except errors.SafetensorsError as exc:
+            raise errors.InvalidCheckpoint(
+                f"{path}: pulled file is not a valid safetensors file ({exc}): not installed"
+            ) from None
 
 
 def _take_over(
@@ -335,6 +355,7 @@ def _pull(
                     timings["decode_s"] = time.perf_counter() - t
                     t = time.perf_counter()
                     assert manifest is not None
+                    check_installable(tree)
                     checkout.install(
                         tree, CheckoutState.of(model, target, steps[-1].manifest, manifest, api.server), work
                     )
