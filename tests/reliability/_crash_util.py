@@ -314,9 +314,9 @@ def reshaped_versions(count: int, *, seed: int = 11):
             "shard-1.safetensors": shards[1],
             "config.json": b'{"hidden": 64}',
             "sub/tokenizer.json": b'{"v": 1}',
-            "sub/deep/extra.bin": extra,
+            "sub/deep/extra.dat": extra,
         },
-        {"shards/shard-1.safetensors": shards[2], "generation.json": b'{"top_p": 0.9}', "sub/deep/extra.bin": extra},
+        {"shards/shard-1.safetensors": shards[2], "generation.json": b'{"top_p": 0.9}', "sub/deep/extra.dat": extra},
     ]
     return [Checkpoint.from_bytes(files) for files in layouts[:count]]
 

@@ -40,6 +40,11 @@ REQUIRED_SCOPE: dict[str, tuple[str | None, bool]] = {
     "listReplicas": ("read", True),
     "fsck": ("admin", False),
     "gc": ("admin", False),
+    "getInfo": ("read", False),
+    "updateModel": ("publish", True),
+    "deleteModel": ("admin", True),
+    "pinModel": ("publish", True),
+    "unpinModel": ("publish", True),
 }
 
 _IMPLIED = {"read": {"read"}, "publish": {"read", "publish"}, "admin": {"read", "publish", "admin"}}

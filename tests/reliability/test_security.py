@@ -76,7 +76,7 @@ class Sec:
 def _files(n: int, seed: int) -> list[dict[str, bytes]]:
     out = version_files(n, seed=seed)
     for i, files in enumerate(out):
-        files["sub/extra.bin"] = bytes([i]) * 1000
+        files["sub/extra.dat"] = bytes([i]) * 1000
     return out
 
 
@@ -553,6 +553,12 @@ def _builders(sec: Sec) -> dict[str, Callable[[httpx.Client, str], Call]]:
         data = secrets.token_bytes(100)
         return Call("PUT", f"/v1/objects/{hashlib.sha256(data).hexdigest()}", {"content": data}, (201,))
 
+    def throwaway(c: httpx.Client, model: str) -> str:
+        """A model of its own, named under `model`'s pattern, for a delete to remove."""
+        name = f"{model}-{uuid.uuid4().hex[:8]}"
+        assert c.post("/v1/models", json={"name": name}).status_code == 201
+        return name
+
     obj = lambda model: objs[model][0]["objects"][0]  # noqa: E731
     return {
         "health": lambda c, m: Call("GET", "/healthz"),
@@ -597,6 +603,11 @@ def _builders(sec: Sec) -> dict[str, Callable[[httpx.Client, str], Call]]:
         "listReplicas": lambda c, m: Call("GET", f"/v1/models/{m}/replicas"),
         "fsck": lambda c, m: Call("POST", "/v1/admin/fsck", {"json": {"read_data": False, "repair": False}}),
         "gc": lambda c, m: Call("POST", "/v1/admin/gc", {"json": {"dry_run": True}}),
+        "getInfo": lambda c, m: Call("GET", "/v1/info"),
+        "updateModel": lambda c, m: Call("PATCH", f"/v1/models/{m}", {"json": {}}),
+        "deleteModel": lambda c, m: Call("DELETE", f"/v1/models/{throwaway(c, m)}"),
+        "pinModel": lambda c, m: Call("PUT", f"/v1/models/{m}/pin", {"json": {"version": _head(c, m)}}),
+        "unpinModel": lambda c, m: Call("DELETE", f"/v1/models/{m}/pin", ok=(200, 204)),
     }
 
 
