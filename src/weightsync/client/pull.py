@@ -20,8 +20,9 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -226,6 +227,22 @@ def _take_over(
     return None
 
 
+@contextmanager
+def _left_as_it_was_if_refused(checkout: Checkout) -> Iterator[None]:
+    """On UnmanagedFiles, remove the ``.weightsync`` the refused pull made (after its lock is released)."""
+    fresh = not os.path.lexists(checkout.meta)
+    try:
+        yield
+    except errors.UnmanagedFiles:
+        if fresh:
+            shutil.rmtree(checkout.meta, ignore_errors=True)
+        raise
+
+
+class _Restart(Exception):
+    """The checkout's version is not the server's under that number: start over with a full pull."""
+
+
 def pull(
     api: Api,
     model: str,
@@ -247,39 +264,11 @@ def pull(
     files that already are the version are taken over without a download, else they
     are replaced. A refused directory is left as it was (no ``.weightsync`` either).
     """
-    fresh = not os.path.lexists(checkout.meta)
-    try:
-        return _pull(
-            api, model, checkout, version=version, holder=holder, options=options, pool=pool, meter=meter, adopt=adopt
-        )
-    except errors.UnmanagedFiles:
-        if fresh:
-            shutil.rmtree(checkout.meta, ignore_errors=True)
-        raise
-
-
-class _Restart(Exception):
-    """The checkout's version is not the server's under that number: start over with a full pull."""
-
-
-def _pull(
-    api: Api,
-    model: str,
-    checkout: Checkout,
-    *,
-    version: int | None = None,
-    holder: str | None = None,
-    options: FetchOptions = FetchOptions(),
-    pool: ThreadPoolExecutor,
-    meter: Meter | None = None,
-    adopt: bool = False,
-) -> PullResult:
-    """:func:`pull`, leaving cleanup of a refused directory to it."""
     t0 = time.perf_counter()
     meter = meter or Meter(None)
     timings: dict[str, float] = {}
     checkout.root.mkdir(parents=True, exist_ok=True)
-    with checkout.locked():
+    with _left_as_it_was_if_refused(checkout), checkout.locked():
         checkout.sweep()  # the lock says no pull is running: what is not the current version is a leftover
         state = checkout.state()
         if state is not None and state.model != model:

@@ -23,7 +23,7 @@ from weightsync.client.base import Base, BaseKeeper
 from weightsync.client.decode import check_bases
 from weightsync.client.models import PublishBegin
 from weightsync.client.pull import Meter
-from weightsync.codec.checkpoint import Checkpoint
+from weightsync.codec.checkpoint import Checkpoint, tensor_names
 from weightsync.codec.encoder import Encoder
 from weightsync.codec.manifest import Manifest
 from weightsync.codec.pack import pack
@@ -137,11 +137,6 @@ def begin(
     return base, answer, None
 
 
-def _names(checkpoint: Checkpoint) -> dict[str, set[str]]:
-    """Each file's path and the names of its tensors."""
-    return {f.layout.path: {s.name for s in f.layout.segments if s.kind == "tensor"} for f in checkpoint.files}
-
-
 @dataclass
 class Committed:
     """What `commit` did: the version, its manifest, and the objects it listed and uploaded."""
@@ -180,7 +175,11 @@ def commit(
         use = None
     if base is not None and begun.parent == base.state.number and not allow_removals:
         # The held base is the parent: refuse before uploading anything (the commit checks it anyway).
-        dropped = removed_content(_names(base.checkpoint), _names(checkpoint), single_file=checkpoint.single_file)
+        dropped = removed_content(
+            tensor_names(f.layout for f in base.checkpoint.files),
+            tensor_names(f.layout for f in checkpoint.files),
+            single_file=checkpoint.single_file,
+        )
         if dropped:
             raise errors.RemovesContent(removal_message(base.state.number, dropped))
     fits = (

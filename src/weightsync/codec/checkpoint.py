@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,6 +53,11 @@ class FileLayout:
     path: str
     size: int
     segments: tuple[Segment, ...]
+
+
+def tensor_names(layouts: Iterable[FileLayout]) -> dict[str, set[str]]:
+    """Each file's path and the names of its tensors: what the removal rule compares (common.removed_content)."""
+    return {x.path: {s.name for s in x.segments if s.kind == "tensor"} for x in layouts}
 
 
 @dataclass

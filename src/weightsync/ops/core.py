@@ -27,6 +27,7 @@ import numpy as np
 from weightsync import errors
 from weightsync.catalog import Catalog, Lease, Model, ObjectInfo, Replica, Target, Version
 from weightsync.codec import Checkpoint, CheckpointFile, Decoder, FrameRef, Manifest
+from weightsync.codec.checkpoint import tensor_names
 from weightsync.codec.manifest import DIGEST_KINDS
 from weightsync.codec.validate import check_publishable
 from weightsync.common import removal_message, removed_content
@@ -123,11 +124,11 @@ def committed(v: Version) -> tuple[int, str]:
 
 def removed(manifest: Manifest, parent: Manifest) -> list[str]:
     """What `parent` holds that `manifest` drops (common.removed_content over their files' tensor names)."""
-
-    def names(m: Manifest) -> dict[str, set[str]]:
-        return {f.path: {e.segment.name for e in f.segments if e.segment.kind == "tensor"} for f in m.files}
-
-    return removed_content(names(parent), names(manifest), single_file=manifest.single_file and parent.single_file)
+    return removed_content(
+        tensor_names(f.layout for f in parent.files),
+        tensor_names(f.layout for f in manifest.files),
+        single_file=manifest.single_file and parent.single_file,
+    )
 
 
 FORMATS: tuple[int, ...] = tuple(sorted(DIGEST_KINDS))
