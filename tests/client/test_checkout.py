@@ -240,3 +240,34 @@ def _write(path: Path, data: bytes) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(data)
     return path
+
+
+def test_matching_names_the_files_that_are_the_version(tmp_path: Path) -> None:
+    """`Checkout.matching` is `verify` file by file (both formats): a changed byte, another size, a missing file,
+    a symlink and a directory where a file goes are not the version; files of ours and plain ones are."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from weightsync.client.state import CheckoutState
+    from weightsync.codec import Encoder
+
+    files = {**VERSIONS[1], "extra.bin": b"x" * 100, "gone.bin": b"y" * 10, "dir.bin": b"z"}
+    ck = Checkpoint.from_bytes(files)
+    with ThreadPoolExecutor(2) as pool:
+        for version in (1, 2):
+            state = CheckoutState.of("m", 1, "d" * 64, Encoder(format_version=version).encode(ck).manifest)
+            root = tmp_path / f"v{version}"
+            for path, data in files.items():
+                _write(root / path, data)
+            checkout = Checkout(root)
+            assert set(checkout.matching(state, pool)) == set(files) and checkout.verify(state, pool)
+            shard = VERSIONS[1]["model.safetensors"]
+            (root / "model.safetensors").write_bytes(shard[:-1] + bytes([shard[-1] ^ 1]))
+            (root / "extra.bin").write_bytes(b"x" * 99)
+            (root / "gone.bin").unlink()
+            (root / "config.json").rename(root / "elsewhere.json")
+            os.symlink("elsewhere.json", root / "config.json")
+            (root / "dir.bin").unlink()
+            (root / "dir.bin").mkdir()
+            found = checkout.matching(state, pool)
+            assert found == {p: root / p for p in ("tok/vocab.json", "tok/extra/merges.txt")}
+            assert not checkout.verify(state, pool)

@@ -3,8 +3,12 @@
 On disk (``root`` given) an object lives at ``root/<digest>`` only once its
 SHA-256 has been checked. A large object is fetched as several HTTP ranges at
 once; each finished range is kept under ``root/<digest>.parts/`` so a download
-killed half way resumes with the ranges it lacks. Without a root the cache is
-a dict in memory (for `prepare`, which decodes straight from memory).
+killed half way resumes with the ranges it lacks. A decode that needs only some
+frames of an object (pull --adopt of a directory holding part of a version)
+fetches just their ranges (`fetch_extents`) and reads them out of the parts;
+each frame is then checked by the decode, as the whole object's SHA-256 cannot be.
+Without a root the cache is a dict in memory (for `prepare`, which decodes
+straight from memory).
 """
 
 from __future__ import annotations
@@ -177,6 +181,55 @@ class ObjectCache:
         run_all(pool, lambda t: self._assemble(api, t[0], t[1], range_bytes), todo)
         return stats
 
+    def fetch_extents(
+        self,
+        api: Api,
+        extents: dict[str, list[tuple[int, int]]],
+        pool: ThreadPoolExecutor,
+        *,
+        range_bytes: int = DEFAULT_RANGE_BYTES,
+    ) -> FetchStats:
+        """Make the byte ranges `extents` (digest → [(start, end)]) of objects readable, not whole objects.
+
+        For a decode that needs only some frames of an object (pull --adopt of a directory
+        holding part of a version). Missing ranges are fetched concurrently on `pool` and
+        kept as parts (a killed run resumes with the ranges it lacks); an object already
+        held whole is read from there. The parts are not checked against the object's
+        SHA-256 (that needs all of it): each frame read from them is checked by the decode
+        (its header, and its result's digest). Read them with `object_reader`; after a
+        failed decode, `drop_parts` makes the next run fetch them again.
+        """
+        stats = FetchStats()
+        jobs: list[tuple[str, int, int]] = []
+        for digest, ranges in extents.items():
+            if self._valid(digest):
+                stats.cached += 1
+                continue
+            missing = [job for a, b in ranges for job in self._ranges(digest, a, b, range_bytes) if job is not None]
+            stats.fetched += bool(missing)
+            stats.cached += not missing
+            jobs.extend(missing)
+        run_all(pool, lambda job: self._fetch_range(api, *job), jobs)
+        return stats
+
+    def parts(self, digest: str) -> Parts:
+        """The parts held of an object the cache does not hold whole (`fetch_extents`), to read ranges from."""
+        return Parts(self, digest, self._held_parts(digest))
+
+    def read_part(self, digest: str, start: int, end: int) -> memoryview | np.ndarray:
+        """The bytes of the part [start, end) held of an object (a read-only map on disk)."""
+        if self.root is None:
+            with self._lock:
+                return memoryview(self._mem_parts[(digest, start, end)])
+        if end == start:
+            return memoryview(b"")
+        return np.memmap(self._parts_dir(digest) / f"{start}-{end}", dtype=np.uint8, mode="r")
+
+    def drop_parts(self, digests: list[str]) -> None:
+        """Forget the parts fetched of these objects (whole objects held stay)."""
+        for d in digests:
+            self._drop_parts(d)
+
     # --- ranges -------------------------------------------------------------------------
 
     def _parts_dir(self, digest: str) -> Path:
@@ -317,9 +370,40 @@ class ObjectCache:
             shutil.rmtree(self._parts_dir(digest), ignore_errors=True)
 
 
+class Parts:
+    """Ranges of one object read out of the parts fetched of it (maps kept open). Thread-safe."""
+
+    def __init__(self, cache: ObjectCache, digest: str, held: list[tuple[int, int]]) -> None:
+        self.cache = cache
+        self.digest = digest
+        self.held = held
+        self._maps: dict[tuple[int, int], memoryview | np.ndarray] = {}
+        self._lock = threading.Lock()
+
+    def read(self, start: int, end: int) -> memoryview | np.ndarray:
+        """Bytes [start, end) of the object (copied only when they span parts); TruncatedInput if not all fetched."""
+        chunks: list[memoryview | np.ndarray] = []
+        cursor = start
+        while cursor < end:
+            part = max((p for p in self.held if p[0] <= cursor < p[1]), key=lambda p: p[1], default=None)
+            if part is None:
+                raise errors.TruncatedInput(f"object {self.digest}: bytes {cursor}-{end} were not fetched")
+            with self._lock:
+                data = self._maps.get(part)
+                if data is None:
+                    data = self._maps[part] = self.cache.read_part(self.digest, *part)
+            upto = min(end, part[1])
+            chunks.append(data[cursor - part[0] : upto - part[0]])
+            cursor = upto
+        if len(chunks) == 1:
+            return chunks[0]
+        return np.concatenate([np.frombuffer(c, dtype=np.uint8) for c in chunks])
+
+
 def object_reader(cache: ObjectCache) -> Callable[[FrameRef], memoryview | np.ndarray]:
-    """A `read_frame(ref)` for the decoder: frame bytes sliced out of cached objects (maps kept open)."""
-    opened: dict[str, memoryview | np.ndarray] = {}
+    """A `read_frame(ref)` for the decoder: frame bytes sliced out of cached objects (maps kept open), or
+    out of the parts `ObjectCache.fetch_extents` fetched of an object the cache does not hold whole."""
+    opened: dict[str, memoryview | np.ndarray | Parts] = {}
     lock = threading.Lock()
 
     def read(ref: FrameRef) -> memoryview | np.ndarray:
@@ -329,7 +413,9 @@ def object_reader(cache: ObjectCache) -> Callable[[FrameRef], memoryview | np.nd
         with lock:
             data = opened.get(digest)
             if data is None:
-                data = opened[digest] = cache.read(digest)
+                data = opened[digest] = cache.read(digest) if cache.has(digest) else cache.parts(digest)
+        if isinstance(data, Parts):
+            return data.read(ref.offset, ref.offset + ref.length)
         if ref.offset + ref.length > len(data):
             raise errors.TruncatedInput(f"frame at {ref.offset}+{ref.length} lies past the end of object {digest}")
         return data[ref.offset : ref.offset + ref.length]

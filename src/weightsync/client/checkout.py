@@ -28,6 +28,7 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+import stat
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -37,7 +38,7 @@ from pathlib import Path
 from weightsync import errors
 from weightsync.client._objects import ObjectCache
 from weightsync.client.decode import Tree, map_file
-from weightsync.client.state import CheckoutState, write_atomic
+from weightsync.client.state import CheckoutState, FileState, write_atomic
 from weightsync.codec.checkpoint import STATE_DIR, Checkpoint, CheckpointFile, layout_of
 from weightsync.codec.decoder import sums_of
 from weightsync.codec.frame import xxh3_128
@@ -156,40 +157,66 @@ class Checkout:
         """
         out: dict[str, Path] = {}
         for f in state.files:
-            link = self.root / f.path
-            if self._symlinked_parent(f.path) is not None:
+            where = self._locate(f.path)
+            if where is None:
                 return None
-            if self._is_ours(f.path):
-                out[f.path] = self.current / DATA / f.path
-            elif link.is_file() and not link.is_symlink():
-                out[f.path] = link
-            else:
-                return None
+            out[f.path] = where
         return out
+
+    def _locate(self, path: str) -> Path | None:
+        """Where the file at DIR/`path` lives: through our link, a plain file there, or None (absent, or
+        something else: a directory, someone's symlink, a symlinked directory on the way)."""
+        link = self.root / path
+        if self._symlinked_parent(path) is not None:
+            return None
+        if self._is_ours(path):
+            return self.current / DATA / path
+        if link.is_file() and not link.is_symlink():
+            return link
+        return None
 
     def verify(self, state: CheckoutState, pool: ThreadPoolExecutor, *, deep: bool = True) -> bool:
         """Whether the checkout still holds `state`'s version: every file there with its size and,
         if `deep`, every segment's digest (of the state's kind: xxh3-128, or the tensor checksum
         with large segments summed in parts on `pool`)."""
-        where = self.locate(state)
-        if where is None:
-            return False
-        maps = []
+        return len(self._matching(state, pool, deep=deep, every=True)) == len(state.files)
+
+    def matching(self, state: CheckoutState, pool: ThreadPoolExecutor) -> dict[str, Path]:
+        """The files of `state` the checkout already holds as they are in `state`, by path → where they live.
+
+        `verify` file by file (size and every segment's digest): a directory that holds
+        some of a version's files (pull --adopt) keeps those and gets only the others.
+        """
+        return self._matching(state, pool, deep=True, every=False)
+
+    def _matching(self, state: CheckoutState, pool: ThreadPoolExecutor, *, deep: bool, every: bool) -> dict[str, Path]:
+        """The files of `state` that are there with their size and (`deep`) digests; `every`: stop at the
+        first one that is not (then what is returned is short of `state`'s files)."""
+        found: dict[str, tuple[FileState, Path]] = {}
         for f in state.files:
+            where = self._locate(f.path)
             try:
-                st = os.lstat(where[f.path])
+                st = os.lstat(where) if where is not None else None
             except OSError:
-                return False
-            if not os.path.isfile(where[f.path]) or os.path.islink(where[f.path]) or st.st_size != f.size:
-                return False
-            if deep:
-                maps.append((f, map_file(where[f.path], f.size)))
-        segments = [(m[o : o + n], h, w) for f, m in maps for o, n, h, w in f.segments]
+                st = None
+            if where is None or st is None or not stat.S_ISREG(st.st_mode) or st.st_size != f.size:
+                if every:
+                    return {}
+                continue
+            found[f.path] = (f, where)
+        if not deep:
+            return {path: where for path, (_, where) in found.items()}
+        maps = {path: map_file(where, f.size) for path, (f, where) in found.items()}
+        # (path, bytes, digest, element width) of every segment, all hashed at once on `pool`
+        segments = [(path, maps[path][o : o + n], h, w) for path, (f, _) in found.items() for o, n, h, w in f.segments]
         if state.digest_kind != DIGEST_XXH3:
-            sums = sums_of(pool, [(data, w) for data, _, w in segments])
-            return all(s.hex() == h for s, (_, h, _) in zip(sums, segments, strict=True))
-        jobs = [(h, pool.submit(lambda d: xxh3_128(d).hex(), data)) for data, h, _ in segments]
-        return all(fut.result() == h for h, fut in jobs)
+            sums = sums_of(pool, [(data, w) for _, data, _, w in segments])
+            ok = [s.hex() == h for s, (_, _, h, _) in zip(sums, segments, strict=True)]
+        else:
+            jobs = [pool.submit(lambda d: xxh3_128(d).hex(), data) for _, data, _, _ in segments]
+            ok = [fut.result() == h for fut, (_, _, h, _) in zip(jobs, segments, strict=True)]
+        bad = {path for (path, _, _, _), good in zip(segments, ok, strict=True) if not good}
+        return {path: where for path, (_, where) in found.items() if path not in bad}
 
     def _current_data(self) -> Path:
         """The current version's data directory, resolved (stays valid when `current` is switched)."""
@@ -251,7 +278,10 @@ class Checkout:
 
         Every destination is checked before anything changes (InvalidName for a
         symlinked directory on the way, Conflict for a directory where a file
-        goes), so a refused install leaves the checkout as it was.
+        goes), so a refused install leaves the checkout as it was. A file of `tree`
+        that is the plain file at its own path (one a pull --adopt kept) joins the
+        version as a hard link to the same inode, and its path becomes our link
+        only after the switch: it reads the same bytes all along.
         """
         for path in tree.files:
             parent = self._symlinked_parent(path)
@@ -271,12 +301,17 @@ class Checkout:
                 with open(held.location, "rb+") as fh:
                     os.fsync(fh.fileno())
                 os.replace(held.location, dst)
-            else:  # unchanged since the current version: share its inode
+            else:  # unchanged since the current version, or kept by an adopt: share its inode
                 _link_or_copy(held.location, dst)
         self._seal(vdir, state)
+        kept = {path for path, held in tree.files.items() if held.location == self.root / path}
         for path in tree.files:  # new paths dangle (are absent) until the switch
-            self._link(path)
+            if path not in kept:
+                self._link(path)
         self._switch(vdir)
+        for path in tree.files:
+            if path in kept:
+                self._link(path)
         self._trust()
         self._drop_links(keep=set(tree.files))  # dropped paths dangle (are absent) from the switch on
         _fsync_dir(self.root)

@@ -194,6 +194,8 @@ def register(app: typer.Typer) -> None:
             typer.echo(f"{dir}: adopted as {model} v{result.version} (its files were the version)")
         else:
             extra = " (directory had changed: rebuilt)" if result.repaired else ""
+            if result.adopted:
+                extra += f" (kept {result.adopted} file{'s' if result.adopted != 1 else ''} already there)"
             typer.echo(
                 f"{dir}: {model} v{result.version} ({result.mode}, {result.steps} step"
                 f"{'s' if result.steps != 1 else ''}): received {human_bytes(result.bytes_received)} in "

@@ -15,14 +15,18 @@ every segment's pieces, each summed right after its frame applied (§5.3). A
 version 2 segment equal to its base has no frames: a file written whole gets
 it copied from the base. Files of the held version are only ever read; what is
 written goes to temporaries of the caller's scratch space.
+
+A decode may be limited to some files (pull --adopt rebuilds only the files a
+directory lacks): `needed_files` says which files each step of a chain decodes,
+`frames_for` which frames that reads.
 """
 
 from __future__ import annotations
 
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -33,7 +37,7 @@ from weightsync.client._pool import run_all
 from weightsync.codec.checksum import TensorSum
 from weightsync.codec.decoder import apply_summed, check_frame, check_results, describe
 from weightsync.codec.frame import apply_frame
-from weightsync.codec.manifest import VERSION_2, FrameRef, Manifest, Piece, SegmentEntry
+from weightsync.codec.manifest import VERSION_2, FileEntry, FrameRef, Manifest, Piece, SegmentEntry
 
 
 class Scratch(Protocol):
@@ -78,11 +82,12 @@ class Tree:
         return self.files.get(path)
 
 
-def check_bases(manifest: Manifest, tree: Tree) -> None:
+def check_bases(manifest: Manifest, tree: Tree, only: Collection[str] | None = None) -> None:
     """Every delta segment's base must be what `tree` holds at that place (digest and length); else BaseMismatch.
 
     Digests compare as strings of one kind: a delta whose manifest is of another format
-    than the tree's is refused whole (a chain never mixes formats, FORMAT §5.3).
+    than the tree's is refused whole (a chain never mixes formats, FORMAT §5.3). `only`:
+    the paths to be decoded (None: every file); the others' bases are not looked at.
     """
     deltas = any(e.base_offset is not None for f in manifest.files for e in f.segments)
     if deltas and tree.digest_kind is not None and tree.digest_kind != manifest.digest_kind:
@@ -91,6 +96,8 @@ def check_bases(manifest: Manifest, tree: Tree) -> None:
             "a chain never mixes formats"
         )
     for f in manifest.files:
+        if only is not None and f.path not in only:
+            continue
         base = tree.base_for(manifest, f.path)
         for e in f.segments:
             if e.base_offset is None:
@@ -101,15 +108,30 @@ def check_bases(manifest: Manifest, tree: Tree) -> None:
 
 
 def decode_step(
-    manifest: Manifest, read_frame: Callable[[FrameRef], Any], tree: Tree, work: Scratch, pool: ThreadPoolExecutor
+    manifest: Manifest,
+    read_frame: Callable[[FrameRef], Any],
+    tree: Tree,
+    work: Scratch,
+    pool: ThreadPoolExecutor,
+    only: Collection[str] | None = None,
 ) -> Tree:
-    """Decode `manifest` on top of `tree` (its parent version, bases already checked) into a new Tree."""
+    """Decode `manifest` on top of `tree` (its parent version, bases already checked) into a new Tree.
+
+    `only`: the paths to decode (None: every file); the new Tree holds just those, and
+    only the frames with a piece in one of them are read (`frames_for`). A version 2
+    frame shared with a file left out gets zeros as that piece's base (its result is
+    dropped; each piece is checked by its own checksum); a version 1 frame checks its
+    result whole, so every file of a shared delta frame must be decoded (`needed_files`).
+    """
     n = len(manifest.files)
     outputs: list[np.ndarray | None] = [None] * n
     bases: list[np.ndarray | None] = [None] * n
     modes: list[str] = [""] * n
     new = Tree(manifest.single_file, digest_kind=manifest.digest_kind)
     for fi, f in enumerate(manifest.files):
+        if only is not None and f.path not in only:
+            modes[fi] = "left out"
+            continue
         b = tree.base_for(manifest, f.path)
         deltas = [e for e in f.segments if e.base_offset is not None]
         # Patch a copy in place only when something is delta-coded and nothing moved.
@@ -145,7 +167,7 @@ def decode_step(
         new.files[f.path] = HeldFile(loc, f.size, True, segs)
 
     def skip(fi: int, si: int) -> bool:
-        if modes[fi] == "unchanged":
+        if modes[fi] in ("unchanged", "left out"):
             return True
         e = manifest.files[fi].segments[si]
         return modes[fi] == "inplace" and e.base_offset == e.segment.offset and e.unchanged
@@ -156,6 +178,8 @@ def decode_step(
         return o
 
     def base(fi: int, e: SegmentEntry, offset: int, length: int) -> np.ndarray:
+        if modes[fi] == "left out":  # a version 2 piece whose result is dropped: any base will do
+            return np.zeros(length, dtype=np.uint8)
         b = bases[fi]
         assert b is not None and e.base_offset is not None, "a delta frame's segment has a base"
         return b[e.base_offset + offset : e.base_offset + offset + length]
@@ -167,6 +191,8 @@ def decode_step(
         pieces = ref.pieces
         if all(skip(p.file, p.seg) for p in pieces):
             return []
+        if not v2 and ref.delta and any(modes[p.file] == "left out" for p in pieces):
+            raise AssertionError("a version 1 delta frame is decoded with all its files (needed_files)")
         blob = read_frame(ref)
         check_frame(manifest, ref, blob)
         if len(pieces) == 1:
@@ -214,7 +240,7 @@ def decode_step(
                 if e.unchanged and e.segment.length
             ]
             run_all(pool, copy_unchanged, copies)
-            check_results(manifest, sums)
+            check_results(_decoded_part(manifest, modes), sums)
         for o in outputs:
             if isinstance(o, np.memmap):
                 o.flush()
@@ -232,3 +258,56 @@ def decode_step(
         if held.owned and held.location not in kept:
             held.location.unlink(missing_ok=True)
     return new
+
+
+def _decoded_part(manifest: Manifest, modes: list[str]) -> Manifest:
+    """`manifest` with the segments of the files left out of a decode removed (their results are not checked)."""
+    if "left out" not in modes:
+        return manifest
+    files = [
+        FileEntry(f.path, f.size, ()) if mode == "left out" else f
+        for f, mode in zip(manifest.files, modes, strict=True)
+    ]
+    return replace(manifest, files=files)
+
+
+def frames_for(manifest: Manifest, paths: Collection[str]) -> list[FrameRef]:
+    """The frames of `manifest` a decode of the files `paths` reads: those with a piece in one of them."""
+    wanted = {fi for fi, f in enumerate(manifest.files) if f.path in paths}
+    return [ref for ref in manifest.frames if any(p.file in wanted for p in ref.pieces)]
+
+
+def needed_files(chain: Sequence[Manifest], wanted: Collection[str]) -> list[set[str]]:
+    """Which files each manifest of `chain` (a plan's steps, in order) must decode so that the last one yields `wanted`.
+
+    A file with delta segments needs its base, the previous step's file at its path (in
+    single-file mode, the previous step's only file). A version 1 delta frame checks
+    its result whole, so every file it has a piece of is decoded with the others (and
+    needs its base in turn); a version 2 frame checks each piece on its own, so a shared
+    frame pulls in nothing (see `decode_step`).
+    """
+    needs = [set[str]() for _ in chain]
+    if not chain:
+        return needs
+    needs[-1] = {f.path for f in chain[-1].files if f.path in wanted}
+    for k in range(len(chain) - 1, -1, -1):
+        m = chain[k]
+        if m.version != VERSION_2:
+            grew = True
+            while grew:
+                grew = False
+                for ref in m.frames:
+                    paths = {m.files[p.file].path for p in ref.pieces}
+                    if ref.delta and paths & needs[k] and not paths <= needs[k]:
+                        needs[k] |= paths
+                        grew = True
+        if k == 0:
+            break
+        prev = chain[k - 1]
+        held = {f.path for f in prev.files}
+        for f in m.files:
+            if f.path in needs[k] and any(e.base_offset is not None for e in f.segments):
+                base = prev.files[0].path if m.single_file and len(prev.files) == 1 else f.path
+                if base in held:
+                    needs[k - 1].add(base)
+    return needs

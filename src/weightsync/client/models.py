@@ -376,7 +376,9 @@ class PullResult:
 
     `mode` is "full" (rebuilt from a keyframe), "delta" (incremental from what the
     directory held), "current" (already at the version) or "adopted" (a directory
-    weightsync did not manage already held the version's files, taken over as they are). `repaired` is True when the
+    weightsync did not manage already held the version's files, taken over as they are). `adopted` counts
+    the files kept as they were by ``pull --adopt``: all of them in mode "adopted"; some in mode "full",
+    where only the other files' frames were downloaded. `repaired` is True when the
     directory no longer matched its state file and was rebuilt by a full pull.
     """
 
@@ -395,6 +397,7 @@ class PullResult:
     repaired: bool
     seconds: float
     timings: dict[str, float] = field(default_factory=dict)
+    adopted: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

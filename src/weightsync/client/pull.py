@@ -6,7 +6,9 @@ as several ranges), checks every object's SHA-256, decodes each step onto the
 previous one and switches the checkout to the result in one atomic step
 (client/checkout.py). A pull killed at any point leaves the old version
 readable; re-run, it finds the objects (and ranges) it already has in its
-cache and fetches only the rest.
+cache and fetches only the rest. Adopting a directory weightsync does not
+manage (`adopt`) keeps the files already the version's and fetches only the
+frames of the others (`fetch_needed`).
 
 Used by :class:`~weightsync.client.Subscriber` (directories and, for the
 fetch phase, in-place updates) and by :class:`~weightsync.client.Publisher`
@@ -20,7 +22,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -32,7 +34,7 @@ from weightsync.client import inplace
 from weightsync.client._http import Api
 from weightsync.client._objects import DEFAULT_RANGE_BYTES, FetchStats, ObjectCache, object_reader
 from weightsync.client.checkout import Checkout
-from weightsync.client.decode import Tree, check_bases, decode_step, map_file
+from weightsync.client.decode import HeldFile, Tree, check_bases, decode_step, frames_for, map_file, needed_files
 from weightsync.client.inplace import Prepared
 from weightsync.client.models import Plan, PlanStep, PullResult
 from weightsync.client.state import CheckoutState
@@ -189,6 +191,22 @@ def check_installable(tree: Tree) -> None:
             ) from None
 
 
+@dataclass
+class _Kept:
+    """What pull --adopt found in a directory weightsync does not manage: the files already the target's."""
+
+    state: CheckoutState
+    """The target version, as the checkout's state once installed."""
+    manifest: Manifest
+    """The target version's manifest."""
+    files: dict[str, Path]
+    """Its files already there (size and every segment's digest), by path → where they are."""
+
+    @property
+    def whole(self) -> bool:
+        return len(self.files) == len(self.state.files)
+
+
 def _take_over(
     api: Api,
     model: str,
@@ -199,13 +217,12 @@ def _take_over(
     dpool: ThreadPoolExecutor,
     *,
     adopt: bool,
-) -> CheckoutState | None:
+) -> _Kept | None:
     """A directory weightsync does not manage, about to get `plan`'s target: whose files are already there?
 
     None when none of the target's paths exist. Otherwise UnmanagedFiles, unless `adopt`:
-    then the files there are checked against the target version (sizes and every
-    segment's digest) and, when they are it, adopted as it (returned: nothing to
-    download); when they are not, None (a full pull replaces them).
+    then each file there is checked against the target's (its size and every segment's
+    digest, `Checkout.matching`) and those that are it are kept (the others get replaced).
     """
     digest = plan.steps[-1].manifest
     objects.fetch(api, {digest: plan.steps[-1].manifest_bytes}, pool, range_bytes=DEFAULT_RANGE_BYTES)
@@ -220,11 +237,77 @@ def _take_over(
             "directory, or adopt it (CLI --adopt) to take them over"
         )
     candidate = CheckoutState.of(model, plan.target, digest, manifest, api.server)
-    if checkout.verify(candidate, dpool, deep=True):
-        checkout.adopt(candidate)
-        return candidate
-    log.warning("%s: the files there are not v%s: pulling in full over them", checkout.root, plan.target)
-    return None
+    kept = _Kept(candidate, manifest, checkout.matching(candidate, dpool))
+    if not kept.whole:
+        log.warning(
+            "%s: %d of the %d files of v%s are there already: fetching the other %d",
+            checkout.root,
+            len(kept.files),
+            len(candidate.files),
+            plan.target,
+            len(candidate.files) - len(kept.files),
+        )
+    return kept
+
+
+def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Byte ranges sorted, overlapping and adjacent ones joined (frames stored back to back: one request)."""
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(ranges):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def fetch_needed(
+    api: Api,
+    cache: ObjectCache,
+    plan: Plan,
+    kept: Collection[str],
+    pool: ThreadPoolExecutor,
+    *,
+    range_bytes: int,
+    meter: Meter,
+) -> tuple[list[Manifest], list[set[str]], dict[str, list[tuple[int, int]]], FetchStats]:
+    """Fetch what decoding `plan`'s target without the files `kept` needs: every manifest, then only the
+    byte ranges of the frames the other files' chains read (a frame shared by several files counts for each).
+
+    Returns (the steps' manifests, the paths each step decodes (`needed_files`), the object
+    ranges fetched, the fetch's counts).
+    """
+    manifests_wanted, _ = step_objects(plan.steps)
+    meter.total = sum(manifests_wanted.values())
+    stats = cache.fetch(api, manifests_wanted, pool, range_bytes=range_bytes)
+    chain = [load_manifest(cache, s.manifest) for s in plan.steps]
+    wanted = [f.path for f in chain[-1].files if f.path not in kept]
+    needs = needed_files(chain, wanted)
+    ranges: dict[str, list[tuple[int, int]]] = {}
+    for manifest, paths in zip(chain, needs, strict=True):
+        for ref in frames_for(manifest, paths):
+            if ref.object is None:
+                raise errors.FormatError("a stored manifest's frame names no object")
+            ranges.setdefault(ref.object, []).append((ref.offset, ref.offset + ref.length))
+    extents = {digest: _merged(r) for digest, r in ranges.items()}
+    meter.total += sum(b - a for r in extents.values() for a, b in r)
+    got = cache.fetch_extents(api, extents, pool, range_bytes=range_bytes)
+    return chain, needs, extents, FetchStats(stats.fetched + got.fetched, stats.cached + got.cached)
+
+
+def _with_kept(tree: Tree, kept: _Kept) -> Tree:
+    """`tree` (the target's other files, decoded) plus the files kept where they are, in the manifest's order."""
+    files: dict[str, HeldFile] = {}
+    for f in kept.manifest.files:
+        where = kept.files.get(f.path)
+        if where is None:
+            files[f.path] = tree.files[f.path]
+            continue
+        decoded = tree.files.get(f.path)
+        if decoded is not None and decoded.owned:  # a version 1 frame shared with another file decoded it too
+            decoded.location.unlink(missing_ok=True)
+        files[f.path] = HeldFile(where, f.size, False, f.spans())
+    return Tree(tree.single_file, files, tree.digest_kind)
 
 
 @contextmanager
@@ -261,8 +344,14 @@ def pull(
     pull unless `keep_objects`. Conflict when the checkout holds another model
     or another process is updating it; UnmanagedFiles when a directory weightsync does
     not manage already has files where the version puts its own, unless `adopt`: then
-    files that already are the version are taken over without a download, else they
-    are replaced. A refused directory is left as it was (no ``.weightsync`` either).
+    each file there that already is the version's (size and every segment's digest) is
+    kept as it is (the version takes its inode), and only the frames of the other files
+    are fetched (byte ranges of the plan's objects, `fetch_needed`) and decoded; files
+    of the directory that are not the version's stay untouched. The result's mode is
+    "adopted" when every file was there (nothing but the target's manifest fetched),
+    else "full" (built from the keyframe chain) with ``bytes_received`` the frames of
+    the files that were not there (``plan_bytes``: what a full pull fetches). A refused
+    directory is left as it was (no ``.weightsync`` either).
     """
     t0 = time.perf_counter()
     meter = meter or Meter(None)
@@ -299,10 +388,16 @@ def pull(
                 plan = api.get_plan(model, have=have, want=version, holder=holder)
                 timings["plan_s"] = time.perf_counter() - t
                 steps, target = plan.steps, plan.target
+                kept = None
                 if state is None and steps:
-                    taken = _take_over(api, model, checkout, plan, objects, pool, dpool, adopt=adopt)
-                    if taken is not None:
-                        steps, state, have, adopted = [], taken, target, True
+                    t = time.perf_counter()
+                    kept = _take_over(api, model, checkout, plan, objects, pool, dpool, adopt=adopt)
+                    timings["verify_s"] = time.perf_counter() - t
+                    if kept is not None and kept.whole:  # the files there are the version: nothing to fetch
+                        checkout.adopt(kept.state)
+                        steps, state, have, adopted = [], kept.state, target, True
+                    elif kept is not None and not kept.files:
+                        kept = None  # none of them is the version's: a full pull replaces them
                 if not steps and have == target:
                     assert state is not None
                     if not options.keep_objects and own_cache:
@@ -323,9 +418,18 @@ def pull(
                         repaired=repaired,
                         seconds=time.perf_counter() - t0,
                         timings=timings,
+                        adopted=len(state.files) if adopted else 0,
                     )
                 t = time.perf_counter()
-                stats = fetch_plan(api, objects, plan, pool, range_bytes=options.range_bytes, meter=meter)
+                chain: list[Manifest] | None = None
+                needs: list[set[str]] | None = None
+                extents: dict[str, list[tuple[int, int]]] = {}
+                if kept is None:
+                    stats = fetch_plan(api, objects, plan, pool, range_bytes=options.range_bytes, meter=meter)
+                else:  # only the frames of the files that are not there yet
+                    chain, needs, extents, stats = fetch_needed(
+                        api, objects, plan, kept.files, pool, range_bytes=options.range_bytes, meter=meter
+                    )
                 timings["download_s"] = time.perf_counter() - t
                 t = time.perf_counter()
                 work = checkout.workspace()
@@ -333,14 +437,22 @@ def pull(
                     tree = checkout.tree(state) if state is not None and have is not None else Tree(False)
                     manifest = None
                     for i, s in enumerate(steps):
-                        manifest = load_manifest(objects, s.manifest)
+                        manifest = chain[i] if chain is not None else load_manifest(objects, s.manifest)
+                        only = needs[i] if needs is not None else None
                         try:
-                            check_bases(manifest, tree)
+                            check_bases(manifest, tree, only)
                         except errors.BaseMismatch:
                             if i == 0 and have is not None and attempt == 0:
                                 raise _Restart() from None
                             raise
-                        tree = decode_step(manifest, object_reader(objects), tree, work, dpool)
+                        try:
+                            tree = decode_step(manifest, object_reader(objects), tree, work, dpool, only)
+                        except errors.FormatError:
+                            # Ranges are checked only as their frames decode: a damaged one is fetched again next time.
+                            objects.drop_parts(list(extents))
+                            raise
+                    if kept is not None:
+                        tree = _with_kept(tree, kept)
                     timings["decode_s"] = time.perf_counter() - t
                     t = time.perf_counter()
                     assert manifest is not None
@@ -377,5 +489,6 @@ def pull(
                     repaired=repaired,
                     seconds=time.perf_counter() - t0,
                     timings=timings,
+                    adopted=len(kept.files) if kept is not None else 0,
                 )
     raise AssertionError("unreachable")  # pragma: no cover
