@@ -69,6 +69,33 @@ def tensor_sums(
     return out
 
 
+def change_lanes(before: torch.Tensor, after: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """How a tensor's checksum lanes move when its elements at `positions` go from `before` to `after`.
+
+    `codec.checksum.change_lanes` on the tensors' device: (lanes,) int64 there, mod 2^64
+    (:func:`lanes_to_ints` reads it back). `before` and `after` hold the elements (any
+    dtype of the tensor's width), one per position; work is proportional to them.
+    """
+    width = before.element_size()
+    lanes_n = lanes_of(width)
+    if before.numel() == 0:
+        return torch.zeros(lanes_n, dtype=torch.int64, device=before.device)
+
+    def words(t: torch.Tensor) -> torch.Tensor:
+        raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        if width == 1:
+            return raw.to(torch.int64).view(-1, 1)
+        return (raw.view(torch.int16).to(torch.int64) & 0xFFFF).view(-1, lanes_n)
+
+    weights = positions.to(torch.int64) * 2 + 1
+    return ((words(after) - words(before)) * weights.view(-1, 1)).sum(dim=0)
+
+
+def lanes_to_ints(lanes: torch.Tensor) -> tuple[int, ...]:
+    """int64 lanes (from any device) as unsigned 64-bit Python ints."""
+    return tuple(int(x) & MASK for x in lanes.cpu().tolist())
+
+
 def _moments(t: torch.Tensor, chunk: int) -> torch.Tensor | None:
     """(lanes, 2) int64 on the tensor's device: Σ u and Σ u·i of each lane's words (mod 2^64); None if empty."""
     width = t.element_size()

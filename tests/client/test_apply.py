@@ -145,9 +145,9 @@ def test_keyframe_replaces_and_new_tensors_need_reload(server, model, tmp_path: 
 # --- in process, no server: inplace.prepare from a manifest and its frames ----------------------------
 
 
-def _local_update(published: list[dict], base: int, target: int, *, version: int = 2, **kw):
-    """inplace.prepare of the delta published[base-1] → published[target-1], encoded in process (no server),
-    in FORMAT `version`."""
+def _local_update(published: list[dict], base: int, target: int, *, version: int = 2, keyframe: bool = False, **kw):
+    """inplace.prepare of the delta (or with `keyframe` the keyframe) published[base-1] → published[target-1],
+    encoded in process (no server), in FORMAT `version`."""
     from weightsync.client import inplace
     from weightsync.client.tensors import serialize_state_dict
     from weightsync.codec.checkpoint import Checkpoint
@@ -157,7 +157,7 @@ def _local_update(published: list[dict], base: int, target: int, *, version: int
         return Checkpoint.from_bytes({"model.safetensors": serialize_state_dict(sd).tobytes()})
 
     encoded = Encoder(chunk_bytes=16 << 10, format_version=version).encode(
-        ck(published[target - 1]), ck(published[base - 1])
+        ck(published[target - 1]), ck(published[base - 1]), keyframe=keyframe
     )
     area = b"".join(fr.data for fr in encoded.frames)
     starts = [0]
@@ -199,12 +199,14 @@ def test_local_prepare_and_verified_apply(version: int, staged: bool) -> None:
     # Tiny staging buffers: the larger tensors stream through them in many pieces.
     hasher = HostHasher(threads=2, buffers=2, buffer_bytes=8 << 10, piece_bytes=3000, stage_cpu=staged)
     applied = inplace.apply(tensors, prepared, model="local", version=1, verify=True, strict=True, hasher=hasher)
-    applied.check()
     _assert_identical(tensors, published[1])
-    want = {(1, True): STAGED_HOST, (1, False): IN_PLACE, (2, False): SUM_CPU}[version, staged]
-    assert applied.verified_by == (want,), "v2 checksums tensors where they lie: no staging, no hashing"
+    # v1 hashes every changed tensor again; v2 moves each base checksum by the changed elements.
+    want = {(1, True): (STAGED_HOST,), (1, False): (IN_PLACE,), (2, False): (inplace.CHANGE_SUMS, SUM_CPU)}
+    assert applied.verified_by == want[version, staged]
     assert applied.base_check_s > 0 and applied.result_check_s > 0
+    assert applied.pause >= applied.result_check_s, "the pause covers the result check"
     assert applied.tensors == len(prepared.updates)
+    applied.check()  # a second, full check agrees
     unverified = inplace.apply(_snapshot(published[0]), prepared, model="local", version=1, verify=False, strict=True)
     assert unverified.verified_by == () and unverified.base_check_s == 0
 
@@ -228,20 +230,83 @@ def test_local_base_mismatch_names_the_tensor_and_writes_nothing(version: int) -
 
 
 @pytest.mark.parametrize("version", [1, 2])
-def test_local_result_mismatch_raises_after_the_write(version: int) -> None:
-    """As before this change: a failed result check raises ChecksumMismatch naming the tensor; the
-    tensors hold what the update wrote (no restore), and the caller must reload the version."""
+def test_local_result_mismatch_undoes_every_change(version: int) -> None:
+    """A failed result check raises ChecksumMismatch naming the tensor, after undoing every element change:
+    the tensors hold the base version again, byte for byte."""
     from weightsync.client import inplace
 
     published = _trained(2, seed=5)
     prepared = _local_update(published, 1, 2, version=version)
-    name = sorted(prepared.updates)[0]
-    prepared.updates[name].result_digest = "0" * 32
+    name = sorted(prepared.updates)[-1]  # the last one: every other tensor was written and passed
+    prepared.updates[name].result_digest = "0" * len(prepared.updates[name].result_digest)
+    tensors = _snapshot(published[0])
+    with pytest.raises(errors.ChecksumMismatch, match=rf"{name!r}.*hold v1 again"):
+        inplace.apply(tensors, prepared, model="local", version=1, verify=True, strict=True)
+    _assert_identical(tensors, published[0])
+
+
+def test_a_corrupted_change_is_caught_by_the_change_sums_and_undone() -> None:
+    """One operand of a decoded change is wrong (as a decoding bug or bad memory would make it): the result,
+    checked from the base checksum and the elements read back, fails; everything is undone."""
+    from weightsync.client import inplace
+
+    published = _trained(2, seed=8)
+    prepared = _local_update(published, 1, 2, version=2, device="cpu")  # decoded changes, not kept frames
+    name, u = next((n, u) for n, u in sorted(prepared.updates.items()) if u.ops and len(u.ops[0]) > 1)
+    u.ops[0].operands[len(u.ops[0]) // 2] ^= 4  # flips one bit of one element's change
+    tensors = _snapshot(published[0])
+    with pytest.raises(errors.ChecksumMismatch, match=repr(name)):
+        inplace.apply(tensors, prepared, model="local", version=1, verify=True, strict=True)
+    _assert_identical(tensors, published[0])
+
+
+def test_host_tensors_are_patched_from_the_frames_in_one_checked_pass() -> None:
+    """Without a staging device a one-step v2 delta keeps its frames; host tensors are patched from them with
+    base and result summed in the patching pass. Decoded on demand, the same update takes the general path."""
+    from weightsync.client import frames_apply, inplace
+
+    published = _trained(2, seed=11)
+    prepared = _local_update(published, 1, 2)
+    assert prepared.frames and all(not u.ops for u in prepared.updates.values())
+    # Counted from the frames: exact for sparse ones, every element a dense frame covers.
+    assert prepared.changed_elements >= _local_update(published, 1, 2, device="cpu").changed_elements > 0
     tensors = _snapshot(published[0])
     applied = inplace.apply(tensors, prepared, model="local", version=1, verify=True, strict=True)
-    with pytest.raises(errors.ChecksumMismatch, match=repr(name)):
-        applied.check()
+    assert applied.verified_by == (frames_apply.FUSED,) and applied.tensors == len(prepared.updates)
     _assert_identical(tensors, published[1])
+    applied.check()
+    again = _local_update(published, 1, 2)
+    again.decode_frames()
+    assert again.frames is None and any(u.ops for u in again.updates.values())
+    tensors = _snapshot(published[0])
+    assert (
+        inplace.CHANGE_SUMS
+        in inplace.apply(tensors, again, model="local", version=1, verify=True, strict=True).verified_by
+    )
+    _assert_identical(tensors, published[1])
+
+
+@pytest.mark.parametrize("where", ["base", "result"])
+def test_the_frames_pass_undoes_everything_when_a_check_fails(where: str) -> None:
+    """A base that differs (one bit of the last tensor) or a result digest that does not match: the pass has
+    written, so every frame is undone; the tensors are byte for byte what they were, the error names the tensor."""
+    from weightsync.client import inplace
+
+    published = _trained(2, seed=12)
+    prepared = _local_update(published, 1, 2)
+    assert prepared.frames
+    victim = sorted(prepared.updates)[-1]
+    tensors = _snapshot(published[0])
+    if where == "base":
+        _bits(tensors[victim])[0] ^= 1
+        error: type[Exception] = errors.BaseMismatch
+    else:
+        prepared.updates[victim].result_digest = "0" * len(prepared.updates[victim].result_digest)
+        error = errors.ChecksumMismatch
+    before = _snapshot(tensors)
+    with pytest.raises(error, match=repr(victim)):
+        inplace.apply(tensors, prepared, model="local", version=1, verify=True, strict=True)
+    _assert_identical(tensors, before)
 
 
 def test_result_mismatch_through_the_subscriber(server, model, tmp_path: Path) -> None:
@@ -250,10 +315,30 @@ def test_result_mismatch_through_the_subscriber(server, model, tmp_path: Path) -
         tensors = _fresh_load(server.url, model, 1, tmp_path)
         prepared = sub.prepare()
         name = next(iter(prepared.updates))
-        prepared.updates[name].result_digest = "f" * 32
+        good = prepared.updates[name].result_digest
+        prepared.updates[name].result_digest = "f" * len(good)
         with pytest.raises(errors.ChecksumMismatch, match=repr(name)):
             sub.apply(tensors, prepared)
-        assert sub.version == 2  # the tensors changed: they hold v2 or must be reloaded (unchanged semantics)
+        assert sub.version == 1, "a version whose result check fails never becomes the subscriber's"
+        _assert_identical(tensors, _fresh_load(server.url, model, 1, tmp_path / "again"))
+        prepared.updates[name].result_digest = good
+        sub.apply(tensors, prepared)
+        assert sub.version == 2
+        _assert_identical(tensors, _fresh_load(server.url, model, 2, tmp_path / "v2"))
+
+
+def test_a_failed_whole_replacement_asks_for_a_reload() -> None:
+    """An update that replaces tensors whole (a keyframe step) has nothing to undo them with: the error says
+    to load the version afresh."""
+    from weightsync.client import inplace
+
+    published = _trained(3, seed=10)
+    prepared = _local_update(published, 1, 3, keyframe=True)
+    assert all(u.replace is not None for u in prepared.updates.values())
+    name = sorted(prepared.updates)[0]
+    prepared.updates[name].result_digest = "0" * len(prepared.updates[name].result_digest)
+    with pytest.raises(errors.ChecksumMismatch, match="load the version afresh"):
+        inplace.apply(_snapshot(published[0]), prepared, model="local", version=1, verify=True, strict=True)
 
 
 def test_staged_changes_are_compact_and_apply_exactly() -> None:

@@ -75,6 +75,10 @@ def test_v2_round_trip_and_v1_agree(pair, chunk):
         assert again.files == manifest.files and again.frames == manifest.frames and again.version == version
         decoded[version] = [o.tobytes() for o in _decode(again, read, base, verify_segments=True)]
         assert decoded[version] == [f.data.tobytes() for f in new.files]
+        held = _held({f.layout.path: f.data.copy() for f in base.files})
+        outputs = _in_place_outputs(again, held)
+        Decoder(threads=2).decode(again, read, outputs, held)  # bases checked in the apply pass (v2)
+        assert [o.tobytes() for o in outputs] == decoded[version]
         if version == 2:
             for f, fe in zip(new.files, manifest.files, strict=True):
                 for seg, e in zip(f.layout.segments, fe.segments, strict=True):
@@ -113,7 +117,9 @@ def _step(seed: int = 0, changed: float = 0.01) -> tuple[Checkpoint, Checkpoint]
 
 @pytest.mark.parametrize("version", [1, 2])
 @pytest.mark.parametrize("victim", ["w2", "still"])
-def test_a_corrupted_base_is_refused_before_anything_is_written(version, victim):
+def test_a_corrupted_base_is_refused_and_an_in_place_base_left_as_it_was(version, victim):
+    """v1 checks every base before writing; v2 checks a segment that frames cover in their apply pass
+    (after writing), one equal to its base ("still") before. Either way an in-place base is left as it was."""
     base, new = _step()
     manifest, read = _located(Encoder(chunk_bytes=4096, format_version=version), new, base)
     seg = next(s for s in base.files[0].layout.segments if s.name == victim)
@@ -123,9 +129,10 @@ def test_a_corrupted_base_is_refused_before_anything_is_written(version, victim)
     outputs = [np.full(f.size, SENTINEL, dtype=np.uint8) for f in manifest.files]
     with pytest.raises(BaseMismatch, match=victim):
         Decoder(threads=2).decode(manifest, read, outputs, bad)
-    assert all((o == SENTINEL).all() for o in outputs), "nothing written"
+    if version == 1 or victim == "still":
+        assert all((o == SENTINEL).all() for o in outputs), "nothing written"
     in_place = bad.files[0].data.copy()
-    with pytest.raises(BaseMismatch):
+    with pytest.raises(BaseMismatch, match=victim):
         Decoder(threads=2).decode(manifest, read, [bad.files[0].data], bad)
     assert (bad.files[0].data == in_place).all(), "the base, decoded in place, is left as it was"
 
@@ -188,11 +195,32 @@ def test_v2_is_smaller_and_skips_unchanged_tensors():
     assert sizes[2] < sizes[1]
 
 
+def _in_place_outputs(manifest: Manifest, held: Checkpoint) -> list[np.ndarray]:
+    """Outputs for decoding onto `held` in place wherever the Decoder allows it (same file, nothing moved)."""
+    by_path = held.by_path()
+    outputs = []
+    for f in manifest.files:
+        b = held.files[0] if manifest.single_file and len(held.files) == 1 else by_path.get(f.path)
+        movable = all(e.base_offset in (None, e.segment.offset) for e in f.segments)
+        if b is not None and len(b.data) == f.size and f.size and movable:
+            outputs.append(b.data)
+        else:
+            outputs.append(np.full(f.size, SENTINEL, dtype=np.uint8))
+    return outputs
+
+
+def _held(files: dict[str, np.ndarray]) -> Checkpoint:
+    """A checkpoint whose arrays are the given ones (writable: an in-place decode writes into them)."""
+    ck = Checkpoint.from_bytes({path: data.tobytes() for path, data in files.items()})
+    return Checkpoint([type(f)(f.layout, files[f.layout.path]) for f in ck.files])
+
+
 @given(versions(), st.sampled_from([1, 2]), st.data())
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_corruption_of_a_base_or_a_result_is_detected(pair, version, data):
-    """Property: any flipped byte of a delta-coded base is refused before anything is written; a delta
-    frame that decodes to other bytes fails the result check against the manifest's digests."""
+    """Property: any flipped byte of a delta-coded base is refused (v1 before anything is written; v2 in
+    the apply pass when frames cover the segment), and decoding in place leaves that base byte-identical;
+    a delta frame that decodes to other bytes fails the result check against the manifest's digests."""
     base, new = pair
     manifest, read = _located(Encoder(threads=2, chunk_bytes=2048, format_version=version), new, base)
     deltas = [
@@ -211,7 +239,12 @@ def test_corruption_of_a_base_or_a_result_is_detected(pair, version, data):
         outputs = [np.full(f.size, SENTINEL, dtype=np.uint8) for f in manifest.files]
         with pytest.raises(BaseMismatch):
             Decoder(threads=2).decode(manifest, read, outputs, Checkpoint.from_bytes(files))
-        assert all((o == SENTINEL).all() for o in outputs)
+        if version == 1 or e.unchanged:
+            assert all((o == SENTINEL).all() for o in outputs)
+        held = _held({p: d.copy() for p, d in files.items()})
+        with pytest.raises(BaseMismatch):
+            Decoder(threads=2).decode(manifest, read, _in_place_outputs(manifest, held), held)
+        assert {f.layout.path: f.data.tobytes() for f in held.files} == {p: d.tobytes() for p, d in files.items()}
     frames = [ref for ref in manifest.frames if ref.delta]
     if not frames:
         return
@@ -237,6 +270,12 @@ def test_corruption_of_a_base_or_a_result_is_detected(pair, version, data):
         # A v1 frame vouches only for itself (its own xxh3): the manifest's segment digests catch a
         # frame swapped for another only with verify_segments. v2 checks every segment by default.
         _decode(manifest, lying, base, verify_segments=version == 1)
+    held = _held({f.layout.path: f.data.copy() for f in base.files})
+    with pytest.raises(ChecksumMismatch):
+        Decoder(threads=2).decode(
+            manifest, lying, _in_place_outputs(manifest, held), held, verify_segments=version == 1
+        )
+    assert [f.data.tobytes() for f in held.files] == [f.data.tobytes() for f in base.files], "in place: base restored"
 
 
 def test_a_changed_tensor_whose_checksum_equals_its_bases_is_still_coded():

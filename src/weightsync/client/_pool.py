@@ -10,10 +10,11 @@ every transfer in flight has finished.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import FIRST_EXCEPTION, Executor, Future, wait
+from concurrent.futures import FIRST_EXCEPTION, Executor, Future, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -22,6 +23,23 @@ _SLICE = 0.05
 """How often a paused job looks at the scopes around its own (a nested batch's parent)."""
 
 _local = threading.local()
+_cpu: ThreadPoolExecutor | None = None
+_cpu_lock = threading.Lock()
+
+
+def cpu_pool() -> ThreadPoolExecutor:
+    """The process's pool for CPU work that releases the GIL (decoding, checksums, patching tensors).
+
+    One thread per core, started once and shared by every subscriber of the process:
+    a pool per call started its threads anew each time, which on a busy 2-core box cost
+    more than the work of a small update. Submit only from outside it: a job of this
+    pool must never wait on another job of it.
+    """
+    global _cpu
+    with _cpu_lock:
+        if _cpu is None:
+            _cpu = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="weightsync-cpu")
+        return _cpu
 
 
 class Cancelled(Exception):  # noqa: N818 - a signal between threads, not an error a caller sees

@@ -16,23 +16,25 @@ for v1 xxh3-128 through pinned host buffers.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from weightsync import errors
-from weightsync.client._pool import run_all
+from weightsync.client import frames_apply
+from weightsync.client._pool import cpu_pool, run_all
 from weightsync.client.tensors import StagedChange
 from weightsync.client.verify import HostHasher, digests
+from weightsync.codec.checksum import MASK, TensorSum
 from weightsync.codec.decoder import check_frame
 from weightsync.codec.dtypes import DType, by_name
-from weightsync.codec.manifest import DIGEST_XXH3, FrameRef, Manifest
+from weightsync.codec.manifest import DIGEST_SUM, DIGEST_XXH3, FrameRef, Manifest
 from weightsync.codec.values import Change, apply_values, compose, decode_values, keyframe_bytes
 
 
@@ -79,15 +81,41 @@ class Prepared:
     device: Any = None
     digest_kind: str = DIGEST_XXH3
     """The kind of the target version's digests (its manifest's)."""
+    frames: list[frames_apply.Frame] | None = None
+    """A one-step FORMAT v2 delta prepared for host tensors: its frames, not decoded (client/frames_apply.py);
+    `updates` then name the touched tensors and their digests, with no changes."""
+    manifests: list[Manifest] = field(default_factory=list, repr=False)
+
+    def decode_frames(self, threads: int | None = None) -> None:
+        """Decode the frames this update kept (if any) into per-tensor changes: what tensors off the host need
+        (`apply` does it when it finds them there)."""
+        if self.frames is None:
+            return
+        blobs = {f.ref: f.blob for f in self.frames}
+        with _threads(threads) as pool:
+            self.updates, _ = decode_updates(self.manifests, lambda ref: blobs[ref], pool)
+        self.frames = None
 
     @property
     def changed_elements(self) -> int:
+        if self.frames is not None:
+            return sum(f.changes for f in self.frames)
         return sum(u.changed_elements for u in self.updates.values())
 
     @property
     def staged_bytes(self) -> int:
         """Bytes the element-wise changes hold on the staging device (whole replacements not included)."""
         return sum(s.nbytes for u in self.updates.values() for s in u.staged)
+
+
+@contextmanager
+def _threads(threads: int | None) -> Iterator[ThreadPoolExecutor]:
+    """A pool of `threads` threads for this call, or by default the process's CPU pool (threads started once)."""
+    if threads is None:
+        yield cpu_pool()
+        return
+    with ThreadPoolExecutor(threads) as pool:
+        yield pool
 
 
 def _touched(manifest: Manifest, updates: dict[str, TensorUpdate]) -> tuple[dict[tuple[int, int], str], set[str]]:
@@ -115,13 +143,24 @@ def _touched(manifest: Manifest, updates: dict[str, TensorUpdate]) -> tuple[dict
 
 
 def decode_updates(
-    manifests: list[Manifest], read_frame: Callable[[FrameRef], Any], pool: ThreadPoolExecutor
+    manifests: list[Manifest],
+    read_frame: Callable[[FrameRef], Any],
+    pool: ThreadPoolExecutor,
+    *,
+    frames: list[frames_apply.Frame] | None = None,
 ) -> tuple[dict[str, TensorUpdate], dict[str, tuple[DType, tuple[int, ...], str]]]:
     """The per-tensor updates that take tensors holding the parent of `manifests[0]` to `manifests[-1]`,
-    and every tensor of the final version (dtype, shape, digest). Frames decode on `pool`."""
+    and every tensor of the final version (dtype, shape, digest). Frames decode on `pool`.
+
+    With `frames` (one step, :func:`frames_apply.eligible`), the step's frames are fetched
+    into it instead of decoded: the updates then carry digests and no changes.
+    """
     updates: dict[str, TensorUpdate] = {}
     for manifest in manifests:
         names, touched = _touched(manifest, updates)
+        if frames is not None:
+            frames.extend(frames_apply.fetch(manifest, names, touched, read_frame, pool))
+            continue
         pieces: dict[str, list[Change]] = {}
         lock = threading.Lock()
 
@@ -180,7 +219,7 @@ def decode_updates(
             continue
         u = updates[name]
         u.result_digest = specs[name][2]
-        if u.replace is None and not u.ops:
+        if u.replace is None and not u.ops and frames is None:
             del updates[name]  # changes that cancelled out over several steps
     return updates, specs
 
@@ -216,13 +255,19 @@ def prepare(
     each frame's bytes (already verified by whoever fetched them). Frames decode
     on `threads` threads (default ``os.cpu_count()``); with `device`, the changes
     are staged there too (:func:`stage`). ``seconds`` counts decode and staging.
+
+    Without `device`, a one-step FORMAT v2 delta is kept as its frames (read and
+    their headers checked, not decoded): `apply` patches host tensors from them in
+    one checked pass (client/frames_apply.py), and decodes them first for tensors
+    elsewhere.
     """
     t0 = time.perf_counter()
     updates: dict[str, TensorUpdate] = {}
     specs: dict[str, tuple[DType, tuple[int, ...], str]] = {}
+    frames: list[frames_apply.Frame] | None = [] if device is None and frames_apply.eligible(list(manifests)) else None
     if manifests:
-        with ThreadPoolExecutor(threads or os.cpu_count() or 1) as pool:
-            updates, specs = decode_updates(list(manifests), read_frame, pool)
+        with _threads(threads) as pool:
+            updates, specs = decode_updates(list(manifests), read_frame, pool, frames=frames)
     prepared = Prepared(
         model=model,
         base=base,
@@ -233,6 +278,8 @@ def prepare(
         bytes_received=bytes_received,
         seconds=0.0,
         digest_kind=manifests[-1].digest_kind if manifests else DIGEST_XXH3,
+        frames=frames,
+        manifests=list(manifests),
     )
     if device is not None and manifests:
         stage(prepared, device)
@@ -246,7 +293,7 @@ class Applied:
 
     target: int
     pause: float
-    """Seconds from the first write until every write landed (the result check not included)."""
+    """Seconds from the first write until the result check passed (until the last write landed without `verify`)."""
     tensors: int
     changed: list[tuple[TensorUpdate, Any]] = field(repr=False)
     """(update, tensor) pairs that were changed."""
@@ -254,17 +301,20 @@ class Applied:
     """The kind of the target version's digests: what `check` computes."""
     hasher: HostHasher = field(default_factory=HostHasher, repr=False)
     base_check_s: float = 0.0
-    """Seconds the base check took (0 without verification)."""
+    """Seconds the base check took, before the first write (0 without verification)."""
     result_check_s: float = 0.0
-    """Seconds :meth:`check` took (0 until it ran)."""
+    """Seconds the result check took inside the pause (and then :meth:`check`'s, once it ran)."""
     verified_by: tuple[str, ...] = ()
-    """How tensors reached the hash, over both checks (client/verify.py path names; empty: not verified)."""
+    """How tensors were verified, over both checks (client/verify.py path names, and :data:`CHANGE_SUMS`
+    for results checked from their base and the changed elements; empty: not verified)."""
 
     def check(self) -> None:
-        """ChecksumMismatch unless every changed tensor now holds the target version's bytes.
+        """Read every changed tensor again and check it against the target version's digests.
 
-        All changed tensors are digested in one batched pass where they live
-        (client/verify.py); the error names the first tensor, in update order, that differs.
+        `apply` with verification has checked the results already; this is a second,
+        full check (every byte read again where the tensors live, in one batched pass,
+        client/verify.py). ChecksumMismatch names the first tensor, in update order, that
+        differs; nothing is restored.
         """
         t0 = time.perf_counter()
         hashed = digests([t for _, t in self.changed], self.digest_kind, self.hasher)
@@ -275,6 +325,10 @@ class Applied:
                 raise errors.ChecksumMismatch(
                     f"tensor {u.name!r} does not match v{self.target} after the update: load the version afresh"
                 )
+
+
+CHANGE_SUMS = "change-sums"
+"""Path name: a result checked from its verified base checksum and the elements that changed (FORMAT §10)."""
 
 
 def _held(tensors: Mapping[str, Any], prepared: Prepared, strict: bool) -> dict[str, Any]:
@@ -320,10 +374,20 @@ def apply(
     write, with its manifest's digest kind (client/verify.py: the FORMAT v2
     checksum where the tensor lives; for v1 xxh3 via `hasher`, default
     :class:`HostHasher()`: CPU tensors where they lie, device tensors through
-    pinned staging buffers). The result check is the caller's
-    (:meth:`Applied.check`), after it has recorded that the tensors changed.
+    pinned staging buffers), and every result is checked before this returns:
+
+    - FORMAT v2: from the base's checksum and the changed elements, each read back
+      after its write (the checksum is linear, FORMAT §10): work proportional to the
+      changed elements, no second pass over the tensors. Whole replacements are summed
+      again in full.
+    - FORMAT v1: every changed tensor hashed again.
+
+    A result that fails raises ChecksumMismatch after undoing every element change, so
+    the tensors hold `version` again, unless the update replaced some tensor whole (a
+    new chain): then they hold neither version and must be loaded afresh (the message
+    says which). The pause runs from the first write until the result check passed.
     """
-    from weightsync.client.tensors import apply_staged, byte_view, stage_change, torch_module
+    from weightsync.client.tensors import apply_change_host, apply_staged, byte_view, stage_change, torch_module
 
     torch = torch_module()
     if prepared.model != model:
@@ -331,44 +395,148 @@ def apply(
     if prepared.base != version:
         raise errors.BaseMismatch(f"update applies to v{prepared.base}, but the tensors hold v{version}")
     held = _held(tensors, prepared, strict)
+    if prepared.frames is not None:
+        touched = {name: held[name] for name in prepared.updates if name in held}
+        if frames_apply.on_host(touched):
+            return _apply_frames(prepared, touched, verify)
+        prepared.decode_frames()  # tensors elsewhere: decoded changes, staged at the apply
     work = [(u, held[name]) for name, u in prepared.updates.items() if name in held]
     hasher = hasher if hasher is not None else HostHasher()
     base_check_s = 0.0
-    paths: tuple[str, ...] = ()
+    paths: set[str] = set()
+    bases: dict[str, TensorSum] = {}  # v2 base checksums, by tensor name
     if verify:
         t0 = time.perf_counter()
         checked = [(u, t) for u, t in work if u.base_digest is not None]  # whole replacements have no base
         for kind in sorted({u.base_kind for u, _ in checked}):
             of_kind = [(u, t) for u, t in checked if u.base_kind == kind]
             hashed = digests([t for _, t in of_kind], kind, hasher)
-            paths = tuple(sorted({*paths, *hashed.paths}))
+            paths.update(hashed.paths)
             for (u, _), digest in zip(of_kind, hashed.digests, strict=True):
                 if digest != u.base_digest:
                     raise errors.BaseMismatch(
                         f"tensor {u.name!r} does not hold v{prepared.base}'s bytes; nothing was changed"
                     )
+                if kind == DIGEST_SUM:
+                    bases[u.name] = TensorSum.from_digest(u.dtype.width, bytes.fromhex(digest))
         base_check_s = time.perf_counter() - t0
+    # Results of v2 element changes are checked from their base and the changed elements.
+    track = verify and prepared.digest_kind == DIGEST_SUM
     devices = {t.device for _, t in work}
     t0 = time.perf_counter()
+    moved: dict[str, list[Any]] = {}
     with torch.no_grad():
         for u, t in work:
             if u.replace is not None:
                 src = u.staged_replace if u.staged_replace is not None else torch.from_numpy(u.replace)
                 byte_view(t).copy_(src, non_blocking=True)
                 continue
+            tracked = track and u.name in bases
             for i, op in enumerate(u.ops):
-                staged = u.staged[i] if i < len(u.staged) and u.staged[i].operands.device == t.device else None
-                apply_staged(t, staged or stage_change(op, t.device, elements=t.numel()))
+                if t.device.type == "cpu":
+                    lanes: Any = apply_change_host(t, op, track=tracked)
+                else:
+                    staged = u.staged[i] if i < len(u.staged) and u.staged[i].operands.device == t.device else None
+                    lanes = apply_staged(t, staged or stage_change(op, t.device, elements=t.numel()), track=tracked)
+                if tracked and lanes is not None:
+                    moved.setdefault(u.name, []).append(lanes)
         for d in devices:
             if d.type == "cuda":
                 torch.cuda.synchronize(d)
-    return Applied(
+    write_s = time.perf_counter() - t0
+    applied = Applied(
         prepared.target,
-        time.perf_counter() - t0,
+        write_s,
         len(work),
         work,
         digest_kind=prepared.digest_kind,
         hasher=hasher,
         base_check_s=base_check_s,
-        verified_by=paths,
     )
+    if verify:
+        r0 = time.perf_counter()
+        bad = _check_results(work, bases, moved, applied, track)
+        if bad is not None:
+            _undo(work, prepared, bad)
+        applied.result_check_s = time.perf_counter() - r0
+        applied.pause = time.perf_counter() - t0
+        paths.update(applied.verified_by)
+        applied.verified_by = tuple(sorted(paths))
+    return applied
+
+
+def _apply_frames(prepared: Prepared, touched: dict[str, Any], verify: bool) -> Applied:
+    """`apply` of a prepared that kept its frames, into host tensors: one pass, base and result checked in it."""
+    assert prepared.frames is not None
+    digests_of = {n: (u.base_digest, u.result_digest) for n, u in prepared.updates.items() if n in touched}
+    t0 = time.perf_counter()
+    frames_apply.apply(prepared.frames, touched, digests_of, base=prepared.base, target=prepared.target, verify=verify)
+    pause = time.perf_counter() - t0
+    work = [(prepared.updates[n], t) for n, t in touched.items()]
+    return Applied(
+        prepared.target,
+        pause,
+        len(work),
+        work,
+        digest_kind=prepared.digest_kind,
+        verified_by=(frames_apply.FUSED,) if verify else (),
+    )
+
+
+def _check_results(
+    work: list[tuple[TensorUpdate, Any]],
+    bases: dict[str, TensorSum],
+    moved: dict[str, list[Any]],
+    applied: Applied,
+    track: bool,
+) -> TensorUpdate | None:
+    """The first update, in order, whose tensor does not hold its result digest now (None: all do).
+
+    Tracked tensors: their base checksum moved by the changed elements; the rest are read again.
+    """
+    ok: dict[str, bool] = {}
+    for u, _ in work:
+        if track and u.name in bases and u.replace is None:
+            delta = [0] * len(bases[u.name].lanes)
+            for lanes in moved.get(u.name, []):
+                ints = lanes if isinstance(lanes, tuple) else _read_back(lanes)
+                delta = [(a + b) & MASK for a, b in zip(delta, ints, strict=True)]
+            ok[u.name] = bases[u.name].moved(delta).hex() == u.result_digest
+    rest = [(u, t) for u, t in work if u.name not in ok]
+    if rest:
+        hashed = digests([t for _, t in rest], applied.digest_kind, applied.hasher)
+        applied.verified_by = tuple(sorted({*applied.verified_by, *hashed.paths}))
+        for (u, _), digest in zip(rest, hashed.digests, strict=True):
+            ok[u.name] = digest == u.result_digest
+    if len(ok) > len(rest):
+        applied.verified_by = tuple(sorted({*applied.verified_by, CHANGE_SUMS}))
+    return next((u for u, _ in work if not ok[u.name]), None)
+
+
+def _read_back(lanes: Any) -> tuple[int, ...]:
+    from weightsync import devsum  # imports torch: only where device tensors were tracked
+
+    return devsum.lanes_to_ints(lanes)
+
+
+def _undo(work: list[tuple[TensorUpdate, Any]], prepared: Prepared, bad: TensorUpdate) -> None:
+    """Undo every element change of `work` and raise ChecksumMismatch naming `bad` (the tensors hold the base
+    again), or, when some tensor was replaced whole (nothing to undo it with), say they must be reloaded."""
+    from weightsync.client.tensors import apply_change_host, apply_staged, stage_change, torch_module
+
+    torch = torch_module()
+    what = f"tensor {bad.name!r} does not match v{prepared.target} after the update"
+    if any(u.replace is not None for u, _ in work):
+        raise errors.ChecksumMismatch(f"{what}; the tensors hold neither version: load the version afresh")
+    with torch.no_grad():
+        for u, t in work:
+            for i, op in reversed(list(enumerate(u.ops))):
+                if t.device.type == "cpu":
+                    apply_change_host(t, op, inverse=True)
+                else:
+                    staged = u.staged[i] if i < len(u.staged) and u.staged[i].operands.device == t.device else None
+                    apply_staged(t, staged or stage_change(op, t.device, elements=t.numel()), inverse=True)
+        for d in {t.device for _, t in work}:
+            if d.type == "cuda":
+                torch.cuda.synchronize(d)
+    raise errors.ChecksumMismatch(f"{what}; every change was undone: the tensors hold v{prepared.base} again")

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from weightsync import errors
 from weightsync.client import inplace
 from weightsync.client._http import Api
 from weightsync.client._objects import DEFAULT_RANGE_BYTES
@@ -122,7 +123,8 @@ class Subscriber:
         weightsync does not manage that already has files where the version puts
         its own raises UnmanagedFiles (nothing is changed) unless `adopt`: files
         that already are the version are then taken over without a download
-        (``mode == "adopted"``), others replaced. Sets :attr:`version`. Raises ModelNotFound,
+        (``mode == "adopted"`` when all are), the others rebuilt from only their own
+        frames (``mode == "full"``, ``adopted`` counting the files kept). Sets :attr:`version`. Raises ModelNotFound,
         VersionNotFound, AuthError, ServerUnavailable, DigestMismatch, ...
         """
         with self._lock:
@@ -184,22 +186,26 @@ class Subscriber:
         :attr:`version`. Every tensor of the new version must be in `tensors`
         with its dtype and shape (else ReloadRequired, nothing changed) unless
         ``strict=False``, which skips tensors the caller does not hold. With
-        `verify`, the xxh3 of every tensor about to change is checked against the
-        base before any tensor changes, and the result after (ChecksumMismatch:
-        reload). Hashing runs on the host, so CUDA tensors are copied there
-        for verification; the update itself runs on the tensors' device.
+        `verify`, every tensor about to change is checked against the base before
+        any tensor changes, and the result before this returns, on the tensors' own
+        device (client/inplace.py): a result that fails raises ChecksumMismatch with
+        the changes undone, so :attr:`version` stays (unless a tensor was replaced
+        whole: then :attr:`version` becomes None and the caller must reload).
 
-        The returned pause covers only the mutation (verification only reads,
-        before and after it). Tensors must be contiguous.
+        The returned pause runs from the first write until the result check passed.
+        Tensors must be contiguous.
         """
         with self._lock:
             t0 = time.perf_counter()
-            applied = inplace.apply(
-                tensors, prepared, model=self.model, version=self.version, verify=verify, strict=strict
-            )
-            self.version = prepared.target  # the tensors changed: they hold the target (or must be reloaded)
-            if verify:
-                applied.check()
+            try:
+                applied = inplace.apply(
+                    tensors, prepared, model=self.model, version=self.version, verify=verify, strict=strict
+                )
+            except errors.ChecksumMismatch:
+                if any(u.replace is not None for u in prepared.updates.values()):
+                    self.version = None  # replaced whole: the tensors hold neither version
+                raise
+            self.version = prepared.target
             self.timings["apply_s"] = time.perf_counter() - t0
             self._ledger.applied(
                 prepared.target,

@@ -402,30 +402,67 @@ def stage_change(change: Any, device: Any, *, elements: int) -> StagedChange:
     )
 
 
-def apply_staged(t: torch.Tensor, staged: StagedChange) -> None:
+def apply_change_host(t: torch.Tensor, change: Any, *, track: bool = False, inverse: bool = False) -> tuple[int, ...]:
+    """Apply a codec `Change` in place to a CPU tensor through a numpy view, APPLY_CHUNK positions at a time.
+
+    numpy's fancy indexing runs on the calling thread at a few ns per element, where torch's
+    index ops go through its intra-op pool and stall whenever another thread holds a core
+    (measured: 3 vs 86 ns per element on a busy 2-core box). With `track`, each changed
+    element is read back after its write and the move of the tensor's checksum lanes
+    (FORMAT §10; ``codec.checksum.change_lanes``) is returned, so a result is checked from its
+    verified base without reading the tensor again; else (). `inverse` undoes `change`.
+    """
+    from weightsync.codec.checksum import MASK, change_lanes, lanes_of
+
+    view = int_view(t).numpy()
+    width = t.element_size()
+    lanes = [0] * lanes_of(width)
+    positions, operands = change.positions, change.operands
+    for lo in range(0, len(positions), APPLY_CHUNK):
+        pos, ops = positions[lo : lo + APPLY_CHUNK], operands[lo : lo + APPLY_CHUNK]
+        old = view[pos]
+        view[pos] = (old - ops if inverse else old + ops) if change.add else old ^ ops  # wraps
+        if track:
+            moved = change_lanes(old, view[pos], pos, width)
+            lanes = [(a + b) & MASK for a, b in zip(lanes, moved, strict=True)]
+    return tuple(lanes) if track else ()
+
+
+def apply_staged(t: torch.Tensor, staged: StagedChange, *, track: bool = False, inverse: bool = False) -> Any:
     """Apply `staged` in place to `t` (contiguous, on the change's device) with index ops there.
 
-    Host tensors are changed through numpy views of the same memory: numpy's fancy indexing
-    runs on the calling thread at a few ns per element, where torch's index ops go through its
-    intra-op pool and stall whenever another thread holds a core (measured: 3 vs 86 ns per
-    element on a busy 2-core box).
+    With `track`, each changed element is read back after its write and the move of the
+    tensor's checksum lanes is returned as an int64 tensor on the device
+    (``devsum.change_lanes``; read it with ``devsum.lanes_to_ints``), else None. `inverse`
+    undoes `staged`. Host tensors without either are changed through numpy views of the
+    same memory (see :func:`apply_change_host`, what `apply` uses for host tensors).
     """
     torch = torch_module()
     view = int_view(t)
-    if view.device.type == "cpu":
+    if view.device.type == "cpu" and not (track or inverse):
         _apply_staged_numpy(view.numpy(), staged)
-        return
+        return None
+    moved: list[Any] = []
 
     def apply(pos: Any, operands: Any) -> None:
         cur = view.index_select(0, pos)
-        view.index_put_((pos,), cur + operands if staged.add else cur ^ operands)
+        view.index_put_((pos,), (cur - operands if inverse else cur + operands) if staged.add else cur ^ operands)
+        if track:
+            from weightsync import devsum  # imports torch: only where a device tensor is tracked
+
+            moved.append(devsum.change_lanes(cur, view.index_select(0, pos), pos))
 
     if staged.positions is not None:
         for lo in range(0, int(staged.positions.numel()), APPLY_CHUNK):
             apply(staged.positions[lo : lo + APPLY_CHUNK], staged.operands[lo : lo + APPLY_CHUNK])
-        return
-    assert staged.low is not None and staged.blocks is not None and staged.counts is not None
-    for b0, b1, c0, c1 in staged.spans:
-        first = torch.repeat_interleave(staged.blocks[b0:b1] << BLOCK_BITS, staged.counts[b0:b1], output_size=c1 - c0)
-        low = staged.low[c0:c1].to(first.dtype) & ((1 << BLOCK_BITS) - 1)
-        apply(first + low, staged.operands[c0:c1])
+    else:
+        assert staged.low is not None and staged.blocks is not None and staged.counts is not None
+        for b0, b1, c0, c1 in staged.spans:
+            first = torch.repeat_interleave(
+                staged.blocks[b0:b1] << BLOCK_BITS, staged.counts[b0:b1], output_size=c1 - c0
+            )
+            low = staged.low[c0:c1].to(first.dtype) & ((1 << BLOCK_BITS) - 1)
+            apply(first + low, staged.operands[c0:c1])
+    if not track:
+        return None
+    return torch.stack(moved).sum(dim=0) if moved else None

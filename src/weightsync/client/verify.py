@@ -38,6 +38,7 @@ from typing import Any
 
 import xxhash
 
+from weightsync.client._pool import cpu_pool
 from weightsync.client.tensors import byte_view, raw_bytes, torch_module
 from weightsync.codec.decoder import sums_of
 from weightsync.codec.manifest import DIGEST_SUM, DIGEST_XXH3
@@ -72,7 +73,7 @@ def digests(tensors: Sequence[Any], kind: str, hasher: HostHasher) -> Hashed:
     if kind == DIGEST_XXH3:
         return hasher.hash(tensors)
     if kind == DIGEST_SUM:
-        return checksums(tensors, threads=hasher.workers)
+        return checksums(tensors, threads=hasher.threads)
     raise ValueError(f"unknown digest kind {kind!r}")
 
 
@@ -88,8 +89,12 @@ def checksums(tensors: Sequence[Any], *, threads: int | None = None) -> Hashed:
     on_host = [i for i, t in enumerate(tensors) if t.device.type == "cpu"]
     if on_host:
         paths.add(SUM_CPU)
-        with ThreadPoolExecutor(threads or os.cpu_count() or 1, thread_name_prefix="weightsync-sum") as pool:
-            sums = sums_of(pool, [(raw_bytes(tensors[i]), tensors[i].element_size()) for i in on_host])
+        items = [(raw_bytes(tensors[i]), tensors[i].element_size()) for i in on_host]
+        if threads is None:
+            sums = sums_of(cpu_pool(), items)
+        else:
+            with ThreadPoolExecutor(threads, thread_name_prefix="weightsync-sum") as pool:
+                sums = sums_of(pool, items)
         for i, s in zip(on_host, sums, strict=True):
             out[i] = s.hex()
     by_device: dict[Any, list[int]] = {}
@@ -100,8 +105,8 @@ def checksums(tensors: Sequence[Any], *, threads: int | None = None) -> Hashed:
         from weightsync import devsum  # imports torch: only where a device tensor is summed
 
         paths.add(SUM_DEVICE)
-        for items in by_device.values():
-            for i, s in zip(items, devsum.tensor_sums([tensors[i] for i in items]), strict=True):
+        for indices in by_device.values():
+            for i, s in zip(indices, devsum.tensor_sums([tensors[i] for i in indices]), strict=True):
                 out[i] = s.hex()
     assert all(d is not None for d in out)
     return Hashed([d for d in out if d is not None], tuple(sorted(paths)), 0)

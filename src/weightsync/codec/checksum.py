@@ -75,6 +75,12 @@ class TensorSum:
         """`digest()` as lowercase hex."""
         return self.digest().hex()
 
+    def moved(self, delta: Sequence[int]) -> TensorSum:
+        """This checksum after some elements changed, given the lanes' change (:func:`change_lanes`)."""
+        if len(delta) != len(self.lanes):
+            raise InvalidArgument(f"{len(delta)} lane changes for a checksum of {len(self.lanes)} lanes")
+        return TensorSum(self.width, self.count, tuple((a + b) & MASK for a, b in zip(self.lanes, delta, strict=True)))
+
     @classmethod
     def from_digest(cls, width: int, digest: bytes) -> TensorSum:
         """Parse `digest()` bytes of a checksum of `width`-byte elements."""
@@ -149,6 +155,28 @@ def tensor_sum(
     _check_start(start)
     lanes = ext.checksum(arr, width, start, CONSTANT, max(1, threads))
     return TensorSum(width, len(arr) // width, tuple(int(x) for x in lanes))
+
+
+def change_lanes(before: np.ndarray, after: np.ndarray, positions: np.ndarray, width: int) -> tuple[int, ...]:
+    """How a tensor's checksum lanes move when its elements at `positions` go from `before` to `after`.
+
+    The checksum is linear in the words (FORMAT §10.1), so the lanes move by
+    Σ (after word − before word) · weight(p) over the changed elements, mod 2^64: a
+    result can be checked from its verified base and the elements that changed,
+    without reading the rest again. `before` and `after` hold the elements' bytes (any
+    array of `width`-byte elements, as many as `positions`); positions are within
+    the tensor (start 0). Work is proportional to the changed elements.
+    """
+    lanes_n = lanes_of(width)
+    word = np.uint8 if width == 1 else np.dtype("<u2")
+    b = np.ascontiguousarray(before).view(word).reshape(-1, lanes_n)
+    a = np.ascontiguousarray(after).view(word).reshape(-1, lanes_n)
+    if len(a) != len(b) or len(a) != len(positions):
+        raise InvalidArgument("one before and one after element per position")
+    with np.errstate(over="ignore"):  # mod 2^64 by definition
+        weights = np.asarray(positions, dtype=np.int64) * 2 + 1
+        moved = ((a.astype(np.int64) - b.astype(np.int64)) * weights[:, None]).sum(axis=0, dtype=np.int64)
+    return tuple(int(x) & MASK for x in moved)
 
 
 class PieceSums:

@@ -19,6 +19,7 @@ import struct
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import xxhash
@@ -27,7 +28,7 @@ import zstandard
 from weightsync.codec import kernels
 from weightsync.codec.checksum import PieceSums, TensorSum
 from weightsync.codec.dtypes import DType, by_code
-from weightsync.codec.kernels import OP_ADD, OP_SET, OP_SUB, OP_XOR
+from weightsync.codec.kernels import OP_ADD, OP_SET, OP_SUB, OP_XOR, Sums
 from weightsync.codec.kernels import unzigzag as unzigzag  # re-exported: values.py and benchmarks use them
 from weightsync.codec.kernels import zigzag as zigzag
 from weightsync.errors import (
@@ -716,15 +717,32 @@ def apply_frame_pieces(
     return head
 
 
+class TargetSums(NamedTuple):
+    """One target's checksums from the pass that applied a frame to it (FORMAT §10.2, at the target's start).
+
+    `before`: of the bytes it held before the frame applied (its base), None unless asked for;
+    `after`: of the bytes it holds after (the result).
+    """
+
+    before: TensorSum | None
+    after: TensorSum
+
+
 def apply_frame_sums(
-    frame: bytes | memoryview | np.ndarray, targets: Sequence[np.ndarray], starts: Sequence[int]
-) -> tuple[FrameHeader, list[TensorSum]]:
-    """Apply a version 2 `frame` into the concatenation of `targets` and return each target's checksum after.
+    frame: bytes | memoryview | np.ndarray,
+    targets: Sequence[np.ndarray],
+    starts: Sequence[int],
+    *,
+    before: bool = False,
+) -> tuple[FrameHeader, list[TargetSums]]:
+    """Apply a version 2 `frame` into the concatenation of `targets` and return each target's checksums.
 
     The checksums come from the pass that applies (FORMAT §10.2: target `i` summed at
     ``starts[i]``, its first element's position in its segment), so checking a result
-    reads no byte again. Nothing of the frame's own is checked (it has no hashes): the
-    caller compares the sums with its manifest's digests (FORMAT §5.3). Same target
+    reads no byte again; with `before`, each block is also summed right before it is
+    patched, while in cache, so checking the base reads no byte again either. Nothing of
+    the frame's own is checked (it has no hashes): the caller compares the sums with its
+    manifest's digests (FORMAT §5.3) and, on a mismatch, may `undo_frame`. Same target
     rules as `apply_frame_pieces`; CorruptData, nothing written, on a change past the end.
     """
     head = parse_header(frame)
@@ -734,26 +752,75 @@ def apply_frame_sums(
     if len(starts) != len(targets):
         raise LimitExceeded("one start per target")
     payload = _read_payload(frame, head)
+    op = (OP_ADD if head.add else OP_XOR) if head.delta else OP_SET
+    found = _apply_summing(targets, starts, head, payload, op, before=before, after=True)
+    width = head.dtype.width
+    sums = []
+    for t, (b, a) in zip(targets, found, strict=True):
+        assert a is not None, "asked for"
+        n = len(t) // width
+        sums.append(TargetSums(None if b is None else TensorSum(width, n, tuple(b)), TensorSum(width, n, tuple(a))))
+    return head, sums
+
+
+def undo_frame(
+    frame: bytes | memoryview | np.ndarray, targets: Sequence[np.ndarray], starts: Sequence[int] | None = None
+) -> list[TensorSum] | None:
+    """Undo a delta `frame` applied into the concatenation of `targets`: they hold its base again.
+
+    The inverse of each change is applied (XOR is its own inverse, ADD is undone by SUB,
+    FORMAT §4.2), so only the changed elements are written; `targets` must hold exactly
+    what applying the frame left (`apply_frame*` of either version). With `starts` (as for
+    `apply_frame_sums`), returns each target's checksum after the undo from the same pass,
+    so a caller can confirm the base is back. A keyframe frame cannot be undone (its
+    values replace the bytes): ValueError.
+    """
+    head = parse_header(frame)
+    if not head.delta:
+        raise ValueError("a keyframe frame overwrites its target: keep a copy to restore instead")
+    _check_targets(targets, head)
+    if starts is not None and len(starts) != len(targets):
+        raise LimitExceeded("one start per target")
+    payload = _read_payload(frame, head)
+    want = starts is not None
+    found = _apply_summing(
+        targets, starts or [0] * len(targets), head, payload, OP_SUB if head.add else OP_XOR, before=False, after=want
+    )
+    if not want:
+        return None
+    width = head.dtype.width
+    sums = []
+    for t, (_, a) in zip(targets, found, strict=True):
+        assert a is not None, "asked for"
+        sums.append(TensorSum(width, len(t) // width, tuple(a)))
+    return sums
+
+
+def _apply_summing(
+    targets: Sequence[np.ndarray],
+    starts: Sequence[int],
+    head: FrameHeader,
+    payload: _Payload,
+    op: int,
+    *,
+    before: bool,
+    after: bool,
+) -> list[Sums]:
+    """concat(targets) ∘= the payload's values in one pass, with the checksums asked for; CorruptData, nothing
+    written, on a change past the end."""
     k = kernels.active()
     width = head.dtype.width
-    op = (OP_ADD if head.add else OP_XOR) if head.delta else OP_SET
     planes = payload.values
     if payload.stored is not None:  # STORED holds values whole, not as planes
         planes = [payload.stored] if width == 1 else list(k.split_planes(payload.stored, width))
     if payload.count is None:
-        found = k.apply_dense_sums(targets, starts, width, op, planes, before=False, after=True)
-    else:
-        sparse = k.apply_sparse_sums(
-            targets, starts, width, op, payload.count, payload.gaps, planes, before=False, after=True
-        )
-        if sparse is None:
-            raise CorruptData("sparse frame position past the end of the chunk")
-        found = sparse
-    sums = []
-    for t, (_, after) in zip(targets, found, strict=True):
-        assert after is not None, "asked for"
-        sums.append(TensorSum(width, len(t) // width, tuple(after)))
-    return head, sums
+        return k.apply_dense_sums(targets, starts, width, op, planes, before=before, after=after)
+    found = k.apply_sparse_sums(
+        targets, starts, width, op, payload.count, payload.gaps, planes, before=before, after=after
+    )
+    if found is None:
+        raise CorruptData("sparse frame position past the end of the chunk")
+    return found
 
 
 def _check_targets(targets: Sequence[np.ndarray], head: FrameHeader) -> None:

@@ -1,0 +1,181 @@
+"""Host tensors updated straight from a delta's frames, base and result checked in the same pass.
+
+The general in-place path (client/inplace.py) decodes every frame into per-tensor
+changes during `prepare`, checks each base in a pass of its own, writes the changed
+elements and checks the result from them: what tensors on a GPU need, where only small
+staged arrays may cross. Tensors in host memory need none of that: the C kernels apply a
+FORMAT v2 frame into the tensor's own bytes and checksum every block right before and
+right after patching it, while it is in cache (``codec.frame.apply_frame_sums``). So for
+a one-step delta into host tensors `prepare` only fetches and checks the frames, and
+`apply` is one pass over the touched tensors that both verifies the base and the result
+(FORMAT §10.2: a tensor's checksum is the sum of its pieces'). When a base or a result
+does not match, every frame is undone (XOR and ADD invert exactly:
+``codec.frame.undo_frame``), so the tensors hold what they held before.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from weightsync import errors
+from weightsync.client._pool import cpu_pool, run_all
+from weightsync.codec.checksum import TensorSum
+from weightsync.codec.decoder import check_frame
+from weightsync.codec.frame import HEADER_SIZE, METHOD_SPARSE, apply_frame_sums, parse_header, undo_frame
+from weightsync.codec.manifest import VERSION_2, FrameRef, Manifest
+
+FUSED = "fused-frames"
+"""Path name: host tensors patched from the frames, base and result summed in the patching pass."""
+
+
+@dataclass(frozen=True)
+class Frame:
+    """A frame of the update, fetched and its header checked: what `apply` patches with."""
+
+    ref: FrameRef
+    blob: Any
+    names: tuple[str | None, ...]
+    """The tensor of each of the frame's pieces (None: a piece of no tensor this update touches)."""
+    changes: int
+    """Elements the frame changes (sparse frames), or covers (dense ones)."""
+
+
+def change_count(blob: Any) -> int:
+    """Elements a frame changes: a sparse frame's count (the u64 that opens its payload, FORMAT §4.3), else
+    every element it covers (a dense frame may change any)."""
+    head = parse_header(blob)
+    if head.method == METHOD_SPARSE:
+        (count,) = struct.unpack_from("<Q", blob, HEADER_SIZE)
+        return int(count)
+    return head.raw_len // head.dtype.width
+
+
+def eligible(manifests: list[Manifest]) -> bool:
+    """Whether an update of `manifests` can be applied from its frames: one FORMAT v2 step, every change a delta."""
+    if len(manifests) != 1 or manifests[0].version != VERSION_2:
+        return False
+    return all(
+        e.base_offset is not None
+        for f in manifests[0].files
+        for e in f.segments
+        if e.segment.kind == "tensor" and not e.unchanged
+    )
+
+
+def fetch(
+    manifest: Manifest,
+    names: dict[tuple[int, int], str],
+    touched: set[str],
+    read_frame: Callable[[FrameRef], Any],
+    pool: ThreadPoolExecutor,
+) -> list[Frame]:
+    """Every frame that changes a touched tensor, read and its header checked against the manifest."""
+    out: list[Frame | None] = [None] * len(manifest.frames)
+
+    def read(i: int) -> None:
+        ref = manifest.frames[i]
+        pieces = tuple(names.get((p.file, p.seg)) for p in ref.pieces)
+        if not any(n in touched for n in pieces):
+            return
+        blob = read_frame(ref)
+        check_frame(manifest, ref, blob)
+        out[i] = Frame(ref, blob, tuple(n if n in touched else None for n in pieces), change_count(blob))
+
+    run_all(pool, read, range(len(manifest.frames)))
+    return [f for f in out if f is not None]
+
+
+def apply(
+    frames: list[Frame],
+    held: Mapping[str, Any],
+    digests: Mapping[str, tuple[str | None, str]],
+    *,
+    base: int | None,
+    target: int,
+    verify: bool,
+    threads: int | None = None,
+) -> None:
+    """Patch the host tensors `held` (name → contiguous CPU torch tensor) with `frames`, checked in the same pass.
+
+    `digests` maps each touched tensor to (base digest, result digest), of the FORMAT v2
+    checksum. With `verify`: BaseMismatch naming the first tensor whose base differs, or
+    ChecksumMismatch naming the first whose result differs, after every frame was
+    undone (the tensors hold their bytes of before). Pieces of tensors not in `held`
+    (a caller holding part of the model) are applied to scratch and not checked. Frames
+    apply on `threads` threads (default: the process's CPU pool, ``_pool.cpu_pool``).
+    """
+    from weightsync.client.tensors import raw_bytes
+
+    views = {name: raw_bytes(t) for name, t in held.items()}
+    jobs = []
+    for fr in frames:
+        targets, starts = [], []
+        width = _width(fr)
+        for p, name in zip(fr.ref.pieces, fr.names, strict=True):
+            view = views.get(name) if name is not None else None
+            targets.append(view[p.offset : p.offset + p.length] if view is not None else np.zeros(p.length, np.uint8))
+            starts.append(p.offset // width)
+        jobs.append((fr, targets, starts))
+    sums: list[list[Any]] = [[] for _ in jobs]
+
+    def run(i: int) -> None:
+        fr, targets, starts = jobs[i]
+        sums[i] = apply_frame_sums(fr.blob, targets, starts, before=verify)[1]
+
+    pool = cpu_pool() if threads is None else ThreadPoolExecutor(threads, thread_name_prefix="weightsync-apply")
+    try:
+        try:
+            run_all(pool, run, range(len(jobs)))
+        except BaseException:
+            _undo(pool, jobs, [bool(s) for s in sums])  # frames that failed wrote nothing (CorruptData)
+            raise
+        if not verify:
+            return
+        before: dict[str, TensorSum] = {}
+        after: dict[str, TensorSum] = {}
+        for (fr, _, _), found in zip(jobs, sums, strict=True):
+            for name, s in zip(fr.names, found, strict=True):
+                if name is None or name not in views:
+                    continue
+                assert s.before is not None, "asked for"
+                before[name] = before[name] + s.before if name in before else s.before
+                after[name] = after[name] + s.after if name in after else s.after
+        bad_base = next((n for n in digests if n in before and before[n].hex() != digests[n][0]), None)
+        bad_result = next((n for n in digests if n in after and after[n].hex() != digests[n][1]), None)
+        if bad_base is None and bad_result is None:
+            return
+        _undo(pool, jobs, [True] * len(jobs))
+    finally:
+        if threads is not None:
+            pool.shutdown()
+    if bad_base is not None:
+        raise errors.BaseMismatch(f"tensor {bad_base!r} does not hold v{base}'s bytes; nothing was changed")
+    raise errors.ChecksumMismatch(
+        f"tensor {bad_result!r} does not match v{target} after the update; every change was undone: "
+        f"the tensors hold v{base} again"
+    )
+
+
+def _undo(pool: ThreadPoolExecutor, jobs: list[tuple[Frame, list[np.ndarray], list[int]]], applied: list[bool]) -> None:
+    """Undo the frames of `jobs` marked applied, in parallel."""
+    run_all(pool, lambda i: undo_frame(jobs[i][0].blob, jobs[i][1]), [i for i, a in enumerate(applied) if a])
+
+
+def _width(fr: Frame) -> int:
+    from weightsync.codec.dtypes import by_name
+
+    return by_name(fr.ref.dtype).width
+
+
+def on_host(tensors: Mapping[str, Any]) -> bool:
+    """Whether every tensor lies in host memory (what :func:`apply` patches)."""
+    return all(t.device.type == "cpu" for t in tensors.values())
+
+
+__all__ = ["FUSED", "Frame", "apply", "eligible", "fetch", "on_host"]
