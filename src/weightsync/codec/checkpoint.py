@@ -114,12 +114,14 @@ def _map(path: Path) -> np.ndarray:
 
 
 def list_files(root: Path) -> list[str]:
-    """Relative paths of the regular files under directory `root`, sorted, state dir excluded."""
+    """Relative paths of the regular files under directory `root`, sorted; weightsync's own top-level
+    directories (``.weightsync``, a checkout's state; ``.weightsync-*``, e.g. an engine adapter's staging)
+    excluded."""
     out = []
     for dirpath, dirnames, filenames in os.walk(root):
         rel_dir = Path(dirpath).relative_to(root)
         if rel_dir == Path("."):
-            dirnames[:] = [d for d in dirnames if d != STATE_DIR]
+            dirnames[:] = [d for d in dirnames if d != STATE_DIR and not d.startswith(STATE_DIR + "-")]
         dirnames.sort()
         for name in filenames:
             full = Path(dirpath) / name

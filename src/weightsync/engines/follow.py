@@ -1,0 +1,113 @@
+"""The sidecar loop: watch a model, prepare each new version, switch the engine to it, report what it holds.
+
+``weightsync follow MODEL --engine vllm|torch --engine-url URL --dir DIR`` is
+this function behind a command line. The loop never reports a version the
+engine does not hold: it starts from what the engine shows (:meth:`Engine.held`),
+reports only verified switches, and after the engine restarts or a switch
+leaves it unhealthy it asks the engine again before going on. The weightsync
+server restarting is the subscriber's watch's business (it reconnects).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from weightsync import errors
+from weightsync.client.ledger import LedgerReporter
+from weightsync.client.subscriber import Subscriber
+from weightsync.common import Backoff
+from weightsync.engines.base import Engine, SwitchReport
+from weightsync.engines.errors import SwitchFailed, UnverifiableEngine
+
+log = logging.getLogger("weightsync.engines")
+
+ENGINE_RETRY = Backoff(attempts=1, base=0.5, cap=15.0)
+"""How the loop waits before asking an unreachable or unhealthy engine again (full jitter, doubling)."""
+
+
+FATAL: tuple[type[Exception], ...] = (UnverifiableEngine, errors.AuthError, errors.InvalidArgument)
+"""Failures no wait repairs: the loop ends with them."""
+
+
+class _Stopped(Exception):
+    pass
+
+
+def follow(
+    engine: Engine,
+    subscriber: Subscriber,
+    *,
+    stop: threading.Event | None = None,
+    count: int | None = None,
+    on_switch: Callable[[SwitchReport], None] | None = None,
+    on_error: Callable[[Exception], None] | None = None,
+    report: bool = True,
+    watch_timeout: float = 30.0,
+    retry: Backoff = ENGINE_RETRY,
+) -> int | None:
+    """Keep ``engine`` on the newest version of ``subscriber.model`` until ``stop`` is set or ``count``
+    switches succeeded; return the version the engine holds then.
+
+    At start, and after the engine was unreachable or unhealthy, the engine is
+    asked what it holds and switched to the head when it holds something else.
+    Then every new head is prepared and switched to. A SwitchFailed (the engine
+    is back on the version it held) is passed to ``on_error`` and the loop waits
+    for the next version; any other weightsync error (EngineUnavailable,
+    EngineUnhealthy, ServerUnavailable, a checkout changed behind its back...) is
+    passed to ``on_error`` too, and the loop waits (``retry``) and starts over from
+    what the engine shows; :data:`FATAL` ones end it. ``on_switch`` gets each
+    successful switch. With ``report``, each switch is sent to the replica ledger
+    under ``subscriber.name`` (unless the adapter's own subscriber reports it).
+    """
+    stop = stop or threading.Event()
+    reporter = None
+    if report and not engine.reports_itself:
+        reporter = LedgerReporter(subscriber.api, subscriber.model, subscriber.name, site=subscriber.site)
+    switches, failures = 0, 0
+
+    def switch_to(number: int) -> None:
+        nonlocal switches, failures
+        try:
+            done = engine.switch(engine.prepare(number))
+        except SwitchFailed as exc:
+            log.error("%s", exc)
+            if on_error is not None:
+                on_error(exc)
+            return
+        switches, failures = switches + 1, 0
+        log.info("engine %s holds %s v%d (paused %.3fs)", engine.kind, subscriber.model, done.version, done.pause_s)
+        if reporter is not None:
+            extra = {"engine": engine.kind, "status": "serving", **done.ledger_extra()}
+            reporter.report(done.version, bytes_=done.bytes_received, pause_ms=done.pause_s * 1e3, extra=extra)
+        if on_switch is not None:
+            on_switch(done)
+        if count is not None and switches >= count:
+            raise _Stopped
+
+    try:
+        while not stop.is_set():
+            try:
+                held = engine.held()
+                head = subscriber.api.head(subscriber.model)
+                if head is not None and head.number != held:
+                    switch_to(head.number)
+                after = engine.version if engine.version is not None else (head.number if head else 0)
+                for version in subscriber.watch(after=after, timeout=watch_timeout, stop=stop):
+                    if version.number != engine.version:
+                        switch_to(version.number)
+            except FATAL:
+                raise
+            except errors.WeightsyncError as exc:  # engine or server unreachable, engine unhealthy, checkout changed
+                log.error("%s", exc)
+                if on_error is not None:
+                    on_error(exc)
+                stop.wait(retry.delay(failures))
+                failures += 1
+    except _Stopped:
+        pass
+    finally:
+        if reporter is not None:
+            reporter.close()
+    return engine.version
