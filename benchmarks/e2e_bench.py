@@ -16,7 +16,9 @@ The first version is a warm-up and is not counted; the figures are medians.
 The split comes from the publisher's ``PublishResult.timings`` (begin, encode,
 upload, commit, cache) and the subscriber's ``timings`` (plan, download,
 decode, apply). Commit latency is the client's round trip of the commit call
-(loopback: the server's own work plus one local HTTP exchange).
+(loopback: the server's own work plus one local HTTP exchange), over ``--commits``
+extra publishes; after each, a follower's plan request (holder named, as
+``Subscriber.prepare`` asks it) is timed too.
 """
 
 from __future__ import annotations
@@ -117,17 +119,26 @@ def run(versions: list[Path], url: str) -> dict[str, Any]:
     return out
 
 
-def commit_latency(url: str, versions: list[Path], repeats: int) -> list[float]:
-    """Round trips of the commit call alone: `repeats` publishes of alternating versions, commit timed."""
-    from weightsync.client import Publisher
+def commit_latency(url: str, versions: list[Path], repeats: int) -> tuple[list[float], list[float]]:
+    """Round trips of the commit call alone and of a follower's plan after each commit.
 
-    times: list[float] = []
-    with Publisher(url, "e2e-commit") as pub:
+    `repeats` publishes of alternating versions, commit timed; after each, a follower holding the
+    previous version asks for the plan to the new head with its holder name (what
+    `Subscriber.prepare` asks first), timed. Returns (commit seconds, plan seconds).
+    """
+    from weightsync.client import Publisher, Subscriber
+
+    commits: list[float] = []
+    plans: list[float] = []
+    with Publisher(url, "e2e-commit") as pub, Subscriber(url, "e2e-commit", name="bench-follower") as sub:
         for i in range(repeats + 1):
             r = pub.publish(versions[i % 2])
             if i:  # the first one is a keyframe and a warm-up
-                times.append(r.timings["commit_s"])
-    return times
+                commits.append(r.timings["commit_s"])
+                t = time.perf_counter()
+                sub.api.get_plan("e2e-commit", have=r.version - 1, holder=sub.name)
+                plans.append(time.perf_counter() - t)
+    return commits, plans
 
 
 def table(r: dict[str, Any]) -> str:
@@ -142,6 +153,8 @@ def table(r: dict[str, Any]) -> str:
         f"commit p50 {r['commit_p50_ms']:.1f} ms, p90 {r['commit_p90_ms']:.1f} ms "
         f"({r['commit_samples']} commits, client round trip)"
     )
+    if "plan_p50_ms" in r:
+        lines[-1] += f"; a follower's plan after each: p50 {r['plan_p50_ms']:.1f} ms, p90 {r['plan_p90_ms']:.1f} ms"
     return "\n".join(lines)
 
 
@@ -162,11 +175,12 @@ def main(argv: list[str] | None = None) -> int:
     versions = ensure_case(args.case, args.versions + 1)[: args.versions + 2]
     with tempfile.TemporaryDirectory(prefix="weightsync-e2e-bench-") as tmp, serve(Path(tmp)) as url:
         result = run(versions, url)
-        extra = commit_latency(url, versions, args.commits) if args.commits else []
-    commits = extra
+        commits, plans = commit_latency(url, versions, args.commits) if args.commits else ([], [])
     if commits:
         result["commit_p50_ms"] = _pct(commits, 50) * 1e3
         result["commit_p90_ms"] = _pct(commits, 90) * 1e3
+        result["plan_p50_ms"] = _pct(plans, 50) * 1e3
+        result["plan_p90_ms"] = _pct(plans, 90) * 1e3
     result["commit_samples"] = len(commits) or 2 * result["versions"]
     result.update(machine=machine(), when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), case=args.case)
     args.out.mkdir(parents=True, exist_ok=True)

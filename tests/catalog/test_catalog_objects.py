@@ -105,6 +105,44 @@ def test_commit_replaces_pending_references(catalog: Catalog) -> None:
     assert catalog.dump_committed()["versions"][0]["objects"] == [[digest("final"), 2]]
 
 
+def test_commit_of_what_check_objects_held(catalog: Catalog) -> None:
+    """The usual commit (commit_held): the publish holds every object and the manifest already."""
+    catalog.create_model("m")
+    p = catalog.begin_version("m", parent=None, kind="keyframe", now=T0)
+    held = [(digest("a"), 10), (digest("draft"), 3)]
+    catalog.reference_objects("m", p.publish_id, held, now=T0)
+    first = dict(parent=None, manifest_digest=digest("man"), objects=[(digest("a"), 10)], raw_bytes=10, stored_bytes=10)
+    # The manifest is not referenced yet: nothing changes, the caller references it and checks the store.
+    assert catalog.commit_held("m", p.publish_id, kind="keyframe", now=T0, **first) is None  # type: ignore[arg-type]
+    assert catalog.get_pending("m", p.publish_id, now=T0).state == "pending" and catalog.head("m") is None
+    catalog.reference_objects("m", p.publish_id, [(digest("man"), 5)], now=T0)
+    v = catalog.commit_held("m", p.publish_id, kind="keyframe", now=T0 + timedelta(seconds=1), **first)  # type: ignore[arg-type]
+    assert v is not None
+    assert (v.number, v.chain_base, v.state, v.manifest_digest) == (1, 1, "committed", digest("man"))
+    assert catalog.dump_committed()["versions"][0]["objects"] == [[digest("a"), 10]]  # the manifest by its digest
+    assert catalog.referenced_digests() == {digest("a"), digest("man")}
+    assert catalog.get_object(digest("man")).unreferenced_since is None
+    assert catalog.get_object(digest("draft")).unreferenced_since == T0 + timedelta(seconds=1)
+    # A delta on it: its chain base comes from the parent; a retry by idempotency key replays.
+    q = catalog.begin_version("m", parent=1, kind="delta", now=T0)
+    catalog.reference_objects("m", q.publish_id, [(digest("b"), 4), (digest("man2"), 5)], now=T0)
+    args = dict(parent=1, manifest_digest=digest("man2"), objects=[(digest("b"), 4)], raw_bytes=10, stored_bytes=4)
+    w = catalog.commit_held("m", q.publish_id, kind="delta", idempotency_key="k", now=T0, **args)  # type: ignore[arg-type]
+    assert w is not None and (w.number, w.chain_base, w.parent) == (2, 1, 1)
+    r = catalog.begin_version("m", parent=2, kind="delta", now=T0)
+    again = catalog.commit_version("m", r.publish_id, kind="delta", idempotency_key="k", now=T0, **args)  # type: ignore[arg-type]
+    assert again == w and catalog.head("m").number == 2  # type: ignore[union-attr]
+    # as_begun: the version is what the publish was begun as (the service's rule; the catalog allows a rebase).
+    k = catalog.begin_version("m", parent=2, kind="keyframe", now=T0)
+    catalog.reference_objects("m", k.publish_id, [(digest("c"), 4), (digest("man3"), 5)], now=T0)
+    third = dict(manifest_digest=digest("man3"), objects=[(digest("c"), 4)], raw_bytes=10, stored_bytes=4)
+    with pytest.raises(errors.Conflict, match="requires a keyframe"):
+        catalog.commit_held("m", k.publish_id, parent=2, kind="delta", as_begun=True, now=T0, **third)  # type: ignore[arg-type]
+    with pytest.raises(errors.Conflict, match="differs from the publish's parent"):
+        catalog.commit_version("m", k.publish_id, parent=None, kind="keyframe", as_begun=True, now=T0, **third)  # type: ignore[arg-type]
+    assert catalog.get_pending("m", k.publish_id, now=T0).state == "pending"
+
+
 def test_referencing_again_what_a_publish_holds_changes_nothing(catalog: Catalog) -> None:
     """A commit re-references what checkObjects referenced: answered without a write, with the same rules."""
     catalog.create_model("m")
@@ -181,6 +219,69 @@ def test_leases_protect_chains(catalog: Catalog) -> None:
         catalog.acquire_lease("m", 1, "host-a", 60)
     with pytest.raises(errors.InvalidArgument):
         catalog.acquire_lease("m", 3, "host-a", 0)
+
+
+def test_a_lease_holds_its_whole_chain(catalog: Catalog) -> None:
+    """Deltas after the leased version too: a follower's lease covers what its next plans fetch."""
+    catalog.create_model("m")
+    for parent in (None, 1, 2):
+        publish(catalog, "m", parent=parent)  # 1 keyframe, 2, 3
+    publish(catalog, "m", parent=3, kind="keyframe")  # 4 (head)
+    catalog.acquire_lease("m", 2, "reader", 60, now=T0)
+    assert catalog.mark_deleted("m", [3], now=T0) == []  # after 2, on its chain
+    assert catalog.mark_deleted("m", [1, 2, 3], now=T0 + timedelta(seconds=61)) == [1, 2, 3]  # expired
+
+
+def test_reading_answers_the_chain_and_the_holders_lease(catalog: Catalog) -> None:
+    catalog.create_model("m")
+    for parent in (None, 1, 2):
+        publish(catalog, "m", parent=parent)  # 1 keyframe, 2, 3
+    publish(catalog, "m", parent=3, kind="keyframe")  # 4 (head)
+    chain, lease = catalog.reading("m", 3, now=T0)
+    assert [v.number for v in chain] == [1, 2, 3] and lease is None
+    held = catalog.acquire_lease("m", 1, "reader", 600, now=T0)
+    catalog.acquire_lease("m", 2, "reader", 60, now=T0)  # on the chain too, expiring first
+    catalog.acquire_lease("m", 4, "other", 600, now=T0)
+    assert catalog.reading("m", 3, holder="reader", now=T0)[1] == held  # any version of the chain
+    assert catalog.reading("m", 3, holder="other", now=T0)[1] is None  # another chain's
+    assert catalog.reading("m", 3, holder="reader", now=T0 + timedelta(seconds=600))[1] is None  # expired
+    chain, lease = catalog.reading("m", holder="other", now=T0)  # what followers hold: the head
+    assert [v.number for v in chain] == [4] and lease is not None and lease.number == 4
+    catalog.pin_model("m", 2)
+    assert [v.number for v in catalog.reading("m", now=T0)[0]] == [1, 2]  # the pin
+    with pytest.raises(errors.VersionNotFound):
+        catalog.reading("m", 9)
+    catalog.create_model("empty")
+    with pytest.raises(errors.VersionNotFound):
+        catalog.reading("empty")
+    with pytest.raises(errors.ModelNotFound):
+        catalog.reading("nope")
+    with pytest.raises(errors.InvalidArgument):
+        catalog.reading("m", 3, holder="")
+
+
+def test_a_report_releases_the_leases_its_subscriber_needs_no_more(catalog: Catalog) -> None:
+    catalog.create_model("m")
+    publish(catalog, "m", parent=None)  # 1 keyframe
+    publish(catalog, "m", parent=1)  # 2
+    catalog.acquire_lease("m", 1, "r", 600, now=T0)
+    catalog.acquire_lease("m", 1, "other", 600, now=T0)
+    # Applied v2, on the head's chain: the lease that covers the next deltas stays.
+    catalog.record_replica("m", "r", 2, applied_at=T0, release_leases=True)
+    assert [(x.number, x.holder) for x in catalog.active_leases("m", now=T0)] == [(1, "other"), (1, "r")]
+    publish(catalog, "m", parent=2, kind="keyframe")  # 3: a new chain
+    catalog.acquire_lease("m", 3, "r", 600, now=T0)
+    catalog.record_replica("m", "r", 3, applied_at=T0, release_leases=True)  # chain 1 is done with
+    assert [(x.number, x.holder) for x in catalog.active_leases("m", now=T0)] == [(1, "other"), (3, "r")]
+    publish(catalog, "m", parent=3, kind="keyframe")  # 4
+    catalog.record_replica("m", "r", 3, applied_at=T0, release_leases=True)  # off the head's chain: all go
+    assert [(x.number, x.holder) for x in catalog.active_leases("m", now=T0)] == [(1, "other")]
+    catalog.record_replica("m", "r", 1, applied_at=T0)  # without the flag: leases untouched
+    assert len(catalog.active_leases("m", now=T0)) == 1
+    catalog.mark_deleted("m", [1, 2], force=True)
+    with pytest.raises(errors.VersionNotFound):  # a subscriber's own report names a committed version
+        catalog.record_replica("m", "other", 1, release_leases=True)
+    assert len(catalog.active_leases("m", now=T0)) == 1  # nothing changed
 
 
 def test_replica_ledger(catalog: Catalog) -> None:

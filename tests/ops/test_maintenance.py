@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -50,12 +51,12 @@ async def test_retention_keeps_chains_and_leases(ops, clock, versions):
     lease = (await ops.plan("m", have=None, want=2, holder="reader-a")).lease
     assert lease is not None
     report = await gc(ops)
-    # v5 needs v4 (its keyframe); the lease on v2 keeps v1..v2; v3 goes.
-    assert report.versions_deleted == {"m": [3]}
-    assert [v.number for v in await ops.list_versions("m")] == [1, 2, 4, 5]
+    # v5 needs v4 (its keyframe); the lease on v2 keeps its whole chain: v1..v2 being read, v3 read next.
+    assert report.versions_deleted == {}
+    assert [v.number for v in await ops.list_versions("m")] == [1, 2, 3, 4, 5]
     await ops.release_lease("m", 2, "reader-a")
     report = await gc(ops)
-    assert report.versions_deleted == {"m": [1, 2]}
+    assert report.versions_deleted == {"m": [1, 2, 3]}
     clock.advance(minutes=10)
     report = await gc(ops)
     assert report.objects_deleted > 0
@@ -63,6 +64,46 @@ async def test_retention_keeps_chains_and_leases(ops, clock, versions):
         got = await ops.materialize("m", n)
         assert {p: a.tobytes() for p, a in got.files.items()} == files_of(versions[n - 1])
     assert (await fsck(ops, read_data=True)).problems == []
+
+
+async def test_a_follower_leases_each_chain_once(ops, clock, versions):
+    """A follower's plans along a chain reuse its lease (no catalog write) until half its TTL is gone;
+    its report keeps the lease on the head's chain and drops the rest; retention keeps leased chains."""
+    await ops.create_model("m", keep_last=1)
+    await publish_all(ops, versions[:1])
+    first = (await ops.plan("m", have=None, holder="r")).lease
+    assert first is not None and (first.number, first.expires_at) == (1, clock.now + timedelta(minutes=10))
+    await ops.record_replica("m", "r", 1)  # applied v1: the lease on the head's chain stays
+    assert await ops.active_leases("m") == [first]
+
+    await publish(ops, "m", versions[1], versions[0], 1)
+    clock.advance(minutes=4)
+    plan = await ops.plan("m", have=1, holder="r")
+    assert [s.number for s in plan.steps] == [2] and plan.lease == first  # held: nothing written
+    assert await ops.active_leases("m") == [first]
+    await ops.record_replica("m", "r", 2)
+    clock.advance(minutes=2)  # 4 minutes left of 10: renewed on the plan's target
+    renewed = (await ops.plan("m", have=2, holder="r")).lease
+    assert renewed is not None and (renewed.number, renewed.expires_at) == (2, clock.now + timedelta(minutes=10))
+    assert (await ops.plan("m", have=2, holder="r")).lease == renewed
+
+    # A new keyframe: another chain, another lease; v1..v2 stay while a lease holds their chain.
+    await publish(ops, "m", versions[2], None, 2, keyframe=True)
+    assert (await gc(ops)).versions_deleted == {}
+    third = (await ops.plan("m", have=2, holder="r")).lease
+    assert third is not None and third.number == 3
+    assert {x.number for x in await ops.active_leases("m")} == {1, 2, 3}
+    await ops.record_replica("m", "r", 3)  # applied v3: it needs nothing of chain 1 any more
+    assert await ops.active_leases("m") == [third]
+    assert (await gc(ops)).versions_deleted == {"m": [1, 2]}
+    # Another holder has nothing to reuse; a report of a version off the head's chain drops them all.
+    await ops.plan("m", have=None, holder="r2")
+    assert {(x.holder, x.number) for x in await ops.active_leases("m")} == {("r", 3), ("r2", 3)}
+    await publish(ops, "m", versions[3], None, 3, keyframe=True)
+    await ops.record_replica("m", "r", 3)
+    assert [x.holder for x in await ops.active_leases("m")] == ["r2"]
+    with pytest.raises(errors.VersionNotFound):
+        await ops.record_replica("m", "r", 1)  # deleted: no report
 
 
 async def test_catalog_rebuilt_from_the_store_equals_the_original(ops, backends, tmp_path, versions):

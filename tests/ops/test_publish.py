@@ -144,6 +144,17 @@ async def test_commit_with_missing_objects_is_refused(ops, versions):
     assert v.number == 1
 
 
+async def test_an_uploaded_manifest_that_does_not_parse_is_refused_at_commit(ops, versions):
+    """Manifests are parsed as they are uploaded (for the commit); one that does not parse is the commit's to refuse."""
+    await publish_all(ops, versions[:1])
+    begin = await ops.begin_publish("m", parent=1)
+    for bad in (b"WSMF" + bytes(60), b"WSMF"):
+        digest = (await ops.put_bytes(bad)).digest
+        with pytest.raises(errors.FormatError):
+            await ops.commit_publish("m", begin.publish_id, manifest_digest=digest)
+    assert (await ops.get_version("m")).number == 1
+
+
 async def test_uploads_are_named_by_their_bytes(ops):
     with pytest.raises(errors.DigestMismatch):
         await ops.put_bytes(b"hello", expected_digest=hashlib.sha256(b"other").hexdigest())

@@ -242,6 +242,10 @@ class EventReader:
         with self._cond:
             assert self._cond.wait_for(lambda: self.comments >= n or self.error is not None, timeout)
 
+    def ended(self) -> bool:
+        """Whether the stream has ended (the server closed it, or :meth:`close`)."""
+        return not self._thread.is_alive()
+
     def close(self) -> None:
         """Stop reading: the stream is closed at the next line (keep-alives come often)."""
         self._stop.set()

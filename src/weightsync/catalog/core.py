@@ -229,17 +229,6 @@ class Catalog:
         at = checks.utc(now)
         return self._tx(lambda s: publishes.pending(s, model, publish_id, at))
 
-    def get_pending_references(
-        self, model: str, publish_id: str, *, now: datetime | None = None
-    ) -> tuple[Version, dict[str, int]]:
-        """Return the pending, unexpired publish ``publish_id`` and the objects it references (digest -> size).
-
-        One read: what a commit needs to know which of its objects checkObjects held already.
-        Raises PublishNotFound.
-        """
-        at = checks.utc(now)
-        return self._tx(lambda s: publishes.pending_refs(s, model, publish_id, at))
-
     def reference_objects(
         self, model: str, publish_id: str, objects: Iterable[tuple[str, int]], *, now: datetime | None = None
     ) -> Pinned:
@@ -254,10 +243,6 @@ class Catalog:
         """
         refs = checks.object_refs(objects)
         at = checks.utc(now)
-        # A commit re-references what checkObjects referenced already: answered by a read, without
-        # taking the write lock and syncing a transaction that would change nothing.
-        if self._tx(lambda s: publishes.holds(s, model, publish_id, refs, at)):
-            return Pinned(added=(), deleting=())
         return self._tx(lambda s: publishes.reference(s, model, publish_id, refs, at), write=True)
 
     def commit_version(
@@ -274,13 +259,17 @@ class Catalog:
         chain_base: int | None = None,
         idempotency_key: str | None = None,
         now: datetime | None = None,
+        as_begun: bool = False,
     ) -> Version:
         """Commit a pending publish as the model's new head, in one compare-and-swap transaction.
 
         docs/CATALOG.md "Commit": ``parent`` must equal the current head (None: the model has
         no committed version), else :class:`~weightsync.errors.StaleParent` (a Conflict)
-        carrying ``current_head``, and nothing changes. On success the version gets the next
-        number, its ``objects`` [(digest, size)] are referenced and the head moves to it.
+        carrying ``current_head``, and nothing changes (the publish stays pending: its publisher
+        may rebase). With ``as_begun`` the version must be what the publish was begun as: on the
+        parent it was begun on, and not a delta where a keyframe was begun (Conflict). On success
+        the version gets the next number, its ``objects`` [(digest, size)] are referenced and the
+        head moves to it.
         Idempotent: a retry with the same ``publish_id`` (or ``idempotency_key``) and manifest
         returns the original result, even after the head moved on; a different manifest raises
         Conflict. An unknown, aborted or expired publish raises PublishNotFound. An object (or
@@ -289,6 +278,80 @@ class Catalog:
         ``chain_base``: for a keyframe None (it starts its own chain); for a delta None or the
         parent's chain base (derived from the parent either way).
         """
+        version = self._commit(
+            model,
+            publish_id,
+            parent=parent,
+            manifest_digest=manifest_digest,
+            objects=objects,
+            raw_bytes=raw_bytes,
+            stored_bytes=stored_bytes,
+            kind=kind,
+            chain_base=chain_base,
+            idempotency_key=idempotency_key,
+            now=now,
+            as_begun=as_begun,
+            held_only=False,
+        )
+        assert version is not None  # only held_only answers None
+        return version
+
+    def commit_held(
+        self,
+        model: str,
+        publish_id: str,
+        *,
+        parent: int | None,
+        manifest_digest: str,
+        objects: Iterable[tuple[str, int]],
+        raw_bytes: int,
+        stored_bytes: int,
+        kind: str,
+        idempotency_key: str | None = None,
+        now: datetime | None = None,
+        as_begun: bool = False,
+    ) -> Version | None:
+        """:meth:`commit_version` for a publish that references its ``objects`` and manifest already.
+
+        The usual commit: the publisher's objects check (:meth:`reference_objects`) referenced
+        all of them before the store was asked for them, so the store's answer still holds
+        (DESIGN invariant 7) and nothing needs locking. If the pending publish lacks one of those
+        references, nothing changes and None is returned: reference them, ask the store again,
+        then :meth:`commit_version`. Replays and refusals are :meth:`commit_version`'s.
+        """
+        return self._commit(
+            model,
+            publish_id,
+            parent=parent,
+            manifest_digest=manifest_digest,
+            objects=objects,
+            raw_bytes=raw_bytes,
+            stored_bytes=stored_bytes,
+            kind=kind,
+            chain_base=None,
+            idempotency_key=idempotency_key,
+            now=now,
+            as_begun=as_begun,
+            held_only=True,
+        )
+
+    def _commit(
+        self,
+        model: str,
+        publish_id: str,
+        *,
+        parent: int | None,
+        manifest_digest: str,
+        objects: Iterable[tuple[str, int]],
+        raw_bytes: int,
+        stored_bytes: int,
+        kind: str,
+        chain_base: int | None,
+        idempotency_key: str | None,
+        now: datetime | None,
+        as_begun: bool,
+        held_only: bool,
+    ) -> Version | None:
         checks.label("publish_id", publish_id, checks.TOKEN_MAX)
         checks.digest(manifest_digest)
         refs = checks.object_refs(objects)
@@ -312,6 +375,8 @@ class Catalog:
                 chain_base=chain_base,
                 idempotency_key=idempotency_key,
                 now=at,
+                as_begun=as_begun,
+                held_only=held_only,
             ),
             write=True,
         )
@@ -364,6 +429,20 @@ class Catalog:
     def head(self, model: str) -> Version | None:
         """Return the model's head version, or None if nothing is committed yet."""
         return self._tx(lambda s: versions.head(s, model))
+
+    def reading(
+        self, model: str, number: int | None = None, *, holder: str | None = None, now: datetime | None = None
+    ) -> tuple[list[Version], Lease | None]:
+        """Return what a reader of version ``number`` fetches from, and ``holder``'s lease on it, in one read.
+
+        ``number`` None is what followers hold (:meth:`follow_target`). The first item is
+        :meth:`lineage` of the version, the second ``holder``'s unexpired lease on that chain, the
+        one expiring last (None without a ``holder`` or a lease). Raises VersionNotFound.
+        """
+        if holder is not None:
+            checks.label("holder", holder)
+        at = checks.utc(now)
+        return self._tx(lambda s: versions.reading(s, model, number, holder, at))
 
     def follow_target(self, model: str) -> Target:
         """Return what followers of ``model`` hold: the pinned version if it is pinned, else the head."""
@@ -498,7 +577,8 @@ class Catalog:
         """Hold the chain of committed version ``number`` for ``holder`` until ``now + ttl``; return the lease.
 
         Acquiring again (same model, number, holder) extends the lease. While it is active,
-        :meth:`mark_deleted` keeps every version of that chain. Raises VersionNotFound,
+        :meth:`mark_deleted` keeps every version of that chain: the keyframe, the deltas up to
+        ``number`` and the later ones (what the reader fetches next). Raises VersionNotFound,
         InvalidArgument for a ttl that is not positive.
         """
         checks.label("holder", holder)
@@ -534,10 +614,14 @@ class Catalog:
         site: str | None = None,
         host: str | None = None,
         extra: dict[str, Any] | None = None,
+        release_leases: bool = False,
     ) -> Replica:
         """Append a ledger entry: ``subscriber`` applied version ``number`` of ``model``; return it.
 
         The version must have been committed (it may be deleted since); else VersionNotFound.
+        ``release_leases`` (the subscriber's own report): the version must still be committed, and
+        ``subscriber``'s leases go in the same transaction, but for one on the head's chain when
+        that is the version's (docs/CATALOG.md "Leases").
         """
         checks.label("subscriber", subscriber)
         for name, v in (("site", site), ("host", host)):
@@ -555,7 +639,10 @@ class Catalog:
             "extra": checks.json_object("extra", extra),
         }
         applied = checks.utc(applied_at)
-        return self._tx(lambda s: ledger.append(s, model, subscriber, number, applied, fields), write=True)
+        return self._tx(
+            lambda s: ledger.append(s, model, subscriber, number, applied, fields, release_leases=release_leases),
+            write=True,
+        )
 
     def list_replicas(self, model: str, subscriber: str | None = None, *, latest_only: bool = True) -> list[Replica]:
         """Return ledger entries of ``model`` (of one ``subscriber`` if given), by subscriber then time.

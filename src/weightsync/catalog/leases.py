@@ -1,22 +1,56 @@
-"""The leases aggregate: a reader's hold on a version's chain, which retention and GC leave alone."""
+"""The leases aggregate: a reader's hold on a version's chain, which retention and GC leave alone.
+
+A lease on version N holds N's whole chain (every version with N's chain base): the keyframe and
+deltas up to N that a reader fetches now, and the later deltas of that chain it fetches next. So a
+follower's lease taken once serves every plan along the chain (``Ops.plan`` renews it only when it
+runs low), and the ledger report that says it applied a version keeps it while its chain is the
+head's (:func:`release_applied`), where it costs nothing: retention keeps the head's chain anyway.
+"""
 
 from __future__ import annotations
 
 from datetime import datetime, timedelta
 
-from sqlalchemy import delete, select
+from sqlalchemy import and_, delete, select
 from sqlalchemy.orm import Session
 
 from .records import Lease
 from .rows import committed_row, lease_record, model_row, rowcount
-from .schema import LeaseRow, ModelRow
+from .schema import LeaseRow, ModelRow, VersionRow
 
-__all__ = ["acquire", "active", "held_numbers", "purge_expired", "release"]
+__all__ = ["acquire", "active", "held_chains", "on_chain", "purge_expired", "release", "release_applied"]
+
+# A lease row joined to the version it names (any state: a forced deletion keeps the row's chain base).
+_LEASED_VERSION = and_(VersionRow.model_id == LeaseRow.model_id, VersionRow.number == LeaseRow.number)
 
 
-def held_numbers(s: Session, m: ModelRow, now: datetime) -> set[int]:
-    """Numbers of ``m``'s versions an unexpired lease holds at ``now``."""
-    return set(s.scalars(select(LeaseRow.number).where(LeaseRow.model_id == m.id, LeaseRow.expires_at > now)))
+def held_chains(s: Session, m: ModelRow, now: datetime) -> set[int]:
+    """Chain bases of ``m``'s chains an unexpired lease holds at ``now``."""
+    stmt = (
+        select(VersionRow.chain_base)
+        .join(LeaseRow, _LEASED_VERSION)
+        .where(LeaseRow.model_id == m.id, LeaseRow.expires_at > now, VersionRow.chain_base.is_not(None))
+        .distinct()
+    )
+    return {b for b in s.scalars(stmt) if b is not None}
+
+
+def on_chain(s: Session, m: ModelRow, holder: str, chain_base: int, now: datetime) -> Lease | None:
+    """``holder``'s unexpired lease on the chain based at ``chain_base`` (the one expiring last), or None."""
+    stmt = (
+        select(LeaseRow)
+        .join(VersionRow, _LEASED_VERSION)
+        .where(
+            LeaseRow.model_id == m.id,
+            LeaseRow.holder == holder,
+            LeaseRow.expires_at > now,
+            VersionRow.chain_base == chain_base,
+        )
+        .order_by(LeaseRow.expires_at.desc())
+        .limit(1)
+    )
+    row = s.scalars(stmt).first()
+    return None if row is None else lease_record(row, m.name)
 
 
 def acquire(s: Session, model: str, number: int, holder: str, ttl: timedelta, now: datetime) -> Lease:
@@ -44,6 +78,26 @@ def release(s: Session, model: str, number: int, holder: str) -> bool:
         delete(LeaseRow).where(LeaseRow.model_id == m.id, LeaseRow.number == number, LeaseRow.holder == holder)
     )
     return rowcount(res) > 0
+
+
+def release_applied(s: Session, m: ModelRow, holder: str, applied: VersionRow) -> int:
+    """Drop ``holder``'s leases once it applied ``applied``, but for one on the head's chain when that is ``applied``'s.
+
+    It needs nothing of a chain up to the version it holds. Its lease on that chain is kept while the
+    chain is the head's: its next plan fetches the chain's later deltas, and retention keeps the head's
+    chain anyway, so the lease holds nothing more until a new keyframe starts another chain (it then
+    protects the deltas being fetched). Returns how many leases went.
+    """
+    stmt = delete(LeaseRow).where(LeaseRow.model_id == m.id, LeaseRow.holder == holder)
+    head_base = (
+        None
+        if m.head is None
+        else s.scalar(select(VersionRow.chain_base).where(VersionRow.model_id == m.id, VersionRow.number == m.head))
+    )
+    if head_base is not None and head_base == applied.chain_base:
+        on_head_chain = select(VersionRow.number).where(VersionRow.model_id == m.id, VersionRow.chain_base == head_base)
+        stmt = stmt.where(LeaseRow.number.not_in(on_head_chain))
+    return rowcount(s.execute(stmt.execution_options(synchronize_session=False)))
 
 
 def active(s: Session, model: str | None, now: datetime) -> list[Lease]:

@@ -8,6 +8,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from . import leases
 from .records import Replica
 from .rows import committed_row, model_row, replica_record
 from .schema import ReplicaRow
@@ -16,14 +17,24 @@ __all__ = ["append", "entries"]
 
 
 def append(
-    s: Session, model: str, subscriber: str, number: int, applied_at: datetime, fields: dict[str, Any]
+    s: Session,
+    model: str,
+    subscriber: str,
+    number: int,
+    applied_at: datetime,
+    fields: dict[str, Any],
+    *,
+    release_leases: bool = False,
 ) -> Replica:
     """Append one entry; the version must have been committed (deleted since is fine), else VersionNotFound.
 
-    ``fields``: pause_ms, bytes_received, site, host, extra (already checked).
+    ``fields``: pause_ms, bytes_received, site, host, extra (already checked). ``release_leases``: the
+    version must be committed still, and the subscriber's leases go as :func:`leases.release_applied` says.
     """
     m = model_row(s, model)
-    committed_row(s, m, number, include_deleted=True)
+    applied = committed_row(s, m, number, include_deleted=not release_leases)
+    if release_leases:
+        leases.release_applied(s, m, subscriber, applied)
     row = ReplicaRow(model_id=m.id, subscriber=subscriber, number=number, applied_at=applied_at, **fields)
     s.add(row)
     s.flush()

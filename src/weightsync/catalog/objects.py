@@ -32,7 +32,6 @@ __all__ = [
     "begin_deletion",
     "finish_deletion",
     "get_many",
-    "held",
     "insert_ignore",
     "lock_rows",
     "mark_unreferenced",
@@ -107,23 +106,6 @@ def attach(s: Session, v: VersionRow, refs: dict[str, int], now: datetime) -> Pi
     for rows in chunks([{"version_id": v.id, "digest": d, "size": refs[d]} for d in added]):
         s.execute(insert(VersionObjectRow), list(rows))
     return Pinned(added=tuple(added), deleting=tuple(deleting))
-
-
-def held(s: Session, v: VersionRow, refs: dict[str, int]) -> bool:
-    """Whether ``v`` references every one of ``refs`` (digest -> size) already, each with that size.
-
-    Such objects need no new reference: a referenced row is never ``deleting`` (GC marks only
-    unreferenced rows, and :func:`attach` refuses ``deleting`` ones), so nothing would change.
-    """
-    if not refs:
-        return True
-    have: dict[str, int] = {}
-    for chunk in chunks(sorted(refs)):
-        stmt = select(VersionObjectRow.digest, VersionObjectRow.size).where(
-            VersionObjectRow.version_id == v.id, VersionObjectRow.digest.in_(chunk)
-        )
-        have.update((d, n) for d, n in s.execute(stmt))
-    return have == refs
 
 
 def mark_unreferenced(s: Session, digests: Iterable[str], now: datetime) -> None:

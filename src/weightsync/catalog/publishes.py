@@ -8,7 +8,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import delete, func, select, update
+from sqlalchemy import and_, delete, or_, select, update
 from sqlalchemy.orm import Session
 
 from .. import errors
@@ -22,10 +22,8 @@ __all__ = [
     "begin",
     "commit",
     "expire",
-    "holds",
     "list_pending",
     "pending",
-    "pending_refs",
     "pending_row",
     "reference",
 ]
@@ -78,7 +76,11 @@ def pending_row(s: Session, m: ModelRow, publish_id: str, now: datetime, *, lock
         # re-read of the row once a concurrent sweep commits) keeps a commit from
         # resurrecting a publish being expired, or the sweep from deleting a commit.
         stmt = stmt.with_for_update()
-    row = s.scalars(stmt).one_or_none()
+    return _still_pending(s.scalars(stmt).one_or_none(), m, publish_id, now)
+
+
+def _still_pending(row: VersionRow | None, m: ModelRow, publish_id: str, now: datetime) -> VersionRow:
+    """``row`` if it is the pending, unexpired publish ``publish_id`` of ``m``; PublishNotFound otherwise."""
     if row is None or row.model_id != m.id:
         raise errors.PublishNotFound(f"no publish {publish_id!r} for model {m.name!r}")
     if row.state != "pending":
@@ -92,20 +94,6 @@ def pending(s: Session, model: str, publish_id: str, now: datetime) -> Version:
     """The pending publish as a record (no lock)."""
     m = model_row(s, model)
     return version_record(pending_row(s, m, publish_id, now, lock=False), m.name)
-
-
-def pending_refs(s: Session, model: str, publish_id: str, now: datetime) -> tuple[Version, dict[str, int]]:
-    """The pending publish as a record and what it references (digest -> size); no lock. PublishNotFound."""
-    m = model_row(s, model)
-    row = pending_row(s, m, publish_id, now, lock=False)
-    stmt = select(VersionObjectRow.digest, VersionObjectRow.size).where(VersionObjectRow.version_id == row.id)
-    return version_record(row, m.name), {d: n for d, n in s.execute(stmt)}
-
-
-def holds(s: Session, model: str, publish_id: str, refs: dict[str, int], now: datetime) -> bool:
-    """Whether the pending publish references all of ``refs`` already (objects.held); PublishNotFound."""
-    m = model_row(s, model)
-    return objects.held(s, pending_row(s, m, publish_id, now, lock=False), refs)
 
 
 def reference(s: Session, model: str, publish_id: str, refs: dict[str, int], now: datetime) -> Pinned:
@@ -128,58 +116,96 @@ def commit(
     chain_base: int | None,
     idempotency_key: str | None,
     now: datetime,
-) -> Version:
-    """The compare-and-swap commit (docs/CATALOG.md "Commit"); see Catalog.commit_version."""
+    as_begun: bool = False,
+    held_only: bool = False,
+) -> Version | None:
+    """The compare-and-swap commit (docs/CATALOG.md "Commit"); see Catalog.commit_version.
 
-    def replay(m: ModelRow, row: VersionRow, how: str) -> Version:
+    The usual commit (checkObjects referenced every object and the manifest already) runs
+    seven statements: the model's lock, the publish's row, the newest number, the publish's
+    references, the manifest's reference dropped, the row and the head updated. ``held_only``
+    (Catalog.commit_held): None, with nothing changed, when the publish lacks one of those references.
+    """
+
+    def replay(row: VersionRow, how: str) -> Version:
         if row.manifest_digest != manifest_digest:
             raise errors.Conflict(f"{how} already committed version {row.number} of {m.name!r} with another manifest")
         return version_record(row, m.name)
 
     m = model_row(s, model, lock=True)
-    # Idempotency first: a retried commit finds the head already moved by itself.
+    # The publish's row and the version its idempotency key committed, if any, in one read (row locks:
+    # see pending_row). Idempotency first: a retried commit finds the head already moved by itself.
+    mine = VersionRow.publish_id == publish_id
     if idempotency_key is not None:
-        prior = s.scalars(
-            select(VersionRow).where(
+        mine = or_(
+            mine,
+            and_(
                 VersionRow.model_id == m.id,
                 VersionRow.idempotency_key == idempotency_key,
                 VersionRow.committed_at.is_not(None),
-            )
-        ).one_or_none()
-        if prior is not None:
-            return replay(m, prior, f"idempotency key {idempotency_key!r}")
-    row = s.scalars(select(VersionRow).where(VersionRow.publish_id == publish_id)).one_or_none()
+            ),
+        )
+    rows = s.scalars(select(VersionRow).where(mine).with_for_update()).all()
+    if idempotency_key is not None:
+        for prior in rows:
+            if prior.model_id == m.id and prior.idempotency_key == idempotency_key and prior.committed_at is not None:
+                return replay(prior, f"idempotency key {idempotency_key!r}")
+    row = next((r for r in rows if r.publish_id == publish_id), None)
     if row is not None and row.model_id == m.id and row.committed_at is not None:
-        return replay(m, row, f"publish {publish_id!r}")
-    row = pending_row(s, m, publish_id, now)
+        return replay(row, f"publish {publish_id!r}")
+    row = _still_pending(row, m, publish_id, now)
 
+    if as_begun and parent != row.parent:
+        raise errors.Conflict(f"manifest parent {parent} differs from the publish's parent {row.parent}")
+    if as_begun and row.kind == "keyframe" and kind == "delta":
+        raise errors.Conflict("the chain policy requires a keyframe for this publish")
     if parent != m.head:
         raise errors.StaleParent(
             f"model {m.name!r}: stated parent {parent} is not the head (head is {m.head})", current_head=m.head
         )
-    base: int | None = None
+    # The newest number ever given (deleted versions keep theirs), with its chain: a delta's parent is
+    # the head, which is that version unless a forced deletion moved the head back.
+    newest = s.execute(
+        select(VersionRow.number, VersionRow.chain_base)
+        .where(VersionRow.model_id == m.id, VersionRow.number.is_not(None))
+        .order_by(VersionRow.number.desc())
+        .limit(1)
+    ).first()
+    number = 1 if newest is None else newest.number + 1
+    base: int | None
     if kind == "delta":
         assert parent is not None
-        base = committed_row(s, m, parent).chain_base
+        base = newest.chain_base if newest is not None and newest.number == parent else None
+        if base is None:
+            base = committed_row(s, m, parent).chain_base
         if chain_base is not None and chain_base != base:
             raise errors.InvalidArgument(f"chain_base {chain_base} is not the parent's chain base {base}")
-    top = s.scalar(select(func.max(VersionRow.number)).where(VersionRow.model_id == m.id))
-    number = (top or 0) + 1
-    if kind == "keyframe":
+    else:
         if chain_base is not None and chain_base != number:
             raise errors.InvalidArgument(f"a keyframe starts its own chain: chain_base must be None, not {chain_base}")
         base = number
 
-    # The manifest's row is locked with the others, in the one lock order (objects module).
-    locked = objects.lock_rows(s, sorted({*refs, manifest_digest}))
-    # checkObjects referenced them all already (the usual commit): nothing to add, nothing deleting.
-    pinned = Pinned(added=(), deleting=()) if objects.held(s, row, refs) else objects.attach(s, row, refs, now)
-    gone = [*pinned.deleting, *(r.digest for r in locked if r.digest == manifest_digest and r.state == "deleting")]
-    if gone:
-        # GC is deleting these bytes (DESIGN invariant 7): the version would lose them.
-        raise errors.IncompletePublish(f"object {gone[0]} is being deleted by GC: upload it again")
-    # Pending-time references the final list no longer names go back to GC.
-    had = s.scalars(select(VersionObjectRow.digest).where(VersionObjectRow.version_id == row.id))
+    had: dict[str, int] = {
+        d: n
+        for d, n in s.execute(
+            select(VersionObjectRow.digest, VersionObjectRow.size).where(VersionObjectRow.version_id == row.id)
+        )
+    }
+    # checkObjects referenced every object and the manifest already (the usual commit): a referenced
+    # row is never deleting (objects.attach) and its grace clock is stopped, so nothing to lock or change.
+    held = manifest_digest in had and all(had.get(d) == n for d, n in refs.items())
+    if not held and held_only:
+        return None
+    if not held:
+        # The manifest's row is locked with the others, in the one lock order (objects module).
+        locked = objects.lock_rows(s, sorted({*refs, manifest_digest}))
+        pinned = objects.attach(s, row, refs, now)
+        gone = [*pinned.deleting, *(r.digest for r in locked if r.digest == manifest_digest and r.state == "deleting")]
+        if gone:
+            # GC is deleting these bytes (DESIGN invariant 7): the version would lose them.
+            raise errors.IncompletePublish(f"object {gone[0]} is being deleted by GC: upload it again")
+    # Pending-time references the final list no longer names go back to GC; the manifest's too: the
+    # committed version refers to its manifest by its manifest_digest.
     stale = [d for d in had if d not in refs]
     if stale:
         s.execute(
@@ -198,8 +224,9 @@ def commit(
     row.expires_at = None
     m.head = number
     s.flush()
-    s.execute(update(ObjectRow).where(ObjectRow.digest == manifest_digest).values(unreferenced_since=None))
-    objects.mark_unreferenced(s, stale, now)
+    if not held:
+        s.execute(update(ObjectRow).where(ObjectRow.digest == manifest_digest).values(unreferenced_since=None))
+    objects.mark_unreferenced(s, [d for d in stale if d != manifest_digest], now)
     return version_record(row, m.name)
 
 

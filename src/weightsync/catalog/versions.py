@@ -1,7 +1,8 @@
 """Committed versions: reading them (head, follow target, lineage, chain), retention, and deleting them.
 
 docs/CATALOG.md "States and transitions". Deleting never breaks a materialization unless
-forced: the head, the pinned version, the chains of versions that stay, and leased chains are kept.
+forced: the head, the pinned version, the chains of versions that stay, and leased chains (whole
+chains: see the leases module) are kept.
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ from sqlalchemy.orm import Session
 
 from .. import errors
 from . import leases, objects
-from .records import Target, Version
+from .records import Lease, Target, Version
 from .rows import chunks, committed_row, model_row, version_record
 from .schema import ModelRow, VersionObjectRow, VersionRow
 
-__all__ = ["drop", "get", "head", "lineage", "listing", "mark_deleted", "retention_candidates", "target"]
+__all__ = ["drop", "get", "head", "lineage", "listing", "mark_deleted", "reading", "retention_candidates", "target"]
 
 
 def drop(s: Session, rows: Sequence[VersionRow], now: datetime) -> None:
@@ -86,6 +87,30 @@ def target(s: Session, model: str) -> Target:
 def lineage(s: Session, model: str, number: int) -> list[Version]:
     """The chain from ``number``'s keyframe to it, keyframe first; VersionNotFound if a link is missing."""
     m = model_row(s, model)
+    return _lineage(s, m, number)
+
+
+def reading(
+    s: Session, model: str, number: int | None, holder: str | None, now: datetime
+) -> tuple[list[Version], Lease | None]:
+    """What a reader of ``number`` (None: what followers hold) fetches from, and ``holder``'s lease on it.
+
+    The chain from the keyframe to the version, keyframe first (VersionNotFound if the model has no
+    such committed version), and ``holder``'s unexpired lease on that chain (None without a holder).
+    """
+    m = model_row(s, model)
+    if number is None:
+        number = m.head if m.pinned is None else m.pinned
+        if number is None:
+            raise errors.VersionNotFound(f"model {m.name!r} has no committed version")
+    chain = _lineage(s, m, number)
+    base = chain[0].chain_base
+    lease = None if holder is None or base is None else leases.on_chain(s, m, holder, base, now)
+    return chain, lease
+
+
+def _lineage(s: Session, m: ModelRow, number: int) -> list[Version]:
+    """:func:`lineage` of a model row: the version's row, then its chain's rows, in two reads."""
     top = committed_row(s, m, number)
     rows = {
         r.number: r
@@ -93,7 +118,7 @@ def lineage(s: Session, model: str, number: int) -> list[Version]:
             select(VersionRow).where(
                 VersionRow.model_id == m.id,
                 VersionRow.state == "committed",
-                VersionRow.number.between(top.chain_base, number),
+                VersionRow.number.between(top.chain_base, number - 1),
             )
         )
     }
@@ -122,21 +147,21 @@ def retention_candidates(s: Session, model: str) -> list[int]:
     return sorted(n for n in nums if n is not None)
 
 
-def _parents(s: Session, m: ModelRow) -> dict[int, tuple[int | None, str]]:
-    """number -> (parent, kind) of every committed version of ``m``."""
+def _parents(s: Session, m: ModelRow) -> dict[int, tuple[int | None, str, int | None]]:
+    """number -> (parent, kind, chain base) of every committed version of ``m``."""
     rows = s.execute(
-        select(VersionRow.number, VersionRow.parent, VersionRow.kind).where(
+        select(VersionRow.number, VersionRow.parent, VersionRow.kind, VersionRow.chain_base).where(
             VersionRow.model_id == m.id, VersionRow.state == "committed"
         )
     )
-    return {n: (p, k) for n, p, k in rows if n is not None}
+    return {n: (p, k, b) for n, p, k, b in rows if n is not None}
 
 
-def _chain(parents: dict[int, tuple[int | None, str]], number: int) -> list[int]:
+def _chain(parents: dict[int, tuple[int | None, str, int | None]], number: int) -> list[int]:
     """Numbers from ``number`` back to its keyframe (newest first); stops early at a missing link."""
     out = [number]
     while True:
-        parent, kind = parents[out[-1]]
+        parent, kind, _ = parents[out[-1]]
         if kind == "keyframe" or parent is None or parent not in parents:
             return out
         out.append(parent)
@@ -156,11 +181,13 @@ def mark_deleted(s: Session, model: str, asked: set[int], force: bool, now: date
     targets = {n for n, r in rows.items() if r.state == "committed"}
     if not force:
         parents = _parents(s, m)
-        roots = (set(parents) - targets) | leases.held_numbers(s, m, now)
+        roots = set(parents) - targets
         roots.update(n for n in (m.head, m.pinned) if n is not None)
         keep: set[int] = set()
         for root in roots & set(parents):
             keep.update(_chain(parents, root))
+        leased = leases.held_chains(s, m, now)  # a lease holds its whole chain (leases module)
+        keep.update(n for n, (_, _, base) in parents.items() if base in leased)
         targets -= keep
     drop(s, [rows[n] for n in sorted(targets)], now)
     if m.head in targets:

@@ -29,6 +29,7 @@ from weightsync.catalog import Catalog, Lease, Model, ObjectInfo, Replica, Targe
 from weightsync.codec import Checkpoint, CheckpointFile, Decoder, FrameRef, Manifest
 from weightsync.codec.checkpoint import tensor_names
 from weightsync.codec.manifest import DIGEST_KINDS
+from weightsync.codec.manifest import MAGIC as MANIFEST_MAGIC
 from weightsync.codec.validate import check_publishable
 from weightsync.common import removal_message, removed_content
 from weightsync.ops.records import record_of
@@ -44,6 +45,8 @@ MAX_OBJECT_BYTES = 4 << 30
 MAX_MANIFEST_BYTES = 256 << 20
 # A digest no object has: readiness probes look it up in the catalog and the store.
 _PROBE_DIGEST = "0" * 64
+# Uploads up to this size that start like a manifest are parsed as they arrive (Ops._warm_manifest).
+MAX_WARM_MANIFEST_BYTES = 32 << 20
 
 
 @dataclass(frozen=True)
@@ -153,6 +156,11 @@ class Ops:
         self._sem = asyncio.Semaphore(self.settings.store_concurrency)
         # Parsed manifests and their stored sizes: immutable, so cached by digest.
         self._manifests: OrderedDict[str, tuple[Manifest, int]] = OrderedDict()
+        # Manifests being parsed as they are uploaded (_warm_manifest), by digest.
+        self._manifest_loads: dict[str, asyncio.Future[tuple[Manifest, int]]] = {}
+        # Committed versions' manifest digests by (model, number): a number is never given twice in a
+        # model (deleted versions and deleted models keep theirs), so an entry never changes.
+        self._version_manifests: OrderedDict[tuple[str, int], str] = OrderedDict()
         # Commit records written after the commit's answer (commit_publish(record_later=True)).
         self._record_tasks: set[asyncio.Task[None]] = set()
         # Wakes watchers in this process at once on a local commit; commits made
@@ -270,7 +278,7 @@ class Ops:
                     return digest
             if info.size != size:
                 raise errors.DigestMismatch(f"object {digest} has {info.size} bytes, not {size}")
-            await self._db(self.catalog.record_object, digest, size, now=self.clock())
+            # Recorded already: referencing it above made its row (with this size) and stopped its grace clock.
             return None
 
         found = await asyncio.gather(*(check(d, s) for d, s in objects))
@@ -281,8 +289,26 @@ class Ops:
     ) -> PutResult:
         """Store streamed bytes under their SHA-256 (computed here, never trusted) and record them."""
         limit = min(max_size or self.settings.max_object_bytes, self.settings.max_object_bytes)
-        result = await self.store.put_stream(chunks, expected_digest=expected_digest, max_size=limit)
+        kept: list[bytes] = []  # the bytes of what may be a manifest, for _warm_manifest
+
+        async def teed() -> AsyncIterator[bytes]:
+            keep: bool | None = None  # decided by the first bytes
+            size = 0
+            async for chunk in chunks:
+                size += len(chunk)
+                if keep is None and chunk:
+                    keep = chunk[: len(MANIFEST_MAGIC)] == MANIFEST_MAGIC
+                if keep and size > MAX_WARM_MANIFEST_BYTES:
+                    keep = False
+                    kept.clear()
+                if keep:
+                    kept.append(chunk)
+                yield chunk
+
+        result = await self.store.put_stream(teed(), expected_digest=expected_digest, max_size=limit)
         await self._record_written(result)
+        if kept:
+            self._warm_manifest(result.digest, b"".join(kept))
         return result
 
     async def put_bytes(self, data: bytes, *, expected_digest: str | None = None) -> PutResult:
@@ -291,7 +317,33 @@ class Ops:
             raise errors.LimitExceeded(f"object of {len(data)} bytes exceeds {self.settings.max_object_bytes}")
         result = await self.store.put(data, expected_digest=expected_digest)
         await self._record_written(result)
+        if data[: len(MANIFEST_MAGIC)] == MANIFEST_MAGIC and len(data) <= MAX_WARM_MANIFEST_BYTES:
+            self._warm_manifest(result.digest, data)
         return result
+
+    def _warm_manifest(self, digest: str, data: bytes) -> None:
+        """Parse a manifest just uploaded into the cache, off the upload's answer: its commit follows.
+
+        The publisher uploads the manifest with (and usually before the end of) its data objects,
+        so the commit finds it parsed instead of reading and parsing it on its own path. `data` is
+        what the store hashed to `digest`; bytes that do not parse are left for the commit to refuse.
+        """
+        if digest in self._manifests or digest in self._manifest_loads:
+            return
+
+        async def parse() -> tuple[Manifest, int]:
+            entry = (await asyncio.to_thread(Manifest.decode, data), len(data))
+            self._cache_manifest(digest, entry)
+            return entry
+
+        def done(task: asyncio.Future[tuple[Manifest, int]]) -> None:
+            self._manifest_loads.pop(digest, None)
+            if not task.cancelled():
+                task.exception()  # retrieved: a manifest that does not parse is the commit's to report
+
+        task = asyncio.ensure_future(parse())
+        self._manifest_loads[digest] = task
+        task.add_done_callback(done)
 
     async def _record_written(self, result: PutResult) -> None:
         """Record a written object; StoreUnavailable (retry) if GC is deleting it.
@@ -329,22 +381,15 @@ class Ops:
         returns, or with ``record_later`` by a task of its own, off the commit's answer
         (:meth:`drain` waits for those; a record lost to a crash is what fsck --repair rewrites).
         """
-        manifest = await self.load_manifest(manifest_digest, missing=errors.IncompletePublish)
+        manifest = await self.load_manifest(manifest_digest, missing=errors.IncompletePublish)  # parsed at upload
         if manifest.model not in (None, model):
             raise errors.Conflict(f"manifest is for model {manifest.model!r}, not {model!r}")
         objects = manifest.objects()
 
-        async def pending_or_none() -> tuple[Version, dict[str, int]] | None:
-            try:
-                return await self._db(self.catalog.get_pending_references, model, publish_id, now=self.clock())
-            except errors.PublishNotFound:
-                return None  # maybe a retry of a commit that went through: the catalog replays it
-
         async def parent_manifest() -> Manifest | None:
             if manifest.parent is None:
                 return None
-            pv = await self._db(self.catalog.get_version, model, manifest.parent)
-            return await self.load_manifest(committed(pv)[1])
+            return await self.load_manifest(await self._manifest_of(model, manifest.parent))
 
         async def check(digest: str, extent: int) -> tuple[str, int]:
             async with self._sem:
@@ -356,52 +401,60 @@ class Ops:
                 raise errors.IncompletePublish(f"object {digest} has {info.size} bytes, frames need {extent}")
             return digest, info.size
 
-        # The catalog's answers and the store's are independent: ask them all at once (one wait on
-        # the commit's path, not one per call), then judge them in the order a reader expects.
+        # The parent's manifest and the store's answers are independent: asked at once (one wait on
+        # the commit's path, not one per call), then judged in the order a reader expects.
         answers = await asyncio.gather(
-            pending_or_none(),
             parent_manifest(),
             check(manifest_digest, 0),
             *(check(d, e) for d, e in objects.items()),
             return_exceptions=True,
         )
-        found: tuple[Version, dict[str, int]] | None = _result(answers[0])
-        pending, held = found if found is not None else (None, {})
-        if pending is not None:
-            if manifest.parent != pending.parent:
-                raise errors.Conflict(
-                    f"manifest parent {manifest.parent} differs from the publish's parent {pending.parent}"
-                )
-            if pending.kind == "keyframe" and manifest.kind == "delta":
-                raise errors.Conflict("the chain policy requires a keyframe for this publish")
-            # The version's files must be publishable, whoever encoded them (codec/validate.py).
-            check_publishable(
-                [f.layout for f in manifest.files], single_file=manifest.single_file, source="the version"
-            )
-            parent = _result(answers[1])
-            if manifest.kind == "delta":
-                self._check_bases(manifest, parent)
-            dropped = [] if allow_removals or parent is None else removed(manifest, parent)
-            if dropped:
-                raise errors.RemovesContent(removal_message(manifest.parent, dropped))
-        refs: list[tuple[str, int]] = [_result(a) for a in answers[3:]]
-        if pending is not None:
-            if isinstance(answers[2], errors.IncompletePublish):
-                raise errors.IncompletePublish(f"manifest {manifest_digest} is not in the store")
-            await self._hold_for_commit(model, publish_id, [*refs, _result(answers[2])], held)
+        parent = _result(answers[0])
+        # The version's files must be publishable, whoever encoded them (codec/validate.py). A retried
+        # commit passes again what it passed the first time; the catalog then answers the replay.
+        check_publishable([f.layout for f in manifest.files], single_file=manifest.single_file, source="the version")
+        if manifest.kind == "delta":
+            self._check_bases(manifest, parent)
+        dropped = [] if allow_removals or parent is None else removed(manifest, parent)
+        if dropped:
+            raise errors.RemovesContent(removal_message(manifest.parent, dropped))
+        refs: list[tuple[str, int]] = [_result(a) for a in answers[2:]]
+        if isinstance(answers[1], errors.IncompletePublish):
+            raise errors.IncompletePublish(f"manifest {manifest_digest} is not in the store")
+        shown = _result(answers[1])
+        # The usual commit: checkObjects referenced every object and the manifest before the store was
+        # asked, so its answer holds (DESIGN invariant 7) and the catalog commits in one transaction.
         version = await self._db(
-            self.catalog.commit_version,
+            self.catalog.commit_held,
             model,
             publish_id,
             parent=manifest.parent,
             manifest_digest=manifest_digest,
-            objects=list(refs),
+            objects=refs,
             raw_bytes=manifest.raw_bytes,
             stored_bytes=manifest.stored_bytes,
             kind=manifest.kind,
             idempotency_key=idempotency_key,
             now=self.clock(),
+            as_begun=True,
         )
+        if version is None:  # something is not referenced yet: reference it, ask the store again, commit
+            await self._hold_for_commit(model, publish_id, [*refs, shown])
+            version = await self._db(
+                self.catalog.commit_version,
+                model,
+                publish_id,
+                parent=manifest.parent,
+                manifest_digest=manifest_digest,
+                objects=refs,
+                raw_bytes=manifest.raw_bytes,
+                stored_bytes=manifest.stored_bytes,
+                kind=manifest.kind,
+                idempotency_key=idempotency_key,
+                now=self.clock(),
+                as_begun=True,
+            )
+        self._remember(version)
         self._committed.set()
         self._committed = asyncio.Event()
         if record_later:
@@ -424,22 +477,17 @@ class Ops:
         while self._record_tasks:
             await asyncio.gather(*list(self._record_tasks))
 
-    async def _hold_for_commit(
-        self, model: str, publish_id: str, refs: list[tuple[str, int]], held: dict[str, int]
-    ) -> None:
+    async def _hold_for_commit(self, model: str, publish_id: str, refs: list[tuple[str, int]]) -> None:
         """Reference what the commit needs (`refs`, the manifest included) before trusting the store's answer
-        (DESIGN invariant 7); `held`: what the pending publish referenced already (digest -> size).
+        (DESIGN invariant 7).
 
         The store was asked first (for sizes), so GC may have deleted an object since. Once
         referenced, GC cannot start deleting it, so objects this call newly holds are asked
         again; an object GC is already deleting fails the commit (IncompletePublish). Objects
-        checkObjects held already were referenced before the store was asked: that answer stands.
+        the publish held already were referenced before the store was asked: that answer stands.
         """
-        todo = [(d, n) for d, n in refs if held.get(d) != n]
-        if not todo:
-            return
         try:
-            pinned = await self._db(self.catalog.reference_objects, model, publish_id, todo, now=self.clock())
+            pinned = await self._db(self.catalog.reference_objects, model, publish_id, refs, now=self.clock())
         except errors.PublishNotFound:
             return  # committed meanwhile (a retry) or expired: the commit replays or refuses
         if pinned.deleting:
@@ -495,6 +543,25 @@ class Ops:
 
     # --- reading -----------------------------------------------------------------------
 
+    def _remember(self, version: Version) -> None:
+        """Cache a committed version's manifest digest (see ``_version_manifests``)."""
+        if version.number is None or version.manifest_digest is None:
+            return
+        key = (version.model, version.number)
+        self._version_manifests[key] = version.manifest_digest
+        self._version_manifests.move_to_end(key)
+        while len(self._version_manifests) > self.settings.manifest_cache:
+            self._version_manifests.popitem(last=False)
+
+    async def _manifest_of(self, model: str, number: int) -> str:
+        """The manifest digest of committed version `number` (cached; VersionNotFound if not committed)."""
+        digest = self._version_manifests.get((model, number))
+        if digest is not None:
+            return digest
+        v = await self._db(self.catalog.get_version, model, number)
+        self._remember(v)
+        return committed(v)[1]
+
     async def load_manifest(
         self, digest: str, *, missing: type[errors.WeightsyncError] = errors.ObjectNotFound
     ) -> Manifest:
@@ -509,12 +576,20 @@ class Ops:
         if cached is not None:
             self._manifests.move_to_end(digest)
             return cached
+        warming = self._manifest_loads.get(digest)
+        if warming is not None:
+            with contextlib.suppress(Exception):  # did not parse: read it from the store, to refuse it as readers do
+                return await asyncio.shield(warming)
         data = await self.read_manifest_bytes(digest, missing=missing)
         entry = (await asyncio.to_thread(Manifest.decode, data), len(data))
+        self._cache_manifest(digest, entry)
+        return entry
+
+    def _cache_manifest(self, digest: str, entry: tuple[Manifest, int]) -> None:
         self._manifests[digest] = entry
+        self._manifests.move_to_end(digest)
         while len(self._manifests) > self.settings.manifest_cache:
             self._manifests.popitem(last=False)
-        return entry
 
     async def read_manifest_bytes(
         self, digest: str, *, missing: type[errors.WeightsyncError] = errors.ObjectNotFound
@@ -561,19 +636,16 @@ class Ops:
         Either the deltas after `have` (when `have` is in the target's chain and
         not after it) or the target's keyframe and every delta up to the target,
         whichever moves fewer bytes. With `holder`, a lease on the target's chain
-        keeps GC from deleting it while the reader fetches. `formats`: the manifest
+        keeps GC from deleting it while the reader fetches: the holder's lease on that
+        chain when it has one with at least half the lease TTL left (a follower's steady
+        state: the plan writes nothing), else a lease taken now. `formats`: the manifest
         formats the reader can read (None: any); FormatNotReadable when the chosen
         steps use another (a chain is one format, FORMAT §5.4).
         """
-        if want is None:  # what followers hold: the pinned version, else the head (one catalog read)
-            found = (await self._db(self.catalog.follow_target, model)).version
-            if found is None:
-                raise errors.VersionNotFound(f"model {model!r} has no committed version")
-            target = found
-        else:
-            target = await self.get_version(model, want)
-        number, _ = committed(target)
-        chain = await self.lineage(model, number)
+        now = self.clock()
+        # One catalog read: the target (or what followers hold), its chain, the holder's lease on it.
+        chain, lease = await self._db(self.catalog.reading, model, want, holder=holder or None, now=now)
+        number, _ = committed(chain[-1])
         steps = list(await asyncio.gather(*(self._step(v) for v in chain)))  # stats at once, in chain order
         full = sum(s.manifest_bytes + s.stored_bytes for s in steps)
         chosen = steps
@@ -592,8 +664,7 @@ class Ops:
                         f"version {s.number} of {model!r} is stored in manifest format {version}; this client reads "
                         f"{', '.join(map(str, sorted(formats)))}: upgrade weightsync"
                     )
-        lease = None
-        if holder:
+        if holder and (lease is None or lease.expires_at - now < self.settings.lease_ttl / 2):
             lease = await self._db(
                 self.catalog.acquire_lease, model, number, holder, self.settings.lease_ttl, now=self.clock()
             )
@@ -685,11 +756,12 @@ class Ops:
         return await self._db(self.catalog.purge_expired_leases, self.clock())
 
     async def record_replica(self, model: str, subscriber: str, number: int, **kwargs: Any) -> Replica:
-        """Record that `subscriber` applied version `number` (and release its lease on that chain)."""
-        await self.get_version(model, number)
-        rep = await self._db(self.catalog.record_replica, model, subscriber, number, **kwargs)
-        await self._db(self.catalog.release_lease, model, number, subscriber)
-        return rep
+        """Record that `subscriber` applied committed version `number` and drop the leases it needs no more.
+
+        One transaction (Catalog.record_replica with ``release_leases``): its lease on the head's
+        chain stays while that is the version's chain (its next plan then writes nothing).
+        """
+        return await self._db(self.catalog.record_replica, model, subscriber, number, release_leases=True, **kwargs)
 
     async def list_replicas(
         self, model: str, subscriber: str | None = None, *, latest_only: bool = True
@@ -755,21 +827,27 @@ class Ops:
         return await self._db(self.catalog.dump_committed, model)
 
     async def wait_for_version(
-        self, model: str, *, after: int | None, timeout: float, poll: float = 0.25
+        self, model: str, *, after: int | None, timeout: float, poll: float = 0.25, absent_ok: bool = True
     ) -> Target | None:
         """Wait until a follower holding `after` must move (`Target.news_for`); return the target, or None on timeout.
 
         The target is the pinned version while the model is pinned (answered as soon as `after`
-        is another), else the head once it is newer than `after`. Polls the catalog every `poll`
-        seconds, so it sees commits and pins made through any service replica sharing the
+        is another), else the head once it is newer than `after`. A model that does not exist
+        (yet: a replica may start before the trainer's first push) is waited for like one without
+        versions; with ``absent_ok`` False it raises ModelNotFound instead. Polls the catalog every
+        `poll` seconds, so it sees commits and pins made through any service replica sharing the
         catalog; a commit made through this process wakes it at once.
         """
-        await self.get_model(model)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:
             event = self._committed
-            target = await self._db(self.catalog.follow_target, model)
+            try:
+                target = await self._db(self.catalog.follow_target, model)
+            except errors.ModelNotFound:
+                if not absent_ok:
+                    raise
+                target = Target(None, pinned=False)
             if target.news_for(after):
                 return target
             if loop.time() >= deadline:

@@ -18,15 +18,17 @@ __all__ = ["Admin", "MetricsDep", "OpsDep", "Publisher", "Reader", "SettingsDep"
 _bearer = HTTPBearer(auto_error=False, description="A token from the server's token file (docs/DEPLOY.md).")
 
 
-def _ops(request: Request) -> Ops:
+# Coroutines, not plain functions: FastAPI runs a plain-function dependency in its thread pool,
+# a thread hop per dependency per request for what is an attribute read.
+async def _ops(request: Request) -> Ops:
     return request.app.state.ops
 
 
-def _settings(request: Request) -> Settings:
+async def _settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
-def _metrics(request: Request) -> Metrics:
+async def _metrics(request: Request) -> Metrics:
     return request.app.state.metrics
 
 

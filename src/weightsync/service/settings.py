@@ -6,6 +6,7 @@ way, and they win over the environment). docs/DEPLOY.md has the table of variabl
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 from datetime import timedelta
 from pathlib import Path
@@ -89,6 +90,7 @@ class Settings(BaseSettings):
         return min(self.max_object_size, self.max_upload_body)
 
 
+@functools.lru_cache(maxsize=256)  # asked on every anonymous request, of the address it came in on
 def is_loopback(host: str) -> bool:
     """Whether binding ``host`` keeps the service reachable from this machine only."""
     if host.lower() == "localhost":

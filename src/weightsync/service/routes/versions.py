@@ -11,6 +11,7 @@ from fastapi import APIRouter, Header, Query, Response, status
 from fastapi.responses import StreamingResponse
 
 from weightsync import errors
+from weightsync.common import check_model_name
 from weightsync.ops import Ops, committed
 from weightsync.ops.core import FORMATS
 from weightsync.service.deps import MetricsDep, OpsDep, Publisher, Reader, SettingsDep
@@ -257,7 +258,8 @@ async def watch_model(
     """Long poll: the version to hold as soon as it is not ``after`` (200), or 204 after ``timeout`` seconds.
 
     That is the pinned version while the model is pinned (a rollback below ``after`` too), else
-    the head once it is newer than ``after``.
+    the head once it is newer than ``after``. A model that does not exist yet is waited for: its
+    first version answers as soon as it commits.
     """
     metrics.watchers.inc()
     try:
@@ -293,9 +295,10 @@ async def stream_events(
 
     Without either, the first event is the current head (if any). While the model is pinned, the
     pinned version alone (unless it is the last one sent) and then nothing; after an unpin, the head
-    alone. The stream ends when the model is deleted.
+    alone. A model that does not exist yet is waited for (a replica may start before the trainer's
+    first push); the stream ends when the model it has seen is deleted.
     """
-    await ops.get_model(model)  # 404 now, not inside the stream
+    check_model_name(model)  # 422 now, not inside the stream
     if (
         last_event_id is not None
         and last_event_id.isascii()
@@ -319,12 +322,17 @@ async def _events(
         yield f"retry: {int(poll * 4000)}\n: watching {model}\n\n"
         last = after
         held = False  # the last event sent was a pinned version
+        seen: bool | None = None  # whether the model existed since the stream began (None: not asked yet)
         while True:
             try:
-                target = await ops.wait_for_version(model, after=last, timeout=keepalive, poll=poll)
+                if not seen:
+                    seen = await _exists(ops, model)
+                # Until the model exists it is waited for; once seen, its deletion ends the stream.
+                target = await ops.wait_for_version(model, after=last, timeout=keepalive, poll=poll, absent_ok=not seen)
                 if target is None or target.version is None:
                     yield ": keep-alive\n\n"
                     continue
+                seen = True
                 number = committed(target.version)[0]
                 if last is None or target.pinned or held or number < last:
                     new = [target.version]  # a pin, the head after an unpin, or the first event
@@ -344,3 +352,12 @@ async def _events(
             last, held = number, target.pinned
     finally:
         metrics.sse_streams.dec()
+
+
+async def _exists(ops: Ops, model: str) -> bool:
+    """Whether model `model` exists now."""
+    try:
+        await ops.get_model(model)
+    except errors.ModelNotFound:
+        return False
+    return True
