@@ -9,7 +9,11 @@ mapped by hand (``_vllm.checkpoint_digests``), compared with the engine's ``/wei
 
 from __future__ import annotations
 
+import json
 import re
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -18,7 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from _serve import serving
+from _serve import clean_env, serving, stop_process
 from _vllm import (
     PROMPT,
     SERVED,
@@ -289,3 +293,44 @@ def _wait(condition, timeout: float = 180.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.1)
+
+
+def test_the_follow_command_keeps_the_engine_on_the_head_until_ctrl_c(stack: Stack) -> None:
+    """`weightsync follow` as an operator runs it, in its own process, while the trainer publishes."""
+    stack.bring_to(stack.adapter("before-cli"), "v2")
+    cmd = [Path(sys.executable).with_name("weightsync"), "follow", MODEL, "--engine", "vllm"]
+    cmd += ["--engine-url", stack.vllm_url, "--dir", stack.checkout, "--server", stack.ws_url]
+    cmd += ["--name", "cli-follower", "--pause", "wait", "--json"]
+    err_path = stack.root / "follow-cli.err"
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=clean_env(), start_new_session=True
+        )
+    lines: list[dict[str, object]] = []
+    reader = threading.Thread(target=lambda: lines.extend(json.loads(line) for line in proc.stdout), daemon=True)  # type: ignore[union-attr]
+    reader.start()
+    try:
+        with Subscriber(stack.ws_url, MODEL, report=False) as reader:
+            head = reader.api.head(MODEL)
+        assert head is not None
+        _wait(lambda: any(line["version"] == head.number for line in lines))  # caught up at start
+        published = []
+        with Publisher(stack.ws_url, MODEL, cache_dir=stack.root / "publisher") as pub:
+            for step, tag in enumerate(["v4", "v3"], 200):
+                published.append(pub.publish(stack.trainer[tag], step=step).version)
+                _wait(lambda n=published[-1]: any(line["version"] == n for line in lines))
+        assert engine_digests(stack.vllm_url) == checkpoint_digests(stack.trainer["v3"])
+        assert [line["version"] for line in lines][-2:] == published
+        for line in lines:
+            assert line["engine"] == "vllm" and line["checked"] == 15 and line["mode"] == "disk"
+            assert isinstance(line["pause_ms"], float) and line["pause_ms"] > 0
+        _wait(lambda: _ledger(stack, "cli-follower") == published[-1])
+        with Subscriber(stack.ws_url, MODEL, report=False) as reader:
+            (entry,) = reader.api.list_replicas(MODEL, subscriber="cli-follower")
+        assert entry.extra["engine"] == "vllm" and entry.extra["status"] == "serving" and entry.pause_ms
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) == 130
+    finally:
+        stop_process(proc)  # type: ignore[arg-type]
+    assert err_path.read_text().splitlines()[-1] == "weightsync: error: interrupted"
+    assert not is_paused(stack.vllm_url)

@@ -1,4 +1,4 @@
-"""Client commands of the `weightsync` CLI: push, pull, watch, log, models, fsck, gc, and the operator ones.
+"""Client commands of the `weightsync` CLI: push, pull, watch, log, models, fsck, gc, follow, and the operator ones.
 
 ``register(app)`` adds them to the main typer app. Each command parses its
 input, calls one SDK function and renders the result: a line of text (with a
@@ -28,16 +28,19 @@ Exit codes (each error class's ``exit_code`` in :mod:`weightsync.errors`):
     2  usage error (bad arguments, a server URL that is not a root URL)
     3  conflict: stale parent, another publish won, base mismatch, incomplete publish, directory in use
     4  authentication or authorization failed (HTTP 401/403)
-    5  server unavailable (unreachable, or 5xx after retries)
+    5  server unavailable (unreachable, or 5xx after retries); for follow, an engine not reached in --engine-wait
     6  not found: unknown model or version
     130  interrupted (Ctrl-C)
 """
 
 from __future__ import annotations
 
+import logging
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -50,6 +53,9 @@ from weightsync.client.cli_common import EXIT_INTERRUPTED
 from weightsync.client.models import Version, timestamp
 from weightsync.common import human_bytes
 from weightsync.errors import EXIT_AUTH, EXIT_CONFLICT, EXIT_ERROR, EXIT_NOT_FOUND, EXIT_UNAVAILABLE, EXIT_USAGE
+
+if TYPE_CHECKING:
+    from weightsync.engines import SwitchReport
 
 __all__ = [
     "EXIT_AUTH",
@@ -324,7 +330,171 @@ def register(app: typer.Typer) -> None:
             f"{report.objects_kept_in_grace} kept in grace; versions: {versions or 'none'}{purged}"
         )
 
+    @app.command()
+    def follow(
+        model: kit.ModelArg,
+        engine: Annotated[
+            str,
+            typer.Option(
+                "--engine",
+                metavar="ENGINE",
+                callback=_engine_kind,
+                help="The engine to keep on the newest version: vllm (disk mode). The PyTorch adapter runs "
+                "inside the serving process and is SDK only (weightsync.engines.torch.TorchModule).",
+            ),
+        ],
+        engine_url: Annotated[
+            str,
+            typer.Option(
+                "--engine-url",
+                metavar="URL",
+                callback=_engine_url,
+                help="The engine server's root URL (vLLM started with VLLM_SERVER_DEV_MODE=1).",
+            ),
+        ],
+        dir: Annotated[
+            Path,
+            typer.Option(
+                "--dir",
+                metavar="DIR",
+                help="The checkout the engine reloads from: the path the engine reads (same host or a shared "
+                "mount). Start the engine on a pull of it.",
+            ),
+        ],
+        server: kit.ServerOpt = DEFAULT_SERVER,
+        pause: Annotated[
+            str,
+            typer.Option(
+                "--pause",
+                metavar="MODE",
+                callback=_pause_mode,
+                help="Requests in flight during a switch: keep (frozen, then go on), wait (finish first), abort.",
+            ),
+        ] = "keep",
+        name: Annotated[
+            str | None,
+            typer.Option("--name", metavar="NAME", help="Replica name in the ledger [default: host name]."),
+        ] = None,
+        site: Annotated[str | None, typer.Option("--site", metavar="SITE", help="Site in the ledger.")] = None,
+        engine_token: Annotated[
+            str | None,
+            typer.Option(
+                "--engine-token",
+                metavar="TOKEN",
+                envvar="WEIGHTSYNC_ENGINE_TOKEN",
+                show_envvar=True,
+                help="Bearer token for the engine's API.",
+            ),
+        ] = None,
+        engine_wait: Annotated[
+            int,
+            typer.Option(
+                "--engine-wait",
+                metavar="SECONDS",
+                min=0,
+                help="How long an engine that cannot be reached at start is waited for (it may be loading "
+                "its model) before giving up (exit 5); once reached, a restarting engine is waited for.",
+            ),
+        ] = 900,
+        count: Annotated[int | None, typer.Option("--count", metavar="N", min=1, help="Stop after N switches.")] = None,
+        as_json: Annotated[bool, typer.Option("--json", help="One JSON object per line per switch.")] = False,
+    ) -> None:
+        """Keep a running inference engine on the newest version of MODEL, each switch verified.
+
+        Pulls each version into DIR while the engine serves, then pauses the engine, reloads
+        it from DIR, checks every parameter against the version and resumes (on the previous
+        version if the check fails). Prints one line per switch; reports each to the replica
+        ledger. Ctrl-C stops it (a switch in progress finishes first).
+        """
+        # weightsync.engines builds on the client SDK: imported here, never when the CLI loads.
+        from weightsync.client.subscriber import Subscriber
+        from weightsync.engines import follow as follow_engine
+        from weightsync.engines.vllm import VllmClient, VllmDisk
+
+        with kit.one_line_errors(), _engine_log():
+            client = VllmClient(engine_url, token=engine_token)
+            if engine_wait > 0 and not client.health():
+                typer.echo(f"weightsync: waiting for {engine} at {engine_url}", err=True)
+            client.wait_ready(engine_wait)
+            sub = Subscriber(
+                server, model, token=kit.token(), retry=kit.retry_policy(), name=name, site=site, report=False
+            )
+            with sub, VllmDisk(client, sub, dir, pause=pause) as adapter:  # type: ignore[arg-type]
+
+                def switched(r: SwitchReport) -> None:
+                    _print_switch(model, engine, r, as_json)
+
+                follow_engine(adapter, sub, count=count, on_switch=switched)
+
     register_admin(app)
+
+
+def _engine_kind(value: str) -> str:
+    """--engine's check: the engines the CLI can drive from outside their process."""
+    if value == "vllm":
+        return value
+    if value == "torch":
+        raise typer.BadParameter(
+            "the PyTorch adapter runs inside the serving process: use weightsync.engines.torch.TorchModule (SDK)"
+        )
+    raise typer.BadParameter(f"{value!r} is not an engine weightsync follows (vllm)")
+
+
+def _engine_url(value: str) -> str:
+    """--engine-url's check: a server root with a scheme, else a usage error with what to write instead."""
+    from weightsync.engines.vllm import check_url
+
+    try:
+        return check_url(value)
+    except errors.InvalidArgument as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
+def _pause_mode(value: str) -> str:
+    if value not in ("keep", "wait", "abort"):
+        raise typer.BadParameter(f"{value!r} is not one of keep, wait, abort")
+    return value
+
+
+@contextmanager
+def _engine_log() -> Iterator[None]:
+    """The follow loop's log lines (a switch that failed, an engine or server it waits for) on stderr, one line each."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("weightsync: %(message)s"))
+    handler.setLevel(logging.WARNING)
+    logger = logging.getLogger("weightsync")
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+
+
+def _print_switch(model: str, engine: str, r: SwitchReport, as_json: bool) -> None:
+    """One verified switch: a line for people, or one JSON object."""
+    if as_json:
+        kit.emit(
+            {
+                "model": model,
+                "engine": engine,
+                "version": r.version,
+                "previous": r.previous,
+                "pause_ms": round(r.pause_s * 1e3, 3),
+                "checked": r.checked,
+                "mode": r.mode,
+                "bytes": r.bytes_received,
+                "prepare_s": round(r.prepare_s, 4),
+                "timings": {k: round(v, 4) for k, v in r.timings.items()},
+            }
+        )
+    else:
+        phases = ", ".join(f"{k.removesuffix('_s')} {v * 1e3:.0f} ms" for k, v in r.timings.items())
+        typer.echo(
+            f"{model} v{r.version}: {engine} switched from v{kit.shown(r.previous)}, paused {r.pause_s * 1e3:.0f} ms"
+            f"{f' ({phases})' if phases else ''}, {r.checked} parameters checked; prepared in {r.prepare_s:.2f}s, "
+            f"{human_bytes(r.bytes_received)} received"
+        )
+    sys.stdout.flush()
 
 
 def _publish_cache(server: str, cache_dir: Path | None) -> Path:

@@ -6,13 +6,22 @@ engine does not hold: it starts from what the engine shows (:meth:`Engine.held`)
 reports only verified switches, and after the engine restarts or a switch
 leaves it unhealthy it asks the engine again before going on. The weightsync
 server restarting is the subscriber's watch's business (it reconnects).
+
+Ctrl-C never abandons a switch half way (the engine would stay paused on
+weights that are no version): in the main thread, a first Ctrl-C during a
+switch sets ``stop``, the switch finishes (verified, or put back) and is
+reported, and then KeyboardInterrupt is raised; a second one raises at once.
+Outside a switch Ctrl-C raises at once (a download is cancelled; the checkout
+stays as it was).
 """
 
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 from collections.abc import Callable
+from types import FrameType, TracebackType
 
 from weightsync import errors
 from weightsync.client.ledger import LedgerReporter
@@ -33,6 +42,38 @@ FATAL: tuple[type[Exception], ...] = (UnverifiableEngine, errors.AuthError, erro
 
 class _Stopped(Exception):
     pass
+
+
+class _DeferredInterrupt:
+    """Inside ``with``: a first SIGINT sets ``stop`` and :attr:`hit` instead of raising; a second raises.
+
+    Only in the main thread with a Python SIGINT handler installed (elsewhere it does nothing):
+    signal handlers can be set there only.
+    """
+
+    def __init__(self, stop: threading.Event) -> None:
+        self.stop, self.hit = stop, False
+        self._previous: Callable[[int, FrameType | None], object] | int | None = None
+
+    def _handler(self, signum: int, frame: FrameType | None) -> None:
+        if self.hit:
+            raise KeyboardInterrupt
+        self.hit = True
+        self.stop.set()
+        log.warning("interrupted: finishing the switch in progress first (Ctrl-C again leaves the engine paused)")
+
+    def __enter__(self) -> _DeferredInterrupt:
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.getsignal(signal.SIGINT)
+            if previous is not None:  # None: a handler set outside Python, which could not be put back
+                self._previous = previous
+                signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
 
 
 def follow(
@@ -60,8 +101,12 @@ def follow(
     what the engine shows; :data:`FATAL` ones end it. ``on_switch`` gets each
     successful switch. With ``report``, each switch is sent to the replica ledger
     under ``subscriber.name`` (unless the adapter's own subscriber reports it).
+    ``on_error`` may raise to end the loop with its exception. A ``stop`` set while
+    a version is prepared ends the loop before its switch; Ctrl-C during a switch:
+    the module docstring.
     """
     stop = stop or threading.Event()
+    interrupt = _DeferredInterrupt(stop)
     reporter = None
     if report and not engine.reports_itself:
         reporter = LedgerReporter(subscriber.api, subscriber.model, subscriber.name, site=subscriber.site)
@@ -69,8 +114,12 @@ def follow(
 
     def switch_to(number: int) -> None:
         nonlocal switches, failures
+        update = engine.prepare(number)
+        if stop.is_set():
+            return
         try:
-            done = engine.switch(engine.prepare(number))
+            with interrupt:
+                done = engine.switch(update)
         except SwitchFailed as exc:
             log.error("%s", exc)
             if on_error is not None:
@@ -110,4 +159,6 @@ def follow(
     finally:
         if reporter is not None:
             reporter.close()
+    if interrupt.hit:
+        raise KeyboardInterrupt
     return engine.version

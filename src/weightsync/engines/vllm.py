@@ -55,6 +55,22 @@ STAGE_DIR = ".weightsync-engine"
 """Inside the checkout: one directory of hard links per version the engine may hold or load."""
 
 
+def check_url(url: str) -> str:
+    """``url`` as the root of a vLLM server, else InvalidArgument saying what to write instead.
+
+    The dev routes sit at the server's root: the OpenAI base URL (``…/v1``) that
+    clients are given is refused with the root to use.
+    """
+    if not url.startswith(("http://", "https://")):
+        raise errors.InvalidArgument(f"engine URL {url!r} needs a scheme: http://{url}")
+    root = url.rstrip("/")
+    if root.endswith("/v1"):
+        raise errors.InvalidArgument(
+            f"engine URL {url!r} is the OpenAI base URL: use the server's root, {root.removesuffix('/v1')}"
+        )
+    return url
+
+
 class VllmClient:
     """The development routes of one vLLM OpenAI server (``VLLM_SERVER_DEV_MODE=1``).
 
@@ -72,8 +88,7 @@ class VllmClient:
         slow_timeout: float = 1800.0,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
-        if not url.startswith(("http://", "https://")):
-            raise errors.InvalidArgument(f"engine URL {url!r} needs a scheme (http://host:port)")
+        check_url(url)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.url = url.rstrip("/")
         self.slow_timeout = slow_timeout
@@ -103,6 +118,17 @@ class VllmClient:
             return self._http.get("/health").status_code == 200
         except httpx.TransportError:
             return False
+
+    def wait_ready(self, timeout: float, *, poll: float = 1.0) -> None:
+        """Wait up to ``timeout`` s for ``GET /health`` to answer 200 (a server still loading its model does not),
+        then check that the dev routes are there: EngineUnavailable when it never answered, EngineError
+        (start it with ``VLLM_SERVER_DEV_MODE=1``) when they are not."""
+        deadline = time.monotonic() + timeout
+        while not self.health():
+            if time.monotonic() >= deadline:
+                raise EngineUnavailable(f"vLLM at {self.url} cannot be reached (waited {timeout:g}s for /health)")
+            time.sleep(min(poll, max(0.0, deadline - time.monotonic())))
+        self.is_paused()  # a dev route: 404 without VLLM_SERVER_DEV_MODE=1
 
     def pause(self, mode: PauseMode) -> None:
         """Stop scheduling: ``keep`` freezes in-flight requests until resume, ``wait`` lets them finish
