@@ -27,7 +27,7 @@ from weightsync import errors
 from weightsync.client._pool import cpu_pool, run_all
 from weightsync.codec.checksum import TensorSum
 from weightsync.codec.decoder import check_frame
-from weightsync.codec.frame import HEADER_SIZE, METHOD_SPARSE, apply_frame_sums, parse_header, undo_frame
+from weightsync.codec.frame import HEADER_SIZE, METHOD_SPARSE, FrameHeader, apply_frame_sums, undo_frame
 from weightsync.codec.manifest import VERSION_2, FrameRef, Manifest
 
 FUSED = "fused-frames"
@@ -46,10 +46,9 @@ class Frame:
     """Elements the frame changes (sparse frames), or covers (dense ones)."""
 
 
-def change_count(blob: Any) -> int:
-    """Elements a frame changes: a sparse frame's count (the u64 that opens its payload, FORMAT §4.3), else
-    every element it covers (a dense frame may change any)."""
-    head = parse_header(blob)
+def change_count(blob: Any, head: FrameHeader) -> int:
+    """Elements a frame (`head`: its parsed header) changes: a sparse frame's count (the u64 that opens its
+    payload, FORMAT §4.3), else every element it covers (a dense frame may change any)."""
     if head.method == METHOD_SPARSE:
         (count,) = struct.unpack_from("<Q", blob, HEADER_SIZE)
         return int(count)
@@ -84,8 +83,8 @@ def fetch(
         if not any(n in touched for n in pieces):
             return
         blob = read_frame(ref)
-        check_frame(manifest, ref, blob)
-        out[i] = Frame(ref, blob, tuple(n if n in touched else None for n in pieces), change_count(blob))
+        head = check_frame(manifest, ref, blob)
+        out[i] = Frame(ref, blob, tuple(n if n in touched else None for n in pieces), change_count(blob, head))
 
     run_all(pool, read, range(len(manifest.frames)))
     return [f for f in out if f is not None]

@@ -387,7 +387,7 @@ def apply(
     new chain): then they hold neither version and must be loaded afresh (the message
     says which). The pause runs from the first write until the result check passed.
     """
-    from weightsync.client.tensors import apply_change_host, apply_staged, byte_view, stage_change, torch_module
+    from weightsync.client.tensors import byte_view, torch_module
 
     torch = torch_module()
     if prepared.model != model:
@@ -422,7 +422,6 @@ def apply(
         base_check_s = time.perf_counter() - t0
     # Results of v2 element changes are checked from their base and the changed elements.
     track = verify and prepared.digest_kind == DIGEST_SUM
-    devices = {t.device for _, t in work}
     t0 = time.perf_counter()
     moved: dict[str, list[Any]] = {}
     with torch.no_grad():
@@ -432,17 +431,11 @@ def apply(
                 byte_view(t).copy_(src, non_blocking=True)
                 continue
             tracked = track and u.name in bases
-            for i, op in enumerate(u.ops):
-                if t.device.type == "cpu":
-                    lanes: Any = apply_change_host(t, op, track=tracked)
-                else:
-                    staged = u.staged[i] if i < len(u.staged) and u.staged[i].operands.device == t.device else None
-                    lanes = apply_staged(t, staged or stage_change(op, t.device, elements=t.numel()), track=tracked)
+            for i in range(len(u.ops)):
+                lanes = _change(u, i, t, track=tracked)
                 if tracked and lanes is not None:
                     moved.setdefault(u.name, []).append(lanes)
-        for d in devices:
-            if d.type == "cuda":
-                torch.cuda.synchronize(d)
+        _synchronize(torch, work)
     write_s = time.perf_counter() - t0
     applied = Applied(
         prepared.target,
@@ -463,6 +456,29 @@ def apply(
         paths.update(applied.verified_by)
         applied.verified_by = tuple(sorted(paths))
     return applied
+
+
+def _change(u: TensorUpdate, i: int, t: Any, *, track: bool = False, inverse: bool = False) -> Any:
+    """Apply (or with `inverse` undo) change `i` of `u` to tensor `t` where it lives; with `track`, the move of its
+    checksum lanes (a tuple for host tensors, an int64 tensor on the device otherwise; None: nothing moved).
+
+    Host tensors take the decoded change through numpy; others the change staged on their device
+    (staged now when `prepare` staged it elsewhere or not at all).
+    """
+    from weightsync.client.tensors import apply_change_host, apply_staged, stage_change
+
+    op = u.ops[i]
+    if t.device.type == "cpu":
+        return apply_change_host(t, op, track=track, inverse=inverse)
+    staged = u.staged[i] if i < len(u.staged) and u.staged[i].operands.device == t.device else None
+    return apply_staged(t, staged or stage_change(op, t.device, elements=t.numel()), track=track, inverse=inverse)
+
+
+def _synchronize(torch: Any, work: list[tuple[TensorUpdate, Any]]) -> None:
+    """Wait until every write queued on the CUDA devices of `work`'s tensors has landed."""
+    for d in {t.device for _, t in work}:
+        if d.type == "cuda":
+            torch.cuda.synchronize(d)
 
 
 def _apply_frames(prepared: Prepared, touched: dict[str, Any], verify: bool) -> Applied:
@@ -522,7 +538,7 @@ def _read_back(lanes: Any) -> tuple[int, ...]:
 def _undo(work: list[tuple[TensorUpdate, Any]], prepared: Prepared, bad: TensorUpdate) -> None:
     """Undo every element change of `work` and raise ChecksumMismatch naming `bad` (the tensors hold the base
     again), or, when some tensor was replaced whole (nothing to undo it with), say they must be reloaded."""
-    from weightsync.client.tensors import apply_change_host, apply_staged, stage_change, torch_module
+    from weightsync.client.tensors import torch_module
 
     torch = torch_module()
     what = f"tensor {bad.name!r} does not match v{prepared.target} after the update"
@@ -530,13 +546,7 @@ def _undo(work: list[tuple[TensorUpdate, Any]], prepared: Prepared, bad: TensorU
         raise errors.ChecksumMismatch(f"{what}; the tensors hold neither version: load the version afresh")
     with torch.no_grad():
         for u, t in work:
-            for i, op in reversed(list(enumerate(u.ops))):
-                if t.device.type == "cpu":
-                    apply_change_host(t, op, inverse=True)
-                else:
-                    staged = u.staged[i] if i < len(u.staged) and u.staged[i].operands.device == t.device else None
-                    apply_staged(t, staged or stage_change(op, t.device, elements=t.numel()), inverse=True)
-        for d in {t.device for _, t in work}:
-            if d.type == "cuda":
-                torch.cuda.synchronize(d)
+            for i in reversed(range(len(u.ops))):
+                _change(u, i, t, inverse=True)
+        _synchronize(torch, work)
     raise errors.ChecksumMismatch(f"{what}; every change was undone: the tensors hold v{prepared.base} again")

@@ -348,28 +348,6 @@ class StagedChange:
         return sum(int(p.numel()) * p.element_size() for p in parts if p is not None)
 
 
-def _apply_staged_numpy(target: np.ndarray, staged: StagedChange) -> None:
-    """`apply_staged` on host memory (`target`: the tensor's integer view), a chunk of positions at a time."""
-    operands = staged.operands.numpy()
-
-    def apply(pos: np.ndarray, ops: np.ndarray) -> None:
-        if staged.add:
-            target[pos] += ops  # positions are distinct: no element is read after it is written
-        else:
-            target[pos] ^= ops
-
-    if staged.positions is not None:
-        positions = staged.positions.numpy()
-        for lo in range(0, len(positions), APPLY_CHUNK):
-            apply(positions[lo : lo + APPLY_CHUNK], operands[lo : lo + APPLY_CHUNK])
-        return
-    assert staged.low is not None and staged.blocks is not None and staged.counts is not None
-    low, blocks, counts = staged.low.numpy(), staged.blocks.numpy(), staged.counts.numpy()
-    for b0, b1, c0, c1 in staged.spans:
-        first = np.repeat(blocks[b0:b1].astype(np.int64) << BLOCK_BITS, counts[b0:b1])
-        apply(first + (low[c0:c1].astype(np.int64) & ((1 << BLOCK_BITS) - 1)), operands[c0:c1])
-
-
 def stage_change(change: Any, device: Any, *, elements: int) -> StagedChange:
     """`change` (a codec Change of a tensor of `elements` elements) moved to `device`, compactly."""
     torch = torch_module()
@@ -434,14 +412,11 @@ def apply_staged(t: torch.Tensor, staged: StagedChange, *, track: bool = False, 
     With `track`, each changed element is read back after its write and the move of the
     tensor's checksum lanes is returned as an int64 tensor on the device
     (``devsum.change_lanes``; read it with ``devsum.lanes_to_ints``), else None. `inverse`
-    undoes `staged`. Host tensors without either are changed through numpy views of the
-    same memory (see :func:`apply_change_host`, what `apply` uses for host tensors).
+    undoes `staged`. `apply` changes host tensors with :func:`apply_change_host` instead
+    (numpy on the calling thread: torch's index ops stall on a busy host).
     """
     torch = torch_module()
     view = int_view(t)
-    if view.device.type == "cpu" and not (track or inverse):
-        _apply_staged_numpy(view.numpy(), staged)
-        return None
     moved: list[Any] = []
 
     def apply(pos: Any, operands: Any) -> None:

@@ -424,36 +424,21 @@ class Ops:
         shown = _result(answers[1])
         # The usual commit: checkObjects referenced every object and the manifest before the store was
         # asked, so its answer holds (DESIGN invariant 7) and the catalog commits in one transaction.
-        version = await self._db(
-            self.catalog.commit_held,
-            model,
-            publish_id,
-            parent=manifest.parent,
-            manifest_digest=manifest_digest,
-            objects=refs,
-            raw_bytes=manifest.raw_bytes,
-            stored_bytes=manifest.stored_bytes,
-            kind=manifest.kind,
-            idempotency_key=idempotency_key,
-            now=self.clock(),
-            as_begun=True,
-        )
+        # The same version whichever way it commits (only the clock is read again).
+        same: dict[str, Any] = {
+            "parent": manifest.parent,
+            "manifest_digest": manifest_digest,
+            "objects": refs,
+            "raw_bytes": manifest.raw_bytes,
+            "stored_bytes": manifest.stored_bytes,
+            "kind": manifest.kind,
+            "idempotency_key": idempotency_key,
+            "as_begun": True,
+        }
+        version = await self._db(self.catalog.commit_held, model, publish_id, **same, now=self.clock())
         if version is None:  # something is not referenced yet: reference it, ask the store again, commit
             await self._hold_for_commit(model, publish_id, [*refs, shown])
-            version = await self._db(
-                self.catalog.commit_version,
-                model,
-                publish_id,
-                parent=manifest.parent,
-                manifest_digest=manifest_digest,
-                objects=refs,
-                raw_bytes=manifest.raw_bytes,
-                stored_bytes=manifest.stored_bytes,
-                kind=manifest.kind,
-                idempotency_key=idempotency_key,
-                now=self.clock(),
-                as_begun=True,
-            )
+            version = await self._db(self.catalog.commit_version, model, publish_id, **same, now=self.clock())
         self._remember(version)
         self._committed.set()
         self._committed = asyncio.Event()
