@@ -224,6 +224,50 @@ class Catalog:
             write=True,
         )
 
+    def open_publish(
+        self,
+        model: str,
+        *,
+        parent: int | None,
+        keyframe: bool = False,
+        publish_id: str | None = None,
+        step: int | None = None,
+        metadata: dict[str, Any] | None = None,
+        objects: Iterable[tuple[str, int]] | None = None,
+        expires_at: datetime | None = None,
+        now: datetime | None = None,
+    ) -> publishes.Opened:
+        """Begin a publish as the service's beginPublish does, in one transaction (publishes.open_).
+
+        :meth:`begin_version` with the head check (StaleParent) and the model's keyframe policy
+        (a keyframe when ``keyframe`` is forced), and, with ``objects`` [(digest, size)] encoded as
+        that kind, :meth:`reference_objects` for them. ModelNotFound when the model does not exist.
+        """
+        pid = checks.label(
+            "publish_id", secrets.token_urlsafe(24) if publish_id is None else publish_id, checks.TOKEN_MAX
+        )
+        if step is not None:
+            checks.nonneg("step", step)
+        meta = checks.json_object("metadata", metadata)
+        refs = None if objects is None else checks.object_refs(objects)
+        at = checks.utc(now)
+        expires = checks.utc(expires_at) if expires_at is not None else at + DEFAULT_PENDING_TTL
+        return self._tx(
+            lambda s: publishes.open_(
+                s,
+                model,
+                parent=parent,
+                keyframe=keyframe,
+                publish_id=pid,
+                step=step,
+                metadata=meta,
+                expires=expires,
+                now=at,
+                refs=refs,
+            ),
+            write=True,
+        )
+
     def get_pending(self, model: str, publish_id: str, *, now: datetime | None = None) -> Version:
         """Return the pending, unexpired publish ``publish_id`` of ``model``; raises PublishNotFound."""
         at = checks.utc(now)
@@ -514,6 +558,11 @@ class Catalog:
         checks.digest(digest)
         checks.nonneg("size", size)
         at = checks.utc(now)
+        # An object a version or a pending publish references is recorded already and out of GC's
+        # reach (its grace starts when the last reference goes): a read answers, no write lock taken.
+        known = self._tx(lambda s: objects.get_many(s, [digest])).get(digest)
+        if known is not None and known.state == "live" and known.unreferenced_since is None and known.size == size:
+            return known
         return self._tx(lambda s: objects.record(s, digest, size, at), write=True)
 
     def get_object(self, digest: str) -> ObjectInfo | None:

@@ -5,6 +5,7 @@ docs/CATALOG.md "Commit: the compare-and-swap rule" and "Idempotency".
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -23,6 +24,8 @@ __all__ = [
     "commit",
     "expire",
     "list_pending",
+    "open_",
+    "Opened",
     "pending",
     "pending_row",
     "reference",
@@ -66,6 +69,68 @@ def begin(
     s.add(row)
     s.flush()
     return version_record(row, m.name)
+
+
+@dataclass(frozen=True)
+class Opened:
+    """What :func:`open_` did: the pending publish, its parent's manifest, and the objects it now references."""
+
+    version: Version
+    parent_manifest: str | None
+    pinned: Pinned | None
+    """None when no objects were given, or they were for another kind than the one answered."""
+
+
+def open_(
+    s: Session,
+    model: str,
+    *,
+    parent: int | None,
+    keyframe: bool,
+    publish_id: str,
+    step: int | None,
+    metadata: dict[str, Any],
+    expires: datetime,
+    now: datetime,
+    refs: dict[str, int] | None = None,
+) -> Opened:
+    """Begin a publish on ``parent`` in one transaction: the head check, the keyframe policy, the pending
+    row, and the references to ``refs`` when they were encoded as the kind answered.
+
+    The model must exist (ModelNotFound) and ``parent`` be its head (StaleParent, carrying it).
+    The kind is a keyframe when ``keyframe`` is forced, without a parent, when the parent's chain
+    holds ``keyframe_interval`` versions or its deltas add up to more than ``max_chain_ratio`` of
+    its keyframe; else a delta. ``refs`` were encoded as a keyframe when ``keyframe`` is set, else
+    as a delta on ``parent``: they are referenced (objects.attach) only when that is the kind the
+    publish has (a pending publish begun again keeps the kind it was begun with).
+    """
+    m = model_row(s, model, lock=True)
+    if parent != m.head:
+        raise errors.StaleParent(f"model {model!r}: parent {parent} is not the head ({m.head})", current_head=m.head)
+    kind, parent_manifest = "keyframe", None
+    if parent is not None:
+        chain = versions.chain_rows(s, m, parent)
+        parent_manifest = chain[-1].manifest_digest
+        keyframe_bytes = chain[0].stored_bytes or 0
+        delta_bytes = sum(r.stored_bytes or 0 for r in chain[1:])
+        long_chain = len(chain) >= m.keyframe_interval
+        heavy = keyframe_bytes > 0 and delta_bytes > m.max_chain_ratio * keyframe_bytes
+        kind = "keyframe" if keyframe or long_chain or heavy else "delta"
+    version = begin(
+        s,
+        model,
+        parent=parent,
+        kind=kind,
+        publish_id=publish_id,
+        step=step,
+        metadata=metadata,
+        expires=expires,
+        now=now,
+    )
+    pinned = None
+    if refs is not None and version.kind == ("keyframe" if keyframe else "delta") and version.parent == parent:
+        pinned = objects.attach(s, pending_row(s, m, version.publish_id, now), refs, now)
+    return Opened(version, parent_manifest, pinned)
 
 
 def pending_row(s: Session, m: ModelRow, publish_id: str, now: datetime, *, lock: bool = True) -> VersionRow:

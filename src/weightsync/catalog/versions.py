@@ -19,7 +19,18 @@ from .records import Lease, Target, Version
 from .rows import chunks, committed_row, model_row, version_record
 from .schema import ModelRow, VersionObjectRow, VersionRow
 
-__all__ = ["drop", "get", "head", "lineage", "listing", "mark_deleted", "reading", "retention_candidates", "target"]
+__all__ = [
+    "chain_rows",
+    "drop",
+    "get",
+    "head",
+    "lineage",
+    "listing",
+    "mark_deleted",
+    "reading",
+    "retention_candidates",
+    "target",
+]
 
 
 def drop(s: Session, rows: Sequence[VersionRow], now: datetime) -> None:
@@ -110,7 +121,12 @@ def reading(
 
 
 def _lineage(s: Session, m: ModelRow, number: int) -> list[Version]:
-    """:func:`lineage` of a model row: the version's row, then its chain's rows, in two reads."""
+    """:func:`lineage` of a model row, as records."""
+    return [version_record(r, m.name) for r in chain_rows(s, m, number)]
+
+
+def chain_rows(s: Session, m: ModelRow, number: int) -> list[VersionRow]:
+    """The rows of committed ``number``'s chain, keyframe first, in two reads; VersionNotFound if a link is missing."""
     top = committed_row(s, m, number)
     rows = {
         r.number: r
@@ -130,7 +146,7 @@ def _lineage(s: Session, m: ModelRow, number: int) -> list[Version]:
                 f"model {m.name!r}: version {chain[-1].number} needs version {p}, which is not committed"
             )
         chain.append(rows[p])
-    return [version_record(r, m.name) for r in reversed(chain)]
+    return chain[::-1]
 
 
 def retention_candidates(s: Session, model: str) -> list[int]:

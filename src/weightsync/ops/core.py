@@ -71,6 +71,14 @@ class BeginResult:
     parent: int | None
     parent_manifest: str | None
     expires_at: datetime | None
+    missing: list[str] | None = None
+    """With the objects of an encoding of the answered kind: those to upload (the others are held)."""
+
+
+def _check_digests(objects: list[tuple[str, int]]) -> None:
+    for digest, _ in objects:
+        if not isinstance(digest, str) or len(digest) != 64:
+            raise errors.InvalidDigest(f"not a sha-256 digest: {digest!r}")
 
 
 @dataclass(frozen=True)
@@ -203,6 +211,7 @@ class Ops:
         keyframe: bool = False,
         create: bool = True,
         publish_id: str | None = None,
+        objects: list[tuple[str, int]] | None = None,
     ) -> BeginResult:
         """Open a publish on top of `parent` (the head the publisher holds; None for the first version).
 
@@ -210,49 +219,34 @@ class Ops:
         when there is no parent, when the chain holds `keyframe_interval` versions, or
         when its deltas add up to more than `max_chain_ratio` of its keyframe. A stale
         parent fails here already (StaleParent) so no encoding work is wasted; the
-        binding check is the compare-and-swap at commit.
+        binding check is the compare-and-swap at commit. `objects` [(digest, size)]: an
+        encoding made before asking (a keyframe when `keyframe`, else a delta on
+        `parent`); when the answered kind is that one they are held for the publish as
+        :meth:`missing_objects` holds them and the result's `missing` says which to
+        upload. One catalog transaction (Catalog.open_publish), plus one the first time
+        a model is created.
         """
+        if objects is not None:
+            _check_digests(objects)
+        args: dict[str, Any] = dict(
+            parent=parent, keyframe=keyframe, publish_id=publish_id, step=step, metadata=metadata, objects=objects
+        )
+        expires = self.clock() + self.settings.pending_ttl
         try:
-            m = await self._db(self.catalog.get_model, model)
+            opened = await self._db(self.catalog.open_publish, model, expires_at=expires, now=self.clock(), **args)
         except errors.ModelNotFound:
             if not create:
                 raise
             await self._db(self.catalog.create_model, model, now=self.clock())
-            m = await self._db(self.catalog.get_model, model)
-        if parent != m.head:
-            raise errors.StaleParent(
-                f"model {model!r}: parent {parent} is not the head ({m.head})", current_head=m.head
-            )
-        kind = "keyframe"
-        parent_manifest = None
-        if parent is not None:
-            # Independent reads: asked at once, one wait on the begin's path.
-            pv, info = await asyncio.gather(
-                self._db(self.catalog.get_version, model, parent),
-                self._db(self.catalog.chain_info, model, parent),
-            )
-            parent_manifest = pv.manifest_digest
-            if not keyframe:
-                assert info is not None  # asked for a committed number, not the head
-                long_chain = info.length >= m.keyframe_interval
-                heavy = info.keyframe_bytes > 0 and info.delta_bytes > m.max_chain_ratio * info.keyframe_bytes
-                kind = "keyframe" if long_chain or heavy else "delta"
-        expires = self.clock() + self.settings.pending_ttl
-        v = await self._db(
-            self.catalog.begin_version,
-            model,
-            parent=parent,
-            kind=kind,
-            publish_id=publish_id,
-            step=step,
-            metadata=metadata,
-            expires_at=expires,
-            now=self.clock(),
-        )
+            opened = await self._db(self.catalog.open_publish, model, expires_at=expires, now=self.clock(), **args)
+        v = opened.version
         if v.parent != parent:
             raise errors.Conflict(f"publish {v.publish_id!r} was begun on parent {v.parent}, not {parent}")
+        missing = None
+        if opened.pinned is not None and objects is not None:
+            missing = await self._missing_in_store(objects, set(opened.pinned.deleting))
         # Beginning again with a pending publish's id returns that publish: its kind, not today's policy's.
-        return BeginResult(model, v.publish_id, v.kind, parent, parent_manifest, v.expires_at)
+        return BeginResult(model, v.publish_id, v.kind, parent, opened.parent_manifest, v.expires_at, missing)
 
     async def missing_objects(self, model: str, publish_id: str, objects: list[tuple[str, int]]) -> list[str]:
         """Return which of `objects` [(digest, size)] the publisher must upload; the others are held for it.
@@ -262,11 +256,12 @@ class Ops:
         "present" stays true until the commit. An object GC is deleting is missing even if
         the store still has its bytes (DESIGN invariant 7): it must be written again.
         """
-        for digest, _ in objects:
-            if not isinstance(digest, str) or len(digest) != 64:
-                raise errors.InvalidDigest(f"not a sha-256 digest: {digest!r}")
+        _check_digests(objects)
         pinned = await self._db(self.catalog.reference_objects, model, publish_id, objects, now=self.clock())
-        deleting = set(pinned.deleting)
+        return await self._missing_in_store(objects, set(pinned.deleting))
+
+    async def _missing_in_store(self, objects: list[tuple[str, int]], deleting: set[str]) -> list[str]:
+        """Which of `objects` (already referenced by a pending publish) the store lacks, or GC is deleting."""
 
         async def check(digest: str, size: int) -> str | None:
             if digest in deleting:

@@ -142,16 +142,17 @@ async def begin_publish(model: str, body: BeginIn, ops: OpsDep, who: Publisher, 
     ``keyframe`` is set) the answer also says which of them to upload, as checkObjects would,
     when the answered kind is that encoding's: one round trip instead of two.
     """
+    objects = None
     if body.objects is not None:
         _refuse_too_large(body.objects, settings.max_object_size)
+        objects = [(o.digest, o.size) for o in body.objects]
     begun = await ops.begin_publish(
-        model, parent=body.parent, step=body.step, metadata=body.metadata, keyframe=body.keyframe
+        model, parent=body.parent, step=body.step, metadata=body.metadata, keyframe=body.keyframe, objects=objects
     )
     out = begin_out(begun)
     out.formats = list(FORMATS)
-    if body.objects is not None and begun.kind == ("keyframe" if body.keyframe else "delta"):
-        checked = await _check(model, begun.publish_id, body.objects, ops, settings)
-        out.missing, out.uploads = checked.missing, checked.uploads
+    if begun.missing is not None and body.objects is not None:
+        out.uploads = await _presigned(begun.missing, body.objects, ops, settings)
     return out
 
 
@@ -171,12 +172,18 @@ def _refuse_too_large(objects: list[ObjectRef], limit: int) -> None:
 async def _check(model: str, publish_id: str, objects: list[ObjectRef], ops: Ops, settings: Settings) -> CheckOut:
     """Which of `objects` the store lacks (held for the publish meanwhile), with presigned uploads where it can."""
     missing = await ops.missing_objects(model, publish_id, [(o.digest, o.size) for o in objects])
+    return CheckOut(missing=missing, uploads=await _presigned(missing, objects, ops, settings))
+
+
+async def _presigned(
+    missing: list[str], objects: list[ObjectRef], ops: Ops, settings: Settings
+) -> dict[str, PresignedPut] | None:
+    """Presigned uploads for the `missing` objects where the server hands them out (S3), else None."""
     if not (settings.presign and ops.can_presign and missing):
-        return CheckOut(missing=missing)
+        return None
     sizes = {o.digest: o.size for o in objects}
     signed = await ops.presign_uploads({d: sizes[d] for d in missing}, settings.presign_expires_s)
-    uploads = {d: PresignedPut(method=r.method, url=r.url, headers=dict(r.headers)) for d, r in signed.items()}
-    return CheckOut(missing=missing, uploads=uploads)
+    return {d: PresignedPut(method=r.method, url=r.url, headers=dict(r.headers)) for d, r in signed.items()}
 
 
 @router.post(
