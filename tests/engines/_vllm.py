@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
@@ -49,19 +50,33 @@ class VllmServer:
     Started in its own process group (vLLM spawns an engine core and workers); :meth:`stop` kills the group.
     """
 
-    def __init__(self, python: Path, model_dir: Path, log_path: Path) -> None:
+    def __init__(
+        self,
+        python: Path,
+        model_dir: Path,
+        log_path: Path,
+        *,
+        extra_args: Sequence[str] = (),
+        cap_onednn: bool = True,
+    ) -> None:
+        """``extra_args`` go after the server's own; ``cap_onednn=False`` lets vLLM pack Linear layers (below)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        env = clean_env(
-            {
-                "VLLM_SERVER_DEV_MODE": "1",  # /pause, /resume, /collective_rpc, /weight_checker ...
-                "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB
-                "HF_HUB_OFFLINE": "1",
-                "VLLM_NO_USAGE_STATS": "1",
-                "DO_NOT_TRACK": "1",
-            }
-        )
+        settings = {
+            "VLLM_SERVER_DEV_MODE": "1",  # /pause, /resume, /collective_rpc, /weight_checker ...
+            "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            # On a CPU with AVX-512 BF16, vLLM hands bf16 Linear weights to oneDNN after loading and
+            # empties the parameters (0 elements): /weight_checker then hashes no bytes and nothing
+            # can be verified (docs/ENGINES.md). Capped at AVX2, vLLM keeps torch's linear and the weights.
+            "ONEDNN_MAX_CPU_ISA": "AVX2",
+        }
+        if not cap_onednn:
+            del settings["ONEDNN_MAX_CPU_ISA"]
+        env = clean_env(settings)
         cmd = [
             str(python),
             "-m",
@@ -82,6 +97,7 @@ class VllmServer:
             "4",
             "--seed",
             "0",
+            *extra_args,
         ]
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(

@@ -6,7 +6,8 @@ their JSON in docs/ENGINES.md): ``POST /pause?mode=keep|wait|abort``,
 ``POST /weight_checker {"action": "checksum"}``, ``POST /update_weight_version``,
 ``GET /weight_info``, ``POST /resume``. Works for any engine configuration vLLM
 can reload from disk; the check needs the parameters to be plain or fused
-copies of checkpoint tensors (docs/ENGINES.md "What disk mode verifies").
+copies of checkpoint tensors, or their tensor-parallel slices as vLLM lays
+them out (engines/layouts.py; docs/ENGINES.md "What disk mode verifies").
 
 A switch, in order (docs/ENGINES.md "Disk mode"):
 
@@ -186,27 +187,43 @@ def _message(r: httpx.Response) -> str:
 
 
 def by_parameter(checksums: Mapping[str, str]) -> dict[str, str]:
-    """The engine's digests by parameter name; UnverifiableEngine when a parameter is sliced across ranks.
+    """The engine's digests by parameter name, or by :func:`digests.rank_key` per rank of a tensor-parallel engine.
 
-    Data-parallel replicas (``dp<i>``) each hold every parameter: they must agree
-    (a disagreement is reported as the parameter's digest ``"dp-disagree"``).
+    Tensor-parallel ranks (``tp<i>``) each hold their slice of every parameter:
+    one digest per rank, keyed ``tp<rank>/<size>:<name>`` (the bare name at
+    size 1), each checked against that rank's slice of the checkpoint.
+    Data-parallel replicas (``dp<i>``) each hold every slice: they must agree
+    (a disagreement is reported as the digest ``"dp-disagree"``). Pipeline and
+    context parallel ranks are refused (UnverifiableEngine); a tensor-parallel
+    group that lacks a parameter on some rank is an EngineError.
     """
-    out: dict[str, str] = {}
+    ranks: dict[tuple[int, str], str] = {}
     for key, digest in checksums.items():
         parts = key.split(":", 4)
-        if len(parts) != 5:
+        if len(parts) != 5 or not parts[3].startswith("tp") or not parts[3][2:].isdigit():
             raise EngineError(f"vLLM weight checksum key {key!r} is not dp:pp:pcp:tp:name")
         _, pp, pcp, tp, name = parts
-        if (pp, pcp, tp) != ("pp0", "pcp0", "tp0"):
+        if (pp, pcp) != ("pp0", "pcp0"):
             raise UnverifiableEngine(
-                f"parameter {name!r} is sliced across ranks ({key.rsplit(':', 1)[0]}): "
-                "disk mode checks unsliced engines only (tensor/pipeline parallel size 1)"
+                f"parameter {name!r} is split across pipeline or context parallel ranks ({key.rsplit(':', 1)[0]}): "
+                "disk mode checks pipeline and context parallel size 1 only"
             )
-        if name in out and out[name] != digest:
-            out[name] = "dp-disagree"
+        at = (int(tp[2:]), name)
+        if at in ranks and ranks[at] != digest:
+            ranks[at] = "dp-disagree"
         else:
-            out.setdefault(name, digest)
-    return out
+            ranks.setdefault(at, digest)
+    size = 1 + max((rank for rank, _ in ranks), default=0)
+    held: dict[str, set[int]] = {}
+    for rank, name in ranks:
+        held.setdefault(name, set()).add(rank)
+    for name, on in held.items():
+        if len(on) != size:
+            missing = sorted(set(range(size)) - on)
+            raise EngineError(
+                f"vLLM weight checksums lack parameter {name!r} on tensor-parallel ranks {missing} of {size}"
+            )
+    return {digests.rank_key(name, rank, size): digest for (rank, name), digest in ranks.items()}
 
 
 @dataclass(frozen=True)
@@ -245,6 +262,7 @@ class VllmDisk(Engine):
         self.version: int | None = None
         self._good: DiskUpdate | None = None
         self._names: list[str] | None = None
+        self._empty: dict[str, str] = {}  # parameters the engine showed with no bytes (digests.bytes_dropped)
 
     def close(self) -> None:
         self.client.close()
@@ -252,10 +270,12 @@ class VllmDisk(Engine):
     # --- what the engine holds ------------------------------------------------------------
 
     def engine_digests(self) -> dict[str, str]:
-        """The engine's parameter digests by name (learning the names on the first call)."""
+        """The engine's parameter digests by name, or per rank (:func:`by_parameter`), learning the keys on the
+        first call."""
         got = by_parameter(self.client.checksums())
         if self._names is None:
             self._names = sorted(got)
+            self._empty = {k: d for k, d in got.items() if d == digests.EMPTY}
         return got
 
     def held(self) -> int | None:
@@ -307,6 +327,12 @@ class VllmDisk(Engine):
             self.engine_digests()
         stage = self._stage(pulled.version)
         want = digests.expected(stage, self._names or [])
+        dropped = digests.bytes_dropped(self._empty, want)
+        if dropped:  # before any pause: a switch could only fail its check and leave the engine paused
+            raise UnverifiableEngine(
+                f"vLLM shows no bytes for {len(dropped)} parameters ({', '.join(dropped[:3])}): its CPU backend "
+                "keeps them packed for oneDNN and empties the parameters, so /weight_checker cannot verify them"
+            )
         self._check_checkout(pulled.version)  # after hashing: a change while hashing is caught here
         return DiskUpdate(pulled.version, pulled.bytes_received, time.perf_counter() - t0, stage, want)
 
