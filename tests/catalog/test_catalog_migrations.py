@@ -177,7 +177,23 @@ def seed_0001(conn: Connection) -> None:
     )
 
 
-SEEDS: dict[str, Callable[[Connection], None]] = {"0001": seed_0001}
+def seed_0003(conn: Connection) -> None:
+    """Ledger rows as reports wrote them before 0004: health and mode only in ``extra``."""
+    t = _tables(conn)
+    row = dict(model_id=1, applied_at=T, pause_ms=None, bytes_received=None, site=None, host=None)
+    conn.execute(
+        insert(t["replicas"]),
+        [
+            dict(
+                row, id=2, subscriber="sidecar", number=2, extra={"engine": "vllm", "status": "serving", "mode": "disk"}
+            ),
+            dict(row, id=3, subscriber="puller", number=1, extra={"mode": "delta", "dir": "/srv/m"}),
+            dict(row, id=4, subscriber="tensors", number=2, extra={"mode": "in-place", "elements": 7}),
+        ],
+    )
+
+
+SEEDS: dict[str, Callable[[Connection], None]] = {"0001": seed_0001, "0003": seed_0003}
 
 
 # --- checks: what holds after upgrading to a revision --------------------------------------
@@ -219,7 +235,7 @@ def check_0003(conn: Connection, url: str) -> None:
     if conn.dialect.name == "postgresql":  # the seed gave explicit ids: move the sequence past them
         conn.execute(text("SELECT setval(pg_get_serial_sequence('versions', 'id'), (SELECT max(id) FROM versions))"))
     conn.commit()
-    with Catalog.open(url, migrate=False) as cat:
+    with Catalog.open(url, migrate=True) as cat:
         assert cat.server_id() == ids[0][1]
         assert cat.pin_model("m", 1).pinned == 1 and cat.follow_target("m").version.number == 1  # type: ignore[union-attr]
         gone = cat.delete_model("m", now=T)
@@ -239,7 +255,53 @@ def check_0003(conn: Connection, url: str) -> None:
         assert v.number == 3  # the numbering continues after a deletion
 
 
-CHECKS: dict[str, Callable[[Connection, str], None]] = {"0002": check_0002, "0003": check_0003}
+def check_0004(conn: Connection, url: str) -> None:
+    """Old entries read back as applied (serving where extra said so), mode and engine from extra where known;
+    an unhealthy entry holds no version and every other one holds one; the catalog reads lag and writes health."""
+    t = _tables(conn)
+    replicas = t["replicas"]
+    cols = (replicas.c.id, replicas.c.number, replicas.c.status, replicas.c.mode, replicas.c.engine)
+    assert [tuple(r) for r in conn.execute(select(*cols).order_by(replicas.c.id))] == [
+        (1, 2, "applied", None, None),
+        (2, 2, "serving", "disk", "vllm"),
+        (3, 1, "applied", "pull", None),
+        (4, 2, "applied", "in-place", None),
+    ]
+    row = dict(model_id=1, subscriber="x", applied_at=T, extra={})
+    for bad in (
+        dict(number=2, status="unhealthy"),  # an unhealthy replica names no version
+        dict(number=None, status="applied"),  # every other entry names one
+        dict(number=2, status="sleeping"),
+    ):
+        with pytest.raises(sa_exc.IntegrityError), conn.begin_nested():
+            conn.execute(insert(replicas).values(id=90, **row, **bad))
+    conn.execute(insert(replicas).values(id=91, **row, number=None, status="unhealthy"))
+    if conn.dialect.name == "postgresql":  # the seeds gave explicit ids: move the sequence past them
+        conn.execute(text("SELECT setval(pg_get_serial_sequence('replicas', 'id'), (SELECT max(id) FROM replicas))"))
+    conn.commit()
+    with Catalog.open(url, migrate=True) as cat:
+        latest = {r.subscriber: r for r in cat.list_replicas("m")}
+        assert {s: (r.number, r.status, r.lag) for s, r in latest.items()} == {
+            "host-a": (2, "applied", 0),
+            "puller": (1, "applied", 1),
+            "sidecar": (2, "serving", 0),
+            "tensors": (2, "applied", 0),
+            "x": (None, "unhealthy", None),
+        }
+        assert latest["sidecar"].extra == {"engine": "vllm", "status": "serving", "mode": "disk"}  # kept as written
+        gone = cat.record_replica("m", "sidecar", None, status="unhealthy", engine="vllm", extra={"target": 3})
+        assert (gone.number, gone.status, gone.engine, gone.lag, gone.extra) == (
+            None,
+            "unhealthy",
+            "vllm",
+            None,
+            {"target": 3},
+        )
+        back = cat.record_replica("m", "sidecar", 1, status="serving", mode="disk", engine="vllm", pause_ms=2.0)
+        assert (back.number, back.lag, back.mode) == (1, 1, "disk")
+
+
+CHECKS: dict[str, Callable[[Connection, str], None]] = {"0002": check_0002, "0003": check_0003, "0004": check_0004}
 
 
 def test_every_migration_has_a_seed_and_a_check() -> None:

@@ -228,8 +228,13 @@ def test_replicas_lists_the_ledger(cli, versions, model: str, tmp_path: Path) ->
     ]
     text = _human(cli("replicas", model))
     lines = text.strip().splitlines()
-    assert lines[0].split() == ["SUBSCRIBER", "VERSION", "APPLIED", "AT", "PAUSE", "BYTES", "SITE/HOST"]
-    assert len(lines) == 3 and any(line.startswith("replica-a") and " v2 " in line for line in lines)
+    assert lines[0].split() == ["REPLICA", "SITE", "VERSION", "STATUS", "MODE", "ENGINE", "PAUSE", "LAG", "APPLIED"]
+    rows = sorted(line.split() for line in lines[1:])
+    assert [row[:8] for row in rows] == [  # a pull pauses nothing; lag: the head (v2) minus the version held
+        ["replica-a", "-", "v2", "applied", "pull", "-", "-", "0"],
+        ["replica-b", "-", "v1", "applied", "pull", "-", "-", "1"],
+    ]
+    assert all(re.fullmatch(r"\d{4}-\d\d-\d\dT[\d:.]+Z", row[8]) for row in rows)
     assert len(_human(cli("replicas", model, "--all")).strip().splitlines()) == 4
 
 

@@ -52,7 +52,8 @@ def test_push_pull_end_to_end(server, model, tmp_path: Path) -> None:
         replicas = {r.subscriber: r for r in _replicas(server.url, model)}
         follower = replicas["follower"]
         assert follower.version == 4 and follower.bytes is not None and follower.bytes > 0
-        assert follower.extra["mode"] == "delta" and follower.host  # what the subscriber reported with it
+        assert (follower.status, follower.mode, follower.engine) == ("applied", "pull", None)
+        assert follower.extra["transfer"] == "delta" and follower.host  # what the subscriber reported with it
         # An older version on request, from a directory at a newer one: a full rebuild, byte-identical.
         old = sub.pull(tmp_path / "old", version=2)
         assert old.version == 2 and tree_bytes(tmp_path / "old") == tree_bytes(sources[1])

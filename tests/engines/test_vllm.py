@@ -278,7 +278,7 @@ def test_follow_keeps_the_engine_on_the_head_and_reports_what_it_holds(stack: St
     assert engine_digests(stack.vllm_url) == checkpoint_digests(stack.trainer["v3"])
     _wait(lambda: _ledger(stack, "follower") == new)
     (entry,) = engine.subscriber.api.list_replicas(MODEL, subscriber="follower")
-    assert entry.extra["engine"] == "vllm" and entry.extra["status"] == "serving" and entry.extra["mode"] == "disk"
+    assert (entry.engine, entry.status, entry.mode, entry.lag) == ("vllm", "serving", "disk", 0)
     assert entry.pause_ms is not None and entry.extra["checked"] == 15
 
 
@@ -327,7 +327,7 @@ def test_the_follow_command_keeps_the_engine_on_the_head_until_ctrl_c(stack: Sta
         _wait(lambda: _ledger(stack, "cli-follower") == published[-1])
         with Subscriber(stack.ws_url, MODEL, report=False) as reader:
             (entry,) = reader.api.list_replicas(MODEL, subscriber="cli-follower")
-        assert entry.extra["engine"] == "vllm" and entry.extra["status"] == "serving" and entry.pause_ms
+        assert entry.engine == "vllm" and entry.status == "serving" and entry.mode == "disk" and entry.pause_ms
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=120) == 130
     finally:

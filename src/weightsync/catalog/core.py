@@ -655,7 +655,7 @@ class Catalog:
         self,
         model: str,
         subscriber: str,
-        number: int,
+        number: int | None,
         *,
         applied_at: datetime | None = None,
         pause_ms: float | None = None,
@@ -663,16 +663,22 @@ class Catalog:
         site: str | None = None,
         host: str | None = None,
         extra: dict[str, Any] | None = None,
+        status: str = "applied",
+        mode: str | None = None,
+        engine: str | None = None,
         release_leases: bool = False,
     ) -> Replica:
-        """Append a ledger entry: ``subscriber`` applied version ``number`` of ``model``; return it.
+        """Append a ledger entry: ``subscriber`` holds version ``number`` of ``model`` (None: it is unhealthy
+        and holds none); return it.
 
-        The version must have been committed (it may be deleted since); else VersionNotFound.
-        ``release_leases`` (the subscriber's own report): the version must still be committed, and
-        ``subscriber``'s leases go in the same transaction, but for one on the head's chain when
-        that is the version's (docs/CATALOG.md "Leases").
+        ``status``, ``mode``, ``engine``: docs/CATALOG.md "Replica ledger" (InvalidArgument for an unknown
+        value, a version on an unhealthy entry or none on another). The version must have been committed
+        (it may be deleted since); else VersionNotFound. ``release_leases`` (the subscriber's own report):
+        the version must still be committed, and ``subscriber``'s leases go in the same transaction, but
+        for one on the head's chain when that is the version's (docs/CATALOG.md "Leases").
         """
         checks.label("subscriber", subscriber)
+        ledger.check_report(number, status, mode, engine)
         for name, v in (("site", site), ("host", host)):
             if v is not None:
                 checks.label(name, v)
@@ -686,6 +692,9 @@ class Catalog:
             "site": site,
             "host": host,
             "extra": checks.json_object("extra", extra),
+            "status": status,
+            "mode": mode,
+            "engine": engine,
         }
         applied = checks.utc(applied_at)
         return self._tx(
@@ -696,7 +705,8 @@ class Catalog:
     def list_replicas(self, model: str, subscriber: str | None = None, *, latest_only: bool = True) -> list[Replica]:
         """Return ledger entries of ``model`` (of one ``subscriber`` if given), by subscriber then time.
 
-        ``latest_only`` keeps each subscriber's most recent entry: where the fleet is now.
+        ``latest_only`` keeps each subscriber's most recent entry: where the fleet is now. Each entry's
+        ``lag`` is the head now minus its version (None for an unhealthy entry).
         """
         return self._tx(lambda s: ledger.entries(s, model, subscriber, latest_only))
 

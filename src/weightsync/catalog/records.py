@@ -68,17 +68,26 @@ class Lease:
 
 @dataclass(frozen=True, slots=True)
 class Replica:
-    """One replica-ledger entry: ``subscriber`` applied version ``number``."""
+    """One replica-ledger entry: from ``applied_at`` on, ``subscriber`` holds version ``number``.
+
+    ``status`` is one of ``schema.REPLICA_STATUSES``; ``number`` is None exactly when it is
+    "unhealthy" (the engine holds no verified version). ``lag`` is computed when the entry is
+    read: the model's head then minus ``number`` (None for an unhealthy entry).
+    """
 
     model: str
     subscriber: str
-    number: int
+    number: int | None
     applied_at: datetime
     pause_ms: float | None
     bytes_received: int | None
     site: str | None
     host: str | None
     extra: dict[str, Any]
+    status: str = "applied"
+    mode: str | None = None
+    engine: str | None = None
+    lag: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -143,8 +143,8 @@ def lease_record(row: LeaseRow, model: str) -> Lease:
     return Lease(model, row.number, row.holder, row.acquired_at, row.expires_at)
 
 
-def replica_record(row: ReplicaRow, model: str) -> Replica:
-    """The frozen record of a ledger row of ``model``."""
+def replica_record(row: ReplicaRow, model: str, head: int | None) -> Replica:
+    """The frozen record of a ledger row of ``model``, its lag counted from ``head`` (the model's head now)."""
     return Replica(
         model=model,
         subscriber=row.subscriber,
@@ -155,4 +155,8 @@ def replica_record(row: ReplicaRow, model: str) -> Replica:
         site=row.site,
         host=row.host,
         extra=dict(row.extra or {}),
+        status=row.status,
+        mode=row.mode,
+        engine=row.engine,
+        lag=None if row.number is None or head is None else head - row.number,
     )

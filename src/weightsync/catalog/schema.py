@@ -52,6 +52,20 @@ STATES = ("pending", "committed", "deleted")
 #: tombstone, set before the bytes are deleted and never referenced by a non-deleted version.
 OBJECT_STATES = ("live", "deleting")
 
+#: Allowed values of ``replicas.status`` (docs/CATALOG.md "Replica ledger"): ``serving``: an engine holds
+#: the version, verified, and serves it; ``applied``: a subscriber wrote the version (a pull into a
+#: directory, an in-place apply) and says nothing of what serves it; ``unhealthy``: the engine holds no
+#: verified version (a failed switch could not be undone), so the entry has no version.
+REPLICA_STATUSES = ("serving", "applied", "unhealthy")
+
+#: Known values of ``replicas.mode``, how the replica came to hold its version: ``disk`` (an engine
+#: reloaded it from a checkout directory), ``in-place`` (the changed elements were written into the
+#: live tensors), ``reload`` (the tensors were replaced whole from a pulled directory), ``pull`` (a
+#: checkout directory was brought to it). Checked by the catalog, not by the database, so a new adapter's
+#: mode needs no migration; likewise ``ENGINES``, the known values of ``replicas.engine``.
+REPLICA_MODES = ("disk", "in-place", "reload", "pull")
+ENGINES = ("vllm", "sglang", "torch")
+
 #: Column type for free-form JSON: JSONB on PostgreSQL (indexable, compact), JSON text elsewhere.
 JSONType = JSON().with_variant(postgresql.JSONB(), "postgresql")
 
@@ -199,21 +213,33 @@ class VersionObjectRow(Base):
 
 
 class ReplicaRow(Base):
-    """One ledger entry: a subscriber applied a version."""
+    """One ledger entry: what a subscriber holds from ``applied_at`` on (a version, or none while unhealthy)."""
 
     __tablename__ = "replicas"
-    __table_args__ = (Index(None, "model_id", "subscriber", "applied_at"),)
+    __table_args__ = (
+        Index(None, "model_id", "subscriber", "applied_at"),
+        CheckConstraint(_in("status", REPLICA_STATUSES), name="status"),
+        # An unhealthy engine holds no verified version, and every other entry names the one it holds:
+        # the ledger never says a replica holds a version it does not.
+        CheckConstraint("(number IS NULL) = (status = 'unhealthy')", name="unhealthy_no_version"),
+    )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     model_id: Mapped[int] = mapped_column(ForeignKey("models.id"))
     subscriber: Mapped[str] = mapped_column(String(255))
-    number: Mapped[int] = mapped_column(Integer)
+    # The version held; NULL exactly when ``status`` is "unhealthy".
+    number: Mapped[int | None] = mapped_column(Integer)
     applied_at: Mapped[datetime]
     pause_ms: Mapped[float | None] = mapped_column(Float)
     bytes_received: Mapped[int | None] = mapped_column(BigInteger)
     site: Mapped[str | None] = mapped_column(String(255))
     host: Mapped[str | None] = mapped_column(String(255))
     extra: Mapped[dict[str, Any]]
+    status: Mapped[str] = mapped_column(String(16), server_default="applied")
+    # How the version came (REPLICA_MODES); NULL: not said (an older client, or no switch happened).
+    mode: Mapped[str | None] = mapped_column(String(16))
+    # The inference engine the subscriber keeps on the version (ENGINES); NULL: none, or not said.
+    engine: Mapped[str | None] = mapped_column(String(32))
 
 
 class LeaseRow(Base):

@@ -261,20 +261,38 @@ class Api:
         model: str,
         *,
         subscriber: str,
-        version: int,
+        version: int | None,
+        status: str | None = None,
+        mode: str | None = None,
+        engine: str | None = None,
         bytes: int | None = None,
         pause_ms: float | None = None,
         site: str | None = None,
         host: str | None = None,
         extra: dict[str, Any] | None = None,
     ) -> models.Replica:
-        """Record in the ledger that ``subscriber`` applied ``version`` (``bytes`` received, ``pause_ms`` paused)."""
+        """Record in the ledger that ``subscriber`` holds ``version`` (``bytes`` received, ``pause_ms`` paused).
+
+        ``status``: ``serving`` | ``applied`` (the server's default) | ``unhealthy`` (``version`` None: the
+        engine holds no verified version); ``mode``, ``engine``: docs/API.md, Replica. An unknown value, or
+        a version on an unhealthy report, is InvalidArgument (422); an uncommitted version VersionNotFound.
+        """
         body: dict[str, Any] = {"subscriber": subscriber, "version": version}
-        optional = {"bytes": bytes, "pause_ms": pause_ms, "site": site, "host": host, "extra": extra}
+        optional = {
+            "status": status,
+            "mode": mode,
+            "engine": engine,
+            "bytes": bytes,
+            "pause_ms": pause_ms,
+            "site": site,
+            "host": host,
+            "extra": extra,
+        }
         body.update((k, v) for k, v in optional.items() if v is not None)
         return models.Replica.from_json(self._json("POST", f"/v1/models/{model}/replicas", json=body))
 
     def list_replicas(self, model: str, *, subscriber: str | None = None, all: bool = False) -> list[models.Replica]:
+        """Each subscriber's latest ledger entry (``all``: every entry), by subscriber then time."""
         params: dict[str, Any] = {"all": str(all).lower()}
         if subscriber:
             params["subscriber"] = subscriber

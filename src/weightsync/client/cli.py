@@ -48,6 +48,7 @@ from weightsync import errors
 from weightsync.client import cli_common as kit
 from weightsync.client._http import DEFAULT_SERVER, Api
 from weightsync.client.cache import cache_root, publish_root, server_id
+from weightsync.client.cli_admin import holders
 from weightsync.client.cli_admin import register as register_admin
 from weightsync.client.cli_common import EXIT_INTERRUPTED
 from weightsync.client.models import Version, timestamp
@@ -256,9 +257,10 @@ def register(app: typer.Typer) -> None:
         ] = None,
         as_json: kit.JsonOpt = False,
     ) -> None:
-        """List the committed versions of MODEL, oldest first."""
+        """List the committed versions of MODEL, oldest first, with how many replicas hold each now."""
         with kit.one_line_errors(), Api(server, kit.token(), retry=kit.retry_policy()) as api:
             versions = _all_versions(api, model, limit)
+            held = {} if as_json or not versions else holders(api.list_replicas(model))
         if as_json:
             kit.emit({"model": model, "versions": [v.to_dict() for v in versions]})
             return
@@ -268,7 +270,7 @@ def register(app: typer.Typer) -> None:
             typer.echo(
                 f"v{v.number:<6} {v.kind:<8} parent={kit.shown(v.parent):<6} step={kit.shown(v.step):<8} "
                 f"raw={human_bytes(v.raw_bytes):>10} stored={human_bytes(v.stored_bytes):>10} "
-                f"{timestamp(v.committed_at)}"
+                f"replicas={held.get(v.number, 0):<4} {timestamp(v.committed_at)}"
             )
 
     @app.command()

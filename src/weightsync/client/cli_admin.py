@@ -207,7 +207,12 @@ def replicas(
     server: kit.ServerOpt = DEFAULT_SERVER,
     as_json: kit.JsonOpt = False,
 ) -> None:
-    """List the replica ledger of MODEL: which subscriber applied which version, when, its pause and bytes."""
+    """List the replica ledger of MODEL: each replica's site, version held, status, mode, engine, last pause,
+    lag behind the head and when it got there.
+
+    Status is serving (an engine serves the version, verified), applied (a subscriber wrote it) or
+    unhealthy (the engine holds no verified version). Lag is the head minus the version held.
+    """
     with kit.one_line_errors(), _api(server) as api:
         found = api.list_replicas(model, all=all_)
     if as_json:
@@ -216,20 +221,36 @@ def replicas(
     if not found:
         typer.echo(f"{model}: no replica has reported a version")
         return
-    typer.echo(f"{'SUBSCRIBER':<24} {'VERSION':<8} {'APPLIED AT':<27} {'PAUSE':>10} {'BYTES':>10}  SITE/HOST")
+    typer.echo(
+        f"{'REPLICA':<24} {'SITE':<12} {'VERSION':<8} {'STATUS':<10} {'MODE':<9} {'ENGINE':<7} "
+        f"{'PAUSE':>10} {'LAG':>5}  APPLIED"
+    )
     for r in found:
         typer.echo(
-            f"{r.subscriber:<24} {'v' + str(r.version):<8} {timestamp(r.applied_at):<27} "
-            f"{_pause(r):>10} {kit.shown(None if r.bytes is None else human_bytes(r.bytes)):>10}  {_where(r)}"
+            f"{r.subscriber:<24} {kit.shown(r.site):<12} {_v_held(r.version):<8} {r.status:<10} "
+            f"{kit.shown(r.mode):<9} {kit.shown(r.engine):<7} {_pause(r):>10} {kit.shown(r.lag):>5}  "
+            f"{timestamp(r.applied_at)}"
         )
 
 
+def holders(found: list[Replica]) -> dict[int, int]:
+    """How many replicas hold each version now, from each one's latest ledger entry (``Api.list_replicas``).
+
+    An unhealthy replica holds none. (`weightsync log` shows these counts.)
+    """
+    out: dict[int, int] = {}
+    for r in found:
+        if r.version is not None:
+            out[r.version] = out.get(r.version, 0) + 1
+    return out
+
+
+def _v_held(number: int | None) -> str:
+    return "-" if number is None else f"v{number}"
+
+
 def _pause(r: Replica) -> str:
-    return "-" if r.pause_ms is None else f"{r.pause_ms:.1f} ms"
-
-
-def _where(r: Replica) -> str:
-    return "/".join(p for p in (r.site, r.host) if p) or "-"
+    return "-" if r.pause_ms is None else f"{r.pause_ms:.1f}ms"
 
 
 def _cache_commands(group: typer.Typer) -> None:

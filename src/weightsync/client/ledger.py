@@ -1,4 +1,4 @@
-"""Reporting to the replica ledger: which version a subscriber holds, how long it paused, what it moved."""
+"""Reporting to the replica ledger: which version a subscriber holds (or that it holds none), how it came, its pause."""
 
 from __future__ import annotations
 
@@ -29,49 +29,62 @@ class LedgerReporter:
 
     def report(
         self,
-        version: int,
+        version: int | None,
         *,
-        bytes_: int,
+        status: str,
+        mode: str | None = None,
+        engine: str | None = None,
+        bytes_: int | None = None,
         pause_ms: float | None = None,
         extra: dict[str, Any] | None = None,
         wait: bool = True,
     ) -> None:
-        """Report that the subscriber now holds `version`; ``wait=False`` returns before it is sent."""
+        """Report what the subscriber holds now: `version` with `status` ``serving`` or ``applied``, or no
+        version with ``unhealthy`` (docs/API.md, Replica); ``wait=False`` returns before it is sent."""
         if not self.enabled:
             return
-        fut = self._pool.submit(self._send, version, bytes_, pause_ms, extra or {})
+        fields = {"status": status, "mode": mode, "engine": engine, "bytes": bytes_, "pause_ms": pause_ms}
+        fut = self._pool.submit(self._send, version, fields, extra or {})
         if wait:
             fut.result()
 
     def pulled(self, result: PullResult, directory: str | os.PathLike[str]) -> None:
-        """Report a pull into `directory` (nothing when it found the directory current)."""
+        """Report a pull into `directory` (nothing when it found the directory current): applied, mode pull."""
         if result.mode == "current":
             return
-        extra = {"mode": result.mode, "dir": str(Path(directory).resolve()), "steps": result.steps}
+        extra = {"transfer": result.mode, "dir": str(Path(directory).resolve()), "steps": result.steps}
         extra.update({"repaired": result.repaired, **{k: round(v, 4) for k, v in result.timings.items()}})
-        self.report(result.version, bytes_=result.bytes_received, extra=extra)
+        self.report(result.version, status="applied", mode="pull", bytes_=result.bytes_received, extra=extra)
 
     def applied(
         self, target: int, *, bytes_: int, pause_s: float, prepare_s: float, tensors: int, elements: int
     ) -> None:
         """Report an in-place update to `target` without waiting for it to be sent (the caller serves)."""
-        extra = {"mode": "in-place", "prepare_s": round(prepare_s, 4), "tensors": tensors, "elements": elements}
-        self.report(target, bytes_=bytes_, pause_ms=pause_s * 1000.0, wait=False, extra=extra)
+        extra = {"prepare_s": round(prepare_s, 4), "tensors": tensors, "elements": elements}
+        self.report(
+            target,
+            status="applied",
+            mode="in-place",
+            bytes_=bytes_,
+            pause_ms=pause_s * 1000.0,
+            wait=False,
+            extra=extra,
+        )
 
-    def _send(self, version: int, bytes_: int, pause_ms: float | None, extra: dict[str, Any]) -> None:
+    def _send(self, version: int | None, fields: dict[str, Any], extra: dict[str, Any]) -> None:
         try:
             self.api.report_replica(
                 self.model,
                 subscriber=self.subscriber,
                 version=version,
-                bytes=bytes_,
-                pause_ms=pause_ms,
                 site=self.site or None,
                 host=socket.gethostname(),
                 extra=extra,
+                **fields,
             )
         except errors.WeightsyncError as exc:
-            log.warning("replica report for %s v%s failed: %s", self.model, version, exc)
+            held = "unhealthy" if version is None else f"v{version}"
+            log.warning("replica report for %s (%s) failed: %s", self.model, held, exc)
 
     def close(self) -> None:
         """Send what is queued, then stop."""

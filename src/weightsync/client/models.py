@@ -281,17 +281,27 @@ class CheckObjects(Wire):
 
 @dataclass(frozen=True)
 class Replica(Wire):
-    """A replica-ledger entry: ``subscriber`` applied ``version`` (docs/API.md, Replica)."""
+    """A replica-ledger entry: from ``applied_at`` on, ``subscriber`` holds ``version`` (docs/API.md, Replica).
+
+    ``status``: ``serving`` (an engine serves the version, verified), ``applied`` (a subscriber
+    wrote it), ``unhealthy`` (the engine holds no verified version: ``version`` and ``lag`` are
+    None). ``lag``: the head, when the server answered, minus ``version``. A server that predates
+    these fields is read as ``applied`` with no mode, engine or lag.
+    """
 
     model: str
     subscriber: str
-    version: int
+    version: int | None
     applied_at: datetime
     pause_ms: float | None
     bytes: int | None
     site: str | None
     host: str | None
     extra: dict[str, Any]
+    status: str = "applied"
+    mode: str | None = None
+    engine: str | None = None
+    lag: int | None = None
 
 
 @dataclass(frozen=True)

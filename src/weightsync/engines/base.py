@@ -36,7 +36,8 @@ class SwitchReport:
     pause_s: float
     """From the pause request to the resume's answer: the change of weights and their check."""
     mode: str
-    """How the weights changed: ``disk`` (reload from a directory) or ``in-place``."""
+    """How the weights changed: ``disk`` (reload from a directory), ``in-place`` or ``reload`` (tensors
+    replaced whole); the replica ledger's ``mode`` (docs/API.md, Replica)."""
     checked: int
     """Engine parameters whose bytes were checked against the version (0: not checked)."""
     bytes_received: int = 0
@@ -47,8 +48,12 @@ class SwitchReport:
     """Elements changed, where the switch changes elements in place (None: reloaded whole)."""
 
     def ledger_extra(self) -> dict[str, Any]:
-        """The fields a replica report carries for this switch."""
-        out: dict[str, Any] = {"mode": self.mode, "checked": self.checked, "prepare_s": round(self.prepare_s, 4)}
+        """The free-form ``extra`` of this switch's replica report: what the ledger has no column for.
+
+        The version, pause, bytes and ``mode`` travel as the report's own fields (and the status and
+        engine, which the caller knows).
+        """
+        out: dict[str, Any] = {"checked": self.checked, "prepare_s": round(self.prepare_s, 4)}
         out.update({k: round(v, 4) for k, v in self.timings.items()})
         if self.elements is not None:
             out["elements"] = self.elements

@@ -22,13 +22,14 @@ import signal
 import threading
 from collections.abc import Callable
 from types import FrameType, TracebackType
+from typing import Any
 
 from weightsync import errors
 from weightsync.client.ledger import LedgerReporter
 from weightsync.client.subscriber import Subscriber
 from weightsync.common import Backoff
 from weightsync.engines.base import Engine, SwitchReport
-from weightsync.engines.errors import SwitchFailed, UnverifiableEngine
+from weightsync.engines.errors import EngineUnhealthy, SwitchFailed, UnverifiableEngine
 
 log = logging.getLogger("weightsync.engines")
 
@@ -99,8 +100,12 @@ def follow(
     EngineUnhealthy, ServerUnavailable, a checkout changed behind its back...) is
     passed to ``on_error`` too, and the loop waits (``retry``) and starts over from
     what the engine shows; :data:`FATAL` ones end it. ``on_switch`` gets each
-    successful switch. With ``report``, each switch is sent to the replica ledger
-    under ``subscriber.name`` (unless the adapter's own subscriber reports it).
+    successful switch. With ``report``, what the engine holds is sent to the replica
+    ledger under ``subscriber.name`` (unless the adapter's own subscriber reports it),
+    each time it changes: every verified switch (status ``serving``, its mode, pause
+    and bytes), a failed switch that could not be undone (``unhealthy``, no version),
+    and the version the engine shows when the loop starts or the engine recovers
+    without a switch (``serving``).
     ``on_error`` may raise to end the loop with its exception. A ``stop`` set while
     a version is prepared ends the loop before its switch; Ctrl-C during a switch:
     the module docstring.
@@ -111,9 +116,18 @@ def follow(
     if report and not engine.reports_itself:
         reporter = LedgerReporter(subscriber.api, subscriber.model, subscriber.name, site=subscriber.site)
     switches, failures = 0, 0
+    reported: tuple[str, int | None] | None = None  # (status, version) this loop last sent to the ledger
+
+    def held_now(version: int | None, status: str, *, extra: dict[str, Any] | None = None) -> None:
+        """Report that the engine holds ``version`` (None: unhealthy) unless this loop said so last."""
+        nonlocal reported
+        if reporter is None or reported == (status, version):
+            return
+        reporter.report(version, status=status, engine=engine.kind, extra=extra)
+        reported = (status, version)
 
     def switch_to(number: int) -> None:
-        nonlocal switches, failures
+        nonlocal switches, failures, reported
         update = engine.prepare(number)
         if stop.is_set():
             return
@@ -122,14 +136,24 @@ def follow(
                 done = engine.switch(update)
         except SwitchFailed as exc:
             log.error("%s", exc)
+            if exc.held is not None:  # back on the version it held: serving it, whatever was reported before
+                held_now(exc.held, "serving", extra={"failed_target": exc.target})
             if on_error is not None:
                 on_error(exc)
             return
         switches, failures = switches + 1, 0
         log.info("engine %s holds %s v%d (paused %.3fs)", engine.kind, subscriber.model, done.version, done.pause_s)
         if reporter is not None:
-            extra = {"engine": engine.kind, "status": "serving", **done.ledger_extra()}
-            reporter.report(done.version, bytes_=done.bytes_received, pause_ms=done.pause_s * 1e3, extra=extra)
+            reporter.report(
+                done.version,
+                status="serving",
+                mode=done.mode,
+                engine=engine.kind,
+                bytes_=done.bytes_received,
+                pause_ms=done.pause_s * 1e3,
+                extra=done.ledger_extra(),
+            )
+            reported = ("serving", done.version)
         if on_switch is not None:
             on_switch(done)
         if count is not None and switches >= count:
@@ -142,6 +166,8 @@ def follow(
                 head = subscriber.api.head(subscriber.model)
                 if head is not None and head.number != held:
                     switch_to(head.number)
+                elif held is not None:  # at start, or recovered (restarted) without a switch
+                    held_now(held, "serving")
                 after = engine.version if engine.version is not None else (head.number if head else 0)
                 for version in subscriber.watch(after=after, timeout=watch_timeout, stop=stop):
                     if version.number != engine.version:
@@ -150,6 +176,8 @@ def follow(
                 raise
             except errors.WeightsyncError as exc:  # engine or server unreachable, engine unhealthy, checkout changed
                 log.error("%s", exc)
+                if isinstance(exc, EngineUnhealthy):  # it holds no verified version: never report one
+                    held_now(None, "unhealthy", extra={"target": exc.target, "error": str(exc)})
                 if on_error is not None:
                     on_error(exc)
                 stop.wait(retry.delay(failures))

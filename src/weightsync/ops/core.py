@@ -735,17 +735,20 @@ class Ops:
         """Delete leases expired now (they protect nothing); how many went."""
         return await self._db(self.catalog.purge_expired_leases, self.clock())
 
-    async def record_replica(self, model: str, subscriber: str, number: int, **kwargs: Any) -> Replica:
-        """Record that `subscriber` applied committed version `number` and drop the leases it needs no more.
+    async def record_replica(self, model: str, subscriber: str, number: int | None, **kwargs: Any) -> Replica:
+        """Record that `subscriber` holds committed version `number` and drop the leases it needs no more.
 
         One transaction (Catalog.record_replica with ``release_leases``): its lease on the head's
-        chain stays while that is the version's chain (its next plan then writes nothing).
+        chain stays while that is the version's chain (its next plan then writes nothing). `number`
+        None with ``status="unhealthy"``: the subscriber's engine holds no verified version; its
+        leases stay (it is still trying to reach a version on them).
         """
         return await self._db(self.catalog.record_replica, model, subscriber, number, release_leases=True, **kwargs)
 
     async def list_replicas(
         self, model: str, subscriber: str | None = None, *, latest_only: bool = True
     ) -> list[Replica]:
+        """The ledger of `model` (each subscriber's latest entry, unless not `latest_only`); lag from the head now."""
         return await self._db(self.catalog.list_replicas, model, subscriber, latest_only=latest_only)
 
     # --- maintenance (fsck, gc, readiness) ------------------------------------------------

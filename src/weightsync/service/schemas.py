@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import AliasChoices, AliasPath, BaseModel, ConfigDict, Field, field_validator
 
 from weightsync.catalog import DeletedModel, Model, Replica, Version
+from weightsync.catalog.schema import ENGINES, REPLICA_MODES, REPLICA_STATUSES
 from weightsync.ops import BeginResult, FsckReport, GcReport, Plan
 
 _LABEL = Field(min_length=1, max_length=255)
@@ -231,7 +232,19 @@ class PresignedGet(_Out):
 
 class ReplicaIn(_In):
     subscriber: str = _LABEL
-    version: int = Field(ge=1, le=INT64)
+    version: int | None = Field(
+        None, ge=1, le=INT64, description="The version held; omitted or null only when status is unhealthy."
+    )
+    # Checked by the catalog (InvalidArgument, 422 invalid-argument): one error code for every unknown value.
+    status: str = Field(
+        "applied",
+        description="serving | applied | unhealthy (docs/API.md, Replica).",
+        json_schema_extra={"enum": list(REPLICA_STATUSES)},
+    )
+    mode: str | None = Field(
+        None, description="disk | in-place | reload | pull.", json_schema_extra={"enum": [*REPLICA_MODES, None]}
+    )
+    engine: str | None = Field(None, description="vllm | sglang | torch.", json_schema_extra={"enum": [*ENGINES, None]})
     pause_ms: float | None = Field(None, ge=0, allow_inf_nan=False)
     bytes: int | None = Field(None, ge=0, le=INT64)
     site: str | None = Field(None, min_length=1, max_length=255)
@@ -242,13 +255,19 @@ class ReplicaIn(_In):
 class ReplicaOut(_Out):
     model: str
     subscriber: str
-    version: int = Field(validation_alias=AliasChoices("version", "number"))
+    version: int | None = Field(
+        validation_alias=AliasChoices("version", "number"), description="The version held; null while unhealthy."
+    )
     applied_at: datetime
     pause_ms: float | None
     bytes: int | None = Field(validation_alias=AliasChoices("bytes", "bytes_received"))
     site: str | None
     host: str | None
     extra: dict[str, Any]
+    status: str
+    mode: str | None
+    engine: str | None
+    lag: int | None = Field(description="The head now minus the version held (null while unhealthy).")
 
 
 class ReplicaList(_Out):

@@ -14,12 +14,15 @@ router = APIRouter(prefix="/v1/models/{model:model}/replicas", tags=["ledger"])
 
 @router.post("", operation_id="reportReplica", status_code=status.HTTP_201_CREATED, response_model=ReplicaOut)
 async def report_replica(model: str, body: ReplicaIn, ops: OpsDep, who: Reader) -> ReplicaOut:
-    """Record that ``subscriber`` applied ``version`` (and release its lease on that chain)."""
+    """Record that ``subscriber`` holds ``version``, or, ``status`` unhealthy, none (and release its leases)."""
     return replica_out(
         await ops.record_replica(
             model,
             body.subscriber,
             body.version,
+            status=body.status,
+            mode=body.mode,
+            engine=body.engine,
             pause_ms=body.pause_ms,
             bytes_received=body.bytes,
             site=body.site,
@@ -37,6 +40,6 @@ async def list_replicas(
     subscriber: Annotated[str | None, Query(min_length=1, max_length=255)] = None,
     all: Annotated[bool, Query(description="the whole history, not each one's latest")] = False,
 ) -> ReplicaList:
-    """Each subscriber's latest entry (``all=true``: every entry), by subscriber then time."""
+    """Each subscriber's latest entry (``all=true``: every entry), by subscriber then time; ``lag``: from the head."""
     found = await ops.list_replicas(model, subscriber, latest_only=not all)
     return ReplicaList(replicas=[replica_out(r) for r in found])
