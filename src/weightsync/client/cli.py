@@ -169,6 +169,16 @@ def register(app: typer.Typer) -> None:
                 "are kept without a download, the model's other files are replaced.",
             ),
         ] = False,
+        include: Annotated[
+            list[str] | None,
+            typer.Option(
+                "--include",
+                metavar="GLOB",
+                help="Hold only the version's files this glob takes (repeatable; * crosses /), each byte for "
+                "byte, fetched from only their frames. DIR remembers it: later pulls keep the slice "
+                "[default: DIR's own, else every file].",
+            ),
+        ] = None,
         concurrency: kit.ConcurrencyOpt = 8,
         limit_rate: kit.RateOpt = None,
         as_json: kit.JsonOpt = False,
@@ -192,7 +202,7 @@ def register(app: typer.Typer) -> None:
                 progress=progress,
             ) as sub,
         ):
-            result = sub.pull(dir, version, adopt=adopt)
+            result = sub.pull(dir, version, adopt=adopt, include=include or None)
         if as_json:
             kit.emit(result.to_dict())
         elif result.mode == "current":
@@ -201,6 +211,8 @@ def register(app: typer.Typer) -> None:
             typer.echo(f"{dir}: adopted as {model} v{result.version} (its files were the version)")
         else:
             extra = " (directory had changed: rebuilt)" if result.repaired else ""
+            if include:
+                extra += f" ({result.files} file{'s' if result.files != 1 else ''} of the version)"
             if result.adopted:
                 extra += f" (kept {result.adopted} file{'s' if result.adopted != 1 else ''} already there)"
             typer.echo(

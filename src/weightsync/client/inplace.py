@@ -85,6 +85,10 @@ class Prepared:
     """A one-step FORMAT v2 delta prepared for host tensors: its frames, not decoded (client/frames_apply.py);
     `updates` then name the touched tensors and their digests, with no changes."""
     manifests: list[Manifest] = field(default_factory=list, repr=False)
+    select: Callable[[str], bool] | None = field(default=None, repr=False)
+    """The tensors this update is for (None: all of the version's)."""
+    partial_objects: list[str] = field(default_factory=list, repr=False)
+    """Objects read from byte ranges (not checked against their SHA-256; a failed check drops them)."""
 
     def decode_frames(self, threads: int | None = None) -> None:
         """Decode the frames this update kept (if any) into per-tensor changes: what tensors off the host need
@@ -93,7 +97,7 @@ class Prepared:
             return
         blobs = {f.ref: f.blob for f in self.frames}
         with _threads(threads) as pool:
-            self.updates, _ = decode_updates(self.manifests, lambda ref: blobs[ref], pool)
+            self.updates, _ = decode_updates(self.manifests, lambda ref: blobs[ref], pool, select=self.select)
         self.frames = None
 
     @property
@@ -118,8 +122,11 @@ def _threads(threads: int | None) -> Iterator[ThreadPoolExecutor]:
         yield pool
 
 
-def _touched(manifest: Manifest, updates: dict[str, TensorUpdate]) -> tuple[dict[tuple[int, int], str], set[str]]:
-    """Tensor names by (file, segment) of one step, and the tensors it changes (their updates made ready)."""
+def _touched(
+    manifest: Manifest, updates: dict[str, TensorUpdate], select: Callable[[str], bool] | None = None
+) -> tuple[dict[tuple[int, int], str], set[str]]:
+    """Tensor names by (file, segment) of one step, and the tensors it changes (their updates made ready);
+    with `select`, only the selected tensors count as changed."""
     names: dict[tuple[int, int], str] = {}
     touched: set[str] = set()
     for fi, f in enumerate(manifest.files):
@@ -128,6 +135,8 @@ def _touched(manifest: Manifest, updates: dict[str, TensorUpdate]) -> tuple[dict
             if seg.kind != "tensor":
                 continue
             names[(fi, si)] = seg.name
+            if select is not None and not select(seg.name):
+                continue
             if e.base_offset is None:
                 updates[seg.name] = TensorUpdate(
                     seg.name, seg.dtype, seg.shape, None, replace=np.empty(seg.length, dtype=np.uint8)
@@ -148,16 +157,18 @@ def decode_updates(
     pool: ThreadPoolExecutor,
     *,
     frames: list[frames_apply.Frame] | None = None,
+    select: Callable[[str], bool] | None = None,
 ) -> tuple[dict[str, TensorUpdate], dict[str, tuple[DType, tuple[int, ...], str]]]:
     """The per-tensor updates that take tensors holding the parent of `manifests[0]` to `manifests[-1]`,
     and every tensor of the final version (dtype, shape, digest). Frames decode on `pool`.
 
     With `frames` (one step, :func:`frames_apply.eligible`), the step's frames are fetched
-    into it instead of decoded: the updates then carry digests and no changes.
+    into it instead of decoded: the updates then carry digests and no changes. With `select`,
+    only the selected tensors: frames that change none of them are never read.
     """
     updates: dict[str, TensorUpdate] = {}
     for manifest in manifests:
-        names, touched = _touched(manifest, updates)
+        names, touched = _touched(manifest, updates, select)
         if frames is not None:
             frames.extend(frames_apply.fetch(manifest, names, touched, read_frame, pool))
             continue
@@ -211,7 +222,7 @@ def decode_updates(
         e.segment.name: (e.segment.dtype, e.segment.shape, e.digest)
         for f in final.files
         for e in f.segments
-        if e.segment.kind == "tensor"
+        if e.segment.kind == "tensor" and (select is None or select(e.segment.name))
     }
     for name in list(updates):
         if name not in specs:
@@ -222,6 +233,16 @@ def decode_updates(
         if u.replace is None and not u.ops and frames is None:
             del updates[name]  # changes that cancelled out over several steps
     return updates, specs
+
+
+def frames_needed(manifests: Sequence[Manifest], select: Callable[[str], bool]) -> list[FrameRef]:
+    """The frames of `manifests` (a plan's steps) that :func:`decode_updates` reads for the tensors `select`
+    takes: those with a piece of a selected tensor its step changes (a frame shared with other tensors whole)."""
+    out: list[FrameRef] = []
+    for manifest in manifests:
+        names, touched = _touched(manifest, {}, select)
+        out.extend(ref for ref in manifest.frames if any(names.get((p.file, p.seg)) in touched for p in ref.pieces))
+    return out
 
 
 def stage(prepared: Prepared, device: Any) -> None:
@@ -248,8 +269,12 @@ def prepare(
     threads: int | None = None,
     device: Any = None,
     bytes_received: int = 0,
+    select: Callable[[str], bool] | None = None,
 ) -> Prepared:
     """The update from `base` to `target` of `model` that `manifests` (a plan's steps, in order) describe.
+
+    With `select` (client/selection.py), the update of the selected tensors only: `specs`
+    names only those, and only the frames that change them are read.
 
     The lowest door to in-place updates, with no server: `read_frame` returns
     each frame's bytes (already verified by whoever fetched them). Frames decode
@@ -267,7 +292,7 @@ def prepare(
     frames: list[frames_apply.Frame] | None = [] if device is None and frames_apply.eligible(list(manifests)) else None
     if manifests:
         with _threads(threads) as pool:
-            updates, specs = decode_updates(list(manifests), read_frame, pool, frames=frames)
+            updates, specs = decode_updates(list(manifests), read_frame, pool, frames=frames, select=select)
     prepared = Prepared(
         model=model,
         base=base,
@@ -280,6 +305,7 @@ def prepare(
         digest_kind=manifests[-1].digest_kind if manifests else DIGEST_XXH3,
         frames=frames,
         manifests=list(manifests),
+        select=select,
     )
     if device is not None and manifests:
         stage(prepared, device)

@@ -22,7 +22,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -37,6 +37,7 @@ from weightsync.client.checkout import Checkout
 from weightsync.client.decode import HeldFile, Tree, check_bases, decode_step, frames_for, map_file, needed_files
 from weightsync.client.inplace import Prepared
 from weightsync.client.models import Plan, PlanStep, PullResult
+from weightsync.client.selection import file_selector
 from weightsync.client.state import CheckoutState
 from weightsync.codec import safetensors
 from weightsync.codec.checkpoint import is_safetensors
@@ -136,6 +137,46 @@ def fetch_update(
     return plan, [load_manifest(cache, s.manifest) for s in plan.steps], timings
 
 
+def fetch_slice(
+    api: Api,
+    model: str,
+    cache: ObjectCache,
+    select: Callable[[str], bool],
+    *,
+    have: int | None,
+    want: int | None,
+    holder: str | None,
+    pool: ThreadPoolExecutor,
+    range_bytes: int,
+    meter: Meter,
+) -> tuple[Plan, list[Manifest], list[str], dict[str, float]]:
+    """:func:`fetch_update` for the tensors `select` takes: the plan's manifests, then only the byte ranges
+    of the frames that change those tensors (inplace.frames_needed), fetched as parts.
+
+    Returns (plan, its steps' manifests, the objects read from ranges, timings). The ranges are not
+    checked against their object's SHA-256 (that needs the whole object): the decode and the
+    apply check every selected tensor's base and result instead.
+    """
+    t0 = time.perf_counter()
+    plan = api.get_plan(model, have=have, want=want, holder=holder)
+    timings = {"plan_s": time.perf_counter() - t0}
+    t = time.perf_counter()
+    wanted, _ = step_objects(plan.steps)
+    meter.total = sum(wanted.values())
+    cache.fetch(api, wanted, pool, range_bytes=range_bytes)
+    manifests = [load_manifest(cache, s.manifest) for s in plan.steps]
+    ranges: dict[str, list[tuple[int, int]]] = {}
+    for ref in inplace.frames_needed(manifests, select):
+        if ref.object is None:
+            raise errors.FormatError("a stored manifest's frame names no object")
+        ranges.setdefault(ref.object, []).append((ref.offset, ref.offset + ref.length))
+    extents = {digest: _merged(r) for digest, r in ranges.items()}
+    meter.total += sum(b - a for r in extents.values() for a, b in r)
+    cache.fetch_extents(api, extents, pool, range_bytes=range_bytes)
+    timings["download_s"] = time.perf_counter() - t
+    return plan, manifests, [d for d in extents if not cache.has(d)], timings
+
+
 def prepare_update(
     api: Api,
     model: str,
@@ -147,27 +188,58 @@ def prepare_update(
     pool: ThreadPoolExecutor,
     meter: Meter,
     device: Any = None,
+    select: Callable[[str], bool] | None = None,
 ) -> tuple[Prepared, dict[str, float]]:
     """Fetch and decode the update of `model` from `have` to `want` (None: head) for an in-place apply.
 
     Returns the :class:`~weightsync.client.inplace.Prepared` update (staged on `device` when
     given) and the timings (plan_s, download_s, decode_s); its ``seconds`` covers all of it.
+    With `select`, the update of the selected tensors, from only the frames that change them.
     """
     t0 = time.perf_counter()
     cache = options.cache() or ObjectCache(None)
-    plan, manifests, timings = fetch_update(
-        api, model, cache, have=have, want=want, holder=holder, pool=pool, range_bytes=options.range_bytes, meter=meter
-    )
-    prepared = inplace.prepare(
-        manifests,
-        object_reader(cache),
-        model=model,
-        base=have,
-        target=plan.target,
-        threads=options.decode_threads,
-        device=device,
-        bytes_received=meter.bytes,
-    )
+    partial: list[str] = []
+    if select is None:
+        plan, manifests, timings = fetch_update(
+            api,
+            model,
+            cache,
+            have=have,
+            want=want,
+            holder=holder,
+            pool=pool,
+            range_bytes=options.range_bytes,
+            meter=meter,
+        )
+    else:
+        plan, manifests, partial, timings = fetch_slice(
+            api,
+            model,
+            cache,
+            select,
+            have=have,
+            want=want,
+            holder=holder,
+            pool=pool,
+            range_bytes=options.range_bytes,
+            meter=meter,
+        )
+    try:
+        prepared = inplace.prepare(
+            manifests,
+            object_reader(cache),
+            model=model,
+            base=have,
+            target=plan.target,
+            threads=options.decode_threads,
+            device=device,
+            bytes_received=meter.bytes,
+            select=select,
+        )
+    except errors.WeightsyncError:
+        cache.drop_parts(partial)  # a range that does not decode is fetched again by the next prepare
+        raise
+    prepared.partial_objects = partial
     timings["decode_s"] = prepared.seconds
     prepared.seconds = time.perf_counter() - t0
     return prepared, timings
@@ -217,17 +289,19 @@ def _take_over(
     dpool: ThreadPoolExecutor,
     *,
     adopt: bool,
+    include: tuple[str, ...] | None = None,
 ) -> _Kept | None:
     """A directory weightsync does not manage, about to get `plan`'s target: whose files are already there?
+    (Of the files `include` takes, with pull --include.)
 
     None when none of the target's paths exist. Otherwise UnmanagedFiles, unless `adopt`:
     then each file there is checked against the target's (its size and every segment's
     digest, `Checkout.matching`) and those that are it are kept (the others get replaced).
     """
     digest = plan.steps[-1].manifest
-    objects.fetch(api, {digest: plan.steps[-1].manifest_bytes}, pool, range_bytes=DEFAULT_RANGE_BYTES)
-    manifest = load_manifest(objects, digest)
-    there = [f.path for f in manifest.files if os.path.lexists(checkout.root / f.path)]
+    manifest = _target_manifest(api, plan, objects, pool)
+    candidate = CheckoutState.of(model, plan.target, digest, manifest, api.server, include)
+    there = [f.path for f in candidate.files if os.path.lexists(checkout.root / f.path)]
     if not there:
         return None
     if not adopt:
@@ -236,7 +310,6 @@ def _take_over(
             f"{checkout.root} already has files weightsync does not manage ({names}): pull into an empty "
             "directory, or adopt it (CLI --adopt) to take them over"
         )
-    candidate = CheckoutState.of(model, plan.target, digest, manifest, api.server)
     kept = _Kept(candidate, manifest, checkout.matching(candidate, dpool))
     if not kept.whole:
         log.warning(
@@ -248,6 +321,13 @@ def _take_over(
             len(candidate.files) - len(kept.files),
         )
     return kept
+
+
+def _target_manifest(api: Api, plan: Plan, objects: ObjectCache, pool: ThreadPoolExecutor) -> Manifest:
+    """The manifest of `plan`'s target (its last step), fetched into `objects` if not there."""
+    step = plan.steps[-1]
+    objects.fetch(api, {step.manifest: step.manifest_bytes}, pool, range_bytes=DEFAULT_RANGE_BYTES)
+    return load_manifest(objects, step.manifest)
 
 
 def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -270,9 +350,11 @@ def fetch_needed(
     *,
     range_bytes: int,
     meter: Meter,
+    chosen: Callable[[str], bool] | None = None,
 ) -> tuple[list[Manifest], list[set[str]], dict[str, list[tuple[int, int]]], FetchStats]:
     """Fetch what decoding `plan`'s target without the files `kept` needs: every manifest, then only the
     byte ranges of the frames the other files' chains read (a frame shared by several files counts for each).
+    `chosen`: only the files it takes are wanted at all (pull --include).
 
     Returns (the steps' manifests, the paths each step decodes (`needed_files`), the object
     ranges fetched, the fetch's counts).
@@ -281,7 +363,7 @@ def fetch_needed(
     meter.total = sum(manifests_wanted.values())
     stats = cache.fetch(api, manifests_wanted, pool, range_bytes=range_bytes)
     chain = [load_manifest(cache, s.manifest) for s in plan.steps]
-    wanted = [f.path for f in chain[-1].files if f.path not in kept]
+    wanted = [f.path for f in chain[-1].files if f.path not in kept and (chosen is None or chosen(f.path))]
     needs = needed_files(chain, wanted)
     ranges: dict[str, list[tuple[int, int]]] = {}
     for manifest, paths in zip(chain, needs, strict=True):
@@ -301,7 +383,8 @@ def _with_kept(tree: Tree, kept: _Kept) -> Tree:
     for f in kept.manifest.files:
         where = kept.files.get(f.path)
         if where is None:
-            files[f.path] = tree.files[f.path]
+            if f.path in tree.files:  # else a file the checkout does not hold (pull --include)
+                files[f.path] = tree.files[f.path]
             continue
         decoded = tree.files.get(f.path)
         if decoded is not None and decoded.owned:  # a version 1 frame shared with another file decoded it too
@@ -337,8 +420,16 @@ def pull(
     pool: ThreadPoolExecutor,
     meter: Meter | None = None,
     adopt: bool = False,
+    include: Sequence[str] | None = None,
 ) -> PullResult:
     """Bring `checkout` to `version` (None: head) of `model`; see :meth:`Subscriber.pull`.
+
+    `include` (file globs, client/selection.py): the checkout holds only the version's files
+    they take, each byte-identical, decoded from only the frames with a piece in them (and
+    in their bases along the plan); its state records the globs, and later pulls keep them
+    (None: the checkout's, or every file). A changed selection keeps the files held that it
+    still takes when the checkout is at the target already (fetching only the new ones'
+    frames), else rebuilds the selection from the target's chain.
 
     `options.cache_dir` None: the checkout's own object cache, emptied after a successful
     pull unless `keep_objects`. Conflict when the checkout holds another model
@@ -364,6 +455,12 @@ def pull(
             raise errors.Conflict(
                 f"{checkout.root} holds model {state.model!r}, not {model!r}: pull into another directory"
             )
+        held_include = state.include if state is not None else None
+        if include is None:
+            include = held_include  # a slice checkout keeps its slice
+        include = None if include is None else tuple(include)
+        chosen = file_selector(include)
+        reselect = state is not None and include != held_include
         cache = options.cache()
         own_cache = cache is None
         objects = checkout.objects() if cache is None else cache
@@ -385,13 +482,24 @@ def pull(
                 timings["verify_s"] = time.perf_counter() - t
             for attempt in range(2):
                 t = time.perf_counter()
-                plan = api.get_plan(model, have=have, want=version, holder=holder)
+                # A changed selection is built from the target's whole chain (the files it keeps aside).
+                plan = api.get_plan(model, have=None if reselect else have, want=version, holder=holder)
                 timings["plan_s"] = time.perf_counter() - t
                 steps, target = plan.steps, plan.target
                 kept = None
-                if state is None and steps:
+                if reselect:
+                    assert state is not None
+                    target_manifest = _target_manifest(api, plan, objects, pool)
+                    candidate = CheckoutState.of(
+                        model, target, plan.steps[-1].manifest, target_manifest, api.server, include
+                    )
+                    # At the target already: the files held that the selection still takes stay as they are.
+                    where = checkout.locate(state) if have == target else None
+                    keep = {p: loc for p, loc in (where or {}).items() if chosen is None or chosen(p)}
+                    kept, have = _Kept(candidate, target_manifest, keep), None
+                elif state is None and steps:
                     t = time.perf_counter()
-                    kept = _take_over(api, model, checkout, plan, objects, pool, dpool, adopt=adopt)
+                    kept = _take_over(api, model, checkout, plan, objects, pool, dpool, adopt=adopt, include=include)
                     timings["verify_s"] = time.perf_counter() - t
                     if kept is not None and kept.whole:  # the files there are the version: nothing to fetch
                         checkout.adopt(kept.state)
@@ -424,11 +532,18 @@ def pull(
                 chain: list[Manifest] | None = None
                 needs: list[set[str]] | None = None
                 extents: dict[str, list[tuple[int, int]]] = {}
-                if kept is None:
+                if kept is None and chosen is None:
                     stats = fetch_plan(api, objects, plan, pool, range_bytes=options.range_bytes, meter=meter)
-                else:  # only the frames of the files that are not there yet
+                else:  # only the frames of the (selected) files that are not there yet
                     chain, needs, extents, stats = fetch_needed(
-                        api, objects, plan, kept.files, pool, range_bytes=options.range_bytes, meter=meter
+                        api,
+                        objects,
+                        plan,
+                        kept.files if kept is not None else (),
+                        pool,
+                        range_bytes=options.range_bytes,
+                        meter=meter,
+                        chosen=chosen,
                     )
                 timings["download_s"] = time.perf_counter() - t
                 t = time.perf_counter()
@@ -457,9 +572,8 @@ def pull(
                     t = time.perf_counter()
                     assert manifest is not None
                     check_installable(tree)
-                    checkout.install(
-                        tree, CheckoutState.of(model, target, steps[-1].manifest, manifest, api.server), work
-                    )
+                    installed = CheckoutState.of(model, target, steps[-1].manifest, manifest, api.server, include)
+                    checkout.install(tree, installed, work)
                     timings["install_s"] = time.perf_counter() - t
                 except _Restart:
                     log.warning(
@@ -482,8 +596,8 @@ def pull(
                     bytes_received=meter.bytes,
                     plan_bytes=plan.bytes,
                     full_bytes=plan.full_bytes,
-                    raw_bytes=manifest.raw_bytes,
-                    files=len(manifest.files),
+                    raw_bytes=sum(f.size for f in installed.files),
+                    files=len(installed.files),
                     objects_fetched=stats.fetched,
                     objects_cached=stats.cached,
                     repaired=repaired,

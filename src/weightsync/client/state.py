@@ -18,12 +18,16 @@ from typing import Any
 
 from weightsync import errors
 from weightsync.client.decode import HeldFile, Tree
+from weightsync.client.selection import file_selector
 from weightsync.codec.checkpoint import check_path
 from weightsync.codec.manifest import DIGEST_KINDS, DIGEST_XXH3, Manifest
 
 STATE_FORMAT = "weightsync.checkout"
 STATE_VERSION = 2
 """Version 2 adds the digest kind and each segment's element width; version 1 states (xxh3-128) still read."""
+SLICE_STATE_VERSION = 3
+"""A checkout holding some files of its version (pull --include) writes version 3 (its `include`): a client
+that predates slices reads it as holding nothing (a full pull), never as the whole version."""
 
 
 @dataclass
@@ -47,9 +51,20 @@ class CheckoutState:
     server: str | None = None
     digest_kind: str = DIGEST_XXH3
     """The kind of the segments' digests: the manifest's (`Manifest.digest_kind`)."""
+    include: tuple[str, ...] | None = None
+    """The file globs the checkout holds of its version (pull --include; None: every file): `files` are those."""
 
     @classmethod
-    def of(cls, model: str, number: int, digest: str, manifest: Manifest, server: str | None = None) -> CheckoutState:
+    def of(
+        cls,
+        model: str,
+        number: int,
+        digest: str,
+        manifest: Manifest,
+        server: str | None = None,
+        include: tuple[str, ...] | None = None,
+    ) -> CheckoutState:
+        chosen = file_selector(include)
         files = [
             FileState(
                 f.path,
@@ -57,13 +72,14 @@ class CheckoutState:
                 [(e.segment.offset, e.segment.length, e.digest, e.segment.dtype.width) for e in f.segments],
             )
             for f in manifest.files
+            if chosen is None or chosen(f.path)
         ]
-        return cls(model, number, digest, manifest.single_file, files, server, manifest.digest_kind)
+        return cls(model, number, digest, manifest.single_file, files, server, manifest.digest_kind, include)
 
     def to_json(self) -> bytes:
-        doc = {
+        doc: dict[str, Any] = {
             "format": STATE_FORMAT,
-            "version": STATE_VERSION,
+            "version": STATE_VERSION if self.include is None else SLICE_STATE_VERSION,
             "model": self.model,
             "number": self.number,
             "manifest": self.manifest,
@@ -72,6 +88,8 @@ class CheckoutState:
             "digest_kind": self.digest_kind,
             "files": [{"path": f.path, "size": f.size, "segments": [list(s) for s in f.segments]} for f in self.files],
         }
+        if self.include is not None:
+            doc["include"] = list(self.include)
         return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
     def tree(self, where: Path) -> Tree:
@@ -91,8 +109,12 @@ class CheckoutState:
         try:
             doc = json.loads(path.read_bytes())
             version = doc.get("version")
-            if doc.get("format") != STATE_FORMAT or version not in (1, STATE_VERSION):
+            if doc.get("format") != STATE_FORMAT or version not in (1, STATE_VERSION, SLICE_STATE_VERSION):
                 return None
+            include = None
+            if version == SLICE_STATE_VERSION:
+                include = tuple(str(p) for p in doc["include"])
+                file_selector(include)  # malformed: InvalidArgument, read as holding nothing
             kind = DIGEST_XXH3 if version == 1 else str(doc["digest_kind"])
             if kind not in DIGEST_KINDS.values():
                 return None
@@ -105,8 +127,9 @@ class CheckoutState:
                 files,
                 doc.get("server"),
                 kind,
+                include,
             )
-        except (OSError, ValueError, KeyError, TypeError, errors.InvalidName):
+        except (OSError, ValueError, KeyError, TypeError, errors.InvalidName, errors.InvalidArgument):
             return None
 
 

@@ -14,7 +14,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,7 @@ from weightsync.client.inplace import Prepared, TensorUpdate
 from weightsync.client.ledger import LedgerReporter
 from weightsync.client.models import PullResult, Version
 from weightsync.client.pull import FetchOptions, Meter, Progress, prepare_update, pull
+from weightsync.client.selection import Selection, selector
 from weightsync.client.watch import WATCH_RECONNECT, follow
 from weightsync.client.wire import Retry, TokenBucket
 
@@ -45,6 +46,10 @@ class Subscriber:
     own ``.weightsync/objects``, emptied after a successful pull). ``bandwidth``
     caps downloads in bytes/s. ``version`` tells the subscriber which version
     the caller's tensors hold (`pull` and `apply` keep it up to date).
+
+    ``tensors`` makes it a slice subscriber: it prepares and applies only the tensors
+    the selection takes (glob patterns over tensor names, or a predicate:
+    client/selection.py), fetching only the frames that change them.
 
     One operation at a time per instance (calls are serialized by a lock);
     `prepare` may run in a background thread while the caller serves.
@@ -71,8 +76,11 @@ class Subscriber:
         transport: Any = None,
         progress: Progress | None = None,
         report: bool = True,
+        tensors: Selection | None = None,
     ) -> None:
         self.model = model
+        self.select = selector(tensors)
+        """The tensors this subscriber holds (None: all); `prepare` takes only these unless told otherwise."""
         self.name = name or socket.gethostname()
         self.site = site
         self.concurrency = max(1, concurrency)
@@ -111,7 +119,14 @@ class Subscriber:
 
     # --- directories --------------------------------------------------------------------
 
-    def pull(self, dir: str | os.PathLike, version: int | None = None, *, adopt: bool = False) -> PullResult:
+    def pull(
+        self,
+        dir: str | os.PathLike,
+        version: int | None = None,
+        *,
+        adopt: bool = False,
+        include: Sequence[str] | None = None,
+    ) -> PullResult:
         """Make `dir` hold `version` (default: the head) byte for byte, incrementally from what it holds.
 
         Before an incremental pull the directory is checked against its state
@@ -124,8 +139,11 @@ class Subscriber:
         its own raises UnmanagedFiles (nothing is changed) unless `adopt`: files
         that already are the version are then taken over without a download
         (``mode == "adopted"`` when all are), the others rebuilt from only their own
-        frames (``mode == "full"``, ``adopted`` counting the files kept). Sets :attr:`version`. Raises ModelNotFound,
-        VersionNotFound, AuthError, ServerUnavailable, DigestMismatch, ...
+        frames (``mode == "full"``, ``adopted`` counting the files kept). `include` (file
+        globs: ``*`` crosses ``/``) makes `dir` hold only the version's files they take,
+        fetched from only their frames; the checkout remembers them, so later pulls keep the
+        slice (client/pull.py `pull`). Sets :attr:`version`. Raises ModelNotFound,
+        VersionNotFound, AuthError, ServerUnavailable, DigestMismatch, InvalidArgument, ...
         """
         with self._lock:
             meter = Meter(self.progress)
@@ -142,6 +160,7 @@ class Subscriber:
                     pool=self._pool,
                     meter=meter,
                     adopt=adopt,
+                    include=include,
                 )
             finally:
                 self.api.on_bytes = None
@@ -151,13 +170,17 @@ class Subscriber:
 
     # --- tensors ------------------------------------------------------------------------
 
-    def prepare(self, version: int | None = None, *, device: Any = None) -> Prepared:
+    def prepare(self, version: int | None = None, *, device: Any = None, tensors: Selection | None = None) -> Prepared:
         """Download and decode the update from :attr:`version` to `version` (default: head), off the critical path.
 
         Nothing is applied. With `device`, the changes are staged on that device
         too (e.g. "cuda:0") so `apply` moves nothing. A plan that starts a new
-        chain (keyframe) yields whole-tensor replacements.
+        chain (keyframe) yields whole-tensor replacements. `tensors` (default: the
+        subscriber's selection) limits the update to the tensors it selects: only the
+        byte ranges of the frames that change them are fetched, and `apply` expects
+        only those tensors.
         """
+        select = self.select if tensors is None else selector(tensors)
         with self._lock:
             meter = Meter(self.progress)
             self.api.on_bytes = meter
@@ -172,6 +195,7 @@ class Subscriber:
                     pool=self._pool,
                     meter=meter,
                     device=device,
+                    select=select,
                 )
             finally:
                 self.api.on_bytes = None
@@ -201,7 +225,12 @@ class Subscriber:
                 applied = inplace.apply(
                     tensors, prepared, model=self.model, version=self.version, verify=verify, strict=strict
                 )
-            except errors.ChecksumMismatch:
+            except errors.FormatError as exc:  # ChecksumMismatch, or a frame read from a range that went bad
+                cache = self.options.cache()
+                if cache is not None and prepared.partial_objects:
+                    cache.drop_parts(prepared.partial_objects)  # ranges the checks refused: fetched again next time
+                if not isinstance(exc, errors.ChecksumMismatch):
+                    raise
                 if any(u.replace is not None for u in prepared.updates.values()):
                     self.version = None  # replaced whole: the tensors hold neither version
                 raise
