@@ -42,9 +42,11 @@ def test_usage_mistakes_are_one_line_before_anything_is_reached(tmp_path: Path) 
     dead = f"http://127.0.0.1:{free_port()}"
     ok = ["--engine-url", dead, "--dir", tmp_path / "d"]
     assert "TorchModule (SDK)" in _usage_error(_cli("m", "--engine", "torch", *ok))
-    assert "'sglang' is not an engine" in _usage_error(_cli("m", "--engine", "sglang", *ok))
+    assert "'tgi' is not an engine" in _usage_error(_cli("m", "--engine", "tgi", *ok))
     assert "Missing option '--engine'" in _usage_error(_cli("m", *ok))
-    assert "Missing option '--dir'" in _usage_error(_cli("m", "--engine", "vllm", "--engine-url", dead))
+    assert "disk mode needs the checkout" in _usage_error(_cli("m", "--engine", "vllm", "--engine-url", dead))
+    assert "'--mode'" in _usage_error(_cli("m", "--engine", "vllm", *ok, "--mode", "hot"))
+    assert "vllm only" in _usage_error(_cli("m", "--engine", "sglang", *ok, "--mode", "in-process"))
     line = _usage_error(_cli("m", "--engine", "vllm", "--engine-url", dead.removeprefix("http://"), "--dir", "d"))
     assert f"needs a scheme: {dead}" in line
     line = _usage_error(_cli("m", "--engine", "vllm", "--engine-url", dead + "/v1/", "--dir", "d"))

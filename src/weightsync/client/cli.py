@@ -40,7 +40,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -353,8 +353,9 @@ def register(app: typer.Typer) -> None:
                 "--engine",
                 metavar="ENGINE",
                 callback=_engine_kind,
-                help="The engine to keep on the newest version: vllm (disk mode). The PyTorch adapter runs "
-                "inside the serving process and is SDK only (weightsync.engines.torch.TorchModule).",
+                help="The engine to keep on the newest version: vllm (disk mode) or sglang (disk mode, "
+                "SGLang 0.5.23 or later). The PyTorch adapter runs inside the serving process and is SDK only "
+                "(weightsync.engines.torch.TorchModule).",
             ),
         ],
         engine_url: Annotated[
@@ -367,24 +368,36 @@ def register(app: typer.Typer) -> None:
             ),
         ],
         dir: Annotated[
-            Path,
+            Path | None,
             typer.Option(
                 "--dir",
                 metavar="DIR",
-                help="The checkout the engine reloads from: the path the engine reads (same host or a shared "
-                "mount). Start the engine on a pull of it.",
+                help="Disk mode: the checkout the engine reloads from, the path the engine reads (same host or "
+                "a shared mount). Start the engine on a pull of it.",
             ),
-        ],
+        ] = None,
+        mode: Annotated[
+            str,
+            typer.Option(
+                "--mode",
+                metavar="MODE",
+                help="disk: pull into --dir, reload the engine from it. in-process (vllm): the engine's workers "
+                "(started with --worker-extension-cls weightsync.engines.vllm_worker.Worker) download and "
+                "decode each version while serving; the pause changes only the changed elements.",
+            ),
+        ] = "disk",
         server: kit.ServerOpt = DEFAULT_SERVER,
         pause: Annotated[
-            str,
+            str | None,
             typer.Option(
                 "--pause",
                 metavar="MODE",
-                callback=_pause_mode,
-                help="Requests in flight during a switch: keep (frozen, then go on), wait (finish first), abort.",
+                help="Requests in flight during a switch, in the engine's own modes. vllm: keep (frozen, then "
+                "go on; the default), wait (finish first), abort. sglang: retract (back to the queue, "
+                "recomputed on the new weights; the default), in_place (frozen with their KV cache; SGLang's "
+                "prefix cache is then not flushed), abort.",
             ),
-        ] = "keep",
+        ] = None,
         name: Annotated[
             str | None,
             typer.Option("--name", metavar="NAME", help="Replica name in the ledger [default: host name]."),
@@ -415,25 +428,57 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Keep a running inference engine on the newest version of MODEL, each switch verified.
 
-        Pulls each version into DIR while the engine serves, then pauses the engine, reloads
-        it from DIR, checks every parameter against the version and resumes (on the previous
-        version if the check fails). Prints one line per switch; reports each to the replica
-        ledger. Ctrl-C stops it (a switch in progress finishes first).
+        Disk mode pulls each version into DIR while the engine serves, then pauses the engine,
+        reloads it from DIR, checks every parameter against the version and resumes (on the
+        previous version if the check fails); in-process mode (vLLM) has the engine's workers
+        prepare each version and pauses only for the element update and its check. Prints one
+        line per switch; reports each to the replica ledger. Ctrl-C stops it (a switch in
+        progress finishes first).
         """
+        if mode not in ("disk", "in-process"):
+            raise typer.BadParameter(f"{mode!r} is not one of disk, in-process", param_hint="'--mode'")
+        if mode == "in-process" and engine != "vllm":
+            raise typer.BadParameter(f"in-process is for vllm only, not {engine}", param_hint="'--mode'")
+        if mode == "disk" and dir is None:
+            raise typer.BadParameter("disk mode needs the checkout the engine reloads from", param_hint="'--dir'")
+        pause_mode = _pause_mode(engine, pause)
         # weightsync.engines builds on the client SDK: imported here, never when the CLI loads.
         from weightsync.client.subscriber import Subscriber
+        from weightsync.engines import Engine
         from weightsync.engines import follow as follow_engine
-        from weightsync.engines.vllm import VllmClient, VllmDisk
 
         with kit.one_line_errors(), _engine_log():
-            client = VllmClient(engine_url, token=engine_token)
+            client: Any
+            if engine == "sglang":
+                from weightsync.engines.sglang import SglangClient
+
+                client = SglangClient(engine_url, token=engine_token)
+            else:
+                from weightsync.engines.vllm import VllmClient
+
+                client = VllmClient(engine_url, token=engine_token)
             if engine_wait > 0 and not client.health():
                 typer.echo(f"weightsync: waiting for {engine} at {engine_url}", err=True)
             client.wait_ready(engine_wait)
             sub = Subscriber(
                 server, model, token=kit.token(), retry=kit.retry_policy(), name=name, site=site, report=False
             )
-            with sub, VllmDisk(client, sub, dir, pause=pause) as adapter:  # type: ignore[arg-type]
+            adapter: Engine
+            if mode == "in-process":
+                from weightsync.engines.vllm_inprocess import VllmInProcess
+
+                adapter = VllmInProcess(client, sub, token=kit.token(), pause=pause_mode)  # type: ignore[arg-type]
+            elif engine == "sglang":
+                from weightsync.engines.sglang import SglangDisk
+
+                assert dir is not None
+                adapter = SglangDisk(client, sub, dir, pause=pause_mode)  # type: ignore[arg-type]
+            else:
+                from weightsync.engines.vllm import VllmDisk
+
+                assert dir is not None
+                adapter = VllmDisk(client, sub, dir, pause=pause_mode)  # type: ignore[arg-type]
+            with sub, adapter:
 
                 def switched(r: SwitchReport) -> None:
                     _print_switch(model, engine, r, as_json)
@@ -443,15 +488,20 @@ def register(app: typer.Typer) -> None:
     register_admin(app)
 
 
+FOLLOWED_ENGINES = ("vllm", "sglang")
+PAUSE_MODES = {"vllm": ("keep", "wait", "abort"), "sglang": ("retract", "in_place", "abort")}
+"""Each engine's own pause modes for --pause, the default first (engines/vllm.py, engines/sglang.py)."""
+
+
 def _engine_kind(value: str) -> str:
     """--engine's check: the engines the CLI can drive from outside their process."""
-    if value == "vllm":
+    if value in FOLLOWED_ENGINES:
         return value
     if value == "torch":
         raise typer.BadParameter(
             "the PyTorch adapter runs inside the serving process: use weightsync.engines.torch.TorchModule (SDK)"
         )
-    raise typer.BadParameter(f"{value!r} is not an engine weightsync follows (vllm)")
+    raise typer.BadParameter(f"{value!r} is not an engine weightsync follows ({', '.join(FOLLOWED_ENGINES)})")
 
 
 def _engine_url(value: str) -> str:
@@ -464,9 +514,13 @@ def _engine_url(value: str) -> str:
         raise typer.BadParameter(str(exc)) from None
 
 
-def _pause_mode(value: str) -> str:
-    if value not in ("keep", "wait", "abort"):
-        raise typer.BadParameter(f"{value!r} is not one of keep, wait, abort")
+def _pause_mode(engine: str, value: str | None) -> str:
+    """--pause's check against ``engine``'s own modes (a usage error otherwise); None: its default."""
+    modes = PAUSE_MODES[engine]
+    if value is None:
+        return modes[0]
+    if value not in modes:
+        raise typer.BadParameter(f"{value!r} is not one of {', '.join(modes)} ({engine})", param_hint="'--pause'")
     return value
 
 
