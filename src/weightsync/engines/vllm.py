@@ -280,7 +280,11 @@ class VllmDisk(Engine):
 
     def held(self) -> int | None:
         """The version the engine's weights are, byte for byte: the weight version it is tagged with,
-        the version this adapter last verified, or the checkout's; None when none of them matches."""
+        the version this adapter last verified, or the checkout's; None when none of them matches.
+
+        An engine found paused that proves to hold a version is resumed: only a switch that could not
+        be undone leaves it paused (EngineUnhealthy), and its weights are a verified version now (an
+        operator restored them, or a later reload did)."""
         got = self.engine_digests()
         candidates: list[int] = []
         try:
@@ -299,6 +303,9 @@ class VllmDisk(Engine):
                 continue  # the checkout's files are not that version: nothing to prove it with
             if update is not None and not digests.differing(got, update.want):
                 self.version, self._good = version, update
+                if self.client.is_paused():
+                    self.client.set_weight_version(str(version))
+                    self.client.resume()
                 return version
         self.version = None
         return None
