@@ -353,9 +353,9 @@ def register(app: typer.Typer) -> None:
                 "--engine",
                 metavar="ENGINE",
                 callback=_engine_kind,
-                help="The engine to keep on the newest version: vllm (disk mode) or sglang (disk mode, "
-                "SGLang 0.5.23 or later). The PyTorch adapter runs inside the serving process and is SDK only "
-                "(weightsync.engines.torch.TorchModule).",
+                help="The engine to keep on the newest version: vllm (disk or in-process mode: --mode) or "
+                "sglang (disk mode, SGLang 0.5.23 or later). The PyTorch adapter runs inside the serving process "
+                "and is SDK only (weightsync.engines.torch.TorchModule).",
             ),
         ],
         engine_url: Annotated[
