@@ -85,11 +85,11 @@ def test_ctrl_c_while_waiting_for_the_engine_exits_130(tmp_path: Path) -> None:
     assert proc.returncode == EXIT_INTERRUPTED and out == "" and err == "weightsync: error: interrupted\n"
 
 
-def test_help_says_the_torch_adapter_is_sdk_only() -> None:
+def test_help_names_the_modes_and_says_the_torch_adapter_is_sdk_only() -> None:
     r = CliRunner().invoke(app, ["follow", "--help"], env={"COLUMNS": "100"})
     assert r.exit_code == 0
     text = " ".join(r.stdout.split())
-    assert "vllm (disk mode)" in text and "SDK only (weightsync.engines.torch.TorchModule)" in text
+    assert "vllm (disk or in-process mode: --mode)" in text and "SDK only (weightsync.engines.torch.TorchModule)" in text
     assert "VLLM_SERVER_DEV_MODE=1" in text and "╭" not in r.stdout
 
 
