@@ -89,7 +89,9 @@ def test_help_names_the_modes_and_says_the_torch_adapter_is_sdk_only() -> None:
     r = CliRunner().invoke(app, ["follow", "--help"], env={"COLUMNS": "100"})
     assert r.exit_code == 0
     text = " ".join(r.stdout.split())
-    assert "vllm (disk or in-process mode: --mode)" in text and "SDK only (weightsync.engines.torch.TorchModule)" in text
+    assert (
+        "vllm (disk or in-process mode: --mode)" in text and "SDK only (weightsync.engines.torch.TorchModule)" in text
+    )
     assert "VLLM_SERVER_DEV_MODE=1" in text and "╭" not in r.stdout
 
 
