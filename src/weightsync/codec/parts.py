@@ -19,13 +19,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from weightsync.codec.manifest import FileEntry, FrameRef, Manifest, Piece
-from weightsync.errors import Conflict
+from weightsync.errors import PartConflict
 
-
-class PartConflict(Conflict):
-    """The parts of a multi-part publish cannot be merged into one version."""
-
-    code, title = "part-conflict", "Conflicting parts"
+__all__ = ["PartConflict", "merge_parts"]
 
 
 def _content(f: FileEntry) -> tuple[Any, ...]:
