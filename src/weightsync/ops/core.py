@@ -25,8 +25,7 @@ from typing import Any, ParamSpec, TypeVar
 import numpy as np
 
 from weightsync import errors
-from weightsync.catalog import Catalog, Lease, Model, ObjectInfo, Replica, Target, Version
-from weightsync.catalog.publishes import PARTS_PREFIX
+from weightsync.catalog import PARTS_PREFIX, Catalog, Lease, Model, ObjectInfo, Replica, Target, Version
 from weightsync.codec import Checkpoint, CheckpointFile, Decoder, FrameRef, Manifest
 from weightsync.codec.checkpoint import tensor_names
 from weightsync.codec.manifest import DIGEST_KINDS
