@@ -146,6 +146,14 @@ def test_missing_rank_expires_and_next_step_commits(tmp_path: Path) -> None:
             t.join(60)
         assert done == {0: 1, 1: 1}
         assert pulled(srv.url, model, tmp_path / "pull") == files
+        with Api(srv.url) as api:
+            # The expired group is reported like any expired publish, and repaired (dropped).
+            report = api.fsck(read_data=True, repair=True)
+            assert {p.code for p in report.problems} <= {"expired-pending", "orphan"}  # orphans: in grace
+            assert "expired-pending" in {p.code for p in report.problems}
+            api.gc(dry_run=False, grace_s=0)  # the lost group's objects go; the version's stay
+            assert api.fsck(read_data=True, repair=False).ok
+        assert pulled(srv.url, model, tmp_path / "pull2") == files  # gc kept everything the version needs
     finally:
         stop_server(srv)
 
