@@ -298,6 +298,19 @@ class RemovesContent(Conflict):
     code, title = "removes-content", "Version removes content"
 
 
+class PartConflict(Conflict):
+    """The parts of a multi-part publish disagree (a part with other content, a file or tensor two parts
+    claim with other bytes, another world size, parent, step or removal choice): nothing is committed."""
+
+    code, title = "part-conflict", "Conflicting parts"
+
+
+class ParentPending(Conflict):
+    """A part of the next step arrived while the version it builds on is still pending: retry shortly."""
+
+    code, title = "parent-pending", "Parent pending"
+
+
 # --- client ---------------------------------------------------------------------------
 
 

@@ -301,7 +301,33 @@ def check_0004(conn: Connection, url: str) -> None:
         assert (back.number, back.lag, back.mode) == (1, 1, "disk")
 
 
-CHECKS: dict[str, Callable[[Connection, str], None]] = {"0002": check_0002, "0003": check_0003, "0004": check_0004}
+def check_0005(conn: Connection, url: str) -> None:
+    """version_parts exists, empty, rank within world; the catalog records parts against a pending version."""
+    t = _tables(conn)
+    parts = t["version_parts"]
+    assert conn.execute(select(parts)).all() == []
+    if conn.dialect.name == "postgresql":  # the seeds gave explicit ids: move the sequence past them
+        conn.execute(text("SELECT setval(pg_get_serial_sequence('versions', 'id'), (SELECT max(id) FROM versions))"))
+    conn.commit()
+    with Catalog.open(url, migrate=True) as cat:
+        head = cat.get_model("m").head
+        p = cat.begin_version("m", parent=head, kind="keyframe", publish_id="parts-x", now=T)
+        got = cat.record_part("m", p.publish_id, rank=1, world=2, manifest_digest=D["f"], now=T)
+        assert got.parts == {1: D["f"]} and got.world == 2
+    with pytest.raises(sa_exc.IntegrityError), conn.begin_nested():
+        conn.execute(
+            insert(parts).values(
+                version_id=1, rank=2, world=2, manifest_digest=D["f"], allow_removals=False, created_at=T
+            )
+        )
+
+
+CHECKS: dict[str, Callable[[Connection, str], None]] = {
+    "0002": check_0002,
+    "0003": check_0003,
+    "0004": check_0004,
+    "0005": check_0005,
+}
 
 
 def test_every_migration_has_a_seed_and_a_check() -> None:

@@ -589,6 +589,13 @@ def _builders(sec: Sec) -> dict[str, Callable[[httpx.Client, str], Call]]:
             },
         ),
         "commitPublish": commit,
+        # A part naming a manifest the store lacks: 409 incomplete-publish for an allowed caller.
+        "commitPart": lambda c, m: Call(
+            "POST",
+            f"/v1/models/{m}/publishes/{begin(c, m)}/parts/0",
+            {"json": {"world": 1, "manifest": "0" * 64}},
+            (409,),
+        ),
         "abortPublish": lambda c, m: Call("DELETE", f"/v1/models/{m}/publishes/{begin(c, m)}", ok=(204,)),
         "watchModel": lambda c, m: Call("GET", f"/v1/models/{m}/watch", {"params": {"after": 0, "timeout": 0.1}}),
         "streamEvents": lambda c, m: Call("GET", f"/v1/models/{m}/events", stream=True),

@@ -37,6 +37,7 @@ OPERATION_IDS = {
     "beginPublish",
     "checkObjects",
     "commitPublish",
+    "commitPart",
     "abortPublish",
     "putObject",
     "getObject",

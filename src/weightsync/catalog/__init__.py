@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from .core import DEFAULT_PENDING_TTL, DEFAULT_SETTINGS, Catalog, validate_model_name
 from .engine import make_engine, normalize_url
+from .publishes import PARTS_PREFIX
 from .records import (
     ChainInfo,
     DeletedModel,
@@ -24,6 +25,7 @@ from .records import (
 )
 
 __all__ = [
+    "PARTS_PREFIX",
     "DEFAULT_PENDING_TTL",
     "DEFAULT_SETTINGS",
     "Catalog",

@@ -273,6 +273,40 @@ class Catalog:
         at = checks.utc(now)
         return self._tx(lambda s: publishes.pending(s, model, publish_id, at))
 
+    def record_part(
+        self,
+        model: str,
+        publish_id: str,
+        *,
+        rank: int,
+        world: int,
+        manifest_digest: str,
+        allow_removals: bool = False,
+        now: datetime | None = None,
+    ) -> publishes.Parts:
+        """Record part ``rank`` of ``world`` of pending publish ``publish_id`` (publishes.record_part)."""
+        checks.nonneg("rank", rank)
+        if world < 1 or rank >= world:
+            raise errors.InvalidArgument(f"part {rank} of {world}: rank must lie in [0, world)")
+        at = checks.utc(now)
+        return self._tx(
+            lambda s: publishes.record_part(
+                s,
+                model,
+                publish_id,
+                rank=rank,
+                world=world,
+                manifest_digest=manifest_digest,
+                allow_removals=allow_removals,
+                now=at,
+            ),
+            write=True,
+        )
+
+    def drop_part(self, model: str, publish_id: str, rank: int, manifest_digest: str) -> None:
+        """Forget a pending part whose merge was refused (publishes.drop_part)."""
+        self._tx(lambda s: publishes.drop_part(s, model, publish_id, rank, manifest_digest), write=True)
+
     def reference_objects(
         self, model: str, publish_id: str, objects: Iterable[tuple[str, int]], *, now: datetime | None = None
     ) -> Pinned:

@@ -16,7 +16,7 @@ from .. import errors
 from . import objects, versions
 from .records import Pinned, Version
 from .rows import committed_row, model_row, version_record
-from .schema import ModelRow, ObjectRow, VersionObjectRow, VersionRow
+from .schema import ModelRow, ObjectRow, PartRow, VersionObjectRow, VersionRow
 
 __all__ = [
     "abort",
@@ -29,6 +29,8 @@ __all__ = [
     "pending",
     "pending_row",
     "reference",
+    "record_part",
+    "Parts",
 ]
 
 
@@ -107,6 +109,8 @@ def open_(
     m = model_row(s, model, lock=True)
     if parent != m.head:
         raise errors.StaleParent(f"model {model!r}: parent {parent} is not the head ({m.head})", current_head=m.head)
+    if publish_id.startswith(PARTS_PREFIX):
+        _no_other_group(s, m, parent, publish_id, now)
     kind, parent_manifest = "keyframe", None
     if parent is not None:
         chain = versions.chain_rows(s, m, parent)
@@ -131,6 +135,29 @@ def open_(
     if refs is not None and version.kind == ("keyframe" if keyframe else "delta") and version.parent == parent:
         pinned = objects.attach(s, pending_row(s, m, version.publish_id, now), refs, now)
     return Opened(version, parent_manifest, pinned)
+
+
+PARTS_PREFIX = "parts-"
+"""The publish id of a multi-part publish starts so: ``parts-`` + a hash of (model, parent, step) (ops.parts_id)."""
+
+
+def _no_other_group(s: Session, m: ModelRow, parent: int | None, publish_id: str, now: datetime) -> None:
+    """ParentPending when another multi-part publish (another step) is pending on ``parent``: its parts
+    were sent first, so the version they make is the parent this step must wait for."""
+    other = s.scalars(
+        select(VersionRow.publish_id).where(
+            VersionRow.model_id == m.id,
+            VersionRow.state == "pending",
+            VersionRow.publish_id.startswith(PARTS_PREFIX),
+            VersionRow.publish_id != publish_id,
+            VersionRow.expires_at > now,
+            VersionRow.parent.is_(None) if parent is None else VersionRow.parent == parent,
+        )
+    ).first()
+    if other is not None:
+        raise errors.ParentPending(
+            f"model {m.name!r}: the parts of another step ({other}) are pending on v{parent}: retry once it commits"
+        )
 
 
 def pending_row(s: Session, m: ModelRow, publish_id: str, now: datetime, *, lock: bool = True) -> VersionRow:
@@ -329,3 +356,89 @@ def list_pending(s: Session, model: str | None) -> list[Version]:
     if model is not None:
         stmt = stmt.where(ModelRow.id == model_row(s, model).id)
     return [version_record(r, name) for r, name in s.execute(stmt)]
+
+
+@dataclass(frozen=True)
+class Parts:
+    """The parts a multi-part publish holds (rank → part manifest digest) and its state."""
+
+    version: Version
+    world: int
+    parts: dict[int, str]
+    allow_removals: bool
+
+    @property
+    def complete(self) -> bool:
+        return len(self.parts) == self.world
+
+
+def record_part(
+    s: Session,
+    model: str,
+    publish_id: str,
+    *,
+    rank: int,
+    world: int,
+    manifest_digest: str,
+    allow_removals: bool,
+    now: datetime,
+) -> Parts:
+    """Record part ``rank`` of ``world`` of the publish (docs/CATALOG.md "Parts"); idempotent.
+
+    Once the publish is committed a retried part answers the committed version when it is the
+    part that was merged. PartConflict: another world size or removal choice than the parts
+    recorded, or a part of that rank with other content; PublishNotFound: expired or aborted.
+    """
+    m = model_row(s, model, lock=True)
+    row = s.scalars(select(VersionRow).where(VersionRow.publish_id == publish_id).with_for_update()).one_or_none()
+    if row is not None and row.model_id == m.id and row.state == "committed":
+        have = {p.rank: p for p in s.scalars(select(PartRow).where(PartRow.version_id == row.id))}
+        mine = have.get(rank)
+        if mine is None or mine.manifest_digest != manifest_digest or mine.world != world:
+            raise errors.PartConflict(
+                f"publish {publish_id!r} committed version {row.number} of {m.name!r} without this part"
+            )
+        return Parts(
+            version_record(row, m.name),
+            world,
+            {r: p.manifest_digest for r, p in sorted(have.items())},
+            mine.allow_removals,
+        )
+    row = _still_pending(row, m, publish_id, now)
+    have = {p.rank: p for p in s.scalars(select(PartRow).where(PartRow.version_id == row.id))}
+    for other in have.values():
+        if other.world != world:
+            raise errors.PartConflict(f"part {rank} says {world} parts, part {other.rank} said {other.world}")
+        if other.allow_removals != allow_removals:
+            raise errors.PartConflict(f"part {rank} and part {other.rank} disagree on allowing removals")
+    mine = have.get(rank)
+    if mine is not None and mine.manifest_digest != manifest_digest:
+        raise errors.PartConflict(f"part {rank} of {world} was recorded with other content ({mine.manifest_digest})")
+    if mine is None:
+        mine = PartRow(
+            version_id=row.id,
+            rank=rank,
+            world=world,
+            manifest_digest=manifest_digest,
+            allow_removals=allow_removals,
+            created_at=now,
+        )
+        s.add(mine)
+        s.flush()
+        have[rank] = mine
+    return Parts(
+        version_record(row, m.name), world, {r: p.manifest_digest for r, p in sorted(have.items())}, allow_removals
+    )
+
+
+def drop_part(s: Session, model: str, publish_id: str, rank: int, manifest_digest: str) -> None:
+    """Forget a pending part whose merge with the others was refused (a corrected part may be sent again)."""
+    m = model_row(s, model, lock=True)
+    row = s.scalars(select(VersionRow).where(VersionRow.publish_id == publish_id)).one_or_none()
+    if row is None or row.model_id != m.id or row.state != "pending":
+        return
+    s.execute(
+        delete(PartRow).where(
+            PartRow.version_id == row.id, PartRow.rank == rank, PartRow.manifest_digest == manifest_digest
+        )
+    )

@@ -17,6 +17,7 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     CheckConstraint,
     Dialect,
     Float,
@@ -210,6 +211,20 @@ class VersionObjectRow(Base):
     version_id: Mapped[int] = mapped_column(ForeignKey("versions.id"), primary_key=True)
     digest: Mapped[str] = mapped_column(ForeignKey("objects.digest"), primary_key=True, index=True)
     size: Mapped[int] = mapped_column(BigInteger)
+
+
+class PartRow(Base):
+    """One part of a multi-part publish, recorded against its pending version (issue 14)."""
+
+    __tablename__ = "version_parts"
+    __table_args__ = (CheckConstraint("rank >= 0 AND rank < world", name="rank_in_world"),)
+
+    version_id: Mapped[int] = mapped_column(ForeignKey("versions.id"), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    world: Mapped[int] = mapped_column(Integer)
+    manifest_digest: Mapped[str] = mapped_column(String(64))
+    allow_removals: Mapped[bool] = mapped_column(Boolean)
+    created_at: Mapped[datetime]
 
 
 class ReplicaRow(Base):

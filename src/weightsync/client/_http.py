@@ -309,9 +309,14 @@ class Api:
         metadata: dict[str, Any] | None,
         keyframe: bool,
         objects: list[tuple[str, int]] | None = None,
+        part: tuple[int, int] | None = None,
     ) -> models.PublishBegin:
-        """Begin a publish; with `objects` (an encoding made first) the answer may carry their check too."""
+        """Begin a publish; with `objects` (an encoding made first) the answer may carry their check too.
+
+        With `part` (rank, world) it joins the multi-part publish of (model, parent, step)."""
         body: dict[str, Any] = {"parent": parent, "keyframe": keyframe}
+        if part is not None:
+            body["part"] = {"rank": part[0], "world": part[1]}
         if step is not None:
             body["step"] = step
         if metadata:
@@ -346,6 +351,23 @@ class Api:
                 not_found=errors.PublishNotFound,
             )
         )
+
+    def commit_part(
+        self, model: str, publish_id: str, *, rank: int, world: int, manifest: str, allow_removals: bool = False
+    ) -> models.Version | None:
+        """Record one part of a multi-part publish: the committed version, or None while parts are missing."""
+        body: dict[str, Any] = {"world": world, "manifest": manifest, "allow_removals": allow_removals}
+        answer = self._json(
+            "POST",
+            f"/v1/models/{model}/publishes/{publish_id}/parts/{rank}",
+            json=body,
+            not_found=errors.PublishNotFound,
+        )
+        if not isinstance(answer, dict) or answer.get("state") not in ("pending", "committed"):
+            raise errors.BadResponse(f"commitPart answered {answer!r}")
+        if answer["state"] == "pending":
+            return None
+        return models.Version.from_json(answer.get("version"))
 
     def abort_publish(self, model: str, publish_id: str) -> None:
         self.request("DELETE", f"/v1/models/{model}/publishes/{publish_id}", not_found=errors.PublishNotFound)

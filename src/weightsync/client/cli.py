@@ -70,6 +70,18 @@ __all__ = [
 ]
 
 
+def _part_arg(value: str | None) -> tuple[int, int] | None:
+    """``RANK/WORLD`` as (rank, world) with 0 <= rank < world; a usage error otherwise."""
+    if value is None:
+        return None
+    rank, sep, world = value.partition("/")
+    if not (sep and rank.isdigit() and world.isdigit() and int(world) >= 1 and int(rank) < int(world)):
+        raise typer.BadParameter(
+            f"{value!r} is not RANK/WORLD with 0 <= RANK < WORLD (e.g. 0/4)", param_hint="'--part'"
+        )
+    return int(rank), int(world)
+
+
 def register(app: typer.Typer) -> None:
     """Add the client commands to `app`."""
 
@@ -104,10 +116,29 @@ def register(app: typer.Typer) -> None:
         concurrency: kit.ConcurrencyOpt = 8,
         limit_rate: kit.RateOpt = None,
         as_json: kit.JsonOpt = False,
+        part: Annotated[
+            str | None,
+            typer.Option(
+                "--part",
+                metavar="RANK/WORLD",
+                help="Publish PATH as part RANK (0 to WORLD-1) of the version of --step that WORLD ranks publish "
+                "together; it commits when the last part arrives.",
+            ),
+        ] = None,
+        no_wait: Annotated[
+            bool, typer.Option("--no-wait", help="With --part: return once this part is accepted, not committed.")
+        ] = False,
     ) -> None:
         """Publish PATH as the next version of MODEL (a delta against the last push when possible)."""
         from weightsync.client.publisher import Publisher
 
+        ranked = _part_arg(part)
+        if ranked is not None and step is None:
+            raise typer.BadParameter(
+                "--part needs --step: the ranks join one version by its step", param_hint="'--part'"
+            )
+        if no_wait and ranked is None:
+            raise typer.BadParameter("--no-wait is for --part", param_hint="'--no-wait'")
         meta = kit.metadata_arg(metadata)
         rate = kit.rate(limit_rate)
         with kit.one_line_errors():
@@ -125,11 +156,24 @@ def register(app: typer.Typer) -> None:
                     concurrency=concurrency,
                     bandwidth=rate,
                     progress=progress,
+                    part=ranked,
                 ) as pub,
             ):
-                result = pub.publish(path, step=step, metadata=meta, keyframe=keyframe, allow_removals=allow_removals)
+                result = pub.publish(
+                    path,
+                    step=step,
+                    metadata=meta,
+                    keyframe=keyframe,
+                    allow_removals=allow_removals,
+                    wait=not no_wait,
+                )
         if as_json:
             kit.emit(result.to_dict())
+        elif ranked is not None and not result.version:
+            typer.echo(
+                f"{model} part {ranked[0]}/{ranked[1]} of step {step} accepted: sent {human_bytes(result.bytes_sent)}"
+                " (the version commits when every part has arrived)"
+            )
         else:
             typer.echo(
                 f"{model} v{result.version} ({result.kind}): sent {human_bytes(result.bytes_sent)} for "

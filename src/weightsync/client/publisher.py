@@ -26,6 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from weightsync import errors
 from weightsync.client import upload
 from weightsync.client._http import Api
 from weightsync.client.base import Base, BaseKeeper, snapshot
@@ -71,16 +72,27 @@ class Publisher:
         retry: Retry | None = None,
         transport: Any = None,
         progress: Progress | None = None,
+        part: tuple[int, int] | None = None,
+        parent_wait_s: float = 600.0,
     ) -> None:
         if on_mismatch not in ("auto", "keyframe", "download"):
             raise ValueError("on_mismatch must be 'auto', 'keyframe' or 'download'")
+        self.part = check_part(part)
+        if self.part is not None and on_mismatch == "download":
+            raise ValueError("a part publisher cannot catch up by download (it would fetch every part): use 'keyframe'")
         self.model = model
         self.cache_dir = Path(cache_dir) / model_path_name(model) if cache_dir is not None else None
+        if self.cache_dir is not None and self.part is not None:  # each part keeps its own base
+            self.cache_dir = self.cache_dir / f"part-{self.part[0]}-of-{self.part[1]}"
+        if self.part is not None:
+            on_mismatch = "keyframe"
+        self.parent_wait_s = parent_wait_s
         self.concurrency = max(1, concurrency)
         self.on_mismatch = (
             on_mismatch if on_mismatch != "auto" else ("download" if self.cache_dir is not None else "keyframe")
         )
-        self.encoder = Encoder(threads=encoder_threads, chunk_bytes=chunk_bytes)
+        # A part's frames never straddle files: a file several parts carry is then stored once (codec/parts.py).
+        self.encoder = Encoder(threads=encoder_threads, chunk_bytes=chunk_bytes, frames_per_file=self.part is not None)
         self.object_bytes = object_bytes
         self.progress = progress
         limiter = TokenBucket(bandwidth) if bandwidth else None
@@ -163,6 +175,7 @@ class Publisher:
         metadata: dict | None = None,
         keyframe: bool = False,
         allow_removals: bool = False,
+        wait: bool = True,
     ) -> PublishResult:
         """Publish `source` as the model's next version and return what was done.
 
@@ -173,7 +186,16 @@ class Publisher:
         or an empty directory cannot wipe the fleet). Raises StaleParent when
         another publisher moved the head during the publish, AuthError,
         ServerUnavailable, ...
+
+        A part publisher (``part=(rank, world)``) publishes only its part of the version of
+        `step` (required): every rank with the same step joins the same pending version, which
+        commits when the last part arrives. ``wait`` (default) returns once the version is
+        committed; without it, once this part is accepted (``version`` 0 while parts are
+        missing, and the next publish of this part is a keyframe). Parts of the next step sent
+        while this one is pending are answered 409 parent-pending: retried for ``parent_wait_s``.
         """
+        if self.part is not None and step is None:
+            raise ValueError("a part publisher needs the step: ranks join the version by (parent, step)")
         with self._lock:
             t0 = time.perf_counter()
             timings: dict[str, float] = {}
@@ -196,16 +218,25 @@ class Publisher:
                     timings=timings,
                 )
 
-            base, begun, packed = upload.begin(
-                self.api,
-                self._base,
-                self.model,
-                keyframe=keyframe,
-                step=step,
-                metadata=metadata,
-                catch_up=catch_up,
-                prepare=lambda held: pack_for(held, held.state.number),
-            )
+            deadline = time.monotonic() + self.parent_wait_s
+            while True:
+                try:
+                    base, begun, packed = upload.begin(
+                        self.api,
+                        self._base,
+                        self.model,
+                        keyframe=keyframe,
+                        step=step,
+                        metadata=metadata,
+                        catch_up=catch_up,
+                        prepare=lambda held: pack_for(held, held.state.number),
+                        part=self.part,
+                    )
+                    break
+                except errors.ParentPending:  # the previous step's parts are still pending: its commit is near
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.1)
             # The formats the server reads (one that predates format 2 says nothing: format 1 only).
             self._formats = tuple(begun.formats or [MANIFEST_V1])
             # source, base (and a catch-up) and beginPublish; an encoding made first is counted in encode_s
@@ -223,14 +254,20 @@ class Publisher:
                     allow_removals=allow_removals,
                     meter=meter,
                     timings=timings,
+                    part=self.part,
+                    wait=wait,
                 )
             except BaseException:
-                self._abort(begun.publish_id)
+                if self.part is None:  # a part's group is shared: it expires if this rank never arrives
+                    self._abort(begun.publish_id)
                 raise
             t = time.perf_counter()
             state = CheckoutState.of(self.model, done.number, done.digest, done.manifest, self.api.server)
             try:
-                self._base.remember(checkpoint, owned, state)
+                if not done.number:  # a part not waited for: the version is not known yet
+                    self._base.forget()
+                else:
+                    self._base.remember(checkpoint, owned, state)
             except OSError as exc:  # committed already: only the next publish's base is lost
                 log.warning(
                     "could not keep v%s as the next base (%s): the next publish is a keyframe", done.number, exc
@@ -268,6 +305,19 @@ class Publisher:
             self.api.abort_publish(self.model, publish_id)
         except Exception as exc:  # noqa: BLE001 - the pending publish expires anyway
             log.debug("abort of publish %s failed: %s", publish_id, exc)
+
+
+def check_part(part: tuple[int, int] | None) -> tuple[int, int] | None:
+    """`part` as (rank, world) with 0 <= rank < world; ValueError otherwise."""
+    if part is None:
+        return None
+    try:
+        rank, world = (int(x) for x in part)
+    except (TypeError, ValueError):
+        raise ValueError(f"part must be (rank, world), not {part!r}") from None
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"part {rank} of {world}: rank must lie in [0, world)")
+    return rank, world
 
 
 def publish(

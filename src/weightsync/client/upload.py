@@ -98,6 +98,7 @@ def begin(
     metadata: dict[str, Any] | None,
     catch_up: Meter,
     prepare: Callable[[Base], Packed],
+    part: tuple[int, int] | None = None,
 ) -> tuple[Base | None, PublishBegin, Packed | None]:
     """Begin a publish: on the base held when it is still the head, else on the head.
 
@@ -120,6 +121,7 @@ def begin(
                     metadata=metadata,
                     keyframe=packed.manifest.kind == "keyframe",
                     objects=packed.listed(),
+                    part=part,
                 ),
                 packed,
             )
@@ -133,6 +135,7 @@ def begin(
         step=step,
         metadata=metadata,
         keyframe=base is None,
+        part=part,
     )
     return base, answer, None
 
@@ -161,6 +164,9 @@ def commit(
     allow_removals: bool,
     meter: Meter,
     timings: dict[str, float],
+    part: tuple[int, int] | None = None,
+    wait: bool = True,
+    poll_s: float = 0.1,
 ) -> Committed:
     """Upload what the server lacks of the version (a delta on `base` when the server asked for one), commit.
 
@@ -173,7 +179,7 @@ def commit(
     use = base if begun.kind == "delta" and base is not None else None
     if use is not None and begun.parent_manifest not in (None, use.state.manifest):
         use = None
-    if base is not None and begun.parent == base.state.number and not allow_removals:
+    if part is None and base is not None and begun.parent == base.state.number and not allow_removals:
         # The held base is the parent: refuse before uploading anything (the commit checks it anyway).
         dropped = removed_content(
             tensor_names(f.layout for f in base.checkpoint.files),
@@ -210,9 +216,42 @@ def commit(
         api.on_bytes = None
     timings["upload_s"] = time.perf_counter() - t
     t = time.perf_counter()
+    if part is not None:
+        number, digest = commit_part(api, model, begun.publish_id, part, packed.digest, allow_removals, wait, poll_s)
+        timings["commit_s"] = time.perf_counter() - t
+        # The version's manifest digest (the merge's), and this part's manifest: the files this rank holds.
+        return Committed(number, digest, packed.manifest, len(packed.objects) + 1, len(todo))
     key = hashlib.sha256(f"{model}\0{begun.publish_id}\0{packed.digest}".encode()).hexdigest()[:32]
     number = api.commit_publish(
         model, begun.publish_id, manifest=packed.digest, idempotency_key=key, allow_removals=allow_removals
     ).number
     timings["commit_s"] = time.perf_counter() - t
     return Committed(number, packed.digest, packed.manifest, len(packed.objects) + 1, len(todo))
+
+
+def commit_part(
+    api: Api,
+    model: str,
+    publish_id: str,
+    part: tuple[int, int],
+    manifest: str,
+    allow_removals: bool,
+    wait: bool,
+    poll_s: float,
+) -> tuple[int, str]:
+    """Record this part (commitPart); with `wait`, send it again (idempotent) until the version commits.
+
+    Returns the committed version's number and manifest digest, or (0, "") when not waiting and
+    other parts are missing.
+    Raises PublishNotFound when the publish expired (a rank never arrived) or was aborted.
+    """
+    rank, world = part
+    while True:
+        version = api.commit_part(
+            model, publish_id, rank=rank, world=world, manifest=manifest, allow_removals=allow_removals
+        )
+        if version is not None:
+            return version.number, version.manifest
+        if not wait:
+            return 0, ""
+        time.sleep(poll_s)

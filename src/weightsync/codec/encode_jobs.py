@@ -50,10 +50,16 @@ class Plan:
         return sum(p.length for p in self.pieces)
 
 
-def plan_frames(entries: list[list[SegmentEntry]], chunk_bytes: int, skip: set[tuple[int, int]]) -> list[Plan]:
-    """Frames for every segment with bytes, but those in `skip` (FORMAT §4.5)."""
+def plan_frames(
+    entries: list[list[SegmentEntry]], chunk_bytes: int, skip: set[tuple[int, int]], *, per_file: bool = False
+) -> list[Plan]:
+    """Frames for every segment with bytes, but those in `skip` (FORMAT §4.5).
+
+    Small segments of one dtype share a frame; with `per_file` only those of one file do
+    (no frame straddles files: what a part of a multi-part publish needs, codec/parts.py).
+    """
     plans: list[Plan] = []
-    open_groups: dict[tuple[bool, str], Plan] = {}
+    open_groups: dict[tuple[bool, str, int], Plan] = {}
     for fi, segs in enumerate(entries):
         for si, entry in enumerate(segs):
             seg = entry.segment
@@ -65,7 +71,7 @@ def plan_frames(entries: list[list[SegmentEntry]], chunk_bytes: int, skip: set[t
                 for off in range(0, seg.length, step):
                     plans.append(Plan(delta, seg.dtype, [Piece(fi, si, off, min(step, seg.length - off))]))
                 continue
-            key = (delta, seg.dtype.name)
+            key = (delta, seg.dtype.name, fi if per_file else -1)
             group = open_groups.get(key)
             if group is not None and group.raw_len + seg.length > chunk_bytes:
                 plans.append(group)
@@ -145,9 +151,11 @@ class Job:
         *,
         level: int,
         chunk_bytes: int,
+        per_file: bool = False,
     ) -> None:
         self.level = level
         self.chunk_bytes = chunk_bytes
+        self.per_file = per_file
         self.entries = entries
         self.new_arrays = new
         self.base_arrays = base
@@ -178,7 +186,7 @@ class V1Job(Job):
     of segments cut across frames chained chunk by chunk (`XxhChain`)."""
 
     def run(self, pool: ThreadPoolExecutor) -> tuple[list[EncodedFrame], Digested]:
-        plans = plan_frames(self.entries, self.chunk_bytes, set())
+        plans = plan_frames(self.entries, self.chunk_bytes, set(), per_file=self.per_file)
         in_frame = {(p.file, p.seg) for plan in plans for p in plan.pieces if self.whole(p)}
         chains: dict[tuple[int, int], XxhChain] = {}
         links: list[tuple[XxhChain, int] | None] = []
@@ -266,7 +274,7 @@ class V2Job(Job):
                 digest = e.base_digest if e.base_digest is not None else _hex(total)
                 out.new[fi, si] = out.base[fi, si] = digest
                 out.same.add((fi, si))
-        plans = plan_frames(self.entries, self.chunk_bytes, out.same)
+        plans = plan_frames(self.entries, self.chunk_bytes, out.same, per_file=self.per_file)
         level = self.level
 
         def run(plan: Plan) -> tuple[EncodedFrame, PieceSums]:

@@ -74,6 +74,8 @@ class Encoder:
     ``threads`` sets the pool size (default: all cores), ``level`` the zstd level,
     ``chunk_bytes`` the frame size target, ``format_version`` what it writes: 2 (the
     default: tensor checksums, compact manifests, FORMAT §5.3) or 1 (xxh3-128, §5.2).
+    ``frames_per_file``: no frame holds pieces of two files (a part of a multi-part publish
+    encodes so, codec/parts.py: a file several parts carry is then kept once by dropping frames).
     """
 
     def __init__(
@@ -83,6 +85,7 @@ class Encoder:
         level: int = DEFAULT_LEVEL,
         chunk_bytes: int = DEFAULT_CHUNK,
         format_version: int = DEFAULT_FORMAT,
+        frames_per_file: bool = False,
     ) -> None:
         if chunk_bytes < 1024:
             raise ValueError("chunk_bytes must be at least 1024")
@@ -92,6 +95,7 @@ class Encoder:
         self.level = level
         self.chunk_bytes = chunk_bytes
         self.format_version = format_version
+        self.frames_per_file = frames_per_file
 
     @property
     def digest_kind(self) -> str:
@@ -131,7 +135,12 @@ class Encoder:
         new_arrays = [f.data for f in new.files]
         base_arrays = [b.data if b is not None else np.zeros(0, dtype=np.uint8) for b in base_files]
         job = (V2Job if self.format_version == VERSION_2 else V1Job)(
-            entries, new_arrays, base_arrays, level=self.level, chunk_bytes=self.chunk_bytes
+            entries,
+            new_arrays,
+            base_arrays,
+            level=self.level,
+            chunk_bytes=self.chunk_bytes,
+            per_file=self.frames_per_file,
         )
         with ThreadPoolExecutor(self.threads) as pool:
             frames, digested = job.run(pool)

@@ -25,11 +25,12 @@ from typing import Any, ParamSpec, TypeVar
 import numpy as np
 
 from weightsync import errors
-from weightsync.catalog import Catalog, Lease, Model, ObjectInfo, Replica, Target, Version
+from weightsync.catalog import PARTS_PREFIX, Catalog, Lease, Model, ObjectInfo, Replica, Target, Version
 from weightsync.codec import Checkpoint, CheckpointFile, Decoder, FrameRef, Manifest
 from weightsync.codec.checkpoint import tensor_names
 from weightsync.codec.manifest import DIGEST_KINDS
 from weightsync.codec.manifest import MAGIC as MANIFEST_MAGIC
+from weightsync.codec.parts import merge_parts
 from weightsync.codec.validate import check_publishable
 from weightsync.common import removal_message, removed_content
 from weightsync.ops.records import record_of
@@ -73,6 +74,25 @@ class BeginResult:
     expires_at: datetime | None
     missing: list[str] | None = None
     """With the objects of an encoding of the answered kind: those to upload (the others are held)."""
+
+
+@dataclass(frozen=True)
+class PartsResult:
+    """A multi-part publish after a part arrived: the pending publish (or the committed version) and its parts."""
+
+    version: Version
+    world: int
+    ranks: list[int]
+
+    @property
+    def committed(self) -> bool:
+        return self.version.state == "committed"
+
+
+def parts_id(model: str, parent: int | None, step: int) -> str:
+    """The publish id every rank of a multi-part publish derives from what it knows (model, parent, step)."""
+    key = hashlib.sha256(f"{model}\0{parent}\0{step}".encode()).hexdigest()[:40]
+    return f"{PARTS_PREFIX}{key}"
 
 
 def _check_digests(objects: list[tuple[str, int]]) -> None:
@@ -486,6 +506,64 @@ class Ops:
         result = await self.store.put(data)
         await self._record_written(result)
         return result.digest
+
+    async def commit_part(
+        self,
+        model: str,
+        publish_id: str,
+        *,
+        rank: int,
+        world: int,
+        manifest_digest: str,
+        allow_removals: bool = False,
+    ) -> PartsResult:
+        """Record part `rank` of `world` of multi-part publish `publish_id`; the last part commits the version.
+
+        The part's manifest (uploaded, its objects held by checkObjects) must be for the publish's
+        model, parent and step. It is merged with the parts recorded so far (codec/parts.py):
+        PartConflict refuses it (and forgets it) when the merge does. When all `world` parts are
+        there, their merge is stored as the version's one manifest and committed by
+        :meth:`commit_publish` (the compare-and-swap on the parent; a retry replays it). A retried
+        part is idempotent: it answers the group's state, or the committed version.
+        """
+        part = await self.load_manifest(manifest_digest, missing=errors.IncompletePublish)
+        pending = None
+        with contextlib.suppress(errors.PublishNotFound):
+            pending = await self._db(self.catalog.get_pending, model, publish_id, now=self.clock())
+        if pending is not None and (
+            part.model not in (None, model) or part.parent != pending.parent or part.step != pending.step
+        ):
+            raise errors.PartConflict(
+                f"part {rank} is for model {part.model!r}, parent {part.parent}, step {part.step}; "
+                f"the publish is for parent {pending.parent}, step {pending.step}"
+            )
+        parts = await self._db(
+            self.catalog.record_part,
+            model,
+            publish_id,
+            rank=rank,
+            world=world,
+            manifest_digest=manifest_digest,
+            allow_removals=allow_removals,
+            now=self.clock(),
+        )
+        if parts.version.state == "committed":
+            return PartsResult(parts.version, world, sorted(parts.parts))
+        manifests = [await self.load_manifest(d, missing=errors.IncompletePublish) for d in parts.parts.values()]
+        try:
+            merged = merge_parts(manifests)
+        except errors.PartConflict:
+            await self._db(self.catalog.drop_part, model, publish_id, rank, manifest_digest)
+            raise
+        if not parts.complete:
+            return PartsResult(parts.version, world, sorted(parts.parts))
+        merged.number = None
+        data = merged.encode()
+        stored = await self.put_bytes(data)
+        version = await self.commit_publish(
+            model, publish_id, manifest_digest=stored.digest, allow_removals=parts.allow_removals, record_later=True
+        )
+        return PartsResult(version, world, sorted(parts.parts))
 
     async def abort_publish(self, model: str, publish_id: str) -> Version:
         """Abandon a pending publish; its objects become unreferenced (GC reclaims them)."""

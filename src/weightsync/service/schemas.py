@@ -163,7 +163,17 @@ class PresignedPut(_Out):
     headers: dict[str, str]
 
 
+class PartRef(_In):
+    rank: int = Field(ge=0, le=1_000_000, description="This rank, from 0 to world - 1.")
+    world: int = Field(ge=1, le=1_000_000, description="How many parts make the version.")
+
+
 class BeginIn(_In):
+    part: PartRef | None = Field(
+        None,
+        description="Join the multi-part publish of (model, parent, step) as this part (step required): every "
+        "rank's begin answers the same pending publish.",
+    )
     parent: int | None = Field(
         ge=-INT64, le=INT64, description="The head the publisher holds; null for a model's first version."
     )
@@ -211,6 +221,19 @@ class CommitIn(_In):
     allow_removals: bool = Field(
         False, description="Commit even if the version drops files or tensors its parent had (else 409)."
     )
+
+
+class PartIn(_In):
+    world: int = Field(ge=1, le=1_000_000)
+    manifest: str = Field(max_length=1024, description="Digest of the uploaded part manifest.")
+    allow_removals: bool = Field(False, description="Every part must say the same.")
+
+
+class PartOut(_Out):
+    state: str = Field(description="pending: parts are missing; committed: the version is visible.")
+    world: int
+    ranks: list[int] = Field(description="The parts recorded (all of them once committed).")
+    version: VersionOut | None = Field(None, description="The committed version, once committed.")
 
 
 # --- objects -------------------------------------------------------------------------

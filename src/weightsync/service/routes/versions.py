@@ -13,7 +13,7 @@ from fastapi.responses import StreamingResponse
 from weightsync import errors
 from weightsync.common import check_model_name
 from weightsync.ops import Ops, committed
-from weightsync.ops.core import FORMATS
+from weightsync.ops.core import FORMATS, parts_id
 from weightsync.service.deps import MetricsDep, OpsDep, Publisher, Reader, SettingsDep
 from weightsync.service.metrics import Metrics
 from weightsync.service.problems import ApiProblem
@@ -25,6 +25,8 @@ from weightsync.service.schemas import (
     CheckOut,
     CommitIn,
     ObjectRef,
+    PartIn,
+    PartOut,
     PlanOut,
     PresignedPut,
     VersionList,
@@ -146,8 +148,21 @@ async def begin_publish(model: str, body: BeginIn, ops: OpsDep, who: Publisher, 
     if body.objects is not None:
         _refuse_too_large(body.objects, settings.max_object_size)
         objects = [(o.digest, o.size) for o in body.objects]
+    publish_id = None
+    if body.part is not None:
+        if body.step is None:
+            raise errors.InvalidArgument("a part (multi-part publish) needs its step: ranks join by (parent, step)")
+        if body.part.rank >= body.part.world:
+            raise errors.InvalidArgument(f"part {body.part.rank} of {body.part.world}: rank must be below world")
+        publish_id = parts_id(model, body.parent, body.step)
     begun = await ops.begin_publish(
-        model, parent=body.parent, step=body.step, metadata=body.metadata, keyframe=body.keyframe, objects=objects
+        model,
+        parent=body.parent,
+        step=body.step,
+        metadata=body.metadata,
+        keyframe=body.keyframe,
+        objects=objects,
+        publish_id=publish_id,
     )
     out = begin_out(begun)
     out.formats = list(FORMATS)
@@ -230,6 +245,33 @@ async def commit_publish(
         metrics.versions_committed.inc()
         metrics.publish_to_commit.observe(max(0.0, (version.committed_at - version.created_at).total_seconds()))
     return version_out(version)
+
+
+@router.post("/publishes/{publish_id}/parts/{rank}", operation_id="commitPart", response_model=PartOut)
+async def commit_part(
+    model: str, publish_id: str, rank: int, body: PartIn, ops: OpsDep, who: Publisher, metrics: MetricsDep
+) -> PartOut:
+    """Record one part of a multi-part publish; the last part commits the version (all parts or nothing).
+
+    Idempotent: a retried part answers the group's state, or the committed version once it is.
+    """
+    if not 0 <= rank < body.world:
+        raise errors.InvalidArgument(f"part {rank} of {body.world}: rank must lie in [0, world)")
+    started = ops.clock()
+    got = await ops.commit_part(
+        model,
+        publish_id,
+        rank=rank,
+        world=body.world,
+        manifest_digest=body.manifest,
+        allow_removals=body.allow_removals,
+    )
+    if not got.committed:
+        return PartOut(state="pending", world=got.world, ranks=got.ranks)
+    v = got.version
+    if v.committed_at is not None and v.committed_at >= started:
+        metrics.versions_committed.inc()
+    return PartOut(state="committed", world=got.world, ranks=got.ranks, version=version_out(v))
 
 
 @router.delete(
