@@ -256,3 +256,40 @@ def test_a_server_without_v1_info_is_keyed_by_host_and_port(tmp_path: Path) -> N
     finally:
         other.terminate()
         other.wait(10)
+
+
+def test_each_part_of_a_multi_part_publisher_is_a_base_of_its_own(cli, server, model: str, root: Path) -> None:
+    """`Publisher(part=(rank, world))` keeps its base in `<model>/part-R-of-W`: listed, held and pruned part by part."""
+    import threading
+
+    held_root = publish_root(root, _info_id(server.url))
+    sources = []
+    for rank in range(2):
+        d = root.parent / f"rank-{rank}"
+        d.mkdir()
+        tensors = {f"layers.{rank}.{k}": v for k, v in model_files(seed=rank).items()}
+        (d / f"model-{rank}.safetensors").write_bytes(safetensors_file(tensors))
+        sources.append(d)
+    pubs = [Publisher(server.url, model, cache_dir=held_root, part=(r, 2)) for r in range(2)]
+    try:
+        done: list[int] = []
+        threads = [
+            threading.Thread(target=lambda r=r: done.append(pubs[r].publish(sources[r], step=1).version))
+            for r in range(2)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert done == [1, 1]
+        pubs[1].close()
+        bases = list_bases(root)
+        assert sorted((b.model, b.part, b.version) for b in bases) == [(model, "0/2", 1), (model, "1/2", 1)]
+        assert cli("cache").stdout.count(f"{model} part ") == 2
+        result = prune(root, model=model)  # part 0's publisher is still open: its base stays
+        assert [b.part for b in result.removed] == ["1/2"] and [b.part for b in result.in_use] == ["0/2"]
+    finally:
+        for p in pubs:
+            p.close()
+    assert [b.part for b in prune(root, model=model).removed] == ["0/2"]
+    assert list_bases(root) == [] and not (held_root / model).exists()

@@ -99,6 +99,8 @@ class CachedBase:
     """Bytes of the files under `path` (hard links counted once)."""
     in_use: bool
     """A running publisher holds it."""
+    part: str | None = None
+    """``RANK/WORLD`` for the base of one part of a multi-part publish (``<model>/part-R-of-W``), else None."""
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -130,7 +132,11 @@ def list_bases(root: str | os.PathLike[str]) -> list[CachedBase]:
     out = []
     for folder in _folders(Path(root) / PUBLISH):
         for base in _folders(folder):
-            out.append(_describe(folder.name, base))
+            parts = [p for p in _folders(base) if _PART.fullmatch(p.name)]
+            if parts and Checkout(base).state() is None:  # a multi-part publisher's: one base per part
+                out.extend(_describe(folder.name, p, model_folder=base) for p in parts)
+            else:
+                out.append(_describe(folder.name, base))
     return out
 
 
@@ -145,7 +151,8 @@ def prune(root: str | os.PathLike[str], *, model: str | None = None, server: str
     folder_name = model_path_name(model) if model is not None else None
     result = PruneResult()
     for base in list_bases(root):
-        if (folder_name is not None and base.path.name != folder_name) or (
+        model_folder = base.path.parent if base.part is not None else base.path
+        if (folder_name is not None and model_folder.name != folder_name) or (
             server is not None and base.server_id != server
         ):
             continue
@@ -157,10 +164,11 @@ def prune(root: str | os.PathLike[str], *, model: str | None = None, server: str
             os.replace(base.path, trash)
         shutil.rmtree(trash, ignore_errors=True)
         result.removed.append(base)
-        try:
-            base.path.parent.rmdir()  # the server's folder, once it holds no base
-        except OSError:
-            pass
+        for emptied in (base.path.parent, base.path.parent.parent) if base.part is not None else (base.path.parent,):
+            try:
+                emptied.rmdir()  # the model's folder of parts, the server's folder, once they hold no base
+            except OSError:
+                break
     return result
 
 
@@ -173,10 +181,18 @@ def _folders(parent: Path) -> list[Path]:
     return sorted(p for p in entries if not p.name.startswith(".") and p.is_dir() and not p.is_symlink())
 
 
-def _describe(server: str, path: Path) -> CachedBase:
+_PART = re.compile(r"part-([0-9]+)-of-([0-9]+)")
+
+
+def _describe(server: str, path: Path, model_folder: Path | None = None) -> CachedBase:
     state = Checkout(path).state()
-    model = state.model if state is not None else path.name.replace("--", "/")  # names never hold "--"
-    return CachedBase(server, model, path, state.number if state is not None else None, _size(path), _held(path))
+    named = (model_folder or path).name.replace("--", "/")  # names never hold "--"
+    model = state.model if state is not None else named
+    part = None
+    if model_folder is not None and (m := _PART.fullmatch(path.name)):
+        part = f"{m.group(1)}/{m.group(2)}"
+    number = state.number if state is not None else None
+    return CachedBase(server, model, path, number, _size(path), _held(path), part)
 
 
 def _size(path: Path) -> int:

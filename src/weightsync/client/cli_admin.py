@@ -321,5 +321,6 @@ def _show(cache_dir: Path | None, as_json: bool) -> None:
     for b in bases:
         held = "  (in use)" if b.in_use else ""
         version = "-" if b.version is None else f"v{b.version}"
-        typer.echo(f"{b.server_id:<34} {b.model:<32} {version:<8} {human_bytes(b.bytes):>10}{held}")
+        name = b.model if b.part is None else f"{b.model} part {b.part}"
+        typer.echo(f"{b.server_id:<34} {name:<32} {version:<8} {human_bytes(b.bytes):>10}{held}")
     typer.echo(f"{len(bases)} base{'s' if len(bases) != 1 else ''}, {human_bytes(total)} under {where}")
