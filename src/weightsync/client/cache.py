@@ -129,7 +129,7 @@ class PruneResult:
 
 def list_bases(root: str | os.PathLike[str]) -> list[CachedBase]:
     """Every base under `root` (a cache root), by server id then model; [] when there is none."""
-    out = []
+    out: list[CachedBase] = []
     for folder in _folders(Path(root) / PUBLISH):
         for base in _folders(folder):
             parts = [p for p in _folders(base) if _PART.fullmatch(p.name)]
