@@ -22,7 +22,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -41,7 +41,7 @@ from weightsync.client.selection import file_selector
 from weightsync.client.state import CheckoutState
 from weightsync.codec import safetensors
 from weightsync.codec.checkpoint import is_safetensors
-from weightsync.codec.manifest import Manifest
+from weightsync.codec.manifest import FrameRef, Manifest
 
 log = logging.getLogger("weightsync.client")
 
@@ -123,58 +123,33 @@ def fetch_update(
     pool: ThreadPoolExecutor,
     range_bytes: int,
     meter: Meter,
-) -> tuple[Plan, list[Manifest], dict[str, float]]:
+    select: Callable[[str], bool] | None = None,
+) -> tuple[Plan, list[Manifest], list[str], dict[str, float]]:
     """The plan from `have` to `want` (None: head) and every manifest and object it needs, verified in `cache`.
 
-    Returns (plan, its steps' manifests in order, timings: plan_s and download_s).
+    With `select`, only the byte ranges of the frames that change the tensors it takes
+    (inplace.frames_needed), fetched as parts: those are not checked against their object's
+    SHA-256 (that needs the whole object); the decode and the apply check every selected
+    tensor's base and result instead.
+
+    Returns (plan, its steps' manifests in order, the objects read from ranges, timings: plan_s
+    and download_s).
     """
     t0 = time.perf_counter()
     plan = api.get_plan(model, have=have, want=want, holder=holder)
     timings = {"plan_s": time.perf_counter() - t0}
     t = time.perf_counter()
-    fetch_plan(api, cache, plan, pool, range_bytes=range_bytes, meter=meter)
+    partial: list[str] = []
+    if select is None:
+        fetch_plan(api, cache, plan, pool, range_bytes=range_bytes, meter=meter)
+        manifests = [load_manifest(cache, s.manifest) for s in plan.steps]
+    else:
+        manifests, _ = _fetch_manifests(api, cache, plan, pool, range_bytes=range_bytes, meter=meter)
+        refs = inplace.frames_needed(manifests, select)
+        extents, _ = _fetch_frames(api, cache, refs, pool, range_bytes=range_bytes, meter=meter)
+        partial = [d for d in extents if not cache.has(d)]
     timings["download_s"] = time.perf_counter() - t
-    return plan, [load_manifest(cache, s.manifest) for s in plan.steps], timings
-
-
-def fetch_slice(
-    api: Api,
-    model: str,
-    cache: ObjectCache,
-    select: Callable[[str], bool],
-    *,
-    have: int | None,
-    want: int | None,
-    holder: str | None,
-    pool: ThreadPoolExecutor,
-    range_bytes: int,
-    meter: Meter,
-) -> tuple[Plan, list[Manifest], list[str], dict[str, float]]:
-    """:func:`fetch_update` for the tensors `select` takes: the plan's manifests, then only the byte ranges
-    of the frames that change those tensors (inplace.frames_needed), fetched as parts.
-
-    Returns (plan, its steps' manifests, the objects read from ranges, timings). The ranges are not
-    checked against their object's SHA-256 (that needs the whole object): the decode and the
-    apply check every selected tensor's base and result instead.
-    """
-    t0 = time.perf_counter()
-    plan = api.get_plan(model, have=have, want=want, holder=holder)
-    timings = {"plan_s": time.perf_counter() - t0}
-    t = time.perf_counter()
-    wanted, _ = step_objects(plan.steps)
-    meter.total = sum(wanted.values())
-    cache.fetch(api, wanted, pool, range_bytes=range_bytes)
-    manifests = [load_manifest(cache, s.manifest) for s in plan.steps]
-    ranges: dict[str, list[tuple[int, int]]] = {}
-    for ref in inplace.frames_needed(manifests, select):
-        if ref.object is None:
-            raise errors.FormatError("a stored manifest's frame names no object")
-        ranges.setdefault(ref.object, []).append((ref.offset, ref.offset + ref.length))
-    extents = {digest: _merged(r) for digest, r in ranges.items()}
-    meter.total += sum(b - a for r in extents.values() for a, b in r)
-    cache.fetch_extents(api, extents, pool, range_bytes=range_bytes)
-    timings["download_s"] = time.perf_counter() - t
-    return plan, manifests, [d for d in extents if not cache.has(d)], timings
+    return plan, manifests, partial, timings
 
 
 def prepare_update(
@@ -198,32 +173,18 @@ def prepare_update(
     """
     t0 = time.perf_counter()
     cache = options.cache() or ObjectCache(None)
-    partial: list[str] = []
-    if select is None:
-        plan, manifests, timings = fetch_update(
-            api,
-            model,
-            cache,
-            have=have,
-            want=want,
-            holder=holder,
-            pool=pool,
-            range_bytes=options.range_bytes,
-            meter=meter,
-        )
-    else:
-        plan, manifests, partial, timings = fetch_slice(
-            api,
-            model,
-            cache,
-            select,
-            have=have,
-            want=want,
-            holder=holder,
-            pool=pool,
-            range_bytes=options.range_bytes,
-            meter=meter,
-        )
+    plan, manifests, partial, timings = fetch_update(
+        api,
+        model,
+        cache,
+        have=have,
+        want=want,
+        holder=holder,
+        pool=pool,
+        range_bytes=options.range_bytes,
+        meter=meter,
+        select=select,
+    )
     try:
         prepared = inplace.prepare(
             manifests,
@@ -359,22 +320,42 @@ def fetch_needed(
     Returns (the steps' manifests, the paths each step decodes (`needed_files`), the object
     ranges fetched, the fetch's counts).
     """
-    manifests_wanted, _ = step_objects(plan.steps)
-    meter.total = sum(manifests_wanted.values())
-    stats = cache.fetch(api, manifests_wanted, pool, range_bytes=range_bytes)
-    chain = [load_manifest(cache, s.manifest) for s in plan.steps]
+    chain, stats = _fetch_manifests(api, cache, plan, pool, range_bytes=range_bytes, meter=meter)
     wanted = [f.path for f in chain[-1].files if f.path not in kept and (chosen is None or chosen(f.path))]
     needs = needed_files(chain, wanted)
+    refs = [ref for manifest, paths in zip(chain, needs, strict=True) for ref in frames_for(manifest, paths)]
+    extents, got = _fetch_frames(api, cache, refs, pool, range_bytes=range_bytes, meter=meter)
+    return chain, needs, extents, FetchStats(stats.fetched + got.fetched, stats.cached + got.cached)
+
+
+def _fetch_manifests(
+    api: Api, cache: ObjectCache, plan: Plan, pool: ThreadPoolExecutor, *, range_bytes: int, meter: Meter
+) -> tuple[list[Manifest], FetchStats]:
+    """The manifests of `plan`'s steps, in order, fetched whole and verified (`meter.total` starts with them)."""
+    wanted, _ = step_objects(plan.steps)
+    meter.total = sum(wanted.values())
+    stats = cache.fetch(api, wanted, pool, range_bytes=range_bytes)
+    return [load_manifest(cache, s.manifest) for s in plan.steps], stats
+
+
+def _fetch_frames(
+    api: Api,
+    cache: ObjectCache,
+    refs: Iterable[FrameRef],
+    pool: ThreadPoolExecutor,
+    *,
+    range_bytes: int,
+    meter: Meter,
+) -> tuple[dict[str, list[tuple[int, int]]], FetchStats]:
+    """The byte ranges of the frames `refs` made readable in `cache` (frames back to back: one range), by object."""
     ranges: dict[str, list[tuple[int, int]]] = {}
-    for manifest, paths in zip(chain, needs, strict=True):
-        for ref in frames_for(manifest, paths):
-            if ref.object is None:
-                raise errors.FormatError("a stored manifest's frame names no object")
-            ranges.setdefault(ref.object, []).append((ref.offset, ref.offset + ref.length))
+    for ref in refs:
+        if ref.object is None:
+            raise errors.FormatError("a stored manifest's frame names no object")
+        ranges.setdefault(ref.object, []).append((ref.offset, ref.offset + ref.length))
     extents = {digest: _merged(r) for digest, r in ranges.items()}
     meter.total += sum(b - a for r in extents.values() for a, b in r)
-    got = cache.fetch_extents(api, extents, pool, range_bytes=range_bytes)
-    return chain, needs, extents, FetchStats(stats.fetched + got.fetched, stats.cached + got.cached)
+    return extents, cache.fetch_extents(api, extents, pool, range_bytes=range_bytes)
 
 
 def _with_kept(tree: Tree, kept: _Kept) -> Tree:
