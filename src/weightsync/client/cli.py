@@ -550,7 +550,7 @@ def _engine_kind(value: str) -> str:
 
 def _engine_url(value: str) -> str:
     """--engine-url's check: a server root with a scheme, else a usage error with what to write instead."""
-    from weightsync.engines.vllm import check_url
+    from weightsync.engines.http import check_url
 
     try:
         return check_url(value)

@@ -46,7 +46,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
 
-import httpx
 import numpy as np
 
 from weightsync import errors
@@ -61,7 +60,8 @@ from weightsync.engines.errors import (
     SwitchFailed,
     UnverifiableEngine,
 )
-from weightsync.engines.vllm import DiskUpdate, VllmDisk, _message, check_url
+from weightsync.engines.http import EngineHttp, message
+from weightsync.engines.vllm import DiskUpdate, VllmDisk
 
 PauseMode = Literal["retract", "in_place", "abort"]
 PAUSE_MODES: tuple[str, ...] = ("retract", "in_place", "abort")
@@ -69,7 +69,7 @@ UNVERIFIED = "unverified"
 """The weight version an engine left paused on weights that are no version is tagged with."""
 
 
-class SglangClient:
+class SglangClient(EngineHttp):
     """The native routes of one SGLang HTTP server (``python -m sglang.launch_server``), 0.5.23 or later.
 
     Transport failures raise EngineUnavailable; an error answer raises
@@ -79,56 +79,10 @@ class SglangClient:
     Thread-safe (httpx.Client).
     """
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        token: str | None = None,
-        timeout: float = 30.0,
-        slow_timeout: float = 1800.0,
-        transport: httpx.BaseTransport | None = None,
-    ) -> None:
-        check_url(url)
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self.url = url.rstrip("/")
-        self.slow_timeout = slow_timeout
-        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout, transport=transport)
+    engine = "SGLang"
+    missing_route = "weightsync needs SGLang 0.5.23 or later"
 
-    def close(self) -> None:
-        self._http.close()
-
-    def _request(self, method: str, path: str, *, slow: bool = False, **kwargs: Any) -> httpx.Response:
-        if slow:
-            kwargs["timeout"] = self.slow_timeout
-        try:
-            r = self._http.request(method, path, **kwargs)
-        except httpx.TransportError as exc:
-            raise EngineUnavailable(f"SGLang at {self.url} cannot be reached: {exc}") from exc
-        if r.status_code == 404:
-            raise EngineError(f"SGLang at {self.url} has no {path} route: weightsync needs SGLang 0.5.23 or later")
-        return r
-
-    def _call(self, method: str, path: str, *, slow: bool = False, **kwargs: Any) -> Any:
-        r = self._request(method, path, slow=slow, **kwargs)
-        if r.status_code >= 400:
-            raise EngineError(f"SGLang {method} {path} answered {r.status_code}: {_message(r)}")
-        return r.json() if r.content else None
-
-    def health(self) -> bool:
-        """True when the server answers ``GET /health`` with 200 (503 while it starts)."""
-        try:
-            return self._http.get("/health").status_code == 200
-        except httpx.TransportError:
-            return False
-
-    def wait_ready(self, timeout: float, *, poll: float = 1.0) -> None:
-        """Wait up to ``timeout`` s for ``GET /health`` to answer 200, then check that ``/model_info`` answers:
-        EngineUnavailable when it never did, EngineError when the server is not SGLang."""
-        deadline = time.monotonic() + timeout
-        while not self.health():
-            if time.monotonic() >= deadline:
-                raise EngineUnavailable(f"SGLang at {self.url} cannot be reached (waited {timeout:g}s for /health)")
-            time.sleep(min(poll, max(0.0, deadline - time.monotonic())))
+    def _check_routes(self) -> None:
         self.model_info()
 
     def pause(self, mode: PauseMode) -> None:
@@ -157,7 +111,7 @@ class SglangClient:
         except ValueError:
             answer = None
         if not isinstance(answer, dict) or "success" not in answer:
-            raise EngineError(f"SGLang POST /update_weights_from_disk answered {r.status_code}: {_message(r)}")
+            raise EngineError(f"SGLang POST /update_weights_from_disk answered {r.status_code}: {message(r)}")
         return bool(answer["success"]), " ".join(str(answer.get("message", "")).split())[:300]
 
     def checksums(self) -> list[dict[str, Any]]:

@@ -33,9 +33,7 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
-
-import httpx
+from typing import Literal
 
 from weightsync import errors
 from weightsync.client.checkout import Checkout
@@ -49,6 +47,7 @@ from weightsync.engines.errors import (
     SwitchFailed,
     UnverifiableEngine,
 )
+from weightsync.engines.http import EngineHttp
 
 PauseMode = Literal["keep", "wait", "abort"]
 PAUSE_MODES: tuple[str, ...] = ("keep", "wait", "abort")
@@ -56,23 +55,7 @@ STAGE_DIR = ".weightsync-engine"
 """Inside the checkout: one directory of hard links per version the engine may hold or load."""
 
 
-def check_url(url: str) -> str:
-    """``url`` as the root of a vLLM server, else InvalidArgument saying what to write instead.
-
-    The dev routes sit at the server's root: the OpenAI base URL (``…/v1``) that
-    clients are given is refused with the root to use.
-    """
-    if not url.startswith(("http://", "https://")):
-        raise errors.InvalidArgument(f"engine URL {url!r} needs a scheme: http://{url}")
-    root = url.rstrip("/")
-    if root.endswith("/v1"):
-        raise errors.InvalidArgument(
-            f"engine URL {url!r} is the OpenAI base URL: use the server's root, {root.removesuffix('/v1')}"
-        )
-    return url
-
-
-class VllmClient:
+class VllmClient(EngineHttp):
     """The development routes of one vLLM OpenAI server (``VLLM_SERVER_DEV_MODE=1``).
 
     Transport failures raise EngineUnavailable; an error answer raises
@@ -80,55 +63,12 @@ class VllmClient:
     that touch every weight (reload, checksum). Thread-safe (httpx.Client).
     """
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        token: str | None = None,
-        timeout: float = 30.0,
-        slow_timeout: float = 1800.0,
-        transport: httpx.BaseTransport | None = None,
-    ) -> None:
-        check_url(url)
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self.url = url.rstrip("/")
-        self.slow_timeout = slow_timeout
-        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout, transport=transport)
+    engine = "vLLM"
+    missing_route = "start it with VLLM_SERVER_DEV_MODE=1"
+    # A failed RPC makes vLLM 0.32 drop the connection after its 500: never reuse the connection of one.
+    fresh_slow_connections = True
 
-    def close(self) -> None:
-        self._http.close()
-
-    def _call(self, method: str, path: str, *, slow: bool = False, **kwargs: Any) -> Any:
-        if slow:
-            # A failed RPC makes vLLM 0.32 drop the connection after its 500: never reuse the connection of one.
-            kwargs["timeout"] = self.slow_timeout
-            kwargs["headers"] = {"Connection": "close"}
-        try:
-            r = self._http.request(method, path, **kwargs)
-        except httpx.TransportError as exc:
-            raise EngineUnavailable(f"vLLM at {self.url} cannot be reached: {exc}") from exc
-        if r.status_code == 404:
-            raise EngineError(f"vLLM at {self.url} has no {path} route: start it with VLLM_SERVER_DEV_MODE=1")
-        if r.status_code >= 400:
-            raise EngineError(f"vLLM {method} {path} answered {r.status_code}: {_message(r)}")
-        return r.json() if r.content else None
-
-    def health(self) -> bool:
-        """True when the server answers ``GET /health`` with 200."""
-        try:
-            return self._http.get("/health").status_code == 200
-        except httpx.TransportError:
-            return False
-
-    def wait_ready(self, timeout: float, *, poll: float = 1.0) -> None:
-        """Wait up to ``timeout`` s for ``GET /health`` to answer 200 (a server still loading its model does not),
-        then check that the dev routes are there: EngineUnavailable when it never answered, EngineError
-        (start it with ``VLLM_SERVER_DEV_MODE=1``) when they are not."""
-        deadline = time.monotonic() + timeout
-        while not self.health():
-            if time.monotonic() >= deadline:
-                raise EngineUnavailable(f"vLLM at {self.url} cannot be reached (waited {timeout:g}s for /health)")
-            time.sleep(min(poll, max(0.0, deadline - time.monotonic())))
+    def _check_routes(self) -> None:
         self.is_paused()  # a dev route: 404 without VLLM_SERVER_DEV_MODE=1
 
     def pause(self, mode: PauseMode) -> None:
@@ -171,19 +111,6 @@ class VllmClient:
 
     def weight_version(self) -> str:
         return str(self._call("GET", "/weight_info")["weight_version"])
-
-
-def _message(r: httpx.Response) -> str:
-    try:
-        body = r.json()
-    except ValueError:
-        return r.text[:300].replace("\n", " ")
-    if isinstance(body, dict):
-        err = body.get("error", body.get("detail", body))
-        if isinstance(err, dict):
-            err = err.get("message", err)
-        return str(err)[:300].replace("\n", " ")
-    return str(body)[:300]
 
 
 def by_parameter(checksums: Mapping[str, str]) -> dict[str, str]:
