@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import subprocess
 import threading
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +52,22 @@ def start_server(
 def stop_server(server: Server) -> None:
     """SIGTERM, then SIGKILL (its process group) after 15 s."""
     stop_process(server.proc, 15)
+
+
+@contextmanager
+def server_on(catalog: str, root: Path) -> Iterator[Server]:
+    """A server on the ``sqlite`` catalog (the default) or on a fresh ``postgres`` database, stopped after."""
+    from _pg import fresh_database
+
+    with ExitStack() as stack:
+        args = []
+        if catalog == "postgres":
+            args = ["--catalog", stack.enter_context(fresh_database()).replace("+psycopg", "")]
+        srv = start_server(root, args=args)
+        try:
+            yield srv
+        finally:
+            stop_server(srv)
 
 
 class Killed(Exception):

@@ -17,8 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from _ckpt import mutate, safetensors_file
-from _client_util import Server, start_server, stop_server, tree_bytes
-from _pg import fresh_database
+from _client_util import Server, server_on, start_server, stop_server, tree_bytes
 
 from weightsync import errors
 from weightsync.client import Publisher, Subscriber
@@ -29,20 +28,8 @@ from weightsync.codec import Manifest
 @pytest.fixture(scope="module", params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """A server with an SQLite catalog (the default), or one on a fresh PostgreSQL database."""
-    root = tmp_path_factory.mktemp(f"parts-{request.param}")
-    if request.param == "sqlite":
-        srv = start_server(root)
-        try:
-            yield srv
-        finally:
-            stop_server(srv)
-        return
-    with fresh_database() as url:
-        srv = start_server(root, args=["--catalog", url.replace("+psycopg", "")])
-        try:
-            yield srv
-        finally:
-            stop_server(srv)
+    with server_on(request.param, tmp_path_factory.mktemp(f"parts-{request.param}")) as srv:
+        yield srv
 
 
 SMALL = {"chunk_bytes": 64 << 10, "object_bytes": 256 << 10}

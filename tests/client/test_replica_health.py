@@ -12,8 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
-from _client_util import Server, start_server, stop_server
-from _pg import fresh_database
+from _client_util import Server, server_on
 from typer.testing import CliRunner
 
 from weightsync import Publisher, Subscriber, errors
@@ -31,20 +30,8 @@ torch = pytest.importorskip("torch")
 @pytest.fixture(scope="module", params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """A server with an SQLite catalog (the default), or one on a fresh PostgreSQL database."""
-    root = tmp_path_factory.mktemp(f"ledger-{request.param}")
-    if request.param == "sqlite":
-        srv = start_server(root)
-        try:
-            yield srv
-        finally:
-            stop_server(srv)
-        return
-    with fresh_database() as url:
-        srv = start_server(root, args=["--catalog", url.replace("+psycopg", "")])
-        try:
-            yield srv
-        finally:
-            stop_server(srv)
+    with server_on(request.param, tmp_path_factory.mktemp(f"ledger-{request.param}")) as srv:
+        yield srv
 
 
 def _states(n: int, seed: int = 0) -> list[dict[str, Any]]:

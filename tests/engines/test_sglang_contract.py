@@ -34,6 +34,7 @@ import httpx
 import numpy as np
 import pytest
 from _serve import ServeProcess, clean_env, serving, stop_process
+from _vllm import flip_bit
 
 torch = pytest.importorskip("torch")
 
@@ -125,18 +126,6 @@ def is_paused(url: str) -> bool:
     except httpx.TimeoutException:
         return True
     return False
-
-
-def flip_bit(path: Path, tensor: str, *, byte: int = 0) -> None:
-    """Flip the lowest bit of one byte of ``tensor`` in the safetensors file at ``path``, in place."""
-    with open(path, "r+b") as f:
-        n = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(n))
-        at = 8 + n + header[tensor]["data_offsets"][0] + byte
-        f.seek(at)
-        b = f.read(1)[0]
-        f.seek(at)
-        f.write(bytes([b ^ 1]))
 
 
 def contract_server(model_path: Path, log: Path, *, device: str = "cuda") -> ServeProcess:
