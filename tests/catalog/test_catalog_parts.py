@@ -73,3 +73,28 @@ def test_concurrent_last_parts_complete_the_group_once(catalog: Catalog) -> None
     for t in threads:
         t.join(30)
     assert sorted(seen) == [False, True]
+
+
+def test_a_committed_group_keeps_its_part_manifests_until_it_is_deleted(catalog: Catalog) -> None:
+    """The part manifests stay referenced by the version (fsck finds no orphan, a late retry is answered)."""
+    merged, obj = "d" * 64, "e" * 64
+    pid = _group(catalog, 1)
+    catalog.reference_objects("m", pid, [(A, 10), (B, 10), (obj, 100)], now=T)  # checkObjects of both parts
+    catalog.record_part("m", pid, rank=0, world=2, manifest_digest=A, now=T)
+    assert catalog.record_part("m", pid, rank=1, world=2, manifest_digest=B, now=T).complete
+    catalog.record_object(merged, 20, now=T)
+    v = catalog.commit_version(
+        "m", pid, parent=None, manifest_digest=merged, objects=[(obj, 100)], raw_bytes=1, stored_bytes=1, kind="keyframe"
+    )
+    assert {A, B, merged, obj} <= catalog.referenced_digests()
+    assert all(catalog.get_object(d).unreferenced_since is None for d in (A, B, obj))
+    again = catalog.record_part("m", pid, rank=1, world=2, manifest_digest=B, now=T + timedelta(days=1))
+    assert again.version.number == v.number and again.version.state == "committed"
+    # The next version on top; deleting v1 then releases its part manifests to GC like its other objects.
+    pid2 = _group(catalog, 2, parent=1)
+    catalog.commit_version(
+        "m", pid2, parent=1, manifest_digest=C, objects=[], raw_bytes=1, stored_bytes=1, kind="keyframe"
+    )
+    assert catalog.mark_deleted("m", [1], now=T + timedelta(hours=1)) == [1]
+    assert not {A, B, merged, obj} & catalog.referenced_digests()
+    assert all(catalog.get_object(d).unreferenced_since is not None for d in (A, B, merged, obj))

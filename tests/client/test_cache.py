@@ -258,22 +258,8 @@ def test_a_server_without_v1_info_is_keyed_by_host_and_port(tmp_path: Path) -> N
         other.wait(10)
 
 
-def test_each_part_of_a_multi_part_publisher_is_a_base_of_its_own(cli, model: str, root: Path, tmp_path: Path) -> None:
-    """`Publisher(part=(rank, world))` keeps its base in `<model>/part-R-of-W`: listed, held and pruned part by part.
-
-    On a server of its own: after a multi-part publish the shared server's fsck is not clean (issue 14, open).
-    """
-
-    from _client_util import start_server, stop_server
-
-    server = start_server(tmp_path / "own-server")
-    try:
-        _parts_bases(cli, server, model, root)
-    finally:
-        stop_server(server)
-
-
-def _parts_bases(cli, server, model: str, root: Path) -> None:
+def test_each_part_of_a_multi_part_publisher_is_a_base_of_its_own(cli, server, model: str, root: Path) -> None:
+    """`Publisher(part=(rank, world))` keeps its base in `<model>/part-R-of-W`: listed, held and pruned part by part."""
     import threading
 
     held_root = publish_root(root, _info_id(server.url))

@@ -91,6 +91,10 @@ def test_three_part_processes_commit_one_version(server, model, tmp_path: Path) 
             assert p.returncode == 0, err.decode()
             assert f"{model} v{step} (" in out.decode()  # each rank waited for the commit
         assert pulled(server.url, model, tmp_path / "pull") == files
+        with Api(server.url) as api:
+            # Nothing left over: the part manifests stay referenced by the version (no orphans).
+            report = api.fsck(read_data=True, repair=False)
+            assert report.problems == [] and report.ok, report.problems
     with Api(server.url) as api:
         versions = api.list_versions(model)
     assert [(v.number, v.step, v.kind) for v in versions] == [(1, 1, "keyframe"), (2, 2, "delta")]

@@ -297,8 +297,13 @@ def commit(
             # GC is deleting these bytes (DESIGN invariant 7): the version would lose them.
             raise errors.IncompletePublish(f"object {gone[0]} is being deleted by GC: upload it again")
     # Pending-time references the final list no longer names go back to GC; the manifest's too: the
-    # committed version refers to its manifest by its manifest_digest.
-    stale = [d for d in had if d not in refs]
+    # committed version refers to its manifest by its manifest_digest. A multi-part version keeps its
+    # part manifests referenced for as long as it lives: they record what each rank published, and a
+    # part retried after the commit is answered from them (CATALOG.md "Multi-part publishes").
+    parts: set[str] = set()
+    if row.publish_id is not None and row.publish_id.startswith(PARTS_PREFIX):
+        parts = set(s.scalars(select(PartRow.manifest_digest).where(PartRow.version_id == row.id)))
+    stale = [d for d in had if d not in refs and d not in parts]
     if stale:
         s.execute(
             delete(VersionObjectRow).where(VersionObjectRow.version_id == row.id, VersionObjectRow.digest.in_(stale))
