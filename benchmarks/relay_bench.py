@@ -37,6 +37,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks._serve import _serve, free_port, serve
+from benchmarks.sync_bench import read_lines, stop_all, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -84,22 +85,6 @@ class Relay:
             _serve.stop_process(self.proc, 10)
 
 
-def _lines(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def _wait(cond, procs, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if any(p.poll() not in (None, 0) for p in procs):
-            raise RuntimeError("a subscriber process failed")
-        if time.monotonic() > deadline:
-            raise TimeoutError("subscribers did not catch up")
-        time.sleep(0.02)
-
-
 def run_layout(layout: str, versions: list[Path], args: argparse.Namespace, work: Path) -> list[dict]:
     from weightsync.client import Publisher
 
@@ -129,7 +114,7 @@ def run_layout(layout: str, versions: list[Path], args: argparse.Namespace, work
                     cmd += ["--model", model, "--name", f"{r}-{i}", "--bandwidth", "1e12"]
                     cmd += ["--dir", str(work / f"{r}-sub{i}"), "--versions", str(len(versions) - 1), "--out", str(out)]
                     procs.append(subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "WEIGHTSYNC_SITE": r}))
-            _wait(lambda: all(any("ready" in x for x in _lines(o)) for o in outs), procs, 900)
+            wait_until(lambda: all(any("ready" in x for x in read_lines(o)) for o in outs), procs, 900)
             rows.append(
                 {
                     "layout": layout,
@@ -155,12 +140,12 @@ def run_layout(layout: str, versions: list[Path], args: argparse.Namespace, work
                     event = "relay eu killed (SIGKILL) after the commit, restarted"
                     relays["eu"].kill()
                     relays["eu"].start()
-                _wait(
-                    lambda v=res.version: all(any(x.get("version") == v for x in _lines(o)) for o in outs),
+                wait_until(
+                    lambda v=res.version: all(any(x.get("version") == v for x in read_lines(o)) for o in outs),
                     procs,
                     900,
                 )
-                subs = [next(x for x in _lines(o) if x.get("version") == res.version) for o in outs]
+                subs = [next(x for x in read_lines(o) if x.get("version") == res.version) for o in outs]
                 rows.append(
                     {
                         "layout": layout,
@@ -176,13 +161,7 @@ def run_layout(layout: str, versions: list[Path], args: argparse.Namespace, work
                 print(json.dumps(rows[-1]), flush=True)
             pub.close()
         finally:
-            for p in procs:
-                p.terminate()
-            for p in procs:
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+            stop_all(procs)
             for relay in relays.values():
                 relay.stop()
             for link in links.values():
