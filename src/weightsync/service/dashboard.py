@@ -326,7 +326,7 @@ def chart(versions: list[Version]) -> Chart:
     """Geometry of the stored-bytes chart for ``versions`` (oldest first): bars on a log axis, ratio dots.
 
     Keyframes are ~20-200x their deltas, so a linear axis would flatten every delta: the bytes
-    axis is logarithmic, with a tick at each power of 1024 in range.
+    axis is logarithmic, ticked at powers of two.
     """
     sizes = [max(1, v.stored_bytes or 1) for v in versions]
     lo = math.log2(max(1, min(sizes) // 2))
@@ -357,12 +357,10 @@ def chart(versions: list[Version]) -> Chart:
                 chain_index=chain_index,
             )
         )
-    y_ticks = []
-    p = math.ceil(lo / 10) * 10
-    while p <= hi:
-        y_ticks.append((y_of(2**p), 2**p))
-        p += 10
-    if not y_ticks:  # a narrow range: label its ends
+    # Ticks at powers of two, every 1, 2, 5 or 10 of them: at most five on the axis.
+    every = next(e for e in (1, 2, 5, 10, 20) if (hi - lo) / e <= 5)
+    y_ticks = [(y_of(2.0**p), 2**p) for p in range(math.ceil(lo / every) * every, math.floor(hi) + 1, every)]
+    if not y_ticks:  # a range within one power of two: label its ends
         y_ticks = [(y_of(min(sizes)), min(sizes)), (y_of(max(sizes)), max(sizes))]
     ratio_ticks = [(_BOTTOM - f * plot_h, top_ratio * f) for f in (0.0, 0.5, 1.0)]
     return Chart(_W, _H, _TOP, _BOTTOM, bars, y_ticks, ratio_ticks, _BAND_Y, _BAND_H, chain_index + 1)

@@ -282,7 +282,8 @@ async def events(request: Request, model: Annotated[list[str] | None, Query(max_
 
     ``event: change`` with ``{"model", "what": "version" | "replica" | "model"}`` whenever a
     version commits, a replica reports, or (no model named) a model appears or goes; a page then
-    fetches itself again and swaps its live regions.
+    fetches itself again and swaps its live regions. ``event: ready`` first, once the state the
+    changes are counted from is read: a page fetches itself then too, for what changed before.
     """
     try:
         who = _principal(request)
@@ -325,7 +326,11 @@ async def _changes(
         except errors.CatalogUnavailable as exc:
             log.warning("dashboard events: %s", exc)
             now = seen
-        if not first:
+        if first:
+            # The baseline is taken: what changed between the page's render and now is not sent, so
+            # the page fetches itself once on this event (on every reconnect too).
+            yield f"event: ready\ndata: {json.dumps({'models': len(now)})}\n\n"
+        else:
             for name in sorted(set(now) | set(seen)):
                 old, new = seen.get(name), now.get(name)
                 if old == new:

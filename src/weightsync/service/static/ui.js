@@ -46,7 +46,12 @@
 
   const query = params.toString();
   const source = new EventSource("/ui/events" + (query ? "?" + query : ""));
-  source.addEventListener("open", function () { ui.connected = true; say("Live: watching for new versions and replica reports"); });
+  // "ready": the server has read the state it counts changes from; catch up on what changed before.
+  source.addEventListener("ready", function () {
+    ui.connected = true;
+    say("Live: watching for new versions and replica reports");
+    schedule();
+  });
   source.addEventListener("change", schedule);
   source.addEventListener("error", function () { ui.connected = false; say("Live updates: reconnecting…"); });
 })();
