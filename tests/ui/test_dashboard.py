@@ -97,6 +97,7 @@ def check_page(browser: Any, url: str, name: str, axe_source: str, artifacts: Pa
         context = browser.new_context(viewport={"width": 1280, "height": 800}, color_scheme=scheme)
         page = context.new_page()
         assert page.goto(url).status == 200
+        page.locator("body[data-live-state=ready]").wait_for()  # every page is live
         page.screenshot(path=str(artifacts / f"{name}-{scheme}.png"), full_page=True)
         assert serious_violations(page, axe_source) == [], f"{name} ({scheme})"
         context.close()
@@ -221,7 +222,7 @@ def test_a_new_version_and_a_replica_report_appear_without_a_reload(fleet: Fleet
     page = browser.new_page()
     page.goto(f"{fleet.server.url}/ui/models/{model}")
     assert page.locator("table.versions tbody tr").count() == 1
-    page.wait_for_function("window.weightsyncUi && window.weightsyncUi.connected")
+    page.locator("body[data-live-state=ready]").wait_for()
     page.evaluate("window.__sentinel = 'still the same page'")
 
     # v2 commits: the timeline gains its row in place.
@@ -304,7 +305,7 @@ def test_the_dashboard_needs_a_read_token_kept_in_a_strict_httponly_cookie(
     # The default threshold (5 minutes): a replica a version behind since seconds ago is not stale.
     behind = page.locator('tr[data-subscriber="behind"]')
     assert behind.locator("[data-lag]").inner_text() == "1" and "stale" not in (behind.get_attribute("class") or "")
-    page.wait_for_function("window.weightsyncUi && window.weightsyncUi.connected")  # the cookie opens the stream
+    page.locator("body[data-live-state=ready]").wait_for()  # the cookie opens the stream
 
     # The cookie is the dashboard's alone: the API takes the Authorization header only.
     jar = {"weightsync_ui": TOKENS["reader"]}

@@ -49,9 +49,14 @@
   // "ready": the server has read the state it counts changes from; catch up on what changed before.
   source.addEventListener("ready", function () {
     ui.connected = true;
+    body.setAttribute("data-live-state", "ready");
     say("Live: watching for new versions and replica reports");
     schedule();
   });
   source.addEventListener("change", schedule);
-  source.addEventListener("error", function () { ui.connected = false; say("Live updates: reconnecting…"); });
+  source.addEventListener("error", function () {
+    ui.connected = false;
+    body.setAttribute("data-live-state", "reconnecting");
+    say("Live updates: reconnecting…");
+  });
 })();
