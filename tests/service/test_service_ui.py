@@ -8,8 +8,11 @@ from __future__ import annotations
 import uuid
 
 import httpx
+import pytest
 from _service_http import EventReader, ok, problem, publish, publish_chain
 from _service_util import TOKENS
+
+from weightsync.service import Settings, create_app
 
 
 def _signed_in(service, who: str) -> httpx.Client:
@@ -83,3 +86,16 @@ def test_the_live_stream_says_when_a_version_commits_or_a_replica_reports(servic
     ok(publisher.post(f"/v1/models/{name}/replicas", json={"subscriber": "r1", "version": 2}), 201)
     assert reader.wait_event("change", lambda d: d["what"] == "replica") == {"model": name, "what": "replica"}
     reader.close()
+
+
+@pytest.mark.anyio
+async def test_without_tokens_the_dashboard_answers_on_loopback_only(tmp_path):
+    """Anonymous mode as for the API: a request that came in on another address gets the 401 page."""
+    app = create_app(Settings(data=tmp_path / "data"))  # no lifespan: refused before the catalog is asked
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://10.1.2.3:8400") as client:
+        for path in ("/ui/", "/ui/models/m", "/ui/models/Org/m/versions/1", "/ui/events"):
+            r = await client.get(path)
+            assert r.status_code == 401, path
+        page = await client.get("/ui/")
+        assert "no tokens configured" in page.text and 'name="token"' not in page.text

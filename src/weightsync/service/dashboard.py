@@ -9,6 +9,7 @@ lag and is shown as unhealthy instead.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import shlex
 from collections import Counter
@@ -24,6 +25,7 @@ from weightsync.service.auth import Principal
 
 __all__ = [
     "PAGE_SIZE",
+    "ChangeWatcher",
     "Chart",
     "ModelPage",
     "ModelSummary",
@@ -313,6 +315,51 @@ async def version_page(
         holders=views,
         pull_command=pull_command(server, model, number),
     )
+
+
+# --- changes, for the live stream ------------------------------------------------------------
+
+
+class ChangeWatcher:
+    """What changes when a version commits, a pin moves or a replica reports, read at most once a ``poll``.
+
+    Every open dashboard stream of the process asks the same one, so N streams on M models cost
+    M reads a poll, not N x M. Fingerprints are compared, never trusted for content: a page that
+    sees one change fetches itself.
+    """
+
+    def __init__(self, ops: Ops, poll: float) -> None:
+        self.ops = ops
+        self.poll = poll
+        self._models: tuple[float, list[str]] | None = None
+        self._prints: dict[str, tuple[float, tuple[object, ...] | None]] = {}
+
+    def _fresh(self, at: float) -> bool:
+        return asyncio.get_running_loop().time() - at < self.poll
+
+    async def models(self) -> list[str]:
+        """Every model's name (any reader's filter applies after)."""
+        if self._models is None or not self._fresh(self._models[0]):
+            self._models = (asyncio.get_running_loop().time(), [m.name for m in await self.ops.list_models()])
+        return self._models[1]
+
+    async def fingerprint(self, model: str) -> tuple[object, ...] | None:
+        """(head, pin) and (replicas, newest report) of ``model``; None when there is no such model."""
+        cached = self._prints.get(model)
+        if cached is not None and self._fresh(cached[0]):
+            return cached[1]
+        now = asyncio.get_running_loop().time()
+        try:
+            m = await self.ops.get_model(model)
+            replicas = await self.ops.list_replicas(model)
+        except errors.NotFound:
+            found: tuple[object, ...] | None = None
+        else:
+            found = ((m.head, m.pinned), (len(replicas), max((r.applied_at for r in replicas), default=None)))
+        if len(self._prints) > 10_000:  # names asked for that never existed: keep the cache bounded
+            self._prints.clear()
+        self._prints[model] = (now, found)
+        return found
 
 
 # --- the chart -----------------------------------------------------------------------------

@@ -289,40 +289,40 @@ async def events(request: Request, model: Annotated[list[str] | None, Query(max_
         who = _principal(request)
     except AuthDenied as denied:
         return Response(denied.detail, status_code=denied.status, media_type="text/plain")
-    ops: Ops = request.app.state.ops
     settings: Settings = request.app.state.settings
     wanted = [m for m in (model or []) if who.may_use(m)]
     return StreamingResponse(
-        _changes(ops, who, wanted or None, max(settings.watch_poll_s, 1.0), settings.sse_keepalive_s),
+        _changes(_watcher(request), who, wanted or None, settings.sse_keepalive_s),
         media_type="text/event-stream",
         headers={**_SECURITY_HEADERS, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
 
 
-async def _fingerprint(ops: Ops, model: str) -> tuple[Any, ...] | None:
-    """What changes when a version commits, a pin moves or a replica reports (None: no such model)."""
-    try:
-        m = await ops.get_model(model)
-        replicas = await ops.list_replicas(model)
-    except errors.NotFound:
-        return None
-    latest = max((r.applied_at for r in replicas), default=None)
-    return (m.head, m.pinned), (len(replicas), latest)
+def _watcher(request: Request) -> dashboard.ChangeWatcher:
+    """The process's one :class:`~weightsync.service.dashboard.ChangeWatcher`, made on first use."""
+    state = request.app.state
+    if getattr(state, "ui_watcher", None) is None:
+        settings: Settings = state.settings
+        state.ui_watcher = dashboard.ChangeWatcher(state.ops, max(settings.watch_poll_s, 1.0))
+    watcher: dashboard.ChangeWatcher = state.ui_watcher
+    return watcher
 
 
 async def _changes(
-    ops: Ops, who: Principal, models: list[str] | None, poll: float, keepalive: float
+    watcher: dashboard.ChangeWatcher, who: Principal, models: list[str] | None, keepalive: float
 ) -> AsyncIterator[str]:
+    """The stream: compares the models' fingerprints every poll; runs until the client goes."""
+    poll = watcher.poll
     yield f"retry: {int(poll * 3000)}\n: watching\n\n"
-    seen: dict[str, tuple[Any, ...] | None] = {}
+    seen: dict[str, tuple[object, ...] | None] = {}
     first = True
     idle = 0.0
     while True:
         try:
             names = models
             if names is None:
-                names = [m.name for m in await ops.list_models() if who.may_use(m.name)]
-            now = {name: await _fingerprint(ops, name) for name in names}
+                names = [name for name in await watcher.models() if who.may_use(name)]
+            now = {name: await watcher.fingerprint(name) for name in names}
         except errors.CatalogUnavailable as exc:
             log.warning("dashboard events: %s", exc)
             now = seen
