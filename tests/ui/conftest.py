@@ -37,7 +37,9 @@ def chromium_path() -> str | None:
     return os.environ.get("WEIGHTSYNC_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
 
 
-@pytest.fixture(scope="session")
+# Module scope, not session: Playwright's sync API runs an event loop on this thread while it is
+# open, and tests collected after these (anyio ones) need the thread's loop free.
+@pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
     """Debian's chromium under Playwright (headless)."""
     exe = chromium_path()

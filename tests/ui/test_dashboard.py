@@ -405,4 +405,8 @@ def test_a_model_of_5000_versions_pages_through_its_timeline(big: Server, browse
     assert shown() == list(range(200, 100, -1))
     page.click("nav.pager a[rel=first]")
     assert shown()[0] == 5000
+    # These versions' manifests are not in the store: the Version page says so and shows the rest.
+    assert page.goto(big.url + "/ui/models/big/versions/5000").status == 200
+    assert "The manifest could not be read" in page.locator("[role=alert]").inner_text()
+    assert page.locator("ol.lineage li").count() == 50  # v4951 (keyframe) to v5000
     page.close()

@@ -165,7 +165,8 @@ class VersionPage:
     tensor_bytes: int
     dtypes: list[tuple[str, int, int]]  # (dtype, tensors, bytes), most bytes first
     changed_tensors: int | None  # None for a keyframe
-    manifest_format: int
+    manifest_format: int | None  # None when the manifest could not be read (manifest_problem says why)
+    manifest_problem: str | None = None
     holders: list[ReplicaView] = field(default_factory=list)
     pull_command: str = ""
 
@@ -289,11 +290,15 @@ async def version_page(
     m = await ops.get_model(model)
     v = await ops.get_version(model, number)
     lineage = await ops.lineage(model, number)
-    manifest: Manifest = await ops.load_manifest(v.manifest_digest or "")
+    problem: str | None = None
+    try:
+        manifest: Manifest | None = await ops.load_manifest(v.manifest_digest or "")
+    except errors.WeightsyncError as exc:  # the page still shows what the catalog knows
+        manifest, problem = None, f"{exc.title}: {exc}"
     files, dtype_count, dtype_bytes = [], Counter[str](), Counter[str]()
     changed_total = 0
-    delta = manifest.kind == "delta"
-    for f in manifest.files:
+    delta = v.kind == "delta"
+    for f in manifest.files if manifest is not None else ():
         tensors = [e for e in f.segments if e.segment.kind == "tensor"]
         changed = sum(not e.unchanged and e.digest != e.base_digest for e in tensors) if delta else None
         changed_total += changed or 0
@@ -311,7 +316,8 @@ async def version_page(
         tensor_bytes=sum(dtype_bytes.values()),
         dtypes=sorted(((d, dtype_count[d], dtype_bytes[d]) for d in dtype_count), key=lambda t: (-t[2], t[0])),
         changed_tensors=changed_total if delta else None,
-        manifest_format=manifest.version,
+        manifest_format=None if manifest is None else manifest.version,
+        manifest_problem=problem,
         holders=views,
         pull_command=pull_command(server, model, number),
     )
