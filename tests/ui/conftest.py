@@ -34,7 +34,11 @@ def unavailable(reason: str) -> None:
 
 
 def chromium_path() -> str | None:
-    return os.environ.get("WEIGHTSYNC_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+    """The browser: ``WEIGHTSYNC_CHROMIUM`` if set (and there), else Debian's ``chromium`` on PATH."""
+    given = os.environ.get("WEIGHTSYNC_CHROMIUM")
+    if given:
+        return given if Path(given).is_file() else None
+    return shutil.which("chromium") or shutil.which("chromium-browser")
 
 
 # Module scope, not session: Playwright's sync API runs an event loop on this thread while it is

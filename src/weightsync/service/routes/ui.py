@@ -27,6 +27,7 @@ from weightsync.common import VERSION, human_bytes
 from weightsync.ops import Ops
 from weightsync.service import dashboard
 from weightsync.service.auth import AuthDenied, Principal, TokenTable
+from weightsync.service.metrics import Metrics
 from weightsync.service.settings import Settings
 
 __all__ = ["COOKIE", "router"]
@@ -292,7 +293,7 @@ async def events(request: Request, model: Annotated[list[str] | None, Query(max_
     settings: Settings = request.app.state.settings
     wanted = [m for m in (model or []) if who.may_use(m)]
     return StreamingResponse(
-        _changes(_watcher(request), who, wanted or None, settings.sse_keepalive_s),
+        _changes(_watcher(request), who, wanted or None, settings.sse_keepalive_s, request.app.state.metrics),
         media_type="text/event-stream",
         headers={**_SECURITY_HEADERS, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
@@ -309,9 +310,20 @@ def _watcher(request: Request) -> dashboard.ChangeWatcher:
 
 
 async def _changes(
-    watcher: dashboard.ChangeWatcher, who: Principal, models: list[str] | None, keepalive: float
+    watcher: dashboard.ChangeWatcher, who: Principal, models: list[str] | None, keepalive: float, metrics: Metrics
 ) -> AsyncIterator[str]:
     """The stream: compares the models' fingerprints every poll; runs until the client goes."""
+    metrics.sse_streams.inc()
+    try:
+        async for chunk in _change_events(watcher, who, models, keepalive):
+            yield chunk
+    finally:
+        metrics.sse_streams.dec()
+
+
+async def _change_events(
+    watcher: dashboard.ChangeWatcher, who: Principal, models: list[str] | None, keepalive: float
+) -> AsyncIterator[str]:
     poll = watcher.poll
     yield f"retry: {int(poll * 3000)}\n: watching\n\n"
     seen: dict[str, tuple[object, ...] | None] = {}
