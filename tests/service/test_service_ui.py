@@ -59,6 +59,10 @@ def test_pages_need_a_read_token_from_a_strict_httponly_cookie(service, versions
     assert org.get(f"/ui/models/{hidden}").status_code == 404
     assert org.get(f"/ui/models/{hidden}/versions/1").status_code == 404
     assert hidden not in org.get("/ui/").text
+    absent = f"policy-{uuid.uuid4().hex[:8]}"  # the 404 page says nothing more about a hidden model
+    assert org.get(f"/ui/models/{hidden}").text.replace(hidden, "M") == org.get(f"/ui/models/{absent}").text.replace(
+        absent, "M"
+    )
     assert org.get(f"/ui/models/{name}/versions/99").status_code == 404
     assert org.get(f"/ui/models/{name}/versions/x").status_code == 404
 

@@ -196,7 +196,7 @@ async def model_view(
 ) -> Response:
     async def build(who: Principal, ops: Ops, settings: Settings) -> tuple[str, dict[str, Any]]:
         if _hidden(who, model):
-            raise errors.ModelNotFound(f"no model {model!r}")
+            raise errors.ModelNotFound(f"no model named {model!r}")  # as the catalog says: no hint it exists
         page = await dashboard.model_page(
             ops, model, _now(), settings.ui_stale_after_s, before=_keyset(before), after=_keyset(after)
         )
@@ -210,7 +210,7 @@ async def version_view(request: Request, model: str, number: str) -> Response:
     async def build(who: Principal, ops: Ops, settings: Settings) -> tuple[str, dict[str, Any]]:
         n = _keyset(number)
         if _hidden(who, model):
-            raise errors.ModelNotFound(f"no model {model!r}")
+            raise errors.ModelNotFound(f"no model named {model!r}")  # as the catalog says: no hint it exists
         if n is None:
             raise errors.VersionNotFound(f"no version {number!r} of {model!r}")
         server = str(request.base_url).rstrip("/")
