@@ -22,6 +22,7 @@ from .records import (
     Replica,
     Target,
     Version,
+    VersionTotals,
 )
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "Replica",
     "Target",
     "Version",
+    "VersionTotals",
     "make_engine",
     "normalize_url",
     "validate_model_name",

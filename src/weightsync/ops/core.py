@@ -25,7 +25,7 @@ from typing import Any, ParamSpec, TypeVar
 import numpy as np
 
 from weightsync import errors
-from weightsync.catalog import PARTS_PREFIX, Catalog, Lease, Model, ObjectInfo, Replica, Target, Version
+from weightsync.catalog import PARTS_PREFIX, Catalog, Lease, Model, ObjectInfo, Replica, Target, Version, VersionTotals
 from weightsync.codec import Checkpoint, CheckpointFile, Decoder, FrameRef, Manifest
 from weightsync.codec.checkpoint import tensor_names
 from weightsync.codec.manifest import DIGEST_KINDS
@@ -665,6 +665,10 @@ class Ops:
 
     async def list_versions(self, model: str, **kwargs: Any) -> list[Version]:
         return await self._db(self.catalog.list_versions, model, **kwargs)
+
+    async def version_totals(self, model: str) -> VersionTotals:
+        """How many committed versions `model` has and their raw and stored bytes (ModelNotFound)."""
+        return await self._db(self.catalog.version_totals, model)
 
     async def get_version(self, model: str, number: int | None = None) -> Version:
         """Version `number`, or the head; VersionNotFound if the model has none."""
