@@ -23,7 +23,8 @@ rank (the oracle), the elements each rank wrote against the elements that differ
 between the oracle's two loads, and which worker made each version for its host.
 With ``corrupt``, that version is then prepared by rank 0 alone, one changed value
 landing only on rank 1's slice is flipped in the host store, and every rank
-switches; then rank 1 prepares and switches again. Writes ``out`` (JSON).
+switches; then, as the adapter does after a failed switch, every rank is asked to
+revert, and all prepare and switch again. Writes ``out`` (JSON).
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ from weightsync.engines.vllm_worker import Worker  # noqa: E402
 
 
 class FakeWorker(Worker):
-    """vLLM's worker as the extension sees it: its config, its model, its tensor-parallel rank."""
+    """vLLM's worker as the extension sees it: its config and its model. The extension reads the rank from
+    vLLM's ``get_tensor_model_parallel_rank()`` at attach, so each attach runs with that rank faked."""
 
     def __init__(self, root: torch.nn.Module, rank: int, size: int, hf_config: Any) -> None:
         self.vllm_config = types.SimpleNamespace(
@@ -59,9 +61,6 @@ class FakeWorker(Worker):
         )
         self.model_runner = types.SimpleNamespace(get_model=lambda: root)
         self.tp = (rank, size)
-
-    def _weightsync_tp(self) -> tuple[int, int]:
-        return self.tp
 
 
 def checkpoint(directory: str) -> dict[str, torch.Tensor]:
@@ -137,13 +136,15 @@ def run(spec: dict[str, Any], scenario: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"attach": [], "switches": []}
     for rank, w in enumerate(workers):
         host = host_of[rank]
+        fake_tp(rank, size)  # read by the extension before its attach thread starts
         answer = w.weightsync_attach(
             host["url"], spec["model"], [spec["numbers"][path[0]]], None, f"rank{rank}", None, host["dir"]
         )
         assert "error" not in answer, answer
     attached = wait_all(workers, "weightsync_attached", lambda a: not a.get("attaching"))
     out["attach"] = [
-        {"held": a["held"], "made": a["counters"]["host_made"], "unmapped": a["unmapped"]} for a in attached
+        {"held": a["held"], "made": a["counters"]["host_made"], "unmapped": a["unmapped"], "rank": a["rank"]}
+        for a in attached
     ]
     for old, tag in zip(path, path[1:], strict=False):
         number = spec["numbers"][tag]
@@ -212,17 +213,25 @@ def corrupt(
         for r, a in enumerate(answers)
     ]
     store_dropped = not (store.dir / f"v{number}").exists()
-    workers[1].weightsync_prepare(number)  # again: the store makes the version afresh
-    (status,) = wait_all(workers[1:2], "weightsync_status", lambda a: a["ready"] and a["target"] == number)
-    retry = workers[1].weightsync_switch(number)
+    # What the adapter does next: every worker that switched puts its previous version back.
+    reverted = [w.weightsync_revert(number) for w in workers]
+    after_revert = [
+        {"rank": r, "held": a["held"], "differing_old": differing(live(roots[r]), oracles[held_tag][r])}
+        for r, a in enumerate(reverted)
+    ]
+    for w in workers:  # the next try: the store makes the version afresh
+        w.weightsync_prepare(number)
+    ready = wait_all(workers, "weightsync_status", lambda a: a["ready"] and a["target"] == number)
+    retry = [w.weightsync_switch(number) for w in workers]
     return {
         "flipped": flipped,
         "after": after,
         "store_dropped": store_dropped,
-        "retry_made_here": status["made_here"],
-        "retry": {k: retry.get(k) for k in ("error", "version", "elements", "compared")},
-        "retry_held": workers[1].weightsync_status()["held"],
-        "retry_differing": differing(live(roots[1]), oracles[tag][1]),
+        "after_revert": after_revert,
+        "retry_made": [a["made_here"] for a in ready],
+        "retry": [{k: a.get(k) for k in ("error", "version", "elements", "compared")} for a in retry],
+        "retry_held": [w.weightsync_status()["held"] for w in workers],
+        "retry_differing": [differing(live(roots[r]), oracles[tag][r]) for r in range(size)],
     }
 
 

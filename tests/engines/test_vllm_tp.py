@@ -16,8 +16,9 @@ by parameter, are the elements that differ between the loaders' two results (the
 changed checkpoint elements landing in its slice); exactly one worker per host made the
 version, and the server sent each object once per host. A value of rank 1's slice
 corrupted in the host store is caught by rank 1's slice checksum: its writes are undone
-and it stays on its version (bit for bit), the store drops the bad copy, and the next
-prepare makes it again (one more download, on that host only).
+and it stays on its version (bit for bit), the store drops the bad copy, rank 0 (which
+switched) reverts to the same version when asked, and the next prepare makes the version
+again (one more download, on that host only) and every rank switches.
 """
 
 from __future__ import annotations
@@ -111,6 +112,7 @@ def test_every_rank_holds_what_vllms_loaders_make_of_each_version(run, scenario:
     got = out[scenario]
     size = SCENARIOS[scenario]
     assert [a["held"] for a in got["attach"]] == [numbers["v1"]] * size  # proven from the loaded slices
+    assert [a["rank"] for a in got["attach"]] == list(range(size))  # as vLLM's parallel state says
     assert all(a["unmapped"] == [] for a in got["attach"])
     assert [s["tag"] for s in got["switches"]] == PATH[1:]
     for step in got["switches"]:
@@ -163,7 +165,8 @@ def test_a_corrupted_slice_is_caught_and_leaves_the_rank_on_its_version(run) -> 
     assert rank1["error"] == "ChecksumMismatch"
     assert rank1["held"] == numbers["v4"] and rank1["differing_old"] == []  # every write undone, bit for bit
     assert got["store_dropped"]
-    assert got["retry_made_here"]  # made afresh for the host by the rank that found it bad
-    assert got["retry"]["error"] is None and got["retry"]["version"] == numbers["v5"]
-    assert got["retry"]["compared"] == []
-    assert got["retry_held"] == numbers["v5"] and got["retry_differing"] == []
+    # Rank 0, which had switched, puts v4 back when asked (the adapter asks after any worker failed).
+    assert [(a["held"], a["differing_old"]) for a in got["after_revert"]] == [(numbers["v4"], [])] * 2
+    assert got["retry_made"].count(True) == 1  # made afresh for the host, once
+    assert all(r["error"] is None and r["version"] == numbers["v5"] and r["compared"] == [] for r in got["retry"])
+    assert got["retry_held"] == [numbers["v5"]] * 2 and got["retry_differing"] == [[], []]

@@ -289,9 +289,12 @@ class VllmInProcess(Engine):
         )
 
     def _back(self, previous: int | None, target: int, why: Exception) -> None:
-        """After a failed switch: resume when every worker still holds ``previous``, else EngineUnhealthy (paused)."""
+        """After a failed switch: resume when every worker holds ``previous`` (workers that did switch, as other ranks
+        of a tensor-parallel engine may have, are asked to revert first), else EngineUnhealthy (paused)."""
         try:
             answers = self.client.rpc("weightsync_status")
+            if previous is not None and any(a.get("held") == target for a in answers):
+                answers = self.client.rpc("weightsync_revert", target)
         except errors.WeightsyncError as exc:
             self.version = None
             raise EngineUnhealthy(

@@ -23,7 +23,9 @@ worker extension (``engines/vllm_worker.py``) keeps on such a rank:
   checksum is linear) and compared with the new version's (result). A failed
   result undoes every write of the switch: the rank holds its version as before
   (and the store's copy of the version is dropped, so the next prepare makes it
-  again). A failed base check leaves the rank holding no version; the next
+  again). When another rank of the engine failed its switch, :meth:`Sliced.revert`
+undoes this rank's last one (the adapter asks every worker), so the whole engine
+holds the previous version again. A failed base check leaves the rank holding no version; the next
   switch rewrites every element that differs from the version, each parameter's
   result summed in full.
 
@@ -208,6 +210,17 @@ class Prepared:
 
 
 @dataclass
+class _Undo:
+    """What the last successful switch changed, to put back when another rank of the engine failed its switch."""
+
+    target: int
+    previous: int | None
+    sums: dict[str, TensorSum]
+    digests: dict[str, str]
+    writes: list[tuple[SliceChange, Slice, Any]]
+
+
+@dataclass
 class Sliced:
     """One tensor-parallel rank's in-process state (module docstring). One call at a time, as vLLM makes them."""
 
@@ -228,6 +241,7 @@ class Sliced:
     prepared: Prepared | None = None
     prepare_error: BaseException | None = None
     target: int | None = None
+    undo: _Undo | None = None
     counters: dict[str, int] = field(
         default_factory=lambda: {
             "switches": 0,
@@ -239,6 +253,7 @@ class Sliced:
             "attach_reloads": 0,
             "host_made": 0,
             "host_read": 0,
+            "reverted": 0,
         }
     )
 
@@ -390,6 +405,7 @@ class Sliced:
                 f"after the update; every change was undone: this rank holds v{previous} again"
             )
         t1 = time.perf_counter()
+        self.undo = _Undo(prepared.target, previous, dict(self.sums), dict(self.digests), done)
         for c, _ in work:
             self.sums[c.name] = c.expected
         self.held, self.digests, self.prepared, self.target = prepared.target, prepared.digests, None, None
@@ -414,6 +430,31 @@ class Sliced:
             "written": {c.name: len(c.where) for c, _ in work},
             "compared": sorted(c.name for c, _ in work if not c.mapped),
         }
+
+    def revert(self, version: int) -> None:
+        """Put back the previous version after the switch to ``version`` (another rank of the engine failed its
+        own): every write of that switch undone, each parameter's slice checksummed again against the previous
+        version's. A no-op unless this rank's last switch was to ``version`` and it still holds it."""
+        undo = self.undo
+        if undo is None or undo.target != int(version) or self.held != int(version):
+            return
+        self.undo = None
+        for c, s, before in reversed(undo.writes):
+            _undo(s.param, c.where, before)
+        checked = [(c, s) for c, s, _ in undo.writes if c.name in undo.sums]
+        for (c, _), got in zip(checked, live_sums([s for _, s in checked]), strict=True):
+            if got != undo.sums[c.name]:
+                self._fail(unknown=True)
+                raise errors.ChecksumMismatch(
+                    f"parameter {c.name!r} on rank {self.rank} is not v{undo.previous}'s slice after the revert: "
+                    "this rank holds no verified version"
+                )
+        if len(checked) < len(undo.writes) or undo.previous is None:
+            self._fail(unknown=True)  # a slice with no known previous checksum cannot be proven put back
+            return
+        self.held, self.sums, self.digests = undo.previous, undo.sums, undo.digests
+        self.subscriber.version = undo.previous
+        self.counters["reverted"] += 1
 
     def _fail(self, *, unknown: bool) -> None:
         self.counters["failed"] += 1

@@ -517,6 +517,18 @@ class Worker:
     # --- switch -------------------------------------------------------------------------------
 
     @_answer_errors
+    def weightsync_revert(self, version: int) -> dict[str, Any]:
+        """Undo this worker's switch to ``version`` when another worker of the engine failed its own; the status.
+
+        Tensor parallelism > 1 (``vllm_slices.Sliced.revert``); at size 1 the one worker's switch is
+        all or nothing, and this answers the status unchanged.
+        """
+        state = self._weightsync_state()
+        if isinstance(state, Sliced):
+            state.revert(int(version))
+        return self.weightsync_status()
+
+    @_answer_errors
     def weightsync_switch(self, version: int) -> dict[str, Any]:
         """Apply the prepared ``version``: only the changed elements in place, reload the changed packed modules.
 
