@@ -16,7 +16,7 @@ talk to the weightsync server through that host's counting proxy.
 
 SPEC: ``{"model", "trainer": {tag: dir}, "numbers": {tag: version}, "out",
 "scenarios": [{"name", "size", "hosts": [{"url", "dir", "ranks"}], "path": [tags],
-"corrupt": tag or null}]}``. For each scenario it attaches every rank to
+"corrupt": tag or null, "behind": tag or null}]}``. For each scenario it attaches every rank to
 ``path[0]``, switches through the rest, and records after every switch what each
 rank's parameters hold against what vLLM's loaders make of the checkpoint on that
 rank (the oracle), the elements each rank wrote against the elements that differ
@@ -24,7 +24,9 @@ between the oracle's two loads, and which worker made each version for its host.
 With ``corrupt``, that version is then prepared by rank 0 alone, one changed value
 landing only on rank 1's slice is flipped in the host store, and every rank
 switches; then, as the adapter does after a failed switch, every rank is asked to
-revert, and all prepare and switch again. Writes ``out`` (JSON).
+revert, and all prepare and switch again. With ``behind``, a slice of rank 1 is
+zeroed behind its back before switching to that version (:func:`behind`). Writes
+``out`` (JSON).
 """
 
 from __future__ import annotations
@@ -121,7 +123,9 @@ def run(spec: dict[str, Any], scenario: dict[str, Any]) -> dict[str, Any]:
     cfg = tiny_config()
     size = scenario["size"]
     path = scenario["path"]
-    ckpts = {tag: checkpoint(spec["trainer"][tag]) for tag in {*path, scenario["corrupt"]} if tag}
+    ckpts = {
+        tag: checkpoint(spec["trainer"][tag]) for tag in {*path, scenario["corrupt"], scenario.get("behind")} if tag
+    }
     host_of = {r: h for h in scenario["hosts"] for r in h["ranks"]}
     roots, workers = [], []
     for rank in range(size):
@@ -173,6 +177,8 @@ def run(spec: dict[str, Any], scenario: dict[str, Any]) -> dict[str, Any]:
         out["switches"].append(step)
     if scenario.get("corrupt"):
         out["corrupt"] = corrupt(spec, scenario, workers, roots, oracles, ckpts, cfg)
+    if scenario.get("behind"):
+        out["behind"] = behind(spec, scenario, workers, roots, oracles, ckpts, cfg)
     for w in workers:
         w.weightsync_detach()
     return out
@@ -232,6 +238,41 @@ def corrupt(
         "retry": [{k: a.get(k) for k in ("error", "version", "elements", "compared")} for a in retry],
         "retry_held": [w.weightsync_status()["held"] for w in workers],
         "retry_differing": [differing(live(roots[r]), oracles[tag][r]) for r in range(size)],
+    }
+
+
+def behind(
+    spec: dict[str, Any],
+    scenario: dict[str, Any],
+    workers: list[FakeWorker],
+    roots: list[torch.nn.Module],
+    oracles: dict[str, list[dict[str, torch.Tensor]]],
+    ckpts: dict[str, dict[str, torch.Tensor]],
+    cfg: Any,
+) -> dict[str, Any]:
+    """Rank 1's qkv_proj slice is zeroed behind its back (as ``/weight_checker reset`` does): its next switch's
+    base check refuses to write and it holds no version; the switch after that finds every element that
+    differs from the version by comparing its slices with the host's copy, and reaches it."""
+    size, tag = scenario["size"], scenario["behind"]
+    number = spec["numbers"][tag]
+    oracles[tag] = [oracle(cfg, ckpts[tag], r, size) for r in range(size)]
+    dict(roots[1].named_parameters())["model.layers.0.self_attn.qkv_proj.weight"].data.zero_()
+    for w in workers:
+        w.weightsync_prepare(number)
+    wait_all(workers, "weightsync_status", lambda a: a["ready"] and a["target"] == number)
+    first = [w.weightsync_switch(number) for w in workers]
+    held = [w.weightsync_status()["held"] for w in workers]
+    workers[1].weightsync_prepare(number)
+    (ready,) = wait_all(workers[1:2], "weightsync_status", lambda a: a["ready"] and a["target"] == number)
+    again = workers[1].weightsync_switch(number)
+    return {
+        "first": [a.get("error") for a in first],
+        "held": held,
+        "made_here": ready["made_here"],
+        "again": {k: again.get(k) for k in ("error", "version", "compared")},
+        "params": sorted(n for n, _ in roots[1].named_parameters()),
+        "held_after": [w.weightsync_status()["held"] for w in workers],
+        "differing": [differing(live(roots[r]), oracles[tag][r]) for r in range(size)],
     }
 
 

@@ -51,12 +51,13 @@ def run(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-de
     dirs = make_versions(python, root / "trainer", 4)
     trainer = {f"v{i}": str(d) for i, d in enumerate(dirs, 1)}
     trainer["v5"] = trainer["v1"]  # v1's bytes again after v4: a delta that undoes three steps
+    trainer["v6"] = trainer["v2"]
     proxies: dict[str, CountingProxy] = {}
     with serving(["--data", str(root / "ws")], log_path=root / "ws.log") as server:
         try:
             numbers = {}
             with Publisher(server.url, MODEL, cache_dir=root / "publisher") as pub:
-                for step, tag in enumerate(["v1", "v2", "v3", "v4", "v5"], 1):
+                for step, tag in enumerate(["v1", "v2", "v3", "v4", "v5", "v6"], 1):
                     numbers[tag] = pub.publish(trainer[tag], step=step).version
                     if tag == "v1":
                         with Subscriber(server.url, MODEL, report=False) as sub:
@@ -74,7 +75,14 @@ def run(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-de
                 return {"url": proxies[name].url, "dir": str(root / "hosts" / name), "ranks": ranks}
 
             scenarios = [
-                {"name": "tp2", "size": 2, "hosts": [host("tp2", [0, 1])], "path": PATH, "corrupt": "v5"},
+                {
+                    "name": "tp2",
+                    "size": 2,
+                    "hosts": [host("tp2", [0, 1])],
+                    "path": PATH,
+                    "corrupt": "v5",
+                    "behind": "v6",
+                },
                 {"name": "tp4", "size": 4, "hosts": [host("tp4", [0, 1, 2, 3])], "path": PATH, "corrupt": None},
                 {
                     "name": "tp4-two-hosts",
@@ -148,12 +156,14 @@ def test_the_server_sends_each_object_once_per_host(run) -> None:  # type: ignor
         assert set(proxies[name].downloads.values()) == {1}, name  # no object byte range sent twice to a host
     # The two hosts of one engine each fetched the same objects, once each.
     assert proxies["tp4-a"].downloads == proxies["tp4-b"].downloads == proxies["tp4"].downloads
-    # The host whose copy of v5 was found corrupt fetched v5's objects once more, and nothing else twice.
+    # The host whose copy of v5 was found corrupt fetched v5's objects once more, and nothing else twice but
+    # v6's (v2's bytes after v1's: the same delta frames as v2, stored once, fetched again for that version).
     v5 = objects["v5"]
     twice = {d for d, n in proxies["tp2"].objects().items() if n == 2}
-    assert twice and twice <= v5
+    assert twice and v5 <= twice <= v5 | (objects["v6"] & objects["v2"])
     assert set(proxies["tp2"].objects().values()) == {1, 2}
-    assert set(proxies["tp2"].objects()) - v5 == set(proxies["tp4"].objects())  # v1..v4: as the other engine
+    # v1..v4 as the other engine, then v5 and v6
+    assert set(proxies["tp2"].objects()) == set(proxies["tp4"].objects()) | v5 | objects["v6"]
 
 
 def test_a_corrupted_slice_is_caught_and_leaves_the_rank_on_its_version(run) -> None:  # type: ignore[no-untyped-def]
@@ -170,3 +180,14 @@ def test_a_corrupted_slice_is_caught_and_leaves_the_rank_on_its_version(run) -> 
     assert got["retry_made"].count(True) == 1  # made afresh for the host, once
     assert all(r["error"] is None and r["version"] == numbers["v5"] and r["compared"] == [] for r in got["retry"])
     assert got["retry_held"] == [numbers["v5"]] * 2 and got["retry_differing"] == [[], []]
+
+
+def test_a_slice_changed_behind_the_ranks_back_is_never_written_over_then_rebuilt(run) -> None:  # type: ignore[no-untyped-def]
+    out, numbers, _, _ = run
+    got = out["tp2"]["behind"]
+    assert got["first"] == [None, "BaseMismatch"]  # rank 1's base check refused before any write
+    assert got["held"] == [numbers["v6"], None]
+    assert not got["made_here"]  # read from the host's copy: no second download
+    assert got["again"]["error"] is None and got["again"]["version"] == numbers["v6"]
+    assert got["again"]["compared"] == got["params"]  # holding no version: every slice compared with v6's
+    assert got["held_after"] == [numbers["v6"]] * 2 and got["differing"] == [[], []]
