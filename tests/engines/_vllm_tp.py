@@ -171,6 +171,8 @@ def run(spec: dict[str, Any], scenario: dict[str, Any]) -> dict[str, Any]:
                     "written": a["written"],
                     "compared": a["compared"],
                     "elements": a["elements"],
+                    "apply_s": a["apply_s"],
+                    "prepare_s": a["prepare_s"],
                     "changed": changed_counts(oracles[old][rank], want),
                 }
             )

@@ -131,7 +131,10 @@ class HostStore:
 
     def __init__(self, root: str | os.PathLike[str], model: str) -> None:
         self.dir = Path(root) / model
-        self.dir.mkdir(parents=True, exist_ok=True)
+        # Only the engine's user may write here: its workers trust what the store holds (each slice is checked
+        # against a checksum computed from the same store).
+        Path(root).mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.dir.mkdir(mode=0o700, exist_ok=True)
 
     @contextlib.contextmanager
     def lock(self) -> Iterator[None]:
@@ -174,6 +177,8 @@ class HostStore:
 
         from weightsync.client.tensors import torch_dtype
 
+        for stale in self.dir.glob(".v*-*"):  # left by a maker that died: none can be running (the lock is ours)
+            shutil.rmtree(stale, ignore_errors=True)
         held = [v for v in self.versions() if v != version]
         prev = HostVersion(self.dir / f"v{held[0]}") if held else None
         sub.version = prev.version if prev is not None else None

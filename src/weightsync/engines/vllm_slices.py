@@ -197,6 +197,8 @@ class Prepared:
     """A version prepared on this rank: the changes of its slices, and what making it cost."""
 
     target: int
+    base: int | None
+    """The version the rank held when this was prepared: what the changes apply to."""
     changes: list[SliceChange]
     digests: dict[str, str]
     """Digest of each checkpoint tensor of the target version (what the rank holds after the switch)."""
@@ -351,6 +353,7 @@ class Sliced:
             changes.append(slice_change(s, version, held))
         return Prepared(
             number,
+            held,
             changes,
             {n: t.digest for n, t in version.tensors.items()},
             made,
@@ -370,6 +373,12 @@ class Sliced:
         prepared = self.prepared
         if prepared is None or prepared.target != int(version):
             raise errors.InvalidArgument(f"version {version} was not prepared in this worker")
+        if prepared.base != self.held:
+            self.prepared = None
+            raise errors.InvalidArgument(
+                f"version {version} was prepared on rank {self.rank} from v{prepared.base}, which it no longer "
+                f"holds (v{self.held}): prepare it again"
+            )
         previous = self.held
         work = [(c, self.slices[c.name]) for c in prepared.changes if len(c.where) or c.name not in self.sums]
         t0 = time.perf_counter()
