@@ -44,11 +44,12 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _make_llama import config as tiny_config  # noqa: E402
+from _tp_util import flip_one_of_rank  # noqa: E402
 from _vllm_layouts import build, fake_tp, load, params  # noqa: E402
 from vllm.config import VllmConfig, set_current_vllm_config  # noqa: E402
 
 from weightsync.engines import layouts  # noqa: E402
-from weightsync.engines.host_store import HostStore, HostVersion  # noqa: E402
+from weightsync.engines.host_store import HostStore  # noqa: E402
 from weightsync.engines.vllm_worker import Worker  # noqa: E402
 
 
@@ -204,8 +205,8 @@ def corrupt(
     workers[0].weightsync_prepare(number)  # rank 0 makes the version for the host
     wait_all(workers[:1], "weightsync_status", lambda a: a["ready"] and a["target"] == number)
     store = HostStore(host["dir"], spec["model"])
-    version = HostVersion(store.dir / f"v{number}")
-    flipped = flip_one_of_rank(version, store.dir / f"v{number}", cfg, rank=1, size=size)
+    config = layouts.ModelConfig.from_dict(cfg.to_dict())
+    flipped = flip_one_of_rank(store.dir / f"v{number}", config, rank=1, size=size)
     for w in workers[1:]:
         w.weightsync_prepare(number)
     wait_all(workers, "weightsync_status", lambda a: a["ready"] and a["target"] == number)
@@ -276,36 +277,6 @@ def behind(
         "held_after": [w.weightsync_status()["held"] for w in workers],
         "differing": [differing(live(roots[r]), oracles[tag][r]) for r in range(size)],
     }
-
-
-def flip_one_of_rank(version: HostVersion, path: Path, cfg: Any, *, rank: int, size: int) -> str:
-    """Flip one bit of a changed value in ``changes.bin`` that lands on ``rank``'s slice only; its tensor's name."""
-    config = layouts.ModelConfig.from_dict(cfg.to_dict())
-    shapes = {n: t.shape for n, t in version.tensors.items()}
-    for name in sorted(version.tensors):
-        if ".q_proj." not in name:
-            continue
-        found = version.changes(name)
-        if found is None or not len(found[0]):
-            continue
-        positions, _ = found
-        target = layouts.target(name)
-        mine = layouts.layout(target, shapes, config, rank=rank, size=size)
-        others = [layouts.layout(target, shapes, config, rank=r, size=size) for r in range(size) if r != rank]
-        for i, p in enumerate(positions):
-            one = np.array([p])
-            if len(layouts.element_map(mine, name, one)[0]) and not any(
-                len(layouts.element_map(o, name, one)[0]) for o in others
-            ):
-                at, count = version.tensors[name].changes  # type: ignore[misc]
-                offset = at + 8 * count + version.tensors[name].width * i
-                with open(path / "changes.bin", "r+b") as f:
-                    f.seek(offset)
-                    b = f.read(1)[0]
-                    f.seek(offset)
-                    f.write(bytes([b ^ 0x10]))
-                return name
-    raise AssertionError("no changed q_proj element lands on that rank alone")
 
 
 def main() -> None:
