@@ -349,9 +349,15 @@ class Worker:
         attaching = _Attaching()
         sliced: Sliced | None = None
         if size > 1:
-            hf = self.vllm_config.model_config.hf_config  # type: ignore[attr-defined]
+            model_config = self.vllm_config.model_config  # type: ignore[attr-defined]
+            hf = getattr(model_config, "hf_text_config", None) or model_config.hf_config  # a text model's own
             config = ModelConfig.from_dict(hf.to_dict() if hasattr(hf, "to_dict") else dict(vars(hf)))
-            store = HostStore(host_dir or default_root(), model)
+            root = host_dir or default_root()
+            try:
+                store = HostStore(root, model)
+            except OSError as exc:
+                sub.close()
+                raise EngineError(f"the host store under {root} cannot be made ({exc})") from exc
             sliced = Sliced(sub, store, net, config, rank, size)
 
         def run() -> None:
