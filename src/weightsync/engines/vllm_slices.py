@@ -52,6 +52,9 @@ from weightsync.engines import layouts
 from weightsync.engines.errors import UnverifiableEngine
 from weightsync.engines.host_store import HostStore, HostVersion
 
+COUNTERS = ("switches", "failed", "elements", "tensors_in_place", "tensors_reloaded", "reloads", "attach_reloads")
+"""What every worker counts (``weightsync_stats``); a tensor-parallel rank counts its host store's use too."""
+
 
 @dataclass(frozen=True)
 class Slice:
@@ -245,18 +248,7 @@ class Sliced:
     target: int | None = None
     undo: _Undo | None = None
     counters: dict[str, int] = field(
-        default_factory=lambda: {
-            "switches": 0,
-            "failed": 0,
-            "elements": 0,
-            "tensors_in_place": 0,
-            "tensors_reloaded": 0,
-            "reloads": 0,
-            "attach_reloads": 0,
-            "host_made": 0,
-            "host_read": 0,
-            "reverted": 0,
-        }
+        default_factory=lambda: dict.fromkeys((*COUNTERS, "host_made", "host_read", "reverted"), 0)
     )
 
     # --- attach -----------------------------------------------------------------------------

@@ -71,7 +71,7 @@ from weightsync.engines.digests import sources
 from weightsync.engines.errors import EngineError, UnverifiableEngine
 from weightsync.engines.host_store import HostStore, default_root
 from weightsync.engines.layouts import ModelConfig
-from weightsync.engines.vllm_slices import Sliced
+from weightsync.engines.vllm_slices import COUNTERS, Sliced
 
 
 @dataclass(frozen=True)
@@ -229,15 +229,7 @@ class _State:
         self.prepared: Prepared | None = None
         self.prepare_error: BaseException | None = None
         self.target: int | None = None
-        self.counters = {
-            "switches": 0,
-            "failed": 0,
-            "elements": 0,
-            "tensors_in_place": 0,
-            "tensors_reloaded": 0,
-            "reloads": 0,
-            "attach_reloads": 0,
-        }
+        self.counters = dict.fromkeys(COUNTERS, 0)
 
 
 class _Attaching:
