@@ -1,9 +1,12 @@
 """An in-process publisher over `Ops` for tests: encode, pack, upload what is missing, commit.
 
-`stop_after` simulates a publisher that dies at a step of the publish protocol.
+`stop_after` simulates a publisher that dies at a step of the publish protocol; `publish_part` is one
+rank of a multi-part publish.
 """
 
 from __future__ import annotations
+
+import hashlib
 
 from weightsync.codec import Checkpoint, Encoder
 from weightsync.codec.pack import pack
@@ -50,3 +53,57 @@ async def publish(
         raise Stopped(begin.publish_id)
     version = await ops.commit_publish(model, begin.publish_id, manifest_digest=digest, idempotency_key=idempotency_key)
     return version, begin, digest
+
+
+async def publish_part(
+    ops,
+    model: str,
+    ck: Checkpoint,
+    base: Checkpoint | None,
+    parent: int | None,
+    *,
+    rank: int,
+    world: int,
+    step: int,
+    stop_after: str | None = None,
+    allow_removals: bool = False,
+    chunk_bytes: int = 1 << 16,
+    object_bytes: int = 1 << 17,
+):
+    """One rank of a multi-part publish, as the SDK sends it (docs/API.md "Multi-part publish").
+
+    Begin the group (its id derived from model, parent and step), encode this rank's files with
+    frames that never straddle files (as deltas on `base`, the rank's previous part, when the
+    group is a delta), check the objects and the part manifest (held for the group), upload the
+    missing, then commitPart. Returns (PartsResult, Begin, part manifest digest); `stop_after`
+    as in :func:`publish`.
+    """
+    from weightsync.ops.core import parts_id
+
+    publish_id = parts_id(model, parent, step)
+    begin = await ops.begin_publish(model, parent=parent, step=step, publish_id=publish_id)
+    if stop_after == "begin":
+        raise Stopped(publish_id)
+    encoder = Encoder(chunk_bytes=chunk_bytes, threads=1, frames_per_file=True)
+    encoded = encoder.encode(ck, base if begin.kind == "delta" else None)
+    manifest, objects = pack(encoded, target_bytes=object_bytes)
+    manifest.model, manifest.parent, manifest.step = model, parent, step
+    data = manifest.encode()
+    digest = hashlib.sha256(data).hexdigest()
+    listed = [(o.digest, len(o.data)) for o in objects] + [(digest, len(data))]
+    missing = set(await ops.missing_objects(model, publish_id, listed))
+    for o in objects:
+        if o.digest in missing:
+            await ops.put_bytes(o.data, expected_digest=o.digest)
+            if stop_after == "some-objects":
+                raise Stopped(publish_id)
+    if stop_after == "objects":
+        raise Stopped(publish_id)
+    if digest in missing:
+        await ops.put_bytes(data, expected_digest=digest)
+    if stop_after == "manifest":
+        raise Stopped(publish_id, digest)
+    result = await ops.commit_part(
+        model, publish_id, rank=rank, world=world, manifest_digest=digest, allow_removals=allow_removals
+    )
+    return result, begin, digest

@@ -300,7 +300,8 @@ class RemovesContent(Conflict):
 
 class PartConflict(Conflict):
     """The parts of a multi-part publish disagree (a part with other content, a file or tensor two parts
-    claim with other bytes, another world size, parent, step or removal choice): nothing is committed."""
+    claim with other bytes, another world size, parent, step or removal choice, a step begun again on top of
+    the version it committed): nothing is committed."""
 
     code, title = "part-conflict", "Conflicting parts"
 

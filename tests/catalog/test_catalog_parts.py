@@ -59,6 +59,21 @@ def test_the_next_step_waits_while_a_group_is_pending_on_the_parent(catalog: Cat
     )
 
 
+def test_a_step_already_committed_opens_no_group_on_top_of_itself(catalog: Catalog) -> None:
+    """A rank that sends a step its group committed (restarted after its answer was lost) begins on the new
+    head with the same step: refused, so no group is left that no other rank joins, blocking the next step."""
+    pid = _group(catalog, 1)
+    catalog.record_part("m", pid, rank=0, world=1, manifest_digest=A, now=T)
+    catalog.record_object(B, 10, now=T)
+    catalog.commit_version(
+        "m", pid, parent=None, manifest_digest=B, objects=[], raw_bytes=1, stored_bytes=1, kind="keyframe", now=T
+    )
+    with pytest.raises(errors.PartConflict, match="step 1 is already committed as v1"):
+        _group(catalog, 1, parent=1)
+    assert catalog.list_pending("m") == []
+    assert _group(catalog, 2, parent=1)  # the next step is not blocked
+
+
 def test_concurrent_last_parts_complete_the_group_once(catalog: Catalog) -> None:
     pid = _group(catalog, 1)
     catalog.record_part("m", pid, rank=0, world=3, manifest_digest=A, now=T)

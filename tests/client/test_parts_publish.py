@@ -201,6 +201,28 @@ def test_conflicting_parts_are_refused(server, model, tmp_path: Path) -> None:
     assert pulled(server.url, model, tmp_path / "pull") == files
 
 
+def test_a_restarted_rank_resending_a_committed_step_blocks_nothing(server, model, tmp_path: Path) -> None:
+    """Regression: a rank restarted after its step committed (its answer lost) used to begin that step again
+    on the new head, a group no other rank joins, and the next step got parent-pending until it expired."""
+    files = shards(11)
+    g = groups(files, 2)
+    with Publisher(server.url, model, part=(0, 2), **SMALL) as pub:
+        assert pub.publish(write_part(tmp_path / "r0", files, g[0]), step=1, wait=False).version == 0
+    with Publisher(server.url, model, part=(1, 2), **SMALL) as pub:
+        assert pub.publish(write_part(tmp_path / "r1", files, g[1]), step=1).version == 1
+    with (
+        Publisher(server.url, model, part=(1, 2), **SMALL) as restarted,
+        pytest.raises(errors.PartConflict, match="step 1 is already committed as v1"),
+    ):
+        restarted.publish(write_part(tmp_path / "r1", files, g[1]), step=1, wait=False)
+    v2 = shards(12, prior=files)
+    with Publisher(server.url, model, part=(0, 2), parent_wait_s=0, **SMALL) as pub:
+        assert pub.publish(write_part(tmp_path / "s0", v2, g[0]), step=2, wait=False).parent == 1
+    with Publisher(server.url, model, part=(1, 2), **SMALL) as pub:
+        assert pub.publish(write_part(tmp_path / "s1", v2, g[1]), step=2).version == 2
+    assert pulled(server.url, model, tmp_path / "pull") == v2
+
+
 def test_next_step_waits_for_the_pending_parent(server, model, tmp_path: Path) -> None:
     files = shards(8)
     g = groups(files, 2)

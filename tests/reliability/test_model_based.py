@@ -36,7 +36,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _ckpt import safetensors_file
 from _crash_util import FATAL, T0, Clock
+from _publish import publish_part
 from _versions import checkpoint, model_files, next_step
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -54,7 +56,10 @@ from weightsync.catalog import Catalog
 from weightsync.catalog.engine import make_engine
 from weightsync.codec import Checkpoint, CheckpointFile, Decoder, Encoder, FrameRef
 from weightsync.codec.pack import pack
+from weightsync.codec.safetensors import parse_file
 from weightsync.ops import Ops, OpsSettings, fsck, gc
+from weightsync.ops.core import parts_id
+from weightsync.ops.records import record_of
 
 MODEL = "m"
 GRACE = timedelta(minutes=5)
@@ -101,6 +106,8 @@ class Ref:
     digest: str
     publish_id: str
     manifest: str
+    parts: tuple[str, ...] = ()
+    """A multi-part version's part manifests (kept referenced while it lives), by rank."""
 
 
 @dataclass
@@ -346,8 +353,12 @@ class OpsMachine(RuleBasedStateMachine):
     def run_gc(self, minutes) -> None:
         Stats.count("gc")
         self.clock.advance(minutes=minutes)
-        now = self.clock.now
         self.run(gc(self.ops))
+        self._retained()
+
+    def _retained(self) -> None:
+        """The model after a GC: expired leases gone, retention applied (keep_last, head, leases, chains)."""
+        now = self.clock.now
         self.leases = {n: t for n, t in self.leases.items() if t > now}
         if self.keep_last is not None and self.committed:
             ordered = sorted(self.committed, reverse=True)
@@ -458,6 +469,395 @@ class OpsMachine(RuleBasedStateMachine):
             assert files_digest({p: a.tobytes() for p, a in got.files.items()}) == ref.digest
 
 
+# --- multi-part publishes -------------------------------------------------------------------------------------
+
+SHARDS = 3  # weight files of every version; the parts of a multi-part publish deal them out
+CONFIG = b'{"hidden": 96}'
+CONFLICTS = ("tensor", "bytes", "world", "content")
+
+
+def sharded(tensors: dict, seed: int) -> Checkpoint:
+    """A version as SHARDS safetensors files (tensor i in file i % SHARDS) plus a config."""
+    names = sorted(tensors, key=lambda n: int(n.split(".")[1]))
+    files = {
+        f"shard-{k}.safetensors": safetensors_file(
+            {n: tensors[n] for i, n in enumerate(names) if i % SHARDS == k}, {"step": str(seed)}
+        )
+        for k in range(SHARDS)
+    }
+    return Checkpoint.from_bytes({**files, "config.json": CONFIG})
+
+
+@dataclass
+class PartSpec:
+    """What one rank sends: its files, the base it diffs against (its previous part), and the world it states."""
+
+    rank: int
+    world: int
+    files: dict[str, bytes]
+    base: Checkpoint | None
+    bad: bool = False  # a conflicting part (it must never be committed)
+
+    @property
+    def key(self) -> tuple:
+        return (self.world, files_digest(self.files))
+
+    @property
+    def ck(self) -> Checkpoint:
+        return Checkpoint.from_bytes(self.files)
+
+
+@dataclass
+class Group:
+    """A multi-part publish the model knows of: its ranks' parts, those the server recorded, its fate."""
+
+    publish_id: str
+    parent: int | None
+    step: int
+    world: int
+    expires: datetime
+    tensors: dict
+    ck: Checkpoint
+    specs: dict[int, PartSpec]  # the right part of every rank
+    recorded: dict[int, tuple[PartSpec, str]] = field(default_factory=dict)  # rank -> (part, manifest digest)
+    present: set[str] = field(default_factory=set)
+
+
+def merge_conflict(parts: list[PartSpec]) -> bool:
+    """Whether codec/parts.py refuses to merge `parts`: a path with other bytes, or a tensor in two paths."""
+    paths: dict[str, bytes] = {}
+    holder: dict[str, str] = {}
+    for p in parts:
+        for path, data in p.files.items():
+            if paths.setdefault(path, data) != data:
+                return True
+            if path.endswith(".safetensors"):
+                for name in (t.name for t in parse_file(data).tensors):
+                    if holder.setdefault(name, path) != path:
+                        return True
+    return False
+
+
+class PartsMachine(OpsMachine):
+    """OpsMachine (single publishes, crashes, GC, retention, reads) plus multi-part publishes of 2 or 3 ranks.
+
+    Every version is SHARDS weight files and a config; a multi-part publish deals the weight files
+    to its ranks (each rank diffs against its own previous part, as the SDK does: a file that moved
+    to another rank is keyframe-coded) and gives the config to some of them. Rules: a group whose
+    ranks arrive in any order, some retried (the whole protocol again, or the commitPart alone); a
+    group with a conflicting part (a tensor another rank holds, the config with other bytes,
+    another world size, a rank again with other content); a group a rank never joins, whose late
+    rank arrives later (committing it, or refused once the parent moved or the group expired: the
+    clock of run_gc); a part of a committed version sent again; GC with no grace. The model
+    predicts every answer (codec/parts.py's refusals included); invariants as OpsMachine's, plus:
+    a committed multi-part version materializes byte for byte to the union of its parts, objects a
+    live group uploaded stay, and after a GC with no grace the store holds exactly what committed
+    versions (their part manifests and commit records included) and live publishes reference.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.groups: list[Group] = []
+        self.steps = 0
+        self.last_part: dict[tuple[int, int], tuple[int, frozenset[str]]] = {}  # (rank, world) -> (version, paths)
+
+    def _content(self, seed: int, fresh: bool) -> tuple[dict, Checkpoint]:
+        if fresh or self.head is None:
+            t = model_files(seed % 1000, n=6)
+        else:
+            t = next_step(self.committed[self.head].tensors, seed, fraction=0.01 + (seed % 5) / 100)
+        return t, sharded(t, seed)
+
+    # --- groups -------------------------------------------------------------------------
+
+    def _blocker(self) -> Group | None:
+        """The live group pending on the head, if any: a group of another step gets ParentPending."""
+        return next((g for g in self.groups if g.parent == self.head and self.clock.now < g.expires), None)
+
+    def _new_group(self, seed: int, world: int, fresh: bool) -> Group:
+        rng = np.random.default_rng(seed)
+        tensors, ck = self._content(seed, fresh)
+        files = ck_files(ck)
+        weights = [f"shard-{k}.safetensors" for k in range(SHARDS)]
+        rng.shuffle(weights)
+        held = [weights[r::world] for r in range(world)]
+        configs = [r for r in range(world) if rng.random() < 0.5] or [int(rng.integers(world))]
+        for r in configs:
+            held[r].append("config.json")
+        parent = self.head
+        specs = {}
+        for r in range(world):
+            base = None
+            last = self.last_part.get((r, world))
+            if parent is not None and last is not None and last[0] == parent:
+                prior = ck_files(self.committed[parent].ck)
+                kept = {p: prior[p] for p in held[r] if p in last[1]}
+                base = Checkpoint.from_bytes(kept) if kept else None
+            specs[r] = PartSpec(r, world, {p: files[p] for p in held[r]}, base)
+        self.steps += 1
+        step = self.steps
+        return Group(
+            parts_id(MODEL, parent, step), parent, step, world, self.clock.now + PENDING_TTL, tensors, ck, specs
+        )
+
+    def _send(self, g: Group, spec: PartSpec, *, resend: bool = False) -> None:
+        """One rank sends `spec` (the whole protocol, or with `resend` the commitPart alone), its answer predicted."""
+        begun = resend or not (self.clock.now >= g.expires or g.parent != self.head)
+        if not begun:
+            expected = (errors.StaleParent,) if self.clock.now < g.expires else EXPIRED
+            with pytest.raises(expected):
+                self.run(self._part(g, spec))
+            return
+        mine = g.recorded.get(spec.rank)
+        others = [p for r, (p, _) in g.recorded.items() if r != spec.rank]
+        conflict = (
+            any(p.world != spec.world for p, _ in g.recorded.values())
+            or (mine is not None and mine[0].key != spec.key)
+            or (mine is None and merge_conflict([*others, spec]))
+        )
+        if conflict:
+            with pytest.raises(errors.PartConflict):
+                self.run(self._part(g, spec, resend=resend))
+            return
+        result, digest = self.run(self._part(g, spec, resend=resend))
+        g.recorded[spec.rank] = (spec, digest)
+        if len(g.recorded) < g.world:
+            assert not result.committed and result.ranks == sorted(g.recorded), result
+            return
+        assert result.committed, result
+        assert not any(p.bad for p, _ in g.recorded.values()), "test design: a conflicting part completed a group"
+        self._land(result.version, g.tensors, g.ck, g.parent, g.publish_id, result.version.manifest_digest)
+        ref = self.committed[result.version.number]
+        ref.parts = tuple(d for _, (_, d) in sorted(g.recorded.items()))
+        self._check_materializes(result.version.number)  # the union of the parts, byte for byte
+        for r, spec_r in g.specs.items():
+            self.last_part[(r, g.world)] = (result.version.number, frozenset(spec_r.files))
+        self.groups.remove(g)
+
+    async def _part(self, g: Group, spec: PartSpec, *, resend: bool = False):
+        if resend:
+            digest = g.recorded[spec.rank][1]
+            got = await self.ops.commit_part(
+                MODEL, g.publish_id, rank=spec.rank, world=spec.world, manifest_digest=digest
+            )
+            return got, digest
+        got, begin, digest = await publish_part(
+            self.ops,
+            MODEL,
+            spec.ck,
+            spec.base,
+            g.parent,
+            rank=spec.rank,
+            world=spec.world,
+            step=g.step,
+            chunk_bytes=1 << 14,
+            object_bytes=1 << 15,
+        )
+        assert begin.publish_id == g.publish_id
+        return got, digest
+
+    def _open(self, seed: int, world: int, fresh: bool) -> Group:
+        """A new group on the head. While a live group of another step is pending there, its parts get
+        ParentPending and wait, as the SDK does: until that group commits (its missing ranks arrive), or
+        expires (a conflicting part it recorded keeps it from ever committing)."""
+        blocker = self._blocker()
+        if blocker is not None:
+            Stats.count("parent_pending")
+            probe = self._new_group(seed, world, fresh)
+            with pytest.raises(errors.ParentPending):
+                self.run(self._part(probe, probe.specs[0]))
+            if any(p.bad for p, _ in blocker.recorded.values()):
+                self.clock.now = max(self.clock.now, blocker.expires)
+            else:
+                for r in range(blocker.world):
+                    if r not in blocker.recorded:
+                        self._send(blocker, blocker.specs[r])
+                assert blocker not in self.groups
+        g = self._new_group(seed, world, fresh)
+        self.groups.append(g)
+        return g
+
+    def _keep(self, g: Group) -> None:
+        """A group left pending: remember what it uploaded (GC must keep it while the group lives)."""
+        if g in self.groups:
+            g.present = {d for d in self._held(g.publish_id) if self._exists(d)}
+
+    @rule(
+        seed=st.integers(0, 10_000),
+        world=st.sampled_from([2, 3]),
+        order=st.randoms(use_true_random=False),
+        fresh=st.booleans(),
+        retries=st.lists(st.sampled_from(["whole", "commit"]), max_size=3),
+    )
+    def publish_in_parts(self, seed, world, order, fresh, retries) -> None:
+        """Every rank arrives, in any order, some of them twice."""
+        Stats.count("publish_in_parts")
+        g = self._open(seed, world, fresh)
+        ranks = list(range(world))
+        order.shuffle(ranks)
+        sends = [(r, False) for r in ranks]
+        for i, how in enumerate(retries):  # a retry right after the rank's first send (or later)
+            r = ranks[i % world]
+            sends.insert(order.randint(sends.index((r, False)) + 1, len(sends)), (r, how == "commit"))
+        for r, resend in sends:
+            if g not in self.groups:  # committed: a retry learns it at begin, its commitPart gets the version
+                if not resend:
+                    with pytest.raises(errors.StaleParent):
+                        self.run(self._part(g, g.specs[r]))
+                self._retry_committed_part(self.committed[self.top], r)
+                continue
+            if resend and r not in g.recorded:
+                resend = False
+            self._send(g, g.specs[r], resend=resend)
+        assert g not in self.groups, "every rank arrived: the group must have committed"
+
+    _conflict_args = dict(
+        seed=st.integers(0, 10_000),
+        world=st.sampled_from([2, 3]),
+        order=st.randoms(use_true_random=False),
+        at=st.integers(0, 3),
+    )
+
+    @rule(**_conflict_args)
+    def conflict_tensor(self, seed, world, order, at) -> None:
+        """A rank's part adds a file holding a tensor another rank's file holds."""
+        self._with_conflict("tensor", seed, world, order, at)
+
+    @rule(**_conflict_args)
+    def conflict_bytes(self, seed, world, order, at) -> None:
+        """A rank's part carries the config every rank carries, with other bytes."""
+        self._with_conflict("bytes", seed, world, order, at)
+
+    @rule(**_conflict_args)
+    def conflict_world(self, seed, world, order, at) -> None:
+        """A rank states another world size."""
+        self._with_conflict("world", seed, world, order, at)
+
+    @rule(**_conflict_args)
+    def conflict_content(self, seed, world, order, at) -> None:
+        """A rank whose part is recorded sends another part."""
+        self._with_conflict("content", seed, world, order, at)
+
+    def _with_conflict(self, conflict, seed, world, order, at) -> None:
+        """A part that cannot join the others (sent at any point among the right ones): refused, or it
+        poisons the group when it came first; the version commits with the right parts only, or never."""
+        Stats.count(f"conflict_{conflict}")
+        g = self._open(seed, world, False)
+        ranks = list(range(world))
+        order.shuffle(ranks)
+        bad_rank = ranks[at % world]
+        spec = g.specs[bad_rank]
+        files = dict(spec.files)
+        if conflict == "tensor":  # a tensor another rank's file holds
+            other = next(p for r, s in g.specs.items() if r != bad_rank for p in s.files if p.endswith(".safetensors"))
+            name = next(iter(_tensor_names(g.specs, other)))
+            files["stolen.safetensors"] = safetensors_file({name: ("F32", (2,), np.zeros(8, np.uint8))})
+        elif conflict == "bytes":  # the config with other bytes (every rank carries the config here)
+            for s in g.specs.values():
+                s.files["config.json"] = CONFIG
+            files["config.json"] = b'{"hidden": 97}'
+        bad = PartSpec(bad_rank, world + 1 if conflict == "world" else world, files, spec.base, bad=True)
+        if conflict == "content":  # the same rank again with other content, once its right part is recorded
+            bad.files = {**spec.files, "extra.json": b"{}"}
+        sends = [g.specs[r] for r in ranks]
+        sends.insert(at % (world + 1) if conflict != "content" else ranks.index(bad_rank) + 1, bad)
+        for s in sends:
+            if g not in self.groups:  # committed (by the right parts): the rest is not sent
+                break
+            self._send(g, s)
+        self._keep(g)
+
+    @rule(seed=st.integers(0, 10_000), world=st.sampled_from([2, 3]), missing=st.integers(0, 2))
+    def a_rank_never_arrives(self, seed, world, missing) -> None:
+        """All ranks but one: nothing is visible; the group waits for its late rank, or expires."""
+        Stats.count("a_rank_never_arrives")
+        g = self._open(seed, world, False)
+        for r in range(world):
+            if r != missing % world:
+                self._send(g, g.specs[r])
+        assert g in self.groups
+        self._keep(g)
+
+    @precondition(lambda self: bool(self.groups))
+    @rule(which=st.integers(0, 100), rank=st.integers(0, 2))
+    def late_rank(self, which, rank) -> None:
+        """A rank of a pending group arrives late (or one sends again): the group commits, or is refused
+        once its parent moved or it expired."""
+        Stats.count("late_rank")
+        g = self.groups[which % len(self.groups)]
+        self._send(g, g.specs[rank % g.world])
+        if g in self.groups:
+            self._keep(g)
+
+    def _retry_committed_part(self, ref: Ref, rank: int) -> None:
+        v = self.run(
+            self.ops.commit_part(
+                MODEL, ref.publish_id, rank=rank, world=len(ref.parts), manifest_digest=ref.parts[rank]
+            )
+        )
+        assert v.committed and v.version.number == self._number_of(ref)
+
+    def _number_of(self, ref: Ref) -> int:
+        return next(n for n, r in self.committed.items() if r is ref)
+
+    @precondition(lambda self: any(r.parts for r in self.committed.values()))
+    @rule(which=st.integers(0, 100), rank=st.integers(0, 2))
+    def resend_a_committed_part(self, which, rank) -> None:
+        """A rank sends its part of a committed version again (its answer was lost): answered with the
+        version, from the part manifests the version keeps (after GC too)."""
+        Stats.count("resend_a_committed_part")
+        refs = [r for _, r in sorted(self.committed.items()) if r.parts]
+        ref = refs[which % len(refs)]
+        self.ops._manifests.clear()  # as a server restarted since: the part manifests come from the store
+        self._retry_committed_part(ref, rank % len(ref.parts))
+
+    @rule(minutes=st.sampled_from([0, 10, 45]))
+    def gc_without_grace(self, minutes) -> None:
+        """GC with grace 0 (after `minutes`: groups expire after 30): the store keeps exactly what committed
+        versions and live publishes reference."""
+        Stats.count("gc_without_grace")
+        self.clock.advance(minutes=minutes)
+        self._gc_exact()
+
+    def teardown(self) -> None:
+        try:
+            if sys.exc_info()[0] is None:
+                self._gc_exact()  # every sequence ends with it, whatever its rules were
+        finally:
+            super().teardown()
+
+    def _gc_exact(self) -> None:
+        self.run(self.ops.drain())  # commit records written off a last part's answer
+        self.run(gc(self.ops, grace=timedelta(0)))
+        self._retained()
+        stored = self.run(_stored(self.ops))
+        expected = set()
+        for v in self.run(self.ops.list_versions(MODEL, limit=None)):
+            ref = self.committed[v.number]
+            manifest = self.run(self.ops.load_manifest(ref.manifest))
+            expected |= set(manifest.objects()) | {ref.manifest, record_of(v).digest, *ref.parts}
+        for p in self.run(self.ops.list_pending(MODEL)):  # none has expired: GC dropped those
+            expected |= self._held(p.publish_id) & stored  # held before upload: a crash may have left some out
+        assert stored - expected == set(), f"orphans after GC with no grace: {sorted(stored - expected)[:3]}"
+        assert expected - stored == set(), f"GC deleted live objects: {sorted(expected - stored)[:3]}"
+
+    @invariant()
+    def live_groups_keep_their_objects(self) -> None:
+        stored = self.run(_stored(self.ops))
+        for g in self.groups:
+            if self.clock.now < g.expires:
+                lost = g.present - stored
+                assert not lost, f"GC deleted objects of live group {g.publish_id}: {sorted(lost)[:3]}"
+
+
+EXPIRED = (errors.StaleParent, errors.PublishNotFound, errors.Conflict, errors.ParentPending)
+
+
+def _tensor_names(specs: dict[int, PartSpec], path: str) -> list[str]:
+    data = next(s.files[path] for s in specs.values() if path in s.files)
+    return [t.name for t in parse_file(data).tensors]
+
+
 async def _stored(ops) -> set[str]:
     return {i.digest async for i in ops.store.list()}
 
@@ -497,16 +897,15 @@ def _scratch(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def test_model_based_sequences(tmp_path, capsys, long_run):
+def _run_machine(machine: type[OpsMachine], tmp_path: Path, capsys, examples: int, steps: int, label: str) -> None:
     scratch = _scratch(tmp_path)
     try:
         template = scratch / "template.db"
         Catalog.open(f"sqlite:///{template}").close()
-        OpsMachine.scratch, OpsMachine.template = scratch, template
+        machine.scratch, machine.template = scratch, template
         Stats.reset()
-        examples, steps = (200, 40) if long_run else (15, 15)
         run_state_machine_as_test(
-            OpsMachine,
+            machine,
             settings=settings(
                 max_examples=examples,
                 stateful_step_count=steps,
@@ -519,13 +918,28 @@ def test_model_based_sequences(tmp_path, capsys, long_run):
         )
         with capsys.disabled():
             print(
-                f"\n[model-based] {Stats.sequences} sequences x <= {steps} steps = {Stats.steps} rule steps "
+                f"\n[{label}] {Stats.sequences} sequences x <= {steps} steps = {Stats.steps} rule steps "
                 f"(max_examples={examples}, derandomize=True) -> 0 violations; rules: "
                 f"{dict(sorted(Stats.rules.items()))}"
             )
     finally:
         if scratch != tmp_path:
             shutil.rmtree(scratch, ignore_errors=True)
+
+
+def test_model_based_sequences(tmp_path, capsys, long_run):
+    examples, steps = (200, 40) if long_run else (15, 15)
+    _run_machine(OpsMachine, tmp_path, capsys, examples, steps, "model-based")
+
+
+def test_model_based_multi_part_sequences(tmp_path, capsys, long_run):
+    """PartsMachine: single and multi-part publishes, conflicts, lost ranks, expiry, GC with no grace."""
+    examples, steps = (100, 40) if long_run else (12, 15)
+    _run_machine(PartsMachine, tmp_path, capsys, examples, steps, "model-based parts")
+    if not long_run:  # the fixed seed reaches every multi-part rule
+        ran = set(Stats.rules)
+        assert {"publish_in_parts", "a_rank_never_arrives", "late_rank", "gc_without_grace"} <= ran, ran
+        assert {f"conflict_{c}" for c in CONFLICTS} <= ran, ran
 
 
 def test_resumed_begin_returns_the_pending_publish(tmp_path):

@@ -114,6 +114,13 @@ def open_(
     kind, parent_manifest = "keyframe", None
     if parent is not None:
         chain = versions.chain_rows(s, m, parent)
+        if publish_id.startswith(PARTS_PREFIX) and step is not None and chain[-1].step == step:
+            # A rank that sends a step its group already committed (restarted after its answer was lost)
+            # would open a group on top of that version which no other rank joins: it never commits and
+            # blocks the model's next step (parent-pending) until it expires.
+            raise errors.PartConflict(
+                f"model {model!r}: step {step} is already committed as v{parent}: publish the next step"
+            )
         parent_manifest = chain[-1].manifest_digest
         keyframe_bytes = chain[0].stored_bytes or 0
         delta_bytes = sum(r.stored_bytes or 0 for r in chain[1:])
