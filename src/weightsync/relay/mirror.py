@@ -1,0 +1,340 @@
+"""The relay's background work: follow the upstream, mirror versions, fetch objects once, forward reports.
+
+Order of a mirrored version (the relay's form of DESIGN invariant 2): the manifest (hashed
+against the version's digest, stored), then every object the version's chain needs (fetched
+from the upstream, hashed by the store while it writes a temporary file, renamed only when the
+SHA-256 is its name), then the catalog row under the upstream's number, lineage and commit time
+(``Ops.import_version``), which is what wakes local watchers. A relay killed anywhere leaves at
+most whole objects without a row; the next sync finds them held and goes on.
+
+Object fetches are single-flight: one task per digest, which every local request for the
+object (and the prefetch) awaits; ranges are served from the whole object once held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from typing import Any
+
+from weightsync import errors
+from weightsync.catalog import ImportedVersion
+from weightsync.client import models
+from weightsync.codec import Manifest
+from weightsync.common import Backoff
+from weightsync.ops import Ops
+from weightsync.ops.admin import pin_model
+from weightsync.relay.metrics import RelayMetrics
+from weightsync.relay.settings import RelaySettings
+from weightsync.relay.upstream import Upstream
+from weightsync.service.auth import model_pattern
+
+__all__ = ["Mirror"]
+
+log = logging.getLogger("weightsync.relay")
+
+PAGE = 1000
+_RETRY = Backoff(attempts=1, base=0.5, cap=10.0)
+_FORWARD_QUEUE = 10_000
+
+
+class Mirror:
+    """One relay's mirror of its upstream: the follower tasks, the single-flight fetches, the report queue.
+
+    All methods run on the app's event loop; :meth:`start` and :meth:`stop` bracket the app's life.
+    """
+
+    def __init__(self, ops: Ops, upstream: Upstream, settings: RelaySettings, metrics: RelayMetrics) -> None:
+        self.ops = ops
+        self.upstream = upstream
+        self.settings = settings
+        self.metrics = metrics
+        self.patterns = [model_pattern(p) for p in settings.model_patterns()]
+        self.site = settings.site_name()
+        self.upstream_ok: bool | None = None  # None: not asked yet
+        self.last_error: str | None = None
+        self._fetches: dict[str, asyncio.Future[int]] = {}
+        self._fetch_slots = asyncio.Semaphore(settings.prefetch_concurrency)
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._followers: dict[str, asyncio.Task[None]] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._reports: asyncio.Queue[tuple[str, dict[str, Any]]] = asyncio.Queue(_FORWARD_QUEUE)
+
+    # --- life -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start following the upstream (its model list, then each mirrored model's events) and forwarding."""
+        self._spawn(self._discover())
+        self._spawn(self._forward())
+
+    async def stop(self) -> None:
+        """Cancel every task (fetches included) and wait for them; nothing half-written is left (the store)."""
+        tasks = [*self._tasks, *self._followers.values(), *self._fetches.values()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.upstream.close()
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    @property
+    def degraded(self) -> bool:
+        """Whether the upstream failed the last time it was asked (the relay serves what it holds)."""
+        return self.upstream_ok is False
+
+    def _reached(self) -> None:
+        if self.upstream_ok is not True:
+            log.info("upstream %s reachable", self.upstream.url)
+        self.upstream_ok = True
+        self.last_error = None
+        self.metrics.upstream_up.set(1)
+
+    def _failed(self, exc: BaseException) -> None:
+        """Note an upstream failure: unreachable (degraded) or a refusal (logged)."""
+        if isinstance(exc, errors.ServerUnavailable):
+            if self.upstream_ok is not False:
+                log.warning("upstream %s unreachable, serving what this relay holds: %s", self.upstream.url, exc)
+            self.upstream_ok = False
+            self.metrics.upstream_up.set(0)
+        else:
+            log.warning("upstream %s: %s: %s", self.upstream.url, type(exc).__name__, exc)
+        self.last_error = str(exc)
+
+    def mirrors(self, model: str) -> bool:
+        """Whether ``model`` is one this relay mirrors (``--models`` patterns)."""
+        return any(p.fullmatch(model) for p in self.patterns)
+
+    # --- following ----------------------------------------------------------------------
+
+    async def _discover(self) -> None:
+        """Read the upstream's model list every ``relay_poll_s``: follow new models, catch up missed changes."""
+        while True:
+            try:
+                found = await self.upstream.list_models()
+                self._reached()
+                for m in found:
+                    if not self.mirrors(m.name):
+                        continue
+                    follower = self._followers.get(m.name)
+                    if follower is None or follower.done():
+                        self._followers[m.name] = asyncio.ensure_future(self._follow(m.name))
+                    elif await self._behind(m) and not self._lock(m.name).locked():
+                        self._spawn(self._sync_logged(m.name))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the loop must outlive any failure; logged
+                self._failed(exc)
+            await asyncio.sleep(self.settings.relay_poll_s)
+
+    async def _follow(self, model: str) -> None:
+        """Sync ``model``, then once per upstream event; reconnect with backoff. Ends when the upstream deletes it."""
+        attempt = 0
+        while True:
+            try:
+                await self.sync(model)
+                after = (await self._local_head(model))[0]
+                async for _ in self.upstream.events(model, after=after):
+                    self._reached()
+                    await self.sync(model)
+                    attempt = 0
+                log.info("upstream ended the event stream of %s (deleted there)", model)
+                return
+            except asyncio.CancelledError:
+                raise
+            except errors.ModelNotFound:
+                return  # deleted upstream between the list and the sync: the list brings it back if it returns
+            except Exception as exc:  # noqa: BLE001 - logged; retried with backoff
+                self._failed(exc)
+            await asyncio.sleep(_RETRY.delay(attempt))
+            attempt += 1
+
+    async def _sync_logged(self, model: str) -> None:
+        try:
+            await self.sync(model)
+        except Exception as exc:  # noqa: BLE001
+            self._failed(exc)
+
+    def _lock(self, model: str) -> asyncio.Lock:
+        return self._locks.setdefault(model, asyncio.Lock())
+
+    async def _local_head(self, model: str) -> tuple[int | None, int | None]:
+        """The local (head, pinned) of ``model``; (None, None) when it does not exist here."""
+        try:
+            m = await self.ops.get_model(model)
+        except errors.ModelNotFound:
+            return None, None
+        return m.head, m.pinned
+
+    async def _behind(self, up: models.Model) -> bool:
+        head, pinned = await self._local_head(up.name)
+        return (up.head is not None and (head is None or up.head > head)) or pinned != up.pinned
+
+    async def sync(self, model: str) -> int:
+        """Mirror every upstream version of ``model`` above the local head, in order, and its pin; how many."""
+        async with self._lock(model):
+            up = await self.upstream.get_model(model)
+            self._reached()
+            head, pinned = await self._local_head(model)
+            count = 0
+            if up.head is not None and (head is None or up.head > head):
+                target = up.pinned if up.pinned is not None else up.head
+                chain = {v.number for v in await self.upstream.lineage(model, target)}
+                after = head or 0
+                while True:
+                    page = await self.upstream.list_versions(model, after=after, limit=PAGE)
+                    for v in page:
+                        await self._mirror_version(up, v, prefetch=v.number in chain or v.number >= target)
+                        after = v.number
+                        count += 1
+                    if len(page) < PAGE:
+                        break
+            if up.pinned != pinned and (head is not None or count):
+                await pin_model(self.ops, model, up.pinned)
+            return count
+
+    async def _mirror_version(self, up: models.Model, v: models.Version, *, prefetch: bool) -> None:
+        """Store ``v``'s manifest, its objects (``prefetch``; else their sizes only), then its catalog row."""
+        data = await self.upstream.manifest(up.name, v.number)
+        if hashlib.sha256(data).hexdigest() != v.manifest:
+            raise errors.DigestMismatch(f"upstream manifest of {up.name} v{v.number} does not hash to {v.manifest}")
+        self.metrics.upstream_bytes.inc(len(data))
+        await self.ops.put_bytes(data, expected_digest=v.manifest)
+        manifest = await asyncio.to_thread(Manifest.decode, data)
+        digests = sorted(manifest.objects())
+        sizes = await asyncio.gather(*(self._size(d, fetch=prefetch) for d in digests))
+        record = ImportedVersion(
+            number=v.number,
+            parent=v.parent,
+            kind=v.kind,
+            chain_base=v.chain_base if v.chain_base is not None else v.number,
+            manifest_digest=v.manifest,
+            raw_bytes=v.raw_bytes,
+            stored_bytes=v.stored_bytes,
+            objects=list(zip(digests, sizes, strict=True)),
+            step=v.step,
+            metadata=v.metadata,
+            committed_at=v.committed_at,
+        )
+        await self.ops.import_version(
+            up.name,
+            record,
+            keyframe_interval=up.keyframe_interval,
+            max_chain_ratio=up.max_chain_ratio,
+            keep_last=None,  # every row is mirrored; what a relay evicts is bytes
+        )
+        lag = max(0.0, (datetime.now(UTC) - v.committed_at).total_seconds())
+        self.metrics.versions_mirrored.inc()
+        self.metrics.prefetch_lag.observe(lag)
+        self.metrics.last_lag.labels(up.name).set(lag)
+        log.info(
+            "mirrored %s v%d (%s, %s objects%s)",
+            up.name,
+            v.number,
+            v.kind,
+            len(digests),
+            "" if prefetch else ", sizes only",
+        )
+
+    async def _size(self, digest: str, *, fetch: bool) -> int:
+        """The object's size: held here, else fetched (``fetch``), else asked of the upstream."""
+        with contextlib.suppress(errors.ObjectNotFound):
+            return (await self.ops.store.stat(digest)).size
+        if fetch:
+            return await self.fetch(digest)
+        return await self.upstream.object_size(digest)
+
+    # --- objects --------------------------------------------------------------------------
+
+    async def fetch(self, digest: str) -> int:
+        """Bring object ``digest`` here from the upstream, once however many ask at the same time; its size."""
+        task = self._fetches.get(digest)
+        if task is None:
+            task = asyncio.ensure_future(self._download(digest))
+            self._fetches[digest] = task
+
+            def done(t: asyncio.Future[int], digest: str = digest) -> None:
+                if self._fetches.get(digest) is t:
+                    del self._fetches[digest]
+                if not t.cancelled():
+                    t.exception()  # retrieved: every waiter got it
+
+            task.add_done_callback(done)
+        return await asyncio.shield(task)
+
+    async def _download(self, digest: str) -> int:
+        async with self._fetch_slots:
+            with contextlib.suppress(errors.ObjectNotFound):
+                return (await self.ops.store.stat(digest)).size  # fetched meanwhile (another replica)
+            try:
+                async with self.upstream.open_object(digest) as chunks:
+                    stored = await self.ops.put_object(self._counted(chunks), expected_digest=digest)
+            except errors.ServerUnavailable as exc:
+                self._failed(exc)
+                raise
+            self._reached()
+            self.metrics.upstream_fetches.inc()
+            return stored.size
+
+    async def _counted(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        async for chunk in chunks:
+            self.metrics.upstream_bytes.inc(len(chunk))
+            yield chunk
+
+    async def ensure_held(self, digest: str) -> None:
+        """Make sure the store holds ``digest`` before a local read: a hit, or one (shared) upstream fetch.
+
+        Only objects a mirrored version names are fetched (ObjectNotFound otherwise); an unreachable
+        upstream is ServerUnavailable (503: the client retries).
+        """
+        if await self.ops.store.exists(digest):
+            self.metrics.object_requests.labels("hit").inc()
+            return
+        known = await self.ops.object_records([digest])
+        info = known.get(digest)
+        if info is None or info.state == "deleting":
+            raise errors.ObjectNotFound(f"object {digest} is not in any version this relay mirrors")
+        self.metrics.object_requests.labels("miss").inc()
+        await self.fetch(digest)
+
+    # --- replica reports ------------------------------------------------------------------
+
+    def forward_report(self, model: str, body: dict[str, Any]) -> None:
+        """Queue a replica report for the upstream's ledger (the relay's site when the report names none)."""
+        forwarded = dict(body)
+        if not forwarded.get("site"):
+            forwarded["site"] = self.site
+        forwarded["extra"] = {**(forwarded.get("extra") or {}), "relay": self.site}
+        try:
+            self._reports.put_nowait((model, forwarded))
+        except asyncio.QueueFull:
+            self.metrics.reports_dropped.inc()
+            log.warning("replica report queue full: a report of %s is not forwarded", model)
+
+    async def _forward(self) -> None:
+        """Send queued reports in order; an unreachable upstream keeps them (retried with backoff)."""
+        while True:
+            model, body = await self._reports.get()
+            attempt = 0
+            while True:
+                try:
+                    await self.upstream.report_replica(model, body)
+                    self.metrics.reports_forwarded.inc()
+                    break
+                except asyncio.CancelledError:
+                    raise
+                except errors.ServerUnavailable as exc:
+                    self._failed(exc)
+                    await asyncio.sleep(_RETRY.delay(attempt))
+                    attempt += 1
+                except Exception as exc:  # noqa: BLE001 - refused upstream: dropped, logged
+                    self.metrics.reports_dropped.inc()
+                    log.warning("replica report of %s not forwarded: %s", model, exc)
+                    break

@@ -1,0 +1,75 @@
+"""A TCP proxy on loopback for the relay tests: counts the bytes it carries and can slow them down.
+
+Each accepted connection is forwarded to ``target`` by two threads (one per direction). The
+upstream → client direction sleeps as needed to stay under ``rate`` bytes/s (all connections
+together; None: no limit), which a test can change at any time: a relay's prefetch through a slow
+proxy is in flight long enough to be killed in the middle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+
+
+class Proxy:
+    """Forward 127.0.0.1:``port`` to ``target`` (host, port); ``down`` counts bytes from the target."""
+
+    def __init__(self, target: tuple[str, int], *, rate: float | None = None) -> None:
+        self.target = target
+        self.rate = rate
+        self.down = 0
+        self._lock = threading.Lock()
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self._sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._conns: list[socket.socket] = []
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._sock.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(self.target, timeout=10)
+            except OSError:
+                client.close()
+                continue
+            upstream.settimeout(None)
+            with self._lock:
+                self._conns += [client, upstream]
+            threading.Thread(target=self._pipe, args=(client, upstream, False), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(upstream, client, True), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, down: bool) -> None:
+        try:
+            while True:
+                rate = self.rate if down else None
+                data = src.recv(16384 if rate is None else max(1024, min(16384, int(rate / 20))))
+                if not data:
+                    break
+                if down:
+                    with self._lock:
+                        self.down += len(data)
+                    if rate:
+                        time.sleep(len(data) / rate)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self._closed = True
+        self._sock.close()
+        with self._lock:
+            for s in self._conns:
+                with contextlib.suppress(OSError):
+                    s.close()

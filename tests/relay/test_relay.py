@@ -1,0 +1,297 @@
+"""The regional relay (issue 15) as real processes on loopback: an origin, relays, subscribers.
+
+Each test asserts what a region sees: versions through a relay byte-identical to the origin's,
+the same numbers and lineage, each object crossing the upstream link once however many ask,
+writes refused with the upstream named, reports reaching the origin's ledger.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from _client_util import Server, start_server, stop_server
+from _relay_util import (
+    Versions,
+    metric,
+    object_gets,
+    start_relay,
+    store_objects,
+    tree,
+    versions,
+    wait_for,
+    wait_head,
+)
+
+from weightsync import errors
+from weightsync.client import Subscriber
+from weightsync.codec import Manifest
+
+
+@pytest.fixture
+def origin(tmp_path: Path) -> Iterator[Server]:
+    srv = start_server(tmp_path / "origin")
+    try:
+        yield srv
+    finally:
+        stop_server(srv)
+
+
+@pytest.fixture
+def relays(tmp_path: Path) -> Iterator[list[Server]]:
+    """Relays a test starts (append to the list); all stopped after it."""
+    started: list[Server] = []
+    try:
+        yield started
+    finally:
+        for r in reversed(started):  # downstream first: an upstream waits for open event streams
+            stop_server(r)
+
+
+def pull(url: str, model: str, into: Path, version: int | None = None) -> dict[str, str]:
+    Subscriber(url, model).pull(into, version)
+    return tree(into)
+
+
+def manifest_objects(url: str, model: str, number: int) -> dict[str, int]:
+    data = httpx.get(f"{url}/v1/models/{model}/versions/{number}/manifest").content
+    return Manifest.decode(data).objects()
+
+
+def test_pulls_through_a_relay_are_the_origins_and_cross_the_link_once(
+    origin: Server, relays: list[Server], tmp_path: Path
+) -> None:
+    model = "policy"
+    pub = Versions(origin.url, model, tmp_path)
+    for _ in range(3):
+        pub.publish()
+    relay = start_relay(tmp_path / "relay", origin.url)
+    relays.append(relay)
+    wait_head(relay.url, model, 3)
+
+    # The same versions: numbers, lineage, manifests, commit times.
+    assert versions(relay.url, model) == versions(origin.url, model)
+    fetched = object_gets(origin.url)
+    needed = {d for n in (1, 2, 3) for d in manifest_objects(origin.url, model, n)}
+    assert fetched == len(needed)  # the chain was prefetched, each object once
+
+    # Three subscribers in the region pull every version through the relay: byte-identical, and the
+    # origin sees no object request from them.
+    expected = {n: pull(origin.url, model, tmp_path / f"origin-v{n}", n) for n in (1, 3)}
+    before = object_gets(origin.url)
+    for i in range(3):
+        assert pull(relay.url, model, tmp_path / f"sub{i}", 1) == expected[1]
+        assert pull(relay.url, model, tmp_path / f"sub{i}", 3) == expected[3]
+    assert object_gets(origin.url) == before
+    assert metric(relay.url, "weightsync_relay_object_requests_total", result="miss") == 0
+
+    # A new version reaches a watcher of the relay only once it is whole here: its pull needs nothing upstream.
+    sub = Subscriber(relay.url, model)
+    sub.pull(tmp_path / "follower")
+    v4 = pub.publish()
+    seen = next(iter(sub.watch(after=3, timeout=30)))
+    assert seen.number == v4
+    before = object_gets(origin.url)
+    sub.pull(tmp_path / "follower")
+    assert object_gets(origin.url) == before
+    assert tree(tmp_path / "follower") == pull(origin.url, model, tmp_path / "origin-v4", v4)
+    lag = metric(relay.url, "weightsync_relay_prefetch_lag_seconds_count")
+    assert lag == 4
+
+
+def test_a_chained_relay_needs_no_special_case(origin: Server, relays: list[Server], tmp_path: Path) -> None:
+    model = "Org/chained"
+    pub = Versions(origin.url, model, tmp_path)
+    pub.publish()
+    region = start_relay(tmp_path / "region", origin.url)
+    relays.append(region)
+    rack = start_relay(tmp_path / "rack", region.url)
+    relays.append(rack)
+    pub.publish()
+    wait_head(rack.url, model, 2)
+    assert versions(rack.url, model) == versions(origin.url, model)
+    got = pull(rack.url, model, tmp_path / "rack-sub")
+    # Every object crossed each link once: the origin served each to the region relay alone.
+    needed = {d for n in (1, 2) for d in manifest_objects(origin.url, model, n)}
+    assert object_gets(origin.url) == len(needed)
+    assert metric(region.url, "weightsync_relay_upstream_fetches_total") == len(needed)
+    assert metric(rack.url, "weightsync_relay_upstream_fetches_total") == len(needed)
+    assert got == pull(origin.url, model, tmp_path / "origin-sub")
+
+
+def test_misses_are_fetched_once_for_any_number_of_concurrent_requests(
+    origin: Server, relays: list[Server], tmp_path: Path
+) -> None:
+    model = "late-joiner"
+    pub = Versions(origin.url, model, tmp_path)
+    pub.publish()
+    pub.publish()
+    pub.publish(keyframe=True)  # v3 starts a new chain: v1 and v2 are history the relay does not prefetch
+    relay = start_relay(tmp_path / "relay", origin.url)
+    relays.append(relay)
+    wait_head(relay.url, model, 3)
+    old = manifest_objects(origin.url, model, 1)
+    digest = max(old, key=old.get)
+    whole = httpx.get(f"{origin.url}/v1/objects/{digest}").content
+    assert hashlib.sha256(whole).hexdigest() == digest
+    before = object_gets(origin.url)
+
+    # A HEAD is answered from the relay's catalog, without fetching.
+    assert int(httpx.head(f"{relay.url}/v1/objects/{digest}").headers["content-length"]) == len(whole)
+
+    size = len(whole)
+    ranges = [None, "bytes=0-99", f"bytes={size // 2}-", f"bytes=-{min(size, 10)}"] * 4
+
+    def get(r: str | None) -> tuple[int, bytes]:
+        resp = httpx.get(f"{relay.url}/v1/objects/{digest}", headers={"Range": r} if r else {}, timeout=60)
+        return resp.status_code, resp.content
+
+    with concurrent.futures.ThreadPoolExecutor(len(ranges)) as pool:
+        answers = list(pool.map(get, ranges))
+    for r, (code, body) in zip(ranges, answers, strict=True):
+        if r is None:
+            assert (code, body) == (200, whole)
+        else:
+            spec = r.removeprefix("bytes=")
+            a, _, b = spec.partition("-")
+            want = whole[-int(b) :] if a == "" else whole[int(a) : (int(b) + 1 if b else None)]
+            assert (code, body) == (206, want)
+    assert object_gets(origin.url) == before + 1  # one upstream fetch for 16 concurrent requests
+    assert metric(relay.url, "weightsync_relay_upstream_fetches_total") >= 1
+    # The old version pulls through the relay byte-identical; its other objects are fetched once each.
+    assert pull(relay.url, model, tmp_path / "old", 1) == pull(origin.url, model, tmp_path / "origin-old", 1)
+    again = object_gets(origin.url)
+    pull(relay.url, model, tmp_path / "old-2", 1)
+    assert object_gets(origin.url) == again
+    # An object no mirrored version names is not fetched for anyone.
+    stranger = "ab" * 32
+    assert httpx.get(f"{relay.url}/v1/objects/{stranger}").status_code == 404
+
+
+def test_writes_to_a_relay_are_refused_naming_the_upstream(
+    origin: Server, relays: list[Server], tmp_path: Path
+) -> None:
+    model = "refused"
+    Versions(origin.url, model, tmp_path).publish()
+    relay = start_relay(tmp_path / "relay", origin.url)
+    relays.append(relay)
+    wait_head(relay.url, model, 1)
+
+    with pytest.raises(errors.ReadOnly) as caught:
+        Versions(relay.url, model, tmp_path / "via-relay").publish()
+    assert caught.value.upstream == origin.url
+    assert origin.url in str(caught.value)
+
+    for method, path in [
+        ("POST", f"/v1/models/{model}/publishes"),
+        ("POST", "/v1/models"),
+        ("PATCH", f"/v1/models/{model}"),
+        ("DELETE", f"/v1/models/{model}"),
+        ("PUT", f"/v1/models/{model}/pin"),
+        ("PUT", "/v1/objects/" + "0" * 64),
+    ]:
+        r = httpx.request(method, relay.url + path, json={})
+        assert r.status_code == 405, (method, path, r.text)
+        assert r.headers["content-type"].startswith("application/problem+json")
+        assert r.json()["type"].endswith("/read-only")
+        assert r.json()["upstream"] == origin.url
+    assert versions(relay.url, model) == versions(origin.url, model)
+
+    # The CLI: one line naming the upstream, a non-zero exit.
+    src = tmp_path / "src-refused"
+    cli = subprocess.run(
+        [sys.executable, "-m", "weightsync", "push", model, str(src), "--server", relay.url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert cli.returncode != 0
+    assert origin.url in cli.stderr and len(cli.stderr.strip().splitlines()) == 1
+
+
+def test_replica_reports_reach_the_origin_with_the_relays_site(
+    origin: Server, relays: list[Server], tmp_path: Path
+) -> None:
+    model = "ledger"
+    Versions(origin.url, model, tmp_path).publish()
+    relay = start_relay(tmp_path / "relay", origin.url, args=["--site", "eu-west"])
+    relays.append(relay)
+    wait_head(relay.url, model, 1)
+    Subscriber(relay.url, model, name="eu-node-1").pull(tmp_path / "sub")
+
+    def at_origin() -> list[dict]:
+        got = httpx.get(f"{origin.url}/v1/models/{model}/replicas").json()["replicas"]
+        return [r for r in got if r["subscriber"] == "eu-node-1"]
+
+    entry = wait_for("the report at the origin", at_origin)[0]
+    assert entry["version"] == 1 and entry["site"] == "eu-west"
+    assert entry["extra"]["relay"] == "eu-west"
+    local = httpx.get(f"{relay.url}/v1/models/{model}/replicas").json()["replicas"]
+    assert [r["subscriber"] for r in local] == ["eu-node-1"]
+
+
+def test_a_relay_keeps_serving_through_an_upstream_outage_and_catches_up(
+    origin: Server, relays: list[Server], tmp_path: Path
+) -> None:
+    from _relay_util import restart_origin
+
+    model = "outage"
+    pub = Versions(origin.url, model, tmp_path)
+    pub.publish()
+    relay = start_relay(tmp_path / "relay", origin.url)
+    relays.append(relay)
+    wait_head(relay.url, model, 1)
+    expected = pull(origin.url, model, tmp_path / "expected")
+    assert httpx.get(f"{relay.url}/readyz").json()["degraded"] is False
+
+    stop_server(origin)
+    ready = wait_for(
+        "readyz degraded", lambda: (r := httpx.get(f"{relay.url}/readyz")).json()["degraded"] and r, timeout=30
+    )
+    assert ready.status_code == 200 and ready.json()["upstream"] is False
+    assert metric(relay.url, "weightsync_relay_upstream_up") == 0
+    assert pull(relay.url, model, tmp_path / "during") == expected  # what it holds is served
+
+    back = restart_origin(origin, tmp_path / "origin")
+    origin.proc = back.proc  # the fixture stops the new process
+    pub.publish()
+    wait_head(relay.url, model, 2)
+    wait_for("readyz not degraded", lambda: httpx.get(f"{relay.url}/readyz").json()["degraded"] is False)
+    assert pull(relay.url, model, tmp_path / "after") == pull(origin.url, model, tmp_path / "expected-2")
+
+
+def test_a_relay_killed_mid_prefetch_completes_after_a_restart(
+    origin: Server, relays: list[Server], tmp_path: Path
+) -> None:
+    from _proxy import Proxy
+
+    model = "killed"
+    pub = Versions(origin.url, model, tmp_path)
+    pub.publish()
+    host, port = origin.url.removeprefix("http://").split(":")
+    proxy = Proxy((host, int(port)), rate=64 << 10)  # 64 KiB/s: the prefetch takes seconds
+    try:
+        relay = start_relay(tmp_path / "relay", proxy.url)
+        relays.append(relay)
+        wait_for("the prefetch under way", lambda: proxy.down > 60_000, timeout=60)
+        assert (httpx.get(f"{relay.url}/v1/models/{model}/versions/latest")).status_code == 404
+        relay.proc.kill()  # SIGKILL in the middle of an object
+        relay.proc.wait()
+        # Whatever it wrote is whole and named by its bytes; the version is not in its catalog.
+        for name, data in store_objects(relay.data).items():
+            assert hashlib.sha256(data).hexdigest() == name
+        proxy.rate = None
+        again = start_relay(tmp_path / "relay", proxy.url)
+        relays.append(again)
+        wait_head(again.url, model, 1)
+        assert pull(again.url, model, tmp_path / "sub") == pull(origin.url, model, tmp_path / "expected")
+        for name, data in store_objects(again.data).items():
+            assert hashlib.sha256(data).hexdigest() == name
+    finally:
+        proxy.close()
