@@ -59,8 +59,10 @@ def restart_origin(old: Server, root: Path) -> Server:
 class Versions:
     """Consecutive small versions of one model, published to a server from files on disk."""
 
-    def __init__(self, server: str, model: str, root: Path, *, token: str | None = None, seed: int = 0) -> None:
-        self.tensors = model_files(seed)
+    def __init__(
+        self, server: str, model: str, root: Path, *, token: str | None = None, seed: int = 0, tensors: int = 6
+    ) -> None:
+        self.tensors = model_files(seed, tensors)
         self.step = 0
         self.dir = root / f"src-{model}"
         self.publisher = Publisher(server, model, token=token, cache_dir=root / f"pubcache-{model}")

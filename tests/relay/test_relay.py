@@ -272,15 +272,16 @@ def test_a_relay_killed_mid_prefetch_completes_after_a_restart(
     from _proxy import Proxy
 
     model = "killed"
-    pub = Versions(origin.url, model, tmp_path)
+    pub = Versions(origin.url, model, tmp_path, tensors=40)  # ~0.5 MB of incompressible bytes
     pub.publish()
     host, port = origin.url.removeprefix("http://").split(":")
     proxy = Proxy((host, int(port)), rate=64 << 10)  # 64 KiB/s: the prefetch takes seconds
     try:
         relay = start_relay(tmp_path / "relay", proxy.url)
         relays.append(relay)
-        wait_for("the prefetch under way", lambda: proxy.down > 60_000, timeout=60)
-        assert (httpx.get(f"{relay.url}/v1/models/{model}/versions/latest")).status_code == 404
+        wait_for("the prefetch under way", lambda: proxy.down > 150_000, timeout=60)
+        # Nothing of the version is visible before all of it is here.
+        assert httpx.get(f"{relay.url}/v1/models/{model}/versions/latest").status_code == 404
         relay.proc.kill()  # SIGKILL in the middle of an object
         relay.proc.wait()
         # Whatever it wrote is whole and named by its bytes; the version is not in its catalog.

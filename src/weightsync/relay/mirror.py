@@ -98,8 +98,8 @@ class Mirror:
         self.metrics.upstream_up.set(1)
 
     def _failed(self, exc: BaseException) -> None:
-        """Note an upstream failure: unreachable (degraded) or a refusal (logged)."""
-        if isinstance(exc, errors.ServerUnavailable):
+        """Note an upstream failure: unreachable or refusing this relay's token (degraded), or another (logged)."""
+        if isinstance(exc, (errors.ServerUnavailable, errors.AuthError)):
             if self.upstream_ok is not False:
                 log.warning("upstream %s unreachable, serving what this relay holds: %s", self.upstream.url, exc)
             self.upstream_ok = False

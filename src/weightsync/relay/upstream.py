@@ -24,6 +24,8 @@ from weightsync.client.wire import problem_error
 __all__ = ["Upstream"]
 
 CHUNK = 1 << 20
+# An event stream sends a keep-alive every 15 s (the service's default): silence this long is a dead link.
+EVENTS_READ_TIMEOUT_S = 90.0
 
 
 class Upstream:
@@ -137,7 +139,10 @@ class Upstream:
         params = {} if after is None else {"after": after}
         try:
             async with self._http.stream(
-                "GET", f"/v1/models/{model}/events", params=params, timeout=httpx.Timeout(None, connect=10.0)
+                "GET",
+                f"/v1/models/{model}/events",
+                params=params,
+                timeout=httpx.Timeout(EVENTS_READ_TIMEOUT_S, connect=10.0),
             ) as resp:
                 if resp.status_code != 200:
                     await resp.aread()
