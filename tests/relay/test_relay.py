@@ -234,6 +234,11 @@ def test_replica_reports_reach_the_origin_with_the_relays_site(
     assert entry["extra"]["relay"] == "eu-west"
     local = httpx.get(f"{relay.url}/v1/models/{model}/replicas").json()["replicas"]
     assert [r["subscriber"] for r in local] == ["eu-node-1"]
+    # The relay itself is in the origin's ledger: its site, the version it holds, its prefetch lag.
+    everyone = httpx.get(f"{origin.url}/v1/models/{model}/replicas").json()["replicas"]
+    relay_entry = next(r for r in everyone if r["subscriber"] == "relay@eu-west")
+    assert relay_entry["version"] == 1 and relay_entry["site"] == "eu-west" and relay_entry["lag"] == 0
+    assert relay_entry["extra"]["role"] == "relay" and relay_entry["extra"]["prefetch_lag_s"] >= 0
 
 
 def test_a_relay_keeps_serving_through_an_upstream_outage_and_catches_up(

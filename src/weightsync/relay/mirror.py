@@ -63,6 +63,7 @@ class Mirror:
         self._followers: dict[str, asyncio.Task[None]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._reports: asyncio.Queue[tuple[str, dict[str, Any]]] = asyncio.Queue(_FORWARD_QUEUE)
+        self._last_mirrored: dict[str, tuple[int, float]] = {}  # model -> (number, prefetch lag) of the newest
 
     # --- life -------------------------------------------------------------------------
 
@@ -198,6 +199,8 @@ class Mirror:
                         break
             if up.pinned != pinned and (head is not None or count):
                 await pin_model(self.ops, model, up.pinned)
+            if count:
+                self._announce(model)
             return count
 
     async def _mirror_version(self, up: models.Model, v: models.Version, *, prefetch: bool) -> None:
@@ -234,6 +237,7 @@ class Mirror:
         self.metrics.versions_mirrored.inc()
         self.metrics.prefetch_lag.observe(lag)
         self.metrics.last_lag.labels(up.name).set(lag)
+        self._last_mirrored[up.name] = (v.number, lag)
         log.info(
             "mirrored %s v%d (%s, %s objects%s)",
             up.name,
@@ -306,12 +310,30 @@ class Mirror:
 
     # --- replica reports ------------------------------------------------------------------
 
+    @property
+    def name(self) -> str:
+        """This relay's name in the upstream's ledger."""
+        return f"relay@{self.site}"
+
+    def _announce(self, model: str) -> None:
+        """Tell the upstream's ledger which version of ``model`` this relay now holds (after each sync that
+        mirrored some): the origin lists its relays, with their site and prefetch lag, among the replicas."""
+        head = self._last_mirrored.get(model)
+        if head is None:
+            return
+        number, lag = head
+        extra = {"role": "relay", "prefetch_lag_s": round(lag, 3)}
+        self._queue(model, {"subscriber": self.name, "version": number, "site": self.site, "extra": extra})
+
     def forward_report(self, model: str, body: dict[str, Any]) -> None:
         """Queue a replica report for the upstream's ledger (the relay's site when the report names none)."""
         forwarded = dict(body)
         if not forwarded.get("site"):
             forwarded["site"] = self.site
         forwarded["extra"] = {**(forwarded.get("extra") or {}), "relay": self.site}
+        self._queue(model, forwarded)
+
+    def _queue(self, model: str, forwarded: dict[str, Any]) -> None:
         try:
             self._reports.put_nowait((model, forwarded))
         except asyncio.QueueFull:
