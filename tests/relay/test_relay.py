@@ -301,3 +301,26 @@ def test_a_relay_killed_mid_prefetch_completes_after_a_restart(
             assert hashlib.sha256(data).hexdigest() == name
     finally:
         proxy.close()
+
+
+def test_a_chain_read_through_the_relay_is_leased_at_the_origin(
+    origin: Server, relays: list[Server], tmp_path: Path
+) -> None:
+    # Two models alike; only "leased" has a reader on its old chain at the relay.
+    for model in ("leased", "unleased"):
+        pub = Versions(origin.url, model, tmp_path)
+        pub.publish()
+        pub.publish()
+        pub.publish(keyframe=True)  # v1, v2: an old chain, history the relay has not fetched
+        assert httpx.patch(f"{origin.url}/v1/models/{model}", json={"keep_last": 1}).status_code == 200
+    relay = start_relay(tmp_path / "relay", origin.url)
+    relays.append(relay)
+    wait_head(relay.url, "leased", 3)
+    wait_head(relay.url, "unleased", 3)
+    plan = httpx.get(f"{relay.url}/v1/models/leased/plan", params={"want": 1, "holder": "late-joiner"})
+    assert plan.status_code == 200 and plan.json()["target"] == 1
+    wait_for("the upstream lease", lambda: metric(relay.url, "weightsync_relay_upstream_leases") == 1)
+    # The origin's retention keeps the chain the relay's reader holds, and only that one.
+    gc = httpx.post(f"{origin.url}/v1/admin/gc", json={"dry_run": False, "grace_s": 0}).json()
+    assert gc["versions_deleted"] == {"unleased": [1, 2]}
+    assert pull(relay.url, "leased", tmp_path / "old", 1) == pull(origin.url, "leased", tmp_path / "origin-old", 1)

@@ -53,6 +53,9 @@ class RelayMetrics:
         self.upstream_up = Gauge(
             "weightsync_relay_upstream_up", "1 when the upstream answered the last request, else 0.", registry=reg
         )
+        self.upstream_leases = Gauge(
+            "weightsync_relay_upstream_leases", "Chains this relay holds a lease on at the upstream.", registry=reg
+        )
         self.reports_forwarded = Counter(
             "weightsync_relay_reports_forwarded", "Replica reports forwarded to the upstream.", registry=reg
         )

@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from datetime import UTC, datetime
 from typing import Any
 
@@ -64,6 +64,7 @@ class Mirror:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._reports: asyncio.Queue[tuple[str, dict[str, Any]]] = asyncio.Queue(_FORWARD_QUEUE)
         self._last_mirrored: dict[str, tuple[int, float]] = {}  # model -> (number, prefetch lag) of the newest
+        self._upstream_leases: dict[tuple[str, int], tuple[datetime, datetime]] = {}  # -> (taken, expires)
 
     # --- life -------------------------------------------------------------------------
 
@@ -128,7 +129,8 @@ class Mirror:
                     if follower is None or follower.done():
                         self._followers[m.name] = asyncio.ensure_future(self._follow(m.name))
                     elif await self._behind(m) and not self._lock(m.name).locked():
-                        self._spawn(self._sync_logged(m.name))
+                        self.spawn_logged(self.sync(m.name))
+                await self._renew_leases()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - the loop must outlive any failure; logged
@@ -157,11 +159,16 @@ class Mirror:
             await asyncio.sleep(_RETRY.delay(attempt))
             attempt += 1
 
-    async def _sync_logged(self, model: str) -> None:
-        try:
-            await self.sync(model)
-        except Exception as exc:  # noqa: BLE001
-            self._failed(exc)
+    def spawn_logged(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run ``coro`` in the background (cancelled at :meth:`stop`); a failure is noted as the upstream's."""
+
+        async def run() -> None:
+            try:
+                await coro
+            except Exception as exc:  # noqa: BLE001 - background work: logged, retried by the next tick
+                self._failed(exc)
+
+        self._spawn(run())
 
     def _lock(self, model: str) -> asyncio.Lock:
         return self._locks.setdefault(model, asyncio.Lock())
@@ -254,6 +261,36 @@ class Mirror:
         if fetch:
             return await self.fetch(digest)
         return await self.upstream.object_size(digest)
+
+    # --- leases upstream ---------------------------------------------------------------------
+
+    async def hold_upstream(self, model: str, number: int) -> None:
+        """Hold version ``number``'s chain at the upstream while a local reader holds it here.
+
+        A local plan with a ``holder`` leases the chain in this relay's catalog; the same chain
+        leased upstream (holder ``relay@<site>``) keeps the upstream's retention and gc off the
+        objects this relay may still have to fetch for that reader. Renewed at half its life while
+        a local lease on it lasts (:meth:`_renew_leases`).
+        """
+        now = datetime.now(UTC)
+        held = self._upstream_leases.get((model, number))
+        if held is not None and now < held[0] + (held[1] - held[0]) / 2:
+            return
+        expires = await self.upstream.hold(model, number, self.name)
+        if expires is not None:
+            self._upstream_leases[(model, number)] = (now, expires)
+            self.metrics.upstream_leases.set(len(self._upstream_leases))
+
+    async def _renew_leases(self) -> None:
+        """Renew the upstream leases of the chains local readers still hold; forget the others."""
+        local = {(lease.model, lease.number) for lease in await self.ops.active_leases()}
+        for key in list(self._upstream_leases):
+            if key not in local:
+                del self._upstream_leases[key]  # left to expire upstream
+        self.metrics.upstream_leases.set(len(self._upstream_leases))
+        for model, number in sorted(local):
+            if self.mirrors(model):
+                await self.hold_upstream(model, number)
 
     # --- objects --------------------------------------------------------------------------
 

@@ -13,15 +13,15 @@ from __future__ import annotations
 import json
 from typing import Annotated
 
-from fastapi import APIRouter, Header, Request, Response, status
+from fastapi import APIRouter, Header, Query, Request, Response, status
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 
 from weightsync import errors
 from weightsync.relay.mirror import Mirror
 from weightsync.service.deps import MetricsDep, OpsDep, Reader, SettingsDep
-from weightsync.service.routes import ROUTERS, health, ledger, objects
-from weightsync.service.schemas import PresignedGet, Readiness, ReplicaIn, ReplicaOut
+from weightsync.service.routes import ROUTERS, health, ledger, objects, versions
+from weightsync.service.schemas import INT64, PlanOut, PresignedGet, Readiness, ReplicaIn, ReplicaOut
 from weightsync.store import validate_digest
 
 __all__ = ["READ_ONLY_OPERATIONS", "RelayReadiness", "refusals", "router"]
@@ -140,6 +140,26 @@ async def report_replica(model: str, body: ReplicaIn, request: Request, ops: Ops
     out = await ledger.report_replica(model, body, ops, who)
     (await _mirror(request)).forward_report(model, body.model_dump(exclude_none=True))
     return out
+
+
+@router.get("/v1/models/{model:model}/plan", operation_id="getPlan", response_model=PlanOut)
+async def get_plan(
+    model: str,
+    request: Request,
+    ops: OpsDep,
+    who: Reader,
+    have: Annotated[int | None, Query(ge=-INT64, le=INT64)] = None,
+    want: Annotated[int | None, Query(ge=-INT64, le=INT64)] = None,
+    holder: Annotated[str | None, Query(min_length=1, max_length=255)] = None,
+    formats: Annotated[str | None, Query(max_length=64, pattern=r"^[0-9]{1,3}(,[0-9]{1,3})*$")] = None,
+) -> PlanOut:
+    """The service's getPlan; with ``holder``, the target's chain is also leased at the upstream (in the
+    background) while the local lease lasts, so the upstream keeps what this relay may have to fetch."""
+    plan = await versions.get_plan(model, ops, who, have=have, want=want, holder=holder, formats=formats)
+    if holder:
+        mirror = await _mirror(request)
+        mirror.spawn_logged(mirror.hold_upstream(model, plan.target))
+    return plan
 
 
 async def _refuse(request: Request, who: Reader, metrics: MetricsDep) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from datetime import datetime
 from typing import Any
 
 import httpx
@@ -98,6 +99,16 @@ class Upstream:
         """The chain version ``number`` is rebuilt from, keyframe first."""
         answer = await self._json(f"/v1/models/{model}/versions/{number}/lineage", not_found=errors.VersionNotFound)
         return models.VersionList.from_json(answer).versions
+
+    async def hold(self, model: str, number: int, holder: str) -> datetime | None:
+        """Lease version ``number``'s chain at the upstream for ``holder`` (a plan from and to ``number``,
+        which fetches nothing); when the lease ends."""
+        answer = await self._json(
+            f"/v1/models/{model}/plan",
+            params={"have": number, "want": number, "holder": holder},
+            not_found=errors.VersionNotFound,
+        )
+        return models.Plan.from_json(answer).lease_expires_at
 
     async def manifest(self, model: str, number: int) -> bytes:
         """Version ``number``'s stored manifest bytes (not checked here: the caller hashes them)."""
