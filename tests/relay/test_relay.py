@@ -80,6 +80,10 @@ def test_pulls_through_a_relay_are_the_origins_and_cross_the_link_once(
     fetched = object_gets(origin.url)
     needed = {d for n in (1, 2, 3) for d in manifest_objects(origin.url, model, n)}
     assert fetched == len(needed)  # the chain was prefetched, each object once
+    # The bytes that crossed the link are exactly the versions' manifests and objects, once.
+    manifests = sum(len(httpx.get(f"{origin.url}/v1/models/{model}/versions/{n}/manifest").content) for n in (1, 2, 3))
+    objects = sum(int(httpx.head(f"{origin.url}/v1/objects/{d}").headers["content-length"]) for d in needed)
+    assert metric(relay.url, "weightsync_relay_upstream_bytes_total") == manifests + objects
 
     # Three subscribers in the region pull every version through the relay: byte-identical, and the
     # origin sees no object request from them.
