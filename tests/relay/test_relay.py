@@ -328,3 +328,30 @@ def test_a_chain_read_through_the_relay_is_leased_at_the_origin(
     gc = httpx.post(f"{origin.url}/v1/admin/gc", json={"dry_run": False, "grace_s": 0}).json()
     assert gc["versions_deleted"] == {"unleased": [1, 2]}
     assert pull(relay.url, "leased", tmp_path / "old", 1) == pull(origin.url, "leased", tmp_path / "origin-old", 1)
+
+
+def test_eviction_drops_old_chains_bytes_and_a_late_reader_gets_them_again(
+    origin: Server, relays: list[Server], tmp_path: Path
+) -> None:
+    model = "evicted"
+    relay = start_relay(
+        tmp_path / "relay", origin.url, args=["--evict-keep", "1"], env={"WEIGHTSYNC_EVICT_INTERVAL_S": "0.5"}
+    )
+    relays.append(relay)
+    pub = Versions(origin.url, model, tmp_path)
+    pub.publish()
+    pub.publish()
+    wait_head(relay.url, model, 2)
+    old = {d for n in (1, 2) for d in manifest_objects(origin.url, model, n)}
+    assert old <= set(store_objects(relay.data))  # the chain followers read was prefetched
+    pub.publish(keyframe=True)
+    pub.publish()
+    wait_head(relay.url, model, 4)
+    new = {d for n in (3, 4) for d in manifest_objects(origin.url, model, n)}
+    wait_for("old chain evicted", lambda: metric(relay.url, "weightsync_relay_evicted_bytes_total") > 0)
+    held = set(store_objects(relay.data))
+    assert new <= held and not (old - new) & held
+    assert versions(relay.url, model) == versions(origin.url, model)  # rows stay, only bytes go
+    before = object_gets(origin.url)
+    assert pull(relay.url, model, tmp_path / "late", 1) == pull(origin.url, model, tmp_path / "origin-late", 1)
+    assert object_gets(origin.url) > before  # fetched again, for the late reader

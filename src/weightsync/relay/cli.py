@@ -61,6 +61,16 @@ def relay(
             "--site", metavar="NAME", help="This relay's site, for forwarded replica reports [default: host name]."
         ),
     ] = None,
+    evict_keep: Annotated[
+        int | None,
+        typer.Option(
+            "--evict-keep",
+            metavar="N",
+            min=1,
+            help="Keep the bytes of each model's newest N versions' chains (and pinned, leased ones); "
+            "evict the rest, fetched again on demand [default: keep all].",
+        ),
+    ] = None,
     log_level: LogLevelOption = None,
 ) -> None:
     """Run a read-only relay of UPSTREAM: the same read API, each version fetched once (docs/API.md "Relays").
@@ -82,6 +92,7 @@ def relay(
         "token_file": tokens,
         "models": models,
         "site": site,
+        "evict_keep": evict_keep,
         "log_level": log_level,
     }
     run_server(load_settings(overrides, RelaySettings), overrides, APP_FACTORY)

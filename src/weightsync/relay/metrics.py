@@ -56,6 +56,11 @@ class RelayMetrics:
         self.upstream_leases = Gauge(
             "weightsync_relay_upstream_leases", "Chains this relay holds a lease on at the upstream.", registry=reg
         )
+        self.evicted_bytes = Counter(
+            "weightsync_relay_evicted_bytes",
+            "Object bytes evicted (catalog rows stay; refetched on demand).",
+            registry=reg,
+        )
         self.reports_forwarded = Counter(
             "weightsync_relay_reports_forwarded", "Replica reports forwarded to the upstream.", registry=reg
         )

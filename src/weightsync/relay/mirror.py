@@ -72,6 +72,8 @@ class Mirror:
         """Start following the upstream (its model list, then each mirrored model's events) and forwarding."""
         self._spawn(self._discover())
         self._spawn(self._forward())
+        if self.settings.evict_keep is not None:
+            self._spawn(self._evict_periodically())
 
     async def stop(self) -> None:
         """Cancel every task (fetches included) and wait for them; nothing half-written is left (the store)."""
@@ -291,6 +293,61 @@ class Mirror:
         for model, number in sorted(local):
             if self.mirrors(model):
                 await self.hold_upstream(model, number)
+
+    # --- eviction ---------------------------------------------------------------------------
+
+    async def _evict_periodically(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.evict_interval_s)
+            try:
+                await self.evict()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - retried at the next interval
+                log.warning("eviction failed: %s: %s", type(exc).__name__, exc)
+
+    async def evict(self) -> int:
+        """Delete the bytes of objects no kept chain needs; the bytes evicted. Catalog rows stay.
+
+        Kept, over every model here (objects are shared between models): each chain (versions with one
+        chain base) holding one of the model's newest ``evict_keep`` versions, the pinned version or a
+        leased one. Safe against readers by construction: a request for an evicted object is a miss,
+        fetched again from the upstream (single-flight), so a race costs WAN bytes, never an answer.
+        """
+        keep_n = self.settings.evict_keep
+        if keep_n is None:
+            return 0
+        leased: dict[str, set[int]] = {}
+        for lease in await self.ops.active_leases():
+            leased.setdefault(lease.model, set()).add(lease.number)
+        kept: set[str] = set()
+        dropped: set[str] = set()
+        for m in await self.ops.list_models():
+            found = await self.ops.list_versions(m.name, limit=None)
+            base_of = {v.number: v.chain_base for v in found}
+            wanted = {v.number for v in found[-keep_n:]} | leased.get(m.name, set())
+            if m.pinned is not None:
+                wanted.add(m.pinned)
+            bases = {base_of[n] for n in wanted if n in base_of}
+            for v in found:
+                if v.manifest_digest is None:
+                    continue
+                manifest = await self.ops.load_manifest(v.manifest_digest)
+                (kept if v.chain_base in bases else dropped).update(manifest.objects())
+        evicted = 0
+        for digest in sorted(dropped - kept):
+            if digest in self._fetches:
+                continue  # being fetched for a reader right now
+            try:
+                size = (await self.ops.store.stat(digest)).size
+            except errors.ObjectNotFound:
+                continue
+            await self.ops.store.delete(digest)
+            evicted += size
+        if evicted:
+            self.metrics.evicted_bytes.inc(evicted)
+            log.info("evicted %d bytes of objects no kept chain needs", evicted)
+        return evicted
 
     # --- objects --------------------------------------------------------------------------
 

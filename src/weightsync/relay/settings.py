@@ -26,6 +26,13 @@ class RelaySettings(Settings):
     )
     prefetch_concurrency: int = Field(4, ge=1, le=64, description="Objects fetched from the upstream at once.")
     upstream_timeout_s: float = Field(60.0, gt=0, description="Timeout of one upstream request (seconds).")
+    evict_keep: int | None = Field(
+        None,
+        ge=1,
+        description="Keep the object bytes of the chains of each model's newest N versions (and of pinned and "
+        "leased chains), evict the others' (fetched again on demand); default: keep every byte.",
+    )
+    evict_interval_s: float = Field(300.0, gt=0, description="How often eviction runs (with evict_keep).")
 
     @field_validator("upstream")
     @classmethod
