@@ -44,7 +44,12 @@ def create_relay_app(settings: RelaySettings) -> FastAPI:
     @asynccontextmanager
     async def mirror(app: FastAPI) -> AsyncIterator[None]:
         token = settings.upstream_token.get_secret_value() if settings.upstream_token else None
-        upstream = Upstream(settings.upstream, token, timeout=settings.upstream_timeout_s)
+        upstream = Upstream(
+            settings.upstream,
+            token,
+            timeout=settings.upstream_timeout_s,
+            connections=settings.prefetch_concurrency + 12,  # fetches, HEADs, JSON calls and reports
+        )
         app.state.mirror = Mirror(app.state.ops, upstream, settings, app.state.relay_metrics)
         app.state.mirror.start()
         try:

@@ -40,6 +40,7 @@ log = logging.getLogger("weightsync.relay")
 PAGE = 1000
 _RETRY = Backoff(attempts=1, base=0.5, cap=10.0)
 _FORWARD_QUEUE = 10_000
+_HEADS = 8  # sizes of history objects asked at once (HEAD)
 
 
 class Mirror:
@@ -59,6 +60,7 @@ class Mirror:
         self.last_error: str | None = None
         self._fetches: dict[str, asyncio.Future[int]] = {}
         self._fetch_slots = asyncio.Semaphore(settings.prefetch_concurrency)
+        self._head_slots = asyncio.Semaphore(_HEADS)
         self._locks: dict[str, asyncio.Lock] = {}
         self._followers: dict[str, asyncio.Task[None]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -262,7 +264,8 @@ class Mirror:
             return (await self.ops.store.stat(digest)).size
         if fetch:
             return await self.fetch(digest)
-        return await self.upstream.object_size(digest)
+        async with self._head_slots:
+            return await self.upstream.object_size(digest)
 
     # --- leases upstream ---------------------------------------------------------------------
 

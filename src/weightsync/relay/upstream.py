@@ -41,12 +41,21 @@ class Upstream:
             base_url=url,
             headers=headers,
             timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
-            limits=httpx.Limits(max_connections=connections + 64, max_keepalive_connections=connections),
+            limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
+        )
+        # Event streams stay open (one per mirrored model): a pool of their own, unbounded, so however
+        # many models are followed they never take the connections object fetches need.
+        self._streams = httpx.AsyncClient(
+            base_url=url,
+            headers=headers,
+            timeout=httpx.Timeout(EVENTS_READ_TIMEOUT_S, connect=10.0),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=0),
         )
         self.bytes_received = 0
 
     async def close(self) -> None:
         await self._http.aclose()
+        await self._streams.aclose()
 
     def _unavailable(self, exc: Exception) -> errors.ServerUnavailable:
         what = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
@@ -149,12 +158,7 @@ class Upstream:
         """The model's ``streamEvents``: each Version as its event arrives; ends when the upstream ends it."""
         params = {} if after is None else {"after": after}
         try:
-            async with self._http.stream(
-                "GET",
-                f"/v1/models/{model}/events",
-                params=params,
-                timeout=httpx.Timeout(EVENTS_READ_TIMEOUT_S, connect=10.0),
-            ) as resp:
+            async with self._streams.stream("GET", f"/v1/models/{model}/events", params=params) as resp:
                 if resp.status_code != 200:
                     await resp.aread()
                     self._raise_for(resp, errors.ModelNotFound)
