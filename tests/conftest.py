@@ -24,6 +24,7 @@ SLOW: tuple[str, ...] = (
     # killed and restarted behind a slowed proxy, three servers with tokens:
     "relay/test_relay.py::test_a_relay_keeps_serving_through_an_upstream_outage_and_catches_up",
     "relay/test_relay.py::test_a_relay_killed_mid_prefetch_completes_after_a_restart",
+    "relay/test_relay.py::test_an_upstream_outage_in_the_middle_of_a_prefetch",
     "relay/test_relay_auth.py::test_the_relays_auth_matrix",
 )
 # Also slow: the S3 runs of the store contract suite (marked where tests/store/conftest.py parametrizes).

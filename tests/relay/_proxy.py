@@ -1,4 +1,4 @@
-"""A TCP proxy on loopback for the relay tests: counts the bytes it carries and can slow them down.
+"""A TCP proxy on loopback for the relay tests: counts the bytes it carries, can slow them down and cut the link.
 
 Each accepted connection is forwarded to ``target`` by two threads (one per direction). The
 upstream → client direction sleeps as needed to stay under ``rate`` bytes/s (all connections
@@ -27,7 +27,26 @@ class Proxy:
         self.url = f"http://127.0.0.1:{self.port}"
         self._conns: list[socket.socket] = []
         self._closed = False
+        self._down = False
         threading.Thread(target=self._accept, daemon=True).start()
+
+    def cut(self) -> None:
+        """The link goes down: every open connection is reset, new ones are closed at once (until :meth:`mend`)."""
+        self._down = True
+        self._close_all()
+
+    def mend(self) -> None:
+        """The link is back."""
+        self._down = False
+
+    def _close_all(self) -> None:
+        with self._lock:
+            conns, self._conns = self._conns, []
+        for s in conns:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            with contextlib.suppress(OSError):
+                s.close()
 
     def _accept(self) -> None:
         while not self._closed:
@@ -35,6 +54,9 @@ class Proxy:
                 client, _ = self._sock.accept()
             except OSError:
                 return
+            if self._down:
+                client.close()
+                continue
             try:
                 upstream = socket.create_connection(self.target, timeout=10)
             except OSError:
@@ -69,7 +91,4 @@ class Proxy:
     def close(self) -> None:
         self._closed = True
         self._sock.close()
-        with self._lock:
-            for s in self._conns:
-                with contextlib.suppress(OSError):
-                    s.close()
+        self._close_all()

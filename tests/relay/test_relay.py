@@ -355,3 +355,35 @@ def test_eviction_drops_old_chains_bytes_and_a_late_reader_gets_them_again(
     before = object_gets(origin.url)
     assert pull(relay.url, model, tmp_path / "late", 1) == pull(origin.url, model, tmp_path / "origin-late", 1)
     assert object_gets(origin.url) > before  # fetched again, for the late reader
+
+
+def test_an_upstream_outage_in_the_middle_of_a_prefetch(origin: Server, relays: list[Server], tmp_path: Path) -> None:
+    from _proxy import Proxy
+
+    model = "cut"
+    pub = Versions(origin.url, model, tmp_path, tensors=40)
+    host, port = origin.url.removeprefix("http://").split(":")
+    proxy = Proxy((host, int(port)))
+    try:
+        relay = start_relay(tmp_path / "relay", proxy.url)
+        relays.append(relay)
+        pub.publish()
+        wait_head(relay.url, model, 1)
+        proxy.rate = 64 << 10
+        start = proxy.down
+        pub.publish(keyframe=True)  # ~0.5 MB to fetch at 64 KiB/s
+        wait_for("the prefetch under way", lambda: proxy.down - start > 100_000, timeout=60)
+        proxy.cut()  # the WAN link goes down in the middle of an object
+        ready = wait_for("degraded", lambda: (r := httpx.get(f"{relay.url}/readyz")).json()["degraded"] and r)
+        assert ready.status_code == 200
+        assert httpx.get(f"{relay.url}/v1/models/{model}/versions/latest").json()["number"] == 1
+        assert pull(relay.url, model, tmp_path / "during") == pull(origin.url, model, tmp_path / "v1", 1)
+        for name, data in store_objects(relay.data).items():
+            assert hashlib.sha256(data).hexdigest() == name
+        proxy.rate = None
+        proxy.mend()
+        wait_head(relay.url, model, 2)
+        wait_for("not degraded", lambda: httpx.get(f"{relay.url}/readyz").json()["degraded"] is False)
+        assert pull(relay.url, model, tmp_path / "after") == pull(origin.url, model, tmp_path / "v2", 2)
+    finally:
+        proxy.close()
