@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -107,6 +108,21 @@ def test_pulls_through_a_relay_are_the_origins_and_cross_the_link_once(
     assert tree(tmp_path / "follower") == pull(origin.url, model, tmp_path / "origin-v4", v4)
     lag = metric(relay.url, "weightsync_relay_prefetch_lag_seconds_count")
     assert lag == 4
+
+    # The CLI, unchanged, with --server pointing at the relay.
+    def cli(*args: str) -> dict:
+        done = subprocess.run(
+            [sys.executable, "-m", "weightsync", *args, "--server", relay.url, "--json"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
+        return json.loads(done.stdout)
+
+    assert [v["number"] for v in cli("log", model)["versions"]] == [1, 2, 3, 4]
+    assert cli("pull", model, str(tmp_path / "cli"))["version"] == 4
+    assert tree(tmp_path / "cli") == tree(tmp_path / "follower")
 
 
 def test_a_chained_relay_needs_no_special_case(origin: Server, relays: list[Server], tmp_path: Path) -> None:
