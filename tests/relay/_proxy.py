@@ -1,4 +1,5 @@
-"""A TCP proxy on loopback for the relay tests: counts the bytes it carries, can slow them down and cut the link.
+"""A TCP proxy on loopback for the relay tests: counts the bytes it carries, can slow them down, cut the link,
+and flip a byte of an object on its way.
 
 Each accepted connection is forwarded to ``target`` by two threads (one per direction). The
 upstream → client direction sleeps as needed to stay under ``rate`` bytes/s (all connections
@@ -17,6 +18,8 @@ import time
 class Proxy:
     """Forward 127.0.0.1:``port`` to ``target`` (host, port); ``down`` counts bytes from the target."""
 
+    CORRUPT_AT = 4096  # past the response headers, inside the object's bytes
+
     def __init__(self, target: tuple[str, int], *, rate: float | None = None) -> None:
         self.target = target
         self.rate = rate
@@ -28,6 +31,7 @@ class Proxy:
         self._conns: list[socket.socket] = []
         self._closed = False
         self._down = False
+        self.corrupt: str | None = None  # a digest: flip one byte of the next answer to a GET of that object
         threading.Thread(target=self._accept, daemon=True).start()
 
     def cut(self) -> None:
@@ -65,19 +69,31 @@ class Proxy:
             upstream.settimeout(None)
             with self._lock:
                 self._conns += [client, upstream]
-            threading.Thread(target=self._pipe, args=(client, upstream, False), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(upstream, client, True), daemon=True).start()
+            state: dict = {}  # shared by the connection's two directions
+            threading.Thread(target=self._pipe, args=(client, upstream, False, state), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(upstream, client, True, state), daemon=True).start()
 
-    def _pipe(self, src: socket.socket, dst: socket.socket, down: bool) -> None:
+    def _pipe(self, src: socket.socket, dst: socket.socket, down: bool, state: dict | None = None) -> None:
         try:
+            seen = 0  # bytes of the current object answer (down) since the request for `corrupt` went up
             while True:
                 rate = self.rate if down else None
                 data = src.recv(16384 if rate is None else max(1024, min(16384, int(rate / 20))))
                 if not data:
                     break
+                if not down and self.corrupt is not None and f"GET /v1/objects/{self.corrupt} ".encode() in data:
+                    assert state is not None
+                    state["armed"] = True
                 if down:
                     with self._lock:
                         self.down += len(data)
+                    if state is not None and state.get("armed"):
+                        if seen <= self.CORRUPT_AT < seen + len(data):
+                            flipped = bytearray(data)
+                            flipped[self.CORRUPT_AT - seen] ^= 0xFF
+                            data = bytes(flipped)
+                            state["armed"] = False
+                        seen += len(data)
                     if rate:
                         time.sleep(len(data) / rate)
                 dst.sendall(data)

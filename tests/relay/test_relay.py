@@ -403,3 +403,62 @@ def test_an_upstream_outage_in_the_middle_of_a_prefetch(origin: Server, relays: 
         assert pull(relay.url, model, tmp_path / "after") == pull(origin.url, model, tmp_path / "v2", 2)
     finally:
         proxy.close()
+
+
+def _history_objects(
+    origin: Server, relays: list[Server], tmp_path: Path, models: list[str], proxy_url: str
+) -> tuple[Server, list[tuple[str, bytes]]]:
+    """A relay behind ``proxy_url`` for which v1 of each model is history (not fetched); for each model
+    the largest object of its v1 and its bytes."""
+    for seed, model in enumerate(models):
+        pub = Versions(origin.url, model, tmp_path, tensors=40, seed=seed)
+        pub.publish()
+        pub.publish(keyframe=True)
+    relay = start_relay(tmp_path / "relay", proxy_url)
+    relays.append(relay)
+    found = []
+    for model in models:
+        wait_head(relay.url, model, 2)
+        old = manifest_objects(origin.url, model, 1)
+        digest = max(old, key=old.get)
+        found.append((digest, httpx.get(f"{origin.url}/v1/objects/{digest}").content))
+        assert digest not in store_objects(relay.data)
+    return relay, found
+
+
+def test_a_miss_is_streamed_while_it_arrives_and_the_last_byte_waits_for_the_check(
+    origin: Server, relays: list[Server], tmp_path: Path
+) -> None:
+    from _proxy import Proxy
+
+    host, port = origin.url.removeprefix("http://").split(":")
+    proxy = Proxy((host, int(port)))
+    try:
+        relay, [(digest, whole), (bad, bad_whole)] = _history_objects(
+            origin, relays, tmp_path, ["streamed", "corrupted"], proxy.url
+        )
+        proxy.rate = 64 << 10  # the object takes seconds to cross
+        with httpx.stream("GET", f"{relay.url}/v1/objects/{digest}", timeout=60) as resp:
+            assert resp.status_code == 200 and int(resp.headers["content-length"]) == len(whole)
+            chunks = resp.iter_bytes()
+            first = next(chunks)
+            # Bytes came out before the relay had the whole object (it is not in its store yet).
+            assert first and digest not in store_objects(relay.data)
+            body = first + b"".join(chunks)
+        assert body == whole
+        assert digest in store_objects(relay.data)
+
+        # A byte flipped on the way: the store refuses the object, and no reader receives it whole.
+        proxy.rate = None
+        proxy.corrupt = bad
+        got = b""
+        with pytest.raises(httpx.HTTPError):
+            with httpx.stream("GET", f"{relay.url}/v1/objects/{bad}", timeout=60) as resp:
+                for chunk in resp.iter_bytes():
+                    got += chunk
+        assert len(got) < len(bad_whole)
+        assert bad not in store_objects(relay.data)
+        proxy.corrupt = None
+        assert httpx.get(f"{relay.url}/v1/objects/{bad}", timeout=60).content == bad_whole  # fetched again
+    finally:
+        proxy.close()

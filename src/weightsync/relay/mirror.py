@@ -8,7 +8,9 @@ SHA-256 is its name), then the catalog row under the upstream's number, lineage 
 most whole objects without a row; the next sync finds them held and goes on.
 
 Object fetches are single-flight: one task per digest, which every local request for the
-object (and the prefetch) awaits; ranges are served from the whole object once held.
+object (and the prefetch) shares. A request streams the bytes as they arrive (its range of
+them; the last byte only once the store verified the object: weightsync/relay/inflight.py), or,
+for an object too large to hold in memory, waits and reads it from the store.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from weightsync.codec import Manifest
 from weightsync.common import Backoff
 from weightsync.ops import Ops
 from weightsync.ops.admin import pin_model
+from weightsync.relay.inflight import InFlight
 from weightsync.relay.metrics import RelayMetrics
 from weightsync.relay.settings import RelaySettings
 from weightsync.relay.upstream import Upstream
@@ -59,6 +62,7 @@ class Mirror:
         self.upstream_ok: bool | None = None  # None: not asked yet
         self.last_error: str | None = None
         self._fetches: dict[str, asyncio.Future[int]] = {}
+        self._inflight: dict[str, InFlight] = {}  # the bytes of each running fetch, for readers to stream
         self._fetch_slots = asyncio.Semaphore(settings.prefetch_concurrency)
         self._head_slots = asyncio.Semaphore(_HEADS)
         self._locks: dict[str, asyncio.Lock] = {}
@@ -354,54 +358,95 @@ class Mirror:
 
     # --- objects --------------------------------------------------------------------------
 
+    def _start(self, digest: str) -> tuple[asyncio.Future[int], InFlight]:
+        """The one fetch of ``digest`` (started now unless running) and its bytes so far."""
+        running = self._fetches.get(digest)
+        if running is not None:
+            return running, self._inflight[digest]
+        inflight = InFlight(digest)
+        task = asyncio.ensure_future(self._download(digest, inflight))
+        self._fetches[digest] = task
+        self._inflight[digest] = inflight
+
+        def done(t: asyncio.Future[int], digest: str = digest) -> None:
+            if self._fetches.get(digest) is t:
+                del self._fetches[digest]
+                del self._inflight[digest]
+            if not t.cancelled():
+                t.exception()  # retrieved: every waiter got it
+
+        task.add_done_callback(done)
+        return task, inflight
+
     async def fetch(self, digest: str) -> int:
         """Bring object ``digest`` here from the upstream, once however many ask at the same time; its size."""
-        task = self._fetches.get(digest)
-        if task is None:
-            task = asyncio.ensure_future(self._download(digest))
-            self._fetches[digest] = task
-
-            def done(t: asyncio.Future[int], digest: str = digest) -> None:
-                if self._fetches.get(digest) is t:
-                    del self._fetches[digest]
-                if not t.cancelled():
-                    t.exception()  # retrieved: every waiter got it
-
-            task.add_done_callback(done)
+        task, _ = self._start(digest)
         return await asyncio.shield(task)
 
-    async def _download(self, digest: str) -> int:
-        async with self._fetch_slots:
-            with contextlib.suppress(errors.ObjectNotFound):
-                return (await self.ops.store.stat(digest)).size  # fetched meanwhile (another replica)
-            try:
-                async with self.upstream.open_object(digest) as chunks:
-                    stored = await self.ops.put_object(self._counted(chunks), expected_digest=digest)
-            except errors.ServerUnavailable as exc:
-                self._failed(exc)
-                raise
-            self._reached()
-            self.metrics.upstream_fetches.inc()
-            return stored.size
+    async def _download(self, digest: str, inflight: InFlight) -> int:
+        try:
+            async with self._fetch_slots:
+                with contextlib.suppress(errors.ObjectNotFound):
+                    size = (await self.ops.store.stat(digest)).size  # fetched meanwhile (another replica)
+                    inflight.finish(None)
+                    return size
+                try:
+                    async with self.upstream.open_object(digest) as (length, chunks):
+                        inflight.begin(length)
+                        stored = await self.ops.put_object(self._counted(chunks, inflight), expected_digest=digest)
+                except errors.ServerUnavailable as exc:
+                    self._failed(exc)
+                    raise
+                except errors.DigestMismatch:
+                    # Damaged on the way (the store kept nothing): a local reader retries (503), as after an outage.
+                    log.warning("object %s arrived from the upstream with other bytes: not kept", digest)
+                    raise errors.StoreUnavailable(
+                        f"object {digest} arrived from the upstream with other bytes; retry"
+                    ) from None
+        except BaseException as exc:
+            inflight.finish(exc)
+            raise
+        inflight.finish(None)  # stored under its verified digest: readers get the last byte now
+        self._reached()
+        self.metrics.upstream_fetches.inc()
+        return stored.size
 
-    async def _counted(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    async def _counted(self, chunks: AsyncIterator[bytes], inflight: InFlight) -> AsyncIterator[bytes]:
         async for chunk in chunks:
             self.metrics.upstream_bytes.inc(len(chunk))
+            inflight.add(chunk)
             yield chunk
 
-    async def ensure_held(self, digest: str) -> None:
-        """Make sure the store holds ``digest`` before a local read: a hit, or one (shared) upstream fetch.
+    async def _check_known(self, digest: str) -> None:
+        """ObjectNotFound unless a version this relay mirrors names ``digest`` (only those are fetched)."""
+        info = (await self.ops.object_records([digest])).get(digest)
+        if info is None or info.state == "deleting":
+            raise errors.ObjectNotFound(f"object {digest} is not in any version this relay mirrors")
+
+    async def open_miss(self, digest: str) -> InFlight | None:
+        """For a local read of ``digest``: None when the store holds it (a hit, or a miss waited for), or
+        the running fetch to stream from (a miss of an object small enough to stream).
 
         Only objects a mirrored version names are fetched (ObjectNotFound otherwise); an unreachable
         upstream is ServerUnavailable (503: the client retries).
         """
         if await self.ops.store.exists(digest):
             self.metrics.object_requests.labels("hit").inc()
+            return None
+        await self._check_known(digest)
+        self.metrics.object_requests.labels("miss").inc()
+        task, inflight = self._start(digest)
+        if await inflight.decided() and not inflight.done:
+            return inflight
+        await asyncio.shield(task)
+        return None
+
+    async def ensure_held(self, digest: str) -> None:
+        """Make sure the store holds ``digest`` before a local read: a hit, or one (shared) upstream fetch."""
+        if await self.ops.store.exists(digest):
+            self.metrics.object_requests.labels("hit").inc()
             return
-        known = await self.ops.object_records([digest])
-        info = known.get(digest)
-        if info is None or info.state == "deleting":
-            raise errors.ObjectNotFound(f"object {digest} is not in any version this relay mirrors")
+        await self._check_known(digest)
         self.metrics.object_requests.labels("miss").inc()
         await self.fetch(digest)
 

@@ -14,12 +14,15 @@ import json
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Request, Response, status
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
 
 from weightsync import errors
+from weightsync.relay.inflight import InFlight
 from weightsync.relay.mirror import Mirror
 from weightsync.service.deps import MetricsDep, OpsDep, Reader, SettingsDep
+from weightsync.service.problems import ApiProblem
+from weightsync.service.ranges import RangeNotSatisfiable, parse_range
 from weightsync.service.routes import ROUTERS, health, ledger, objects, versions
 from weightsync.service.schemas import INT64, PlanOut, PresignedGet, Readiness, ReplicaIn, ReplicaOut
 from weightsync.store import validate_digest
@@ -93,13 +96,40 @@ async def get_object(
     range_: Annotated[str | None, Header(alias="range")] = None,
     if_none_match: Annotated[str | None, Header()] = None,
 ) -> Response:
-    """The service's getObject, after the whole object is held here (fetched once from the upstream on a miss)."""
+    """The service's getObject when the object is held here; on a miss, its bytes as the one upstream fetch
+    brings them (the last byte once verified), or, for an object too large to stream, once it is held."""
     validate_digest(digest)
     mirror = await _mirror(request)
-    await mirror.ensure_held(digest)
-    answer = await objects.get_object(digest, ops, who, range_=range_, if_none_match=if_none_match)
+    inflight = await mirror.open_miss(digest)
+    if inflight is None:
+        answer = await objects.get_object(digest, ops, who, range_=range_, if_none_match=if_none_match)
+    else:
+        answer = _streamed(inflight, range_, if_none_match)
     mirror.metrics.served_bytes.inc(int(answer.headers.get("content-length", "0")) if answer.status_code < 300 else 0)
     return answer
+
+
+def _streamed(inflight: InFlight, range_: str | None, if_none_match: str | None) -> Response:
+    """getObject's answer (headers as the service's) for an object still arriving from the upstream."""
+    assert inflight.size is not None
+    size, etag = inflight.size, f'"{inflight.digest}"'
+    headers = {"ETag": etag, "Accept-Ranges": "bytes", "Cache-Control": objects.IMMUTABLE_CACHE}
+    if objects.etag_matches(if_none_match, etag):
+        return Response(status_code=status.HTTP_304_NOT_MODIFIED, headers=headers)
+    offset, length, code = 0, size, status.HTTP_200_OK
+    if range_ is not None:
+        try:
+            offset, length = parse_range(range_, size)
+        except RangeNotSatisfiable as exc:
+            raise ApiProblem(
+                416, "bad-range", "Range not satisfiable", str(exc), headers={"Content-Range": f"bytes */{size}"}
+            ) from None
+        code = status.HTTP_206_PARTIAL_CONTENT
+        headers["Content-Range"] = f"bytes {offset}-{offset + length - 1}/{size}"
+    headers["Content-Length"] = str(length)
+    return StreamingResponse(
+        inflight.read(offset, length), status_code=code, headers=headers, media_type="application/octet-stream"
+    )
 
 
 @router.head("/v1/objects/{digest}", operation_id="headObject", response_class=Response)

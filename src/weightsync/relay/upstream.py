@@ -134,8 +134,9 @@ class Upstream:
             raise errors.BadResponse(f"upstream {self.url}: HEAD of object {digest} without a size") from None
 
     @asynccontextmanager
-    async def open_object(self, digest: str) -> AsyncIterator[AsyncIterator[bytes]]:
-        """The whole object's bytes as they arrive (not checked here: the store hashes them while writing)."""
+    async def open_object(self, digest: str) -> AsyncIterator[tuple[int | None, AsyncIterator[bytes]]]:
+        """The whole object's size (None if not said) and its bytes as they arrive (not checked here: the
+        store hashes them while writing)."""
         try:
             async with self._http.stream("GET", f"/v1/objects/{digest}") as resp:
                 if resp.status_code != 200:
@@ -150,7 +151,8 @@ class Upstream:
                     except httpx.TransportError as exc:
                         raise self._unavailable(exc) from None
 
-                yield chunks()
+                length = resp.headers.get("content-length", "")
+                yield (int(length) if length.isdigit() else None), chunks()
         except httpx.TransportError as exc:
             raise self._unavailable(exc) from None
 
