@@ -11,6 +11,7 @@ import httpx
 import pytest
 from _client_util import TOKENS, Server, start_server, stop_server
 from _relay_util import Versions, start_relay, tree, wait_for, wait_head
+from _serve import clean_env
 
 from weightsync import errors
 from weightsync.client import Subscriber
@@ -119,3 +120,11 @@ def test_a_bad_upstream_url_is_one_line(tmp_path: Path) -> None:
     assert done.returncode == 1
     assert done.stderr.strip().startswith("weightsync: error: invalid setting upstream")
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_a_relay_runs_one_worker(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "weightsync", "relay", "--upstream", "http://127.0.0.1:9", "--data", str(tmp_path)]
+    env = {**clean_env(), "WEIGHTSYNC_WORKERS": "4"}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 1
+    assert done.stderr.strip().startswith("weightsync: error: invalid setting workers")

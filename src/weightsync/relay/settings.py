@@ -45,6 +45,13 @@ class RelaySettings(Settings):
         except errors.InvalidArgument as exc:
             raise ValueError(str(exc)) from None
 
+    @field_validator("workers")
+    @classmethod
+    def _one_worker(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError("a relay runs one worker process (its fetches are single-flight within it)")
+        return v
+
     def model_patterns(self) -> list[str]:
         """The ``models`` patterns as a list (``["**"]``: every model)."""
         if not self.models:
