@@ -28,8 +28,8 @@ def start_relay(
     port: int | None = None,
     wait: bool = True,
 ) -> Server:
-    """``weightsync relay --upstream UPSTREAM`` on a loopback port with its own data dir (polls the upstream's
-    model list every 0.5 s); waits for /healthz unless not ``wait``."""
+    """``weightsync relay --upstream UPSTREAM`` on a loopback port with its own data dir (reads the upstream's
+    model list and heartbeats every 0.5 s); waits for /healthz unless not ``wait``."""
     root.mkdir(parents=True, exist_ok=True)
     cmd = ["--upstream", upstream, "--data", str(root / "data"), "--host", "127.0.0.1", "--log-level", "info"]
     if tokens is not None:
@@ -42,7 +42,7 @@ def start_relay(
         command=SERVE_CLI,
         subcommand="relay",
         port=port,
-        env=clean_env({"WEIGHTSYNC_RELAY_POLL_S": "0.5", **(env or {})}),
+        env=clean_env({"WEIGHTSYNC_RELAY_POLL_S": "0.5", "WEIGHTSYNC_HEARTBEAT_S": "0.5", **(env or {})}),
         wait=wait,
     )
     return Server(spawned.url, spawned.proc, root / "data", log)

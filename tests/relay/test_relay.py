@@ -32,6 +32,7 @@ from _relay_util import (
 
 from weightsync import errors
 from weightsync.client import Subscriber
+from weightsync.client._http import Api
 from weightsync.codec import Manifest
 
 
@@ -129,9 +130,9 @@ def test_a_chained_relay_needs_no_special_case(origin: Server, relays: list[Serv
     model = "Org/chained"
     pub = Versions(origin.url, model, tmp_path)
     pub.publish()
-    region = start_relay(tmp_path / "region", origin.url)
+    region = start_relay(tmp_path / "region", origin.url, args=["--site", "region"])
     relays.append(region)
-    rack = start_relay(tmp_path / "rack", region.url)
+    rack = start_relay(tmp_path / "rack", region.url, args=["--site", "rack"])
     relays.append(rack)
     pub.publish()
     wait_head(rack.url, model, 2)
@@ -143,6 +144,28 @@ def test_a_chained_relay_needs_no_special_case(origin: Server, relays: list[Serv
     assert metric(region.url, "weightsync_relay_upstream_fetches_total") == len(needed)
     assert metric(rack.url, "weightsync_relay_upstream_fetches_total") == len(needed)
     assert got == pull(origin.url, model, tmp_path / "origin-sub")
+
+    # The origin lists both relays, the rack's heartbeat forwarded by the region's.
+    def listed() -> dict[str, object]:
+        with Api(origin.url) as api:
+            found = {r.name: r for r in api.list_relays()}
+        ok = {"relay@region", "relay@rack"} <= set(found) and all(
+            r.models.get(model) is not None and r.models[model].version == 2 for r in found.values()
+        )
+        return found if ok else {}
+
+    found = wait_for("both relays at the origin", listed)
+    assert (found["relay@region"].site, found["relay@region"].upstream) == ("region", origin.url)
+    assert (found["relay@rack"].site, found["relay@rack"].upstream) == ("rack", region.url)
+    assert not found["relay@rack"].degraded and found["relay@rack"].age_s < 60
+    listing = subprocess.run(
+        [sys.executable, "-m", "weightsync", "relays", "--server", origin.url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    assert "relay@rack" in listing and "relay@region" in listing and f"{model} v2" in listing
 
 
 def test_misses_are_fetched_once_for_any_number_of_concurrent_requests(

@@ -32,6 +32,7 @@ from weightsync.catalog import (
     Lease,
     Model,
     ObjectInfo,
+    RelayInfo,
     Replica,
     Target,
     Version,
@@ -860,6 +861,14 @@ class Ops:
     ) -> list[Replica]:
         """The ledger of `model` (each subscriber's latest entry, unless not `latest_only`); lag from the head now."""
         return await self._db(self.catalog.list_replicas, model, subscriber, latest_only=latest_only)
+
+    async def record_relay(self, name: str, **report: Any) -> RelayInfo:
+        """Record a relay's heartbeat (site, upstream, degraded, state: Catalog.record_relay)."""
+        return await self._db(self.catalog.record_relay, name, now=self.clock(), **report)
+
+    async def list_relays(self) -> list[RelayInfo]:
+        """Every relay's latest heartbeat, by name."""
+        return await self._db(self.catalog.list_relays)
 
     # --- maintenance (fsck, gc, readiness) ------------------------------------------------
 

@@ -69,6 +69,7 @@ class Mirror:
         self._followers: dict[str, asyncio.Task[None]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._reports: asyncio.Queue[tuple[str, dict[str, Any]]] = asyncio.Queue(_FORWARD_QUEUE)
+        self._below: dict[str, dict[str, Any]] = {}  # relays below this one: their latest heartbeat
         self._last_mirrored: dict[str, tuple[int, float]] = {}  # model -> (number, prefetch lag) of the newest
         self._upstream_leases: dict[tuple[str, int], tuple[datetime, datetime]] = {}  # -> (taken, expires)
 
@@ -78,6 +79,7 @@ class Mirror:
         """Start following the upstream (its model list, then each mirrored model's events) and forwarding."""
         self._spawn(self._discover())
         self._spawn(self._forward())
+        self._spawn(self._heartbeats())
         if self.settings.evict_keep is not None:
             self._spawn(self._evict_periodically())
 
@@ -449,6 +451,38 @@ class Mirror:
         await self._check_known(digest)
         self.metrics.object_requests.labels("miss").inc()
         await self.fetch(digest)
+
+    # --- heartbeats -----------------------------------------------------------------------
+
+    def forward_heartbeat(self, name: str, body: dict[str, Any]) -> None:
+        """Keep the latest heartbeat of a relay below this one, for the next heartbeat sent upstream."""
+        self._below[name] = body
+
+    async def state(self) -> dict[str, Any]:
+        """This relay's heartbeat: site, upstream, degraded, and per model the version held and its lag."""
+        held: dict[str, Any] = {}
+        for m in await self.ops.list_models():
+            if m.head is None:
+                continue
+            last = self._last_mirrored.get(m.name)
+            lag = round(last[1], 3) if last is not None and last[0] == m.head else None
+            held[m.name] = {"version": m.head, "prefetch_lag_s": lag}
+        return {"site": self.site, "upstream": self.upstream.url, "degraded": self.degraded, "models": held}
+
+    async def _heartbeats(self) -> None:
+        """Every ``heartbeat_s``: this relay's heartbeat upstream, then those of the relays below it."""
+        while True:
+            try:
+                await self.upstream.heartbeat(self.name, await self.state())
+                for name, body in list(self._below.items()):
+                    await self.upstream.heartbeat(name, body)
+                    if self._below.get(name) is body:
+                        del self._below[name]
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the next beat tries again
+                self._failed(exc)
+            await asyncio.sleep(self.settings.heartbeat_s)
 
     # --- replica reports ------------------------------------------------------------------
 

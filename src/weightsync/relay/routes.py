@@ -23,8 +23,17 @@ from weightsync.relay.mirror import Mirror
 from weightsync.service.deps import MetricsDep, OpsDep, Reader, SettingsDep
 from weightsync.service.problems import ApiProblem
 from weightsync.service.ranges import RangeNotSatisfiable, parse_range
-from weightsync.service.routes import ROUTERS, health, ledger, objects, versions
-from weightsync.service.schemas import INT64, PlanOut, PresignedGet, Readiness, ReplicaIn, ReplicaOut
+from weightsync.service.routes import ROUTERS, health, ledger, objects, relays, versions
+from weightsync.service.schemas import (
+    INT64,
+    PlanOut,
+    PresignedGet,
+    Readiness,
+    RelayIn,
+    RelayOut,
+    ReplicaIn,
+    ReplicaOut,
+)
 from weightsync.store import validate_digest
 
 __all__ = ["READ_ONLY_OPERATIONS", "RelayReadiness", "refusals", "router"]
@@ -190,6 +199,17 @@ async def get_plan(
         mirror = await _mirror(request)
         mirror.spawn_logged(mirror.hold_upstream(model, plan.target))
     return plan
+
+
+@router.put("/v1/relays/{name}", operation_id="relayHeartbeat", response_model=RelayOut)
+async def relay_heartbeat(
+    name: relays.RelayName, body: RelayIn, request: Request, ops: OpsDep, who: Reader
+) -> RelayOut:
+    """The service's relayHeartbeat here (a relay below this one), and the same heartbeat sent upstream with
+    this relay's next one, so the origin lists every relay of the tree."""
+    out = await relays.relay_heartbeat(name, body, ops, who)
+    (await _mirror(request)).forward_heartbeat(name, body.model_dump(exclude_none=True))
+    return out
 
 
 async def _refuse(request: Request, who: Reader, metrics: MetricsDep) -> None:

@@ -26,6 +26,7 @@ class RelaySettings(Settings):
     )
     prefetch_concurrency: int = Field(4, ge=1, le=64, description="Objects fetched from the upstream at once.")
     upstream_timeout_s: float = Field(60.0, gt=0, description="Timeout of one upstream request (seconds).")
+    heartbeat_s: float = Field(10.0, gt=0, le=3600, description="How often the relay reports itself upstream.")
     evict_keep: int | None = Field(
         None,
         ge=1,

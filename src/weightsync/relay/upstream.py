@@ -180,6 +180,10 @@ class Upstream:
         except httpx.TransportError as exc:
             raise self._unavailable(exc) from None
 
+    async def heartbeat(self, name: str, body: dict[str, Any]) -> None:
+        """Send relay ``name``'s heartbeat (relayHeartbeat's body)."""
+        await self._get(f"/v1/relays/{name}", method="PUT", json_body=body, not_found=errors.NotFound)
+
     async def report_replica(self, model: str, body: dict[str, Any]) -> None:
         """Forward one replica report (reportReplica's body)."""
         await self._get(

@@ -24,8 +24,17 @@ class ModelNameConvertor(Convertor[str]):
 
 register_url_convertor("model", ModelNameConvertor())
 
-from weightsync.service.routes import admin, health, ledger, models, objects, server, versions  # noqa: E402
+from weightsync.service.routes import admin, health, ledger, models, objects, relays, server, versions  # noqa: E402
 
-ROUTERS = [health.router, server.router, models.router, versions.router, objects.router, ledger.router, admin.router]
+ROUTERS = [
+    health.router,
+    server.router,
+    models.router,
+    versions.router,
+    objects.router,
+    ledger.router,
+    relays.router,
+    admin.router,
+]
 
 __all__ = ["ROUTERS", "ModelNameConvertor"]
