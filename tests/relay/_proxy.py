@@ -31,6 +31,8 @@ class Proxy:
         self._conns: list[socket.socket] = []
         self._closed = False
         self._down = False
+        # Bytes the target may still send (all connections together) before the proxy holds them; None: any.
+        self.budget: int | None = None
         self.corrupt: str | None = None  # a digest: flip one byte of the next answer to a GET of that object
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -85,8 +87,12 @@ class Proxy:
                     assert state is not None
                     state["armed"] = True
                 if down:
+                    while self.budget is not None and self.budget < len(data) and not self._closed:
+                        time.sleep(0.01)  # held until the test grants more bytes
                     with self._lock:
                         self.down += len(data)
+                        if self.budget is not None:
+                            self.budget -= len(data)
                     if state is not None and state.get("armed"):
                         if seen <= self.CORRUPT_AT < seen + len(data):
                             flipped = bytearray(data)

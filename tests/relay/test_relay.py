@@ -460,19 +460,19 @@ def test_a_miss_is_streamed_while_it_arrives_and_the_last_byte_waits_for_the_che
         relay, [(digest, whole), (bad, bad_whole)] = _history_objects(
             origin, relays, tmp_path, ["streamed", "corrupted"], proxy.url
         )
-        proxy.rate = 64 << 10  # the object takes seconds to cross
+        proxy.budget = len(whole) // 4  # the link lets a quarter of the object through, then holds the rest
         with httpx.stream("GET", f"{relay.url}/v1/objects/{digest}", timeout=60) as resp:
             assert resp.status_code == 200 and int(resp.headers["content-length"]) == len(whole)
             chunks = resp.iter_bytes()
             first = next(chunks)
             # Bytes came out before the relay had the whole object (it is not in its store yet).
             assert first and digest not in store_objects(relay.data)
+            proxy.budget = None
             body = first + b"".join(chunks)
         assert body == whole
         assert digest in store_objects(relay.data)
 
         # A byte flipped on the way: the store refuses the object, and no reader receives it whole.
-        proxy.rate = None
         proxy.corrupt = bad
         got = b""
         with pytest.raises(httpx.HTTPError):

@@ -44,6 +44,7 @@ PAGE = 1000
 _RETRY = Backoff(attempts=1, base=0.5, cap=10.0)
 _FORWARD_QUEUE = 10_000
 _HEADS = 8  # sizes of history objects asked at once (HEAD)
+STORE_PIECE = 1 << 20  # bytes handed to the store at a time while fetching
 
 
 class Mirror:
@@ -414,10 +415,20 @@ class Mirror:
         return stored.size
 
     async def _counted(self, chunks: AsyncIterator[bytes], inflight: InFlight) -> AsyncIterator[bytes]:
+        """The upstream's chunks, each handed to the readers at once and to the store in pieces of
+        about STORE_PIECE (fewer, larger writes than the network's pieces)."""
+        pending: list[bytes] = []
+        size = 0
         async for chunk in chunks:
             self.metrics.upstream_bytes.inc(len(chunk))
             inflight.add(chunk)
-            yield chunk
+            pending.append(chunk)
+            size += len(chunk)
+            if size >= STORE_PIECE:
+                yield b"".join(pending)
+                pending, size = [], 0
+        if pending:
+            yield b"".join(pending)
 
     async def _check_known(self, digest: str) -> None:
         """ObjectNotFound unless a version this relay mirrors names ``digest`` (only those are fetched)."""

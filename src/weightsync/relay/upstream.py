@@ -24,7 +24,6 @@ from weightsync.client.wire import problem_error
 
 __all__ = ["Upstream"]
 
-CHUNK = 1 << 20
 # An event stream sends a keep-alive every 15 s (the service's default): silence this long is a dead link.
 EVENTS_READ_TIMEOUT_S = 90.0
 
@@ -145,7 +144,7 @@ class Upstream:
 
                 async def chunks() -> AsyncIterator[bytes]:
                     try:
-                        async for chunk in resp.aiter_bytes(CHUNK):
+                        async for chunk in resp.aiter_bytes():  # as they arrive: readers stream them
                             self.bytes_received += len(chunk)
                             yield chunk
                     except httpx.TransportError as exc:
