@@ -1,4 +1,4 @@
-"""Relays: one row per relay that heartbeats to this server (issue 15), its latest report.
+"""Relays (issue 15): ``relays``, the heartbeat of every relay reporting here; ``fetch_claims``.
 
 Revision ID: 0006
 Revises: 0005
@@ -8,6 +8,10 @@ A relay (``weightsync relay``) reports itself every few seconds: its site, the U
 whether it is degraded, and per model the version it holds with its prefetch lag (``state``, JSON).
 Reports of relays below a relay are forwarded, so the origin's table names every relay. A row is
 replaced by each heartbeat (``last_seen`` says how fresh it is); nothing references the table.
+
+``fetch_claims``: relay replicas sharing one catalog claim an object (its digest) before fetching it
+from their upstream, so it crosses once; the row is deleted when the fetch ends and an expired one
+may be taken over. Both tables start empty; no existing row changes.
 """
 
 from __future__ import annotations
@@ -40,8 +44,16 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("name", name=op.f("pk_relays")),
     )
     op.create_index(op.f("ix_relays_last_seen"), "relays", ["last_seen"])
+    op.create_table(
+        "fetch_claims",
+        sa.Column("digest", sa.String(64), nullable=False),
+        sa.Column("holder", sa.String(255), nullable=False),
+        sa.Column("expires_at", TS, nullable=False),
+        sa.PrimaryKeyConstraint("digest", name=op.f("pk_fetch_claims")),
+    )
 
 
 def downgrade() -> None:
+    op.drop_table("fetch_claims")
     op.drop_index(op.f("ix_relays_last_seen"), table_name="relays")
     op.drop_table("relays")

@@ -31,7 +31,8 @@ class Proxy:
         self._conns: list[socket.socket] = []
         self._closed = False
         self._down = False
-        # Bytes the target may still send (all connections together) before the proxy holds them; None: any.
+        # Bytes of object answers (GET /v1/objects/…) the target may still send, all connections together,
+        # before the proxy holds them; None: any.
         self.budget: int | None = None
         self.corrupt: str | None = None  # a digest: flip one byte of the next answer to a GET of that object
         threading.Thread(target=self._accept, daemon=True).start()
@@ -83,15 +84,18 @@ class Proxy:
                 data = src.recv(16384 if rate is None else max(1024, min(16384, int(rate / 20))))
                 if not data:
                     break
-                if not down and self.corrupt is not None and f"GET /v1/objects/{self.corrupt} ".encode() in data:
-                    assert state is not None
-                    state["armed"] = True
+                if not down and state is not None and b" HTTP/1.1\r\n" in data:  # a request goes up
+                    state["object"] = b"GET /v1/objects/" in data
+                    if self.corrupt is not None and f"GET /v1/objects/{self.corrupt} ".encode() in data:
+                        state["armed"] = True
                 if down:
-                    while self.budget is not None and self.budget < len(data) and not self._closed:
+                    # The budget holds object answers only: the rest of the API keeps working meanwhile.
+                    held = state is not None and state.get("object")
+                    while held and self.budget is not None and self.budget < len(data) and not self._closed:
                         time.sleep(0.01)  # held until the test grants more bytes
                     with self._lock:
                         self.down += len(data)
-                        if self.budget is not None:
+                        if held and self.budget is not None:
                             self.budget -= len(data)
                     if state is not None and state.get("armed"):
                         if seen <= self.CORRUPT_AT < seen + len(data):

@@ -485,3 +485,47 @@ def test_a_miss_is_streamed_while_it_arrives_and_the_last_byte_waits_for_the_che
         assert httpx.get(f"{relay.url}/v1/objects/{bad}", timeout=60).content == bad_whole  # fetched again
     finally:
         proxy.close()
+
+
+def test_relay_replicas_sharing_a_catalog_and_a_store_fetch_each_object_once(
+    origin: Server, relays: list[Server], tmp_path: Path
+) -> None:
+    from _proxy import Proxy
+
+    host, port = origin.url.removeprefix("http://").split(":")
+    proxy = Proxy((host, int(port)))
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    region = ["--catalog", f"sqlite:///{shared / 'catalog.db'}", "--store", str(shared / "store")]
+    try:
+        a = start_relay(tmp_path / "a", proxy.url, args=[*region, "--site", "a"])
+        relays.append(a)
+        b = start_relay(tmp_path / "b", proxy.url, args=[*region, "--site", "b"])
+        relays.append(b)
+        model = "shared"
+        pub = Versions(origin.url, model, tmp_path, tensors=40)
+        # The link holds the first replica's fetch part-way, so the other necessarily meets it in flight.
+        proxy.budget = 150_000
+        pub.publish()
+        wait_for(
+            "a replica waiting for the other's fetch",
+            lambda: (
+                metric(a.url, "weightsync_relay_fetches_deferred_total")
+                + metric(b.url, "weightsync_relay_fetches_deferred_total")
+                >= 1
+            ),
+        )
+        proxy.budget = None
+        wait_head(a.url, model, 1)
+        wait_head(b.url, model, 1)
+        needed = manifest_objects(origin.url, model, 1)
+        assert object_gets(origin.url) == len(needed)  # each object crossed once for the region
+        fetched = metric(a.url, "weightsync_relay_upstream_fetches_total") + metric(
+            b.url, "weightsync_relay_upstream_fetches_total"
+        )
+        assert fetched == len(needed)
+        expected = pull(origin.url, model, tmp_path / "expected")
+        assert pull(a.url, model, tmp_path / "via-a") == expected
+        assert pull(b.url, model, tmp_path / "via-b") == expected
+    finally:
+        proxy.close()

@@ -774,6 +774,22 @@ class Catalog:
         """Every relay's latest heartbeat, by name."""
         return self._tx(relays.listing)
 
+    def claim_fetch(self, digest: str, holder: str, *, ttl: timedelta, now: datetime | None = None) -> bool:
+        """Claim the upstream fetch of object ``digest`` for ``holder`` (a relay replica) until ``now + ttl``.
+
+        True when the claim is ``holder``'s (new, renewed, or taken over from an expired one); False while
+        another replica holds it (then that one fetches: wait for the object). InvalidDigest, InvalidArgument.
+        """
+        checks.digest(digest)
+        checks.label("holder", holder)
+        checks.positive_ttl(ttl)
+        at = checks.utc(now)
+        return self._tx(lambda s: relays.claim(s, digest, holder, ttl, at), write=True)
+
+    def release_fetch(self, digest: str, holder: str) -> bool:
+        """End ``holder``'s claim on ``digest`` (its fetch ended); whether it held one."""
+        return self._tx(lambda s: relays.release(s, digest, holder), write=True)
+
     # --- disaster recovery ---------------------------------------------------------------
 
     def import_version(self, model: str, record: ImportedVersion, *, now: datetime | None = None) -> Version:

@@ -288,6 +288,17 @@ class RelayRow(Base):
     last_seen: Mapped[datetime] = mapped_column(index=True)
 
 
+class FetchClaimRow(Base):
+    """A relay replica fetching an object from its upstream: the others sharing this catalog wait for it
+    (one fetch per object per region). Deleted when the fetch ends; an expired claim may be taken over."""
+
+    __tablename__ = "fetch_claims"
+
+    digest: Mapped[str] = mapped_column(String(64), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(255))
+    expires_at: Mapped[datetime]
+
+
 class ServerIdentityRow(Base):
     """The one row naming this catalog: every service on it reports ``server_id`` (``GET /v1/info``)."""
 

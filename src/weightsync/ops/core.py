@@ -870,6 +870,14 @@ class Ops:
         """Every relay's latest heartbeat, by name."""
         return await self._db(self.catalog.list_relays)
 
+    async def claim_fetch(self, digest: str, holder: str, ttl: timedelta) -> bool:
+        """Claim the upstream fetch of ``digest`` among relay replicas sharing the catalog (Catalog.claim_fetch)."""
+        return await self._db(self.catalog.claim_fetch, digest, holder, ttl=ttl, now=self.clock())
+
+    async def release_fetch(self, digest: str, holder: str) -> bool:
+        """End ``holder``'s fetch claim on ``digest``."""
+        return await self._db(self.catalog.release_fetch, digest, holder)
+
     # --- maintenance (fsck, gc, readiness) ------------------------------------------------
 
     async def check_catalog(self) -> None:

@@ -26,6 +26,11 @@ class RelayMetrics:
         self.upstream_fetches = Counter(
             "weightsync_relay_upstream_fetches", "Objects fetched from the upstream (each once).", registry=reg
         )
+        self.fetches_deferred = Counter(
+            "weightsync_relay_fetches_deferred",
+            "Objects this replica waited for because another replica on its catalog was fetching them.",
+            registry=reg,
+        )
         self.served_bytes = Counter(
             "weightsync_relay_served_bytes", "Object bytes served to local clients.", registry=reg
         )

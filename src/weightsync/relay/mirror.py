@@ -19,8 +19,9 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import secrets
 from collections.abc import AsyncIterator, Coroutine
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from weightsync import errors
@@ -35,6 +36,7 @@ from weightsync.relay.metrics import RelayMetrics
 from weightsync.relay.settings import RelaySettings
 from weightsync.relay.upstream import Upstream
 from weightsync.service.auth import model_pattern
+from weightsync.store import PutResult
 
 __all__ = ["Mirror"]
 
@@ -45,6 +47,10 @@ _RETRY = Backoff(attempts=1, base=0.5, cap=10.0)
 _FORWARD_QUEUE = 10_000
 _HEADS = 8  # sizes of history objects asked at once (HEAD)
 STORE_PIECE = 1 << 20  # bytes handed to the store at a time while fetching
+# Replicas sharing a catalog claim a fetch for this long (renewed while it runs), and poll this often
+# for an object another replica is fetching.
+CLAIM_TTL = timedelta(seconds=60)
+CLAIM_POLL_S = 0.25
 
 
 class Mirror:
@@ -60,6 +66,8 @@ class Mirror:
         self.metrics = metrics
         self.patterns = [model_pattern(p) for p in settings.model_patterns()]
         self.site = settings.site_name()
+        # This process among the replicas that may share the catalog (fetch claims).
+        self.holder = f"relay@{self.site}/{secrets.token_hex(6)}"
         self.upstream_ok: bool | None = None  # None: not asked yet
         self.last_error: str | None = None
         self._fetches: dict[str, asyncio.Future[int]] = {}
@@ -387,25 +395,26 @@ class Mirror:
         return await asyncio.shield(task)
 
     async def _download(self, digest: str, inflight: InFlight) -> int:
+        """Fetch ``digest`` into the store unless it is there, or another replica on this catalog fetches it
+        (then wait for it to appear: one fetch per object per region)."""
+        deferred = False
         try:
-            async with self._fetch_slots:
-                with contextlib.suppress(errors.ObjectNotFound):
-                    size = (await self.ops.store.stat(digest)).size  # fetched meanwhile (another replica)
-                    inflight.finish(None)
-                    return size
-                try:
-                    async with self.upstream.open_object(digest) as (length, chunks):
-                        inflight.begin(length)
-                        stored = await self.ops.put_object(self._counted(chunks, inflight), expected_digest=digest)
-                except errors.ServerUnavailable as exc:
-                    self._failed(exc)
-                    raise
-                except errors.DigestMismatch:
-                    # Damaged on the way (the store kept nothing): a local reader retries (503), as after an outage.
-                    log.warning("object %s arrived from the upstream with other bytes: not kept", digest)
-                    raise errors.StoreUnavailable(
-                        f"object {digest} arrived from the upstream with other bytes; retry"
-                    ) from None
+            while True:
+                async with self._fetch_slots:
+                    with contextlib.suppress(errors.ObjectNotFound):
+                        size = (await self.ops.store.stat(digest)).size  # fetched meanwhile (another replica)
+                        inflight.finish(None)
+                        return size
+                    if await self.ops.claim_fetch(digest, self.holder, CLAIM_TTL):
+                        try:
+                            stored = await self._fetch_claimed(digest, inflight)
+                        finally:
+                            await self.ops.release_fetch(digest, self.holder)
+                        break
+                if not deferred:
+                    deferred = True
+                    self.metrics.fetches_deferred.inc()
+                await asyncio.sleep(CLAIM_POLL_S)  # another replica fetches it into the shared store
         except BaseException as exc:
             inflight.finish(exc)
             raise
@@ -413,6 +422,33 @@ class Mirror:
         self._reached()
         self.metrics.upstream_fetches.inc()
         return stored.size
+
+    async def _fetch_claimed(self, digest: str, inflight: InFlight) -> PutResult:
+        """The upstream fetch itself, the claim renewed while it runs."""
+
+        async def renew() -> None:
+            while True:
+                await asyncio.sleep(CLAIM_TTL.total_seconds() / 3)
+                await self.ops.claim_fetch(digest, self.holder, CLAIM_TTL)
+
+        renewing = asyncio.ensure_future(renew())
+        try:
+            async with self.upstream.open_object(digest) as (length, chunks):
+                inflight.begin(length)
+                return await self.ops.put_object(self._counted(chunks, inflight), expected_digest=digest)
+        except errors.ServerUnavailable as exc:
+            self._failed(exc)
+            raise
+        except errors.DigestMismatch:
+            # Damaged on the way (the store kept nothing): a local reader retries (503), as after an outage.
+            log.warning("object %s arrived from the upstream with other bytes: not kept", digest)
+            raise errors.StoreUnavailable(
+                f"object {digest} arrived from the upstream with other bytes; retry"
+            ) from None
+        finally:
+            renewing.cancel()
+            with contextlib.suppress(asyncio.CancelledError, errors.WeightsyncError):
+                await renewing
 
     async def _counted(self, chunks: AsyncIterator[bytes], inflight: InFlight) -> AsyncIterator[bytes]:
         """The upstream's chunks, each handed to the readers at once and to the store in pieces of
