@@ -517,7 +517,9 @@ class Mirror:
         return {"site": self.site, "upstream": self.upstream.url, "degraded": self.degraded, "models": held}
 
     async def _heartbeats(self) -> None:
-        """Every ``heartbeat_s``: this relay's heartbeat upstream, then those of the relays below it."""
+        """Every ``heartbeat_s``: this relay's heartbeat upstream, then those of the relays below it.
+
+        An upstream without the relays API (an older server answers 404) is told nothing, said once."""
         while True:
             try:
                 await self.upstream.heartbeat(self.name, await self.state())
@@ -527,6 +529,9 @@ class Mirror:
                         del self._below[name]
             except asyncio.CancelledError:
                 raise
+            except errors.NotFound:
+                log.info("upstream %s takes no relay heartbeats (an older server): none sent", self.upstream.url)
+                return
             except Exception as exc:  # noqa: BLE001 - the next beat tries again
                 self._failed(exc)
             await asyncio.sleep(self.settings.heartbeat_s)
