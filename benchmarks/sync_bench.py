@@ -96,7 +96,7 @@ def subscriber_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _read_lines(path: Path) -> list[dict]:
+def read_lines(path: Path) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -139,18 +139,18 @@ def run_mode(url: str, versions: list[Path], cap_name: str, mode: str, subscribe
             )
         )
     try:
-        _wait(lambda: all(any("ready" in r for r in _read_lines(o)) for o in outs), procs, 300)
+        wait_until(lambda: all(any("ready" in r for r in read_lines(o)) for o in outs), procs, 300)
         rows = []
         for i, vdir in enumerate(versions[1:], start=1):
             t_call = time.time()
             res = pub.publish(vdir, step=i, keyframe=(mode == "full"))
             t_commit = time.time()
-            _wait(
-                lambda res=res: all(any(r.get("version") == res.version for r in _read_lines(o)) for o in outs),
+            wait_until(
+                lambda res=res: all(any(r.get("version") == res.version for r in read_lines(o)) for o in outs),
                 procs,
                 600,
             )
-            subs = [next(r for r in _read_lines(o) if r.get("version") == res.version) for o in outs]
+            subs = [next(r for r in read_lines(o) if r.get("version") == res.version) for o in outs]
             down = max(s["bytes"] for s in subs)
             floor = res.bytes_sent / cap + down / cap
             codec = res.timings.get("encode_s", 0.0) + statistics.fmean(s["apply_call_s"] for s in subs)
@@ -172,13 +172,7 @@ def run_mode(url: str, versions: list[Path], cap_name: str, mode: str, subscribe
                 }
             )
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all(procs)
         pub.close()
     lat = sorted(x for r in rows for x in r["latencies"])
     pauses = sorted(x for r in rows for x in r["pauses"])
@@ -210,7 +204,18 @@ def _pct(values: list[float], p: float) -> float:
     return values[lo] + (values[hi] - values[lo]) * (k - lo)
 
 
-def _wait(cond, procs, timeout: float) -> None:
+def stop_all(procs: list[subprocess.Popen[bytes]]) -> None:
+    """Terminate the subscriber processes; kill those still there 10 s later."""
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def wait_until(cond, procs, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
         dead = [p for p in procs if p.poll() is not None and p.returncode != 0]

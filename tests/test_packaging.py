@@ -15,6 +15,7 @@ import sys
 import zipfile
 from pathlib import Path
 
+import httpx
 import pytest
 from _serve import clean_env, spawn_serve
 
@@ -65,6 +66,10 @@ def test_the_wheel_carries_every_module_and_every_migration(wheel: Path) -> None
     with zipfile.ZipFile(wheel) as zf:
         names = set(zf.namelist())
     modules = {f"weightsync/{rel}" for rel in _source_files(PACKAGE, ("*.py", "py.typed"))}
+    # The dashboard's templates and static files (package-data): without them /ui cannot render.
+    dashboard = {f"weightsync/service/{rel}" for rel in _source_files(PACKAGE / "service", ("templates/*", "static/*"))}
+    assert {"weightsync/service/templates/model.html", "weightsync/service/static/ui.js"} <= dashboard
+    modules |= dashboard
     # Whatever lands in migrations/versions/ ships too: the mapping is by directory, not by file.
     scripts = {f"weightsync/catalog/migrations/{rel}" for rel in _source_files(MIGRATIONS, ("*.py", "*.mako"))}
     assert "weightsync/catalog/migrations/versions/0001_initial.py" in scripts
@@ -205,6 +210,11 @@ def test_the_wheel_installs_and_serves_from_outside_the_source_tree(wheel: Path,
         timeout=120,
         ready_path="/readyz",
     )
+    # The dashboard renders from the installed package: templates and static files came along.
+    page = httpx.get(server.url + "/ui/", timeout=30)
+    assert page.status_code == 200 and "<h1>Models</h1>" in page.text, page.text[:500]
+    for name in ("ui.css", "ui.js"):
+        assert httpx.get(f"{server.url}/ui/static/{name}", timeout=30).status_code == 200
     code = server.stop()
     # uvicorn re-raises the SIGTERM it handled once it has shut down cleanly: -15 is a clean exit.
     assert code in (0, -signal.SIGTERM), server.log()[-3000:]

@@ -84,7 +84,14 @@ def test_a_committed_group_keeps_its_part_manifests_until_it_is_deleted(catalog:
     assert catalog.record_part("m", pid, rank=1, world=2, manifest_digest=B, now=T).complete
     catalog.record_object(merged, 20, now=T)
     v = catalog.commit_version(
-        "m", pid, parent=None, manifest_digest=merged, objects=[(obj, 100)], raw_bytes=1, stored_bytes=1, kind="keyframe"
+        "m",
+        pid,
+        parent=None,
+        manifest_digest=merged,
+        objects=[(obj, 100)],
+        raw_bytes=1,
+        stored_bytes=1,
+        kind="keyframe",
     )
     assert {A, B, merged, obj} <= catalog.referenced_digests()
     assert all(catalog.get_object(d).unreferenced_since is None for d in (A, B, obj))

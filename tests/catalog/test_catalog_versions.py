@@ -8,7 +8,7 @@ import pytest
 from _catalog_util import T0, digest, publish
 
 from weightsync import errors
-from weightsync.catalog import DEFAULT_SETTINGS, Catalog
+from weightsync.catalog import DEFAULT_SETTINGS, Catalog, VersionTotals
 
 # --- models ---------------------------------------------------------------------------
 
@@ -72,6 +72,20 @@ def test_list_and_missing_models(catalog: Catalog) -> None:
         catalog.get_model("zz")
     with pytest.raises(errors.ModelNotFound):
         catalog.begin_version("zz", parent=None, kind="keyframe")
+
+
+def test_version_totals_count_committed_versions_only(catalog: Catalog) -> None:
+    catalog.create_model("t")
+    assert catalog.version_totals("t") == VersionTotals(versions=0, keyframes=0, raw_bytes=0, stored_bytes=0)
+    v1 = publish(catalog, "t", parent=None, stored_bytes=500)
+    publish(catalog, "t", parent=v1.number, stored_bytes=20, tag="d2")
+    publish(catalog, "t", parent=2, kind="keyframe", stored_bytes=400, tag="k3")
+    catalog.begin_version("t", parent=3, kind="delta")  # pending: not counted
+    assert catalog.version_totals("t") == VersionTotals(versions=3, keyframes=2, raw_bytes=3000, stored_bytes=920)
+    catalog.mark_deleted("t", [2], force=True)
+    assert catalog.version_totals("t") == VersionTotals(versions=2, keyframes=2, raw_bytes=2000, stored_bytes=900)
+    with pytest.raises(errors.ModelNotFound):
+        catalog.version_totals("nope")
 
 
 # --- publish and commit ----------------------------------------------------------------

@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 VLLM_VENV = Path(os.environ.get("WEIGHTSYNC_VLLM_VENV", ROOT / ".venv-vllm"))
 VLLM_PYTHON = VLLM_VENV / "bin" / "python"
 MAKE_LLAMA = Path(__file__).with_name("_make_llama.py")
+VLLM_SITE = Path(__file__).with_name("vllm_site")  # sitecustomize.py for the server's processes (VllmServer)
 SERVED = "tiny"
 PROMPT = [1, 288, 285, 521]  # <s> and three tokens of the trained tokenizer
 
@@ -76,6 +77,12 @@ class VllmServer:
         }
         if not cap_onednn:
             del settings["ONEDNN_MAX_CPU_ISA"]
+        else:
+            # On a CPU with AMX tiles vLLM packs small bf16 Linear weights for its AMX kernel (emptying them
+            # too), and that kernel needs the oneDNN ISA capped above: vllm_site/sitecustomize.py gives the
+            # server's processes the engine of a CPU without AMX.
+            settings["WEIGHTSYNC_TEST_NO_AMX"] = "1"
+            settings["PYTHONPATH"] = os.pathsep.join(p for p in (str(VLLM_SITE), os.environ.get("PYTHONPATH")) if p)
         env = clean_env(settings)
         cmd = [
             str(python),

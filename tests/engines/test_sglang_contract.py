@@ -332,7 +332,10 @@ def test_an_update_sglang_refuses_is_undone(stack: Stack, damage: str) -> None:
 
 
 def test_a_failed_switch_without_a_verified_version_leaves_the_engine_paused(stack: Stack) -> None:
-    stack.bring_to(stack.adapter("before-unhealthy"), "v2")
+    before = stack.adapter("before-unhealthy")
+    stack.bring_to(before, "v2")
+    assert before._good is not None
+    v2_stage = before._good.stage
     engine = stack.adapter("unhealthy")  # never asked what the engine holds: nothing verified to go back to
     update = engine.prepare(stack.numbers["v4"])
     flip_bit(update.stage / "model.safetensors", "model.norm.weight")
@@ -341,6 +344,17 @@ def test_a_failed_switch_without_a_verified_version_leaves_the_engine_paused(sta
     assert is_paused(stack.url) and engine.version is None
     assert model_info(stack.url)["weight_version"] == "unverified"
     assert engine.held() is None  # the engine's hashes are neither v2 nor the checkout's v4
+    assert is_paused(stack.url)  # weights that are no version: it stays paused
+    # An operator loads v2's verified stage back: the adapter that verified it proves it and continues.
+    r = httpx.post(stack.url + "/update_weights_from_disk", json={"model_path": str(v2_stage)}, timeout=60)
+    assert r.status_code == 200 and r.json()["success"], r.text
+    assert is_paused(stack.url)
+    assert before.held() == stack.numbers["v2"]
+    assert not is_paused(stack.url) and model_info(stack.url)["weight_version"] == str(stack.numbers["v2"])
+    # An engine paused by someone else (not tagged unverified) is left paused by held().
+    httpx.post(stack.url + "/pause_generation", json={"mode": "retract"}, timeout=30).raise_for_status()
+    assert before.held() == stack.numbers["v2"] and is_paused(stack.url)
+    httpx.post(stack.url + "/continue_generation", json={}, timeout=30).raise_for_status()
     report = engine.switch(engine.prepare(stack.numbers["v4"]))  # repaired checkout: verified, continued
     assert report.version == stack.numbers["v4"] and not is_paused(stack.url)
     assert engine_hashes(stack.url) == oracle(stack.trainer["v4"])

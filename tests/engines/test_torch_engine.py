@@ -73,6 +73,7 @@ def test_a_module_is_kept_on_each_version_in_place(server: ServeProcess, tmp_pat
     with Subscriber(server.url, model, report=False) as reader:  # the replica's reports are sent by now
         ledger = reader.api.list_replicas(model, subscriber="torch-replica")
     assert ledger[0].version == numbers[-1] and (ledger[0].status, ledger[0].mode) == ("applied", "in-place")
+    assert ledger[0].engine == "torch"
 
 
 def test_a_version_that_adds_a_tensor_is_loaded_whole_or_refused(server: ServeProcess, tmp_path: Path) -> None:

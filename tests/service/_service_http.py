@@ -238,6 +238,17 @@ class EventReader:
         assert ok_ and self.error is None, (self.error, self.events)
         return next(v for v in self.versions() if pred(v))
 
+    def wait_event(self, name: str, pred, timeout: float = 30.0) -> dict:
+        """The data (JSON) of the first ``event: name`` matching ``pred``, waiting up to ``timeout`` for it."""
+
+        def matching() -> list[dict]:
+            return [json.loads(e["data"]) for e in self.events if e.get("event") == name]
+
+        with self._cond:
+            ok_ = self._cond.wait_for(lambda: any(pred(d) for d in matching()) or self.error is not None, timeout)
+        assert ok_ and self.error is None, (self.error, self.events)
+        return next(d for d in matching() if pred(d))
+
     def wait_comments(self, n: int, timeout: float = 30.0) -> None:
         with self._cond:
             assert self._cond.wait_for(lambda: self.comments >= n or self.error is not None, timeout)

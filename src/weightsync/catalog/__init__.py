@@ -23,6 +23,7 @@ from .records import (
     Replica,
     Target,
     Version,
+    VersionTotals,
 )
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "Replica",
     "Target",
     "Version",
+    "VersionTotals",
     "make_engine",
     "normalize_url",
     "validate_model_name",

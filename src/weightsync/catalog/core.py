@@ -35,6 +35,7 @@ from .records import (
     Replica,
     Target,
     Version,
+    VersionTotals,
 )
 from .rows import db_errors
 from .schema import STATES
@@ -504,6 +505,10 @@ class Catalog:
             if st not in STATES:
                 raise errors.InvalidArgument(f"unknown state {st!r}")
         return self._tx(lambda s: versions.listing(s, model, wanted, limit, before, after, descending))
+
+    def version_totals(self, model: str) -> VersionTotals:
+        """Return how many committed versions ``model`` has and their raw and stored bytes (ModelNotFound)."""
+        return self._tx(lambda s: versions.totals(s, model))
 
     def head(self, model: str) -> Version | None:
         """Return the model's head version, or None if nothing is committed yet."""

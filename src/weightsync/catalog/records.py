@@ -44,6 +44,16 @@ class Version:
 
 
 @dataclass(frozen=True, slots=True)
+class VersionTotals:
+    """A model's committed versions in sum: how many (keyframes among them), their raw and stored bytes."""
+
+    versions: int
+    keyframes: int
+    raw_bytes: int
+    stored_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
 class ObjectInfo:
     """An object the catalog knows of; ``state`` "deleting" means GC is deleting its bytes (never reference it)."""
 

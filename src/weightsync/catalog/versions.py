@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 
 from .. import errors
 from . import leases, objects
-from .records import Lease, Target, Version
+from .records import Lease, Target, Version, VersionTotals
 from .rows import chunks, committed_row, model_row, version_record
 from .schema import ModelRow, VersionObjectRow, VersionRow
 
@@ -26,6 +26,7 @@ __all__ = [
     "head",
     "lineage",
     "listing",
+    "totals",
     "mark_deleted",
     "reading",
     "retention_candidates",
@@ -79,6 +80,22 @@ def listing(
     if limit is not None:
         stmt = stmt.limit(limit)
     return [version_record(r, m.name) for r in s.scalars(stmt)]
+
+
+def totals(s: Session, model: str) -> VersionTotals:
+    """How many committed versions ``model`` has (keyframes among them) and their raw and stored bytes, in one query."""
+    m = model_row(s, model)
+    count, keyframes, raw, stored = s.execute(
+        select(
+            func.count(VersionRow.id),
+            func.count(VersionRow.id).filter(VersionRow.kind == "keyframe"),
+            func.coalesce(func.sum(VersionRow.raw_bytes), 0),
+            func.coalesce(func.sum(VersionRow.stored_bytes), 0),
+        ).where(VersionRow.model_id == m.id, VersionRow.state == "committed")
+    ).one()
+    return VersionTotals(
+        versions=int(count or 0), keyframes=int(keyframes or 0), raw_bytes=int(raw or 0), stored_bytes=int(stored or 0)
+    )
 
 
 def head(s: Session, model: str) -> Version | None:

@@ -430,6 +430,16 @@ def register(app: typer.Typer) -> None:
                 "decode each version while serving; the pause changes only the changed elements.",
             ),
         ] = "disk",
+        host_dir: Annotated[
+            Path | None,
+            typer.Option(
+                "--host-dir",
+                metavar="DIR",
+                help="In-process mode with tensor parallelism: the directory the engine's workers on each host "
+                "share, so that one of them downloads and decodes each version for all (docs/ENGINES.md) "
+                "[default: $WEIGHTSYNC_HOST_DIR, else /dev/shm/weightsync].",
+            ),
+        ] = None,
         server: kit.ServerOpt = DEFAULT_SERVER,
         pause: Annotated[
             str | None,
@@ -511,7 +521,13 @@ def register(app: typer.Typer) -> None:
             if mode == "in-process":
                 from weightsync.engines.vllm_inprocess import VllmInProcess
 
-                adapter = VllmInProcess(client, sub, token=kit.token(), pause=pause_mode)  # type: ignore[arg-type]
+                adapter = VllmInProcess(
+                    client,
+                    sub,
+                    token=kit.token(),
+                    pause=pause_mode,  # type: ignore[arg-type]
+                    host_dir=str(host_dir) if host_dir is not None else None,
+                )
             elif engine == "sglang":
                 from weightsync.engines.sglang import SglangDisk
 

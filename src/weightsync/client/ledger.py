@@ -25,6 +25,8 @@ class LedgerReporter:
 
     def __init__(self, api: Api, model: str, subscriber: str, *, site: str | None, enabled: bool = True) -> None:
         self.api, self.model, self.subscriber, self.site, self.enabled = api, model, subscriber, site, enabled
+        self.engine: str | None = None
+        """The engine a report names when its caller names none (set by an engine adapter that holds the subscriber)."""
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="weightsync-report")
 
     def report(
@@ -43,6 +45,7 @@ class LedgerReporter:
         version with ``unhealthy`` (docs/API.md, Replica); ``wait=False`` returns before it is sent."""
         if not self.enabled:
             return
+        engine = engine or self.engine
         fields = {"status": status, "mode": mode, "engine": engine, "bytes": bytes_, "pause_ms": pause_ms}
         fut = self._pool.submit(self._send, version, fields, extra or {})
         if wait:

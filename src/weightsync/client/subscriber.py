@@ -106,6 +106,15 @@ class Subscriber:
         self.timings: dict[str, float] = {}
         """Seconds per phase of the last `prepare` (plan_s, download_s, decode_s) and `apply` (apply_s)."""
 
+    @property
+    def engine(self) -> str | None:
+        """The engine this subscriber's replica reports name (None: none); an engine adapter sets it."""
+        return self._ledger.engine
+
+    @engine.setter
+    def engine(self, kind: str | None) -> None:
+        self._ledger.engine = kind
+
     def close(self) -> None:
         self._ledger.close()
         self._pool.shutdown(wait=True)

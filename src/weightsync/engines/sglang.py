@@ -322,12 +322,16 @@ class SglangDisk(VllmDisk):
     def held(self) -> int | None:
         """The version the engine's weights are, every parameter hash equal: the weight version it is tagged
         with, the stage directory it was updated from, the version this adapter last verified, or the
-        checkout's; None when none of them matches."""
+        checkout's; None when none of them matches.
+
+        An engine left paused by a switch that could not be undone (tagged ``unverified``) that proves
+        to hold a version is tagged with it and continued, as :meth:`VllmDisk.held` resumes vLLM."""
         got = self.engine_digests()
         info = self.sglang.model_info()
+        tag = str(info.get("weight_version", ""))
         candidates: list[int] = []
-        if str(info.get("weight_version", "")).isdigit():
-            candidates.append(int(info["weight_version"]))
+        if tag.isdigit():
+            candidates.append(int(tag))
         path = Path(str(info.get("model_path", "")))
         if path.parent == self.stages and (m := _STAGE_NAME.fullmatch(path.name)):
             candidates.append(int(m.group(1)))
@@ -343,6 +347,12 @@ class SglangDisk(VllmDisk):
                 continue  # the checkout's files are not that version: nothing to prove it with
             if update is not None and not digests.differing(got, update.want):
                 self.version, self._good = version, update
+                if tag == UNVERIFIED:
+                    # Left paused by a switch that could not be undone (the tag says so, whichever adapter
+                    # did it); its weights are a verified version now: tag them and continue. An engine an
+                    # operator paused carries another tag and stays paused.
+                    self.sglang.set_weight_version(str(version))
+                    self.sglang.resume()
                 return version
         self.version = None
         return None

@@ -66,6 +66,7 @@ class TorchModule(Engine):
         else:
             raise errors.InvalidArgument(f"TorchModule takes an nn.Module or a mapping of tensors, not {type(module)}")
         self.subscriber = subscriber
+        subscriber.engine = self.kind  # its own reports of each in-place update name this engine
         self.directory = Path(directory) if directory is not None else None
         self.device = device
         self.strict = strict

@@ -97,7 +97,10 @@ class VllmInProcess(Engine):
     the workers; ``report=False`` is fine: this adapter does not report itself, the
     follow loop reports each switch with its ``mode``, ``elements`` and phases).
     ``token`` is the weightsync token the workers use. ``pause`` says what happens
-    to requests in flight during the switch.
+    to requests in flight during the switch. ``host_dir``: the host store the
+    workers of a tensor-parallel engine share on each host (one download per
+    host; ``engines/host_store.py``; default ``$WEIGHTSYNC_HOST_DIR``, else
+    ``/dev/shm/weightsync``).
     """
 
     kind = "vllm"
@@ -113,6 +116,7 @@ class VllmInProcess(Engine):
         confirm: bool = False,
         prepare_timeout: float = 3600.0,
         poll: float = 0.02,
+        host_dir: str | None = None,
     ) -> None:
         if pause not in PAUSE_MODES:
             raise errors.InvalidArgument(f"pause mode {pause!r} is not one of {', '.join(PAUSE_MODES)}")
@@ -123,6 +127,7 @@ class VllmInProcess(Engine):
         self.confirm = confirm
         self.prepare_timeout = prepare_timeout
         self.poll = poll
+        self.host_dir = host_dir
         self.version: int | None = None
         self.last: list[dict[str, Any]] = []
         """Each worker's answer to the last successful switch: ``elements``, ``tensors_in_place``,
@@ -161,7 +166,9 @@ class VllmInProcess(Engine):
         head = sub.api.head(sub.model)
         if head is not None:
             candidates.extend(range(head.number, max(0, head.number - RECENT - 1), -1))
-        self.client.rpc("weightsync_attach", sub.api.server, sub.model, candidates, self.token, sub.name, sub.site)
+        self.client.rpc(
+            "weightsync_attach", sub.api.server, sub.model, candidates, self.token, sub.name, sub.site, self.host_dir
+        )
         return self._attached()
 
     def _attached(self) -> list[dict[str, Any]]:
@@ -282,9 +289,12 @@ class VllmInProcess(Engine):
         )
 
     def _back(self, previous: int | None, target: int, why: Exception) -> None:
-        """After a failed switch: resume when every worker still holds ``previous``, else EngineUnhealthy (paused)."""
+        """After a failed switch: resume when every worker holds ``previous`` (workers that did switch, as other ranks
+        of a tensor-parallel engine may have, are asked to revert first), else EngineUnhealthy (paused)."""
         try:
             answers = self.client.rpc("weightsync_status")
+            if previous is not None and any(a.get("held") == target for a in answers):
+                answers = self.client.rpc("weightsync_revert", target)
         except errors.WeightsyncError as exc:
             self.version = None
             raise EngineUnhealthy(

@@ -37,9 +37,14 @@ Parameter layouts (docs/ENGINES.md "vLLM in-process mode"), decided at attach:
   with every checkpoint tensor of those modules (a layer given part of its tensors
   would be processed with the rest uninitialized).
 
-Tensor parallelism > 1 (parameters sliced across ranks) is refused at attach
-(UnverifiableEngine); :func:`rank_views` is where a slice layout would map a
-checkpoint tensor to this rank's part.
+Tensor parallelism > 1 (parameters sliced across ranks): each rank keeps a
+:class:`weightsync.engines.vllm_slices.Sliced` instead. It maps the changed
+checkpoint elements onto its own slice of each parameter
+(:func:`weightsync.engines.layouts.element_map`), writes only those and checks
+each slice with its checksum (base before, result after, computed from the
+version's data); the version itself is downloaded and decoded once per host
+(``engines/host_store.py``: the first worker to take the host's lock prepares
+it, the others read it). Pipeline parallelism > 1 is refused (UnverifiableEngine).
 """
 
 from __future__ import annotations
@@ -64,6 +69,9 @@ from weightsync.codec.manifest import Manifest
 from weightsync.codec.values import Change
 from weightsync.engines.digests import sources
 from weightsync.engines.errors import EngineError, UnverifiableEngine
+from weightsync.engines.host_store import HostStore, default_root
+from weightsync.engines.layouts import ModelConfig
+from weightsync.engines.vllm_slices import COUNTERS, Sliced
 
 
 @dataclass(frozen=True)
@@ -143,7 +151,7 @@ class Layout:
 def rank_views(param: Any, parts: list[tuple[str, Spec]]) -> dict[str, Any] | None:
     """The views of ``param`` holding each checkpoint tensor of ``parts`` (in order), or None when the
     parameter is not their dim-0 concatenation in their dtype (tensor parallel size 1: this rank holds
-    whole tensors; a TP slice layout would map each part to its slice of the rank here)."""
+    whole tensors; at larger sizes each rank's slices are mapped by ``engines/vllm_slices.py``)."""
     from weightsync.client.tensors import torch_dtype
 
     if not param.is_contiguous() or param.dim() == 0:
@@ -221,15 +229,7 @@ class _State:
         self.prepared: Prepared | None = None
         self.prepare_error: BaseException | None = None
         self.target: int | None = None
-        self.counters = {
-            "switches": 0,
-            "failed": 0,
-            "elements": 0,
-            "tensors_in_place": 0,
-            "tensors_reloaded": 0,
-            "reloads": 0,
-            "attach_reloads": 0,
-        }
+        self.counters = dict.fromkeys(COUNTERS, 0)
 
 
 class _Attaching:
@@ -237,7 +237,7 @@ class _Attaching:
 
     def __init__(self) -> None:
         self.thread: threading.Thread | None = None
-        self.state: _State | None = None
+        self.state: _State | Sliced | None = None
         self.error: BaseException | None = None
 
 
@@ -301,7 +301,7 @@ class Worker:
     """
 
     # Annotations only: vLLM refuses extension attributes its worker already has, and these it has not.
-    _weightsync: _State | None
+    _weightsync: _State | Sliced | None
     _weightsync_attaching: _Attaching | None
 
     # --- attach ----------------------------------------------------------------------------
@@ -315,6 +315,7 @@ class Worker:
         token: str | None = None,
         name: str | None = None,
         site: str | None = None,
+        host_dir: str | None = None,
     ) -> dict[str, Any]:
         """Start this worker's subscriber and, in a thread of this worker, learn which of ``candidates`` the
         engine's weights are; answer at once (:meth:`weightsync_attached` finishes the attach).
@@ -323,21 +324,40 @@ class Worker:
         candidate version's manifest digests (first match wins; the engine serves
         meanwhile: it only reads), then fills the host copies of the reloaded
         modules with that version from weightsync (whole tensors, each checked).
+        With tensor parallelism > 1 the rank proves its slices instead, each
+        candidate read from the host store under ``host_dir`` (default
+        :func:`weightsync.engines.host_store.default_root`): give every worker of
+        the engine on one host the same directory.
         """
         parallel = self.vllm_config.parallel_config  # type: ignore[attr-defined]
-        if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
+        if parallel.pipeline_parallel_size > 1:
             raise UnverifiableEngine(
-                f"in-process mode needs tensor and pipeline parallel size 1 (this engine: tp "
-                f"{parallel.tensor_parallel_size}, pp {parallel.pipeline_parallel_size})"
+                f"in-process mode needs pipeline parallel size 1 (this engine: {parallel.pipeline_parallel_size})"
             )
+        rank, size = self._weightsync_tp()
         self.weightsync_detach()
         sub = Subscriber(server, model, token=token, name=name, site=site, report=False)
         net = self.model_runner.get_model()  # type: ignore[attr-defined]
         attaching = _Attaching()
+        sliced: Sliced | None = None
+        if size > 1:
+            model_config = self.vllm_config.model_config  # type: ignore[attr-defined]
+            hf = getattr(model_config, "hf_text_config", None) or model_config.hf_config  # a text model's own
+            config = ModelConfig.from_dict(hf.to_dict() if hasattr(hf, "to_dict") else dict(vars(hf)))
+            root = host_dir or default_root()
+            try:
+                store = HostStore(root, model)
+            except OSError as exc:
+                sub.close()
+                raise EngineError(f"the host store under {root} cannot be made ({exc})") from exc
+            sliced = Sliced(sub, store, net, config, rank, size)
 
         def run() -> None:
             try:
-                attaching.state = _prove(net, sub, model, [int(c) for c in candidates])
+                if sliced is not None:
+                    attaching.state = sliced if sliced.prove([int(c) for c in candidates]) else None
+                else:
+                    attaching.state = _prove(net, sub, model, [int(c) for c in candidates])
             except Exception as exc:  # noqa: BLE001 - answered by weightsync_attached
                 attaching.error = exc
             if attaching.state is None:
@@ -347,6 +367,14 @@ class Worker:
         self._weightsync_attaching = attaching
         attaching.thread.start()
         return {"attaching": True}
+
+    def _weightsync_tp(self) -> tuple[int, int]:
+        """This worker's tensor-parallel rank and group size (vLLM's own, ``vllm.distributed.parallel_state``)."""
+        size = int(self.vllm_config.parallel_config.tensor_parallel_size)  # type: ignore[attr-defined]
+        if size == 1:
+            return 0, 1
+        parallel_state = importlib.import_module("vllm.distributed.parallel_state")  # inside vLLM only
+        return int(parallel_state.get_tensor_model_parallel_rank()), size
 
     @_answer_errors
     def weightsync_attached(self) -> dict[str, Any]:
@@ -364,6 +392,9 @@ class Worker:
         state = attaching.state
         if state is None:
             return {"held": None}
+        if isinstance(state, Sliced):
+            self._weightsync = state
+            return self.weightsync_status()
         if state.layout.reload:
             try:
                 self._weightsync_reload(state, set(state.layout.reload))
@@ -388,8 +419,10 @@ class Worker:
             attaching.thread.join()
             if attaching.state is not None:
                 attaching.state.subscriber.close()
-        state: _State | None = getattr(self, "_weightsync", None)
-        if state is not None:
+        state: _State | Sliced | None = getattr(self, "_weightsync", None)
+        if isinstance(state, Sliced):
+            state.close()
+        elif state is not None:
             if state.preparing is not None:
                 state.preparing.join()
             state.subscriber.close()
@@ -398,8 +431,8 @@ class Worker:
 
     # --- what the worker holds ----------------------------------------------------------------
 
-    def _weightsync_state(self) -> _State:
-        state: _State | None = getattr(self, "_weightsync", None)
+    def _weightsync_state(self) -> _State | Sliced:
+        state: _State | Sliced | None = getattr(self, "_weightsync", None)
         if state is None:
             raise errors.InvalidArgument("this vLLM worker is not attached: call weightsync_attach first")
         return state
@@ -411,6 +444,8 @@ class Worker:
         if getattr(self, "_weightsync_attaching", None) is not None:
             return {"attaching": True}
         state = self._weightsync_state()
+        if isinstance(state, Sliced):
+            return state.status()
         prepared, failure = state.prepared, state.prepare_error
         ready = prepared is not None and state.preparing is None
         return {
@@ -432,6 +467,8 @@ class Worker:
     def weightsync_sha256(self) -> dict[str, Any]:
         """SHA-256 of every in-place parameter's bytes, as this worker sees them (compare ``/weight_checker``)."""
         state = self._weightsync_state()
+        if isinstance(state, Sliced):
+            return {"sha256": state.sha256()}
         net = self.model_runner.get_model()  # type: ignore[attr-defined]
         want = set(state.layout.in_place)
         out = {}
@@ -450,6 +487,9 @@ class Worker:
         step loop). :meth:`weightsync_status` says when it is ready.
         """
         state = self._weightsync_state()
+        if isinstance(state, Sliced):
+            state.start_prepare(int(version))
+            return {"target": state.target}
         if state.preparing is not None:
             state.preparing.join()
         state.prepared, state.prepare_error, state.target = None, None, int(version)
@@ -475,6 +515,18 @@ class Worker:
     # --- switch -------------------------------------------------------------------------------
 
     @_answer_errors
+    def weightsync_revert(self, version: int) -> dict[str, Any]:
+        """Undo this worker's switch to ``version`` when another worker of the engine failed its own; the status.
+
+        Tensor parallelism > 1 (``vllm_slices.Sliced.revert``); at size 1 the one worker's switch is
+        all or nothing, and this answers the status unchanged.
+        """
+        state = self._weightsync_state()
+        if isinstance(state, Sliced):
+            state.revert(int(version))
+        return self.weightsync_status()
+
+    @_answer_errors
     def weightsync_switch(self, version: int) -> dict[str, Any]:
         """Apply the prepared ``version``: only the changed elements in place, reload the changed packed modules.
 
@@ -486,6 +538,8 @@ class Worker:
         worker's back) or reload leaves it holding no version (``held`` None).
         """
         state = self._weightsync_state()
+        if isinstance(state, Sliced):
+            return state.switch(int(version))
         thread = state.preparing
         if thread is not None:
             thread.join()

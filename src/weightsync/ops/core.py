@@ -36,6 +36,7 @@ from weightsync.catalog import (
     Replica,
     Target,
     Version,
+    VersionTotals,
 )
 from weightsync.codec import Checkpoint, CheckpointFile, Decoder, FrameRef, Manifest
 from weightsync.codec.checkpoint import tensor_names
@@ -698,6 +699,10 @@ class Ops:
 
     async def list_versions(self, model: str, **kwargs: Any) -> list[Version]:
         return await self._db(self.catalog.list_versions, model, **kwargs)
+
+    async def version_totals(self, model: str) -> VersionTotals:
+        """How many committed versions `model` has and their raw and stored bytes (ModelNotFound)."""
+        return await self._db(self.catalog.version_totals, model)
 
     async def get_version(self, model: str, number: int | None = None) -> Version:
         """Version `number`, or the head; VersionNotFound if the model has none."""

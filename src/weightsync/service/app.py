@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
 from fastapi import APIRouter, FastAPI
+from fastapi.staticfiles import StaticFiles
 
 from weightsync.catalog import Catalog
 from weightsync.ops import Ops
@@ -146,6 +147,8 @@ def create_app(
     problems.install(app)
     for router in ROUTERS if routers is None else routers:
         app.include_router(router)
+    # The dashboard's stylesheet and script (docs/UI.md), shipped in the package.
+    app.mount("/ui/static", StaticFiles(packages=[("weightsync.service", "static")]), name="ui-static")
     app.add_middleware(EdgeMiddleware, metrics=metrics, max_json_body=settings.max_json_body)
     return app
 

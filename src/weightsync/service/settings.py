@@ -55,6 +55,9 @@ class Settings(BaseSettings):
     presign_expires_s: int = Field(3600, ge=1, le=7 * 86400)
     watch_poll_s: float = Field(0.5, gt=0, le=10, description="Catalog poll interval of watch and events.")
     sse_keepalive_s: float = Field(15.0, gt=0, le=300)
+    ui_stale_after_s: float = Field(
+        300.0, gt=0, description="The dashboard marks a replica stale once it is this long behind the head (seconds)."
+    )
     shutdown_grace_s: float = Field(10.0, ge=0, description="Wait this long for open requests at shutdown.")
     log_level: Literal["debug", "info", "warning", "error", "critical"] = "info"
 

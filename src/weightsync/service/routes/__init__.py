@@ -24,7 +24,7 @@ class ModelNameConvertor(Convertor[str]):
 
 register_url_convertor("model", ModelNameConvertor())
 
-from weightsync.service.routes import admin, health, ledger, models, objects, relays, server, versions  # noqa: E402
+from weightsync.service.routes import admin, health, ledger, models, objects, relays, server, ui, versions  # noqa: E402
 
 ROUTERS = [
     health.router,
@@ -35,6 +35,7 @@ ROUTERS = [
     ledger.router,
     relays.router,
     admin.router,
+    ui.router,
 ]
 
 __all__ = ["ROUTERS", "ModelNameConvertor"]
