@@ -107,12 +107,14 @@ class ServeProcess:
         port: int | None = None,
         env: Mapping[str, str] | None = None,
         cwd: Path | None = None,
+        subcommand: str = "serve",
     ) -> None:
-        """Run ``COMMAND serve ARGS --port P`` (``env``: the whole environment, default :func:`clean_env`)."""
+        """Run ``COMMAND SUBCOMMAND ARGS --port P`` (``serve`` or ``relay``; ``env``: the whole environment,
+        default :func:`clean_env`)."""
         self.port = port if port is not None else free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        cmd = [*command, "serve", *args, "--port", str(self.port)]
+        cmd = [*command, subcommand, *args, "--port", str(self.port)]
         with open(log_path, "wb") as log:
             self.proc: subprocess.Popen[bytes] = subprocess.Popen(
                 cmd,
@@ -164,9 +166,10 @@ def spawn_serve(
     wait: bool = True,
     timeout: float = 60.0,
     ready_path: str = "/healthz",
+    subcommand: str = "serve",
 ) -> ServeProcess:
-    """Start ``COMMAND serve ARGS --port P``; with ``wait``, return once ``ready_path`` answers 200."""
-    server = ServeProcess(args, log_path=log_path, command=command, port=port, env=env, cwd=cwd)
+    """Start ``COMMAND SUBCOMMAND ARGS --port P``; with ``wait``, return once ``ready_path`` answers 200."""
+    server = ServeProcess(args, log_path=log_path, command=command, port=port, env=env, cwd=cwd, subcommand=subcommand)
     return server.wait_ready(timeout, path=ready_path) if wait else server
 
 

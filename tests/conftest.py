@@ -20,6 +20,12 @@ SLOW: tuple[str, ...] = (
     "service/test_service_two_services.py",  # two multi-worker servers on PostgreSQL + SeaweedFS
     "client/test_examples.py",
     "client/test_s3.py",  # a server subprocess on SeaweedFS
+    # An origin stopped and restarted (its graceful stop waits for the relay's event stream), a relay
+    # killed and restarted behind a slowed proxy, three servers with tokens:
+    "relay/test_relay.py::test_a_relay_keeps_serving_through_an_upstream_outage_and_catches_up",
+    "relay/test_relay.py::test_a_relay_killed_mid_prefetch_completes_after_a_restart",
+    "relay/test_relay.py::test_an_upstream_outage_in_the_middle_of_a_prefetch",
+    "relay/test_relay_auth.py::test_the_relays_auth_matrix",
 )
 # Also slow: the S3 runs of the store contract suite (marked where tests/store/conftest.py parametrizes).
 

@@ -57,6 +57,7 @@ EXPECTED_WIRE = {
     ("unauthorized", None): (401, errors.AuthError),
     ("forbidden", None): (403, errors.Forbidden),
     ("unavailable", None): (503, errors.ServerUnavailable),
+    ("read-only", None): (405, errors.ReadOnly),
 }
 # Codes the service sends that no error class names: request shape and HTTP-level cases.
 HTTP_ONLY = {"validation", "length-required", "internal"}

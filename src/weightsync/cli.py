@@ -17,6 +17,7 @@ from weightsync.cliapp import new_app
 from weightsync.client.cli import register as register_client
 from weightsync.common import VERSION, human_bytes
 from weightsync.errors import WeightsyncError, exit_code_of
+from weightsync.relay.cli import register as register_relay
 from weightsync.service.cli import register as register_service
 
 app = new_app("weightsync")
@@ -40,6 +41,7 @@ def _root(
 # Both modules import their heavy dependencies inside the commands, so the client-only
 # install (no server extra, no torch) can run every client command.
 register_service(app)
+register_relay(app)
 register_client(app)
 
 

@@ -312,6 +312,27 @@ class ParentPending(Conflict):
     code, title = "parent-pending", "Parent pending"
 
 
+class ReadOnly(WeightsyncError):
+    """The server is a read-only relay (``weightsync relay``): publish and change models at its upstream.
+
+    ``upstream`` is the URL to publish to instead (a problem+json member).
+    """
+
+    code, status, title = "read-only", 405, "Read-only relay"
+
+    def __init__(self, message: str, *, upstream: str | None = None) -> None:
+        super().__init__(message)
+        self.upstream = upstream
+
+    def problem_members(self) -> dict[str, Any]:
+        return {"upstream": self.upstream}
+
+    @classmethod
+    def from_problem(cls, message: str, problem: Mapping[str, Any]) -> WeightsyncError:
+        upstream = problem.get("upstream")
+        return cls(message, upstream=upstream if isinstance(upstream, str) else None)
+
+
 # --- client ---------------------------------------------------------------------------
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -322,11 +322,34 @@ def check_0005(conn: Connection, url: str) -> None:
         )
 
 
+def check_0006(conn: Connection, url: str) -> None:
+    """relays exists, empty; the catalog records a heartbeat, and a second one replaces it."""
+    t = _tables(conn)
+    assert conn.execute(select(t["relays"])).all() == []
+    conn.commit()
+    with Catalog.open(url, migrate=True) as cat:
+        cat.record_relay("relay@eu", site="eu", upstream="http://o:8400", state={"models": {}}, now=T)
+        later = cat.record_relay("relay@eu", site="eu", degraded=True, now=T + timedelta(seconds=10))
+        assert (later.first_seen, later.last_seen, later.degraded) == (T, T + timedelta(seconds=10), True)
+        assert [r.name for r in cat.list_relays()] == ["relay@eu"]
+        # Fetch claims: one holder at a time; renewed by its holder; taken over once expired; released.
+        d, ttl = "a" * 64, timedelta(seconds=60)
+        assert conn.execute(select(t["fetch_claims"])).all() == []
+        assert cat.claim_fetch(d, "a", ttl=ttl, now=T) is True
+        assert cat.claim_fetch(d, "b", ttl=ttl, now=T + timedelta(seconds=30)) is False
+        assert cat.claim_fetch(d, "a", ttl=ttl, now=T + timedelta(seconds=30)) is True  # renewed to T+90
+        assert cat.claim_fetch(d, "b", ttl=ttl, now=T + timedelta(seconds=80)) is False
+        assert cat.claim_fetch(d, "b", ttl=ttl, now=T + timedelta(seconds=91)) is True  # a's lapsed
+        assert cat.release_fetch(d, "a") is False and cat.release_fetch(d, "b") is True
+        assert cat.claim_fetch(d, "a", ttl=ttl, now=T + timedelta(seconds=92)) is True
+
+
 CHECKS: dict[str, Callable[[Connection, str], None]] = {
     "0002": check_0002,
     "0003": check_0003,
     "0004": check_0004,
     "0005": check_0005,
+    "0006": check_0006,
 }
 
 

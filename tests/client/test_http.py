@@ -253,8 +253,8 @@ def test_client_imports_no_server_layers_and_no_torch() -> None:
     code = (
         "import sys, weightsync.client, weightsync.client.cli; "
         "bad = [m for m in sys.modules if m.split('.')[:2] in (['weightsync','service'], ['weightsync','catalog'],"
-        " ['weightsync','store'], ['weightsync','ops'])] + [m for m in ('torch', 'fastapi', 'sqlalchemy') "
-        "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)"
+        " ['weightsync','store'], ['weightsync','ops'], ['weightsync','relay'])]"
+        " + [m for m in ('torch', 'fastapi', 'sqlalchemy') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -39,6 +39,8 @@ REQUIRED_SCOPE: dict[str, tuple[str | None, bool]] = {
     "presignObject": ("read", False),
     "reportReplica": ("read", True),
     "listReplicas": ("read", True),
+    "relayHeartbeat": ("read", False),  # a relay's own token upstream is a read token
+    "listRelays": ("read", False),
     "fsck": ("admin", False),
     "gc": ("admin", False),
     "getInfo": ("read", False),

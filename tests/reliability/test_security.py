@@ -608,6 +608,8 @@ def _builders(sec: Sec) -> dict[str, Callable[[httpx.Client, str], Call]]:
             "POST", f"/v1/models/{m}/replicas", {"json": {"subscriber": "sec-matrix", "version": 1}}, (201,)
         ),
         "listReplicas": lambda c, m: Call("GET", f"/v1/models/{m}/replicas"),
+        "relayHeartbeat": lambda c, m: Call("PUT", "/v1/relays/relay@sec-matrix", {"json": {"site": "sec"}}),
+        "listRelays": lambda c, m: Call("GET", "/v1/relays"),
         "fsck": lambda c, m: Call("POST", "/v1/admin/fsck", {"json": {"read_data": False, "repair": False}}),
         "gc": lambda c, m: Call("POST", "/v1/admin/gc", {"json": {"dry_run": True}}),
         "getInfo": lambda c, m: Call("GET", "/v1/info"),

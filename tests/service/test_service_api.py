@@ -47,6 +47,8 @@ OPERATION_IDS = {
     "streamEvents",
     "reportReplica",
     "listReplicas",
+    "relayHeartbeat",
+    "listRelays",
     "fsck",
     "gc",
 }
@@ -519,3 +521,17 @@ def test_every_error_class_renders_its_attributes_and_the_client_decodes_it(rais
     assert got.exit_code == cls.exit_code  # the CLI exits alike on both sides of the wire
     if cls is errors.StaleParent:
         assert got.current_head == 4
+
+
+def test_relay_heartbeats_replace_each_other_and_are_listed(service):
+    c = service.client("admin")
+    first = ok(c.put("/v1/relays/relay@eu-1", json={"site": "eu", "upstream": "http://o:8400"}), 200)
+    assert (first["name"], first["site"], first["degraded"], first["models"]) == ("relay@eu-1", "eu", False, {})
+    body = {"site": "eu", "degraded": True, "models": {"m": {"version": 3, "prefetch_lag_s": 0.5}}}
+    second = ok(c.put("/v1/relays/relay@eu-1", json=body), 200)
+    assert second["first_seen"] == first["first_seen"] and second["last_seen"] >= first["last_seen"]
+    listed = [r for r in ok(c.get("/v1/relays"), 200)["relays"] if r["name"] == "relay@eu-1"]
+    assert len(listed) == 1 and listed[0]["degraded"] is True and listed[0]["upstream"] is None
+    assert listed[0]["models"] == {"m": {"version": 3, "prefetch_lag_s": 0.5}} and listed[0]["age_s"] >= 0
+    assert c.put("/v1/relays/-bad", json={}).status_code == 422
+    assert c.put("/v1/relays/r", json={"models": {"m": {"version": 0}}}).status_code == 422

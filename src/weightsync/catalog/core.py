@@ -19,7 +19,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.orm import Session, sessionmaker
 
 from .. import errors
-from . import checks, identity, leases, ledger, models, objects, publishes, recovery, versions
+from . import checks, identity, leases, ledger, models, objects, publishes, recovery, relays, versions
 from . import migrate as migrations
 from .checks import DEFAULT_PENDING_TTL, DEFAULT_SETTINGS, UNSET, validate_model_name
 from .engine import make_engine, writer
@@ -31,6 +31,7 @@ from .records import (
     Model,
     ObjectInfo,
     Pinned,
+    RelayInfo,
     Replica,
     Target,
     Version,
@@ -748,6 +749,51 @@ class Catalog:
         ``lag`` is the head now minus its version (None for an unhealthy entry).
         """
         return self._tx(lambda s: ledger.entries(s, model, subscriber, latest_only))
+
+    # --- relays ----------------------------------------------------------------------------
+
+    def record_relay(
+        self,
+        name: str,
+        *,
+        site: str | None = None,
+        upstream: str | None = None,
+        degraded: bool = False,
+        state: dict[str, Any] | None = None,
+        now: datetime | None = None,
+    ) -> RelayInfo:
+        """Record relay ``name``'s heartbeat (its previous one replaced; ``first_seen`` kept); return it.
+
+        InvalidArgument for a name or site that is not a label, or a state that is not a JSON object.
+        """
+        checks.label("relay name", name)
+        if site is not None:
+            checks.label("site", site)
+        if upstream is not None:
+            checks.label("upstream", upstream, 1024)
+        body = checks.json_object("state", state)
+        at = checks.utc(now)
+        return self._tx(lambda s: relays.heartbeat(s, name, site, upstream, bool(degraded), body, at), write=True)
+
+    def list_relays(self) -> list[RelayInfo]:
+        """Every relay's latest heartbeat, by name."""
+        return self._tx(relays.listing)
+
+    def claim_fetch(self, digest: str, holder: str, *, ttl: timedelta, now: datetime | None = None) -> bool:
+        """Claim the upstream fetch of object ``digest`` for ``holder`` (a relay replica) until ``now + ttl``.
+
+        True when the claim is ``holder``'s (new, renewed, or taken over from an expired one); False while
+        another replica holds it (then that one fetches: wait for the object). InvalidDigest, InvalidArgument.
+        """
+        checks.digest(digest)
+        checks.label("holder", holder)
+        checks.positive_ttl(ttl)
+        at = checks.utc(now)
+        return self._tx(lambda s: relays.claim(s, digest, holder, ttl, at), write=True)
+
+    def release_fetch(self, digest: str, holder: str) -> bool:
+        """End ``holder``'s claim on ``digest`` (its fetch ended); whether it held one."""
+        return self._tx(lambda s: relays.release(s, digest, holder), write=True)
 
     # --- disaster recovery ---------------------------------------------------------------
 

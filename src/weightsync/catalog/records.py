@@ -66,6 +66,19 @@ class ObjectInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class RelayInfo:
+    """A relay's latest heartbeat: who and where it is, what it follows, whether degraded, what it holds."""
+
+    name: str
+    site: str | None
+    upstream: str | None
+    degraded: bool
+    state: dict[str, Any]
+    first_seen: datetime
+    last_seen: datetime
+
+
+@dataclass(frozen=True, slots=True)
 class Lease:
     """A reader's hold on the chain ending at ``number``."""
 

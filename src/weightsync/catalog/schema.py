@@ -271,6 +271,34 @@ class LeaseRow(Base):
     expires_at: Mapped[datetime] = mapped_column(index=True)
 
 
+class RelayRow(Base):
+    """A relay that reported to this server (``weightsync relay``, directly or through relays below it):
+    its latest heartbeat. One row per relay name, replaced by each heartbeat."""
+
+    __tablename__ = "relays"
+
+    name: Mapped[str] = mapped_column(String(255), primary_key=True)
+    site: Mapped[str | None] = mapped_column(String(255))
+    # The relay's own upstream (the URL it follows) and whether it is degraded (its upstream unreachable).
+    upstream: Mapped[str | None] = mapped_column(String(1024))
+    degraded: Mapped[bool] = mapped_column(Boolean)
+    # What it says of itself: per model the version it holds and the prefetch lag of it, and the rest.
+    state: Mapped[dict[str, Any]]
+    first_seen: Mapped[datetime]
+    last_seen: Mapped[datetime] = mapped_column(index=True)
+
+
+class FetchClaimRow(Base):
+    """A relay replica fetching an object from its upstream: the others sharing this catalog wait for it
+    (one fetch per object per region). Deleted when the fetch ends; an expired claim may be taken over."""
+
+    __tablename__ = "fetch_claims"
+
+    digest: Mapped[str] = mapped_column(String(64), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(255))
+    expires_at: Mapped[datetime]
+
+
 class ServerIdentityRow(Base):
     """The one row naming this catalog: every service on it reports ``server_id`` (``GET /v1/info``)."""
 

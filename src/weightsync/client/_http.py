@@ -298,6 +298,10 @@ class Api:
             params["subscriber"] = subscriber
         return models.ReplicaList.from_json(self._json("GET", f"/v1/models/{model}/replicas", params=params)).replicas
 
+    def list_relays(self) -> list[models.Relay]:
+        """Every relay that reports to this server (and those below them), with its last heartbeat's age."""
+        return models.RelayList.from_json(self._json("GET", "/v1/relays")).relays
+
     # --- publishing ---------------------------------------------------------------------
 
     def begin_publish(

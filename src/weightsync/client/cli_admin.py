@@ -1,6 +1,6 @@
 """Operator commands of the `weightsync` CLI: a model's settings, deletion and pin; the replica ledger; the cache.
 
-``register(app)`` adds ``model show|set|delete|pin|unpin``, ``replicas`` and
+``register(app)`` adds ``model show|set|delete|pin|unpin``, ``replicas``, ``relays`` and
 ``cache [show]|prune``. They follow client/cli.py's conventions: the server from
 ``--server``/``WEIGHTSYNC_SERVER``, the token from ``WEIGHTSYNC_TOKEN``, ``--json``
 prints the server's JSON (one object), errors are one line with the exit codes
@@ -42,6 +42,7 @@ def register(app: typer.Typer) -> None:
     _model_commands(model_app)
     app.add_typer(model_app, name="model")
     app.command()(replicas)
+    app.command()(relays)
     cache_app = typer.Typer(invoke_without_command=True)  # help: the callback's docstring
     _cache_commands(cache_app)
     app.add_typer(cache_app, name="cache")
@@ -230,6 +231,26 @@ def replicas(
             f"{r.subscriber:<24} {kit.shown(r.site):<12} {_v_held(r.version):<8} {r.status:<10} "
             f"{kit.shown(r.mode):<9} {kit.shown(r.engine):<7} {_pause(r):>10} {kit.shown(r.lag):>5}  "
             f"{timestamp(r.applied_at)}"
+        )
+
+
+def relays(server: kit.ServerOpt = DEFAULT_SERVER, as_json: kit.JsonOpt = False) -> None:
+    """List the relays that report to the server (and those below them): site, what each follows,
+    whether it is degraded, how long since it last reported, and the versions it holds."""
+    with kit.one_line_errors(), _api(server) as api:
+        found = api.list_relays()
+    if as_json:
+        kit.emit({"relays": [r.to_dict() for r in found]})
+        return
+    if not found:
+        typer.echo("no relay has reported to this server")
+        return
+    typer.echo(f"{'RELAY':<24} {'SITE':<12} {'STATE':<9} {'SEEN':>8}  {'UPSTREAM':<28} MODELS")
+    for r in found:
+        held = ", ".join(f"{m} v{h.version}" for m, h in sorted(r.models.items())) or "-"
+        state = "degraded" if r.degraded else "ok"
+        typer.echo(
+            f"{r.name:<24} {kit.shown(r.site):<12} {state:<9} {r.age_s:>7.0f}s  {kit.shown(r.upstream):<28} {held}"
         )
 
 

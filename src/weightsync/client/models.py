@@ -312,6 +312,35 @@ class ReplicaList(Wire):
 
 
 @dataclass(frozen=True)
+class RelayModel(Wire):
+    """What a relay holds of one model: the newest version it mirrored, and how long after its commit."""
+
+    version: int
+    prefetch_lag_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Relay(Wire):
+    """A relay's latest heartbeat (docs/API.md "Relays"): ``age_s`` since it, at read time."""
+
+    name: str
+    site: str | None
+    upstream: str | None
+    degraded: bool
+    models: dict[str, RelayModel]
+    first_seen: datetime
+    last_seen: datetime
+    age_s: float
+
+
+@dataclass(frozen=True)
+class RelayList(Wire):
+    """``GET /v1/relays``: every relay that reported to the server, by name."""
+
+    relays: list[Relay]
+
+
+@dataclass(frozen=True)
 class FsckProblem(Wire):
     """One finding of fsck, and whether ``repair`` fixed it."""
 

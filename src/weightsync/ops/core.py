@@ -25,7 +25,19 @@ from typing import Any, ParamSpec, TypeVar
 import numpy as np
 
 from weightsync import errors
-from weightsync.catalog import PARTS_PREFIX, Catalog, Lease, Model, ObjectInfo, Replica, Target, Version, VersionTotals
+from weightsync.catalog import (
+    PARTS_PREFIX,
+    Catalog,
+    ImportedVersion,
+    Lease,
+    Model,
+    ObjectInfo,
+    RelayInfo,
+    Replica,
+    Target,
+    Version,
+    VersionTotals,
+)
 from weightsync.codec import Checkpoint, CheckpointFile, Decoder, FrameRef, Manifest
 from weightsync.codec.checkpoint import tensor_names
 from weightsync.codec.manifest import DIGEST_KINDS
@@ -455,14 +467,36 @@ class Ops:
             await self._hold_for_commit(model, publish_id, [*refs, shown])
             version = await self._db(self.catalog.commit_version, model, publish_id, **same, now=self.clock())
         self._remember(version)
-        self._committed.set()
-        self._committed = asyncio.Event()
+        self._wake()
         if record_later:
             task = asyncio.create_task(self._record_committed(version))
             self._record_tasks.add(task)
             task.add_done_callback(self._record_tasks.discard)
         else:
             await self._record_committed(version)
+        return version
+
+    def _wake(self) -> None:
+        """Wake this process's watchers and event streams at once (others find the commit by polling)."""
+        self._committed.set()
+        self._committed = asyncio.Event()
+
+    async def import_version(self, model: str, record: ImportedVersion, **settings: Any) -> Version:
+        """Record a version committed elsewhere under its own number, then wake watchers (a relay's mirror).
+
+        The caller has stored the manifest first; the objects it names are referenced with
+        ``record.objects``' sizes whether or not their bytes are here yet (a relay fetches those
+        on demand). The model is created with ``settings`` if missing. Idempotent for the same
+        manifest (Catalog.import_version); the commit record follows, as for a local commit.
+        """
+        try:
+            version = await self._db(self.catalog.import_version, model, record, now=self.clock())
+        except errors.ModelNotFound:
+            await self._db(self.catalog.create_model, model, now=self.clock(), **settings)
+            version = await self._db(self.catalog.import_version, model, record, now=self.clock())
+        self._remember(version)
+        self._wake()
+        await self._record_committed(version)
         return version
 
     async def _record_committed(self, version: Version) -> None:
@@ -832,6 +866,22 @@ class Ops:
     ) -> list[Replica]:
         """The ledger of `model` (each subscriber's latest entry, unless not `latest_only`); lag from the head now."""
         return await self._db(self.catalog.list_replicas, model, subscriber, latest_only=latest_only)
+
+    async def record_relay(self, name: str, **report: Any) -> RelayInfo:
+        """Record a relay's heartbeat (site, upstream, degraded, state: Catalog.record_relay)."""
+        return await self._db(self.catalog.record_relay, name, now=self.clock(), **report)
+
+    async def list_relays(self) -> list[RelayInfo]:
+        """Every relay's latest heartbeat, by name."""
+        return await self._db(self.catalog.list_relays)
+
+    async def claim_fetch(self, digest: str, holder: str, ttl: timedelta) -> bool:
+        """Claim the upstream fetch of ``digest`` among relay replicas sharing the catalog (Catalog.claim_fetch)."""
+        return await self._db(self.catalog.claim_fetch, digest, holder, ttl=ttl, now=self.clock())
+
+    async def release_fetch(self, digest: str, holder: str) -> bool:
+        """End ``holder``'s fetch claim on ``digest``."""
+        return await self._db(self.catalog.release_fetch, digest, holder)
 
     # --- maintenance (fsck, gc, readiness) ------------------------------------------------
 

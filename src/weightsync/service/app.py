@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
-from fastapi import FastAPI
+from fastapi import APIRouter, FastAPI
 from fastapi.staticfiles import StaticFiles
 
 from weightsync.catalog import Catalog
@@ -85,8 +85,18 @@ async def open_store_now(store: ObjectStore) -> None:
     await store.open()
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
-    """Build the ASGI app. Bad token configuration raises ConfigError here, before anything is opened."""
+def create_app(
+    settings: Settings | None = None,
+    *,
+    routers: Sequence[APIRouter] | None = None,
+    extension: Callable[[FastAPI], AbstractAsyncContextManager[None]] | None = None,
+) -> FastAPI:
+    """Build the ASGI app. Bad token configuration raises ConfigError here, before anything is opened.
+
+    ``routers`` replace the service's (``ROUTERS``); ``extension(app)`` is entered once
+    ``app.state.ops`` exists and left before it is drained and closed: an edge built on the
+    service (the relay, weightsync/relay) adds its routes and its background work that way.
+    """
     settings = settings or Settings()
     tokens = TokenTable.from_settings(settings)
     metrics = Metrics()
@@ -107,7 +117,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             else:
                 log.info("bearer tokens configured: %s", ", ".join(tokens.names))
             log.info("serving catalog %s, store %s", redact_url(settings.catalog_url()), settings.store_url())
-            yield
+            if extension is None:
+                yield
+            else:
+                async with extension(app):
+                    yield
             await app.state.ops.drain()  # commit records written after their commits' answers
         finally:
             await store.close()
@@ -131,7 +145,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.tokens = tokens
     app.state.metrics = metrics
     problems.install(app)
-    for router in ROUTERS:
+    for router in ROUTERS if routers is None else routers:
         app.include_router(router)
     # The dashboard's stylesheet and script (docs/UI.md), shipped in the package.
     app.mount("/ui/static", StaticFiles(packages=[("weightsync.service", "static")]), name="ui-static")

@@ -23,7 +23,7 @@ import typer
 
 from weightsync.cliapp import new_app
 
-__all__ = ["main", "register"]
+__all__ = ["load_settings", "main", "register", "require_server_extra", "run_server"]
 
 APP_FACTORY = "weightsync.service.app:app_from_env"
 #: What a user without the server's dependencies is told to run.
@@ -42,7 +42,7 @@ def _missing_extra(exc: ModuleNotFoundError) -> NoReturn:
     _fail(f"the server needs the 'server' extra ({exc.name} is not installed): {SERVER_EXTRA_INSTALL}")
 
 
-def _require_server_extra() -> None:
+def require_server_extra() -> None:
     """Import the service's stack now, so a client-only install fails with one line, not a traceback."""
     try:
         import uvicorn  # noqa: F401
@@ -56,17 +56,6 @@ def _require_server_extra() -> None:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
-
-
-def _settings(overrides: dict[str, Any]):  # -> Settings
-    from pydantic import ValidationError
-
-    from weightsync.service.settings import Settings, describe_validation_error
-
-    try:
-        return Settings(**{k: v for k, v in overrides.items() if v is not None})
-    except ValidationError as exc:
-        _fail(describe_validation_error(exc))
 
 
 def _migrate(settings) -> str:  # -> the schema revision
@@ -140,46 +129,54 @@ def _export(overrides: dict[str, Any]) -> None:
             os.environ[f"WEIGHTSYNC_{key.upper()}"] = str(value)
 
 
+# The options `serve` and `relay` (weightsync/relay/cli.py) share, as Annotated aliases.
+DataOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--data",
+        metavar="DIR",
+        help="Data directory for the embedded SQLite catalog and filesystem store [default: ./weightsync-data].",
+    ),
+]
+HostOption = Annotated[str | None, typer.Option(metavar="HOST", help="Address to bind [default: 127.0.0.1].")]
+PortOption = Annotated[int | None, typer.Option(metavar="PORT", help="Port to bind [default: 8400].")]
+CatalogOption = Annotated[
+    str | None,
+    typer.Option(metavar="URL", help="Catalog: sqlite:///… or postgresql://… [default: sqlite:///DATA/catalog.db]."),
+]
+StoreOption = Annotated[
+    str | None, typer.Option(metavar="URL", help="Store: a directory or s3://bucket/prefix [default: DATA/store].")
+]
+S3EndpointOption = Annotated[
+    str | None, typer.Option("--s3-endpoint", metavar="URL", help="S3 endpoint URL (MinIO, SeaweedFS, …).")
+]
+TokensOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--tokens",
+        metavar="FILE",
+        help="Token file (JSON or TOML); without tokens the server is anonymous and loopback-only.",
+    ),
+]
+LogLevelOption = Annotated[
+    str | None,
+    typer.Option("--log-level", metavar="LEVEL", help="debug, info, warning or error [default: info]."),
+]
+
+
 def serve(
-    data: Annotated[
-        Path | None,
-        typer.Option(
-            "--data",
-            metavar="DIR",
-            help="Data directory for the embedded SQLite catalog and filesystem store [default: ./weightsync-data].",
-        ),
-    ] = None,
-    host: Annotated[str | None, typer.Option(metavar="HOST", help="Address to bind [default: 127.0.0.1].")] = None,
-    port: Annotated[int | None, typer.Option(metavar="PORT", help="Port to bind [default: 8400].")] = None,
-    catalog: Annotated[
-        str | None,
-        typer.Option(
-            metavar="URL", help="Catalog: sqlite:///… or postgresql://… [default: sqlite:///DATA/catalog.db]."
-        ),
-    ] = None,
-    store: Annotated[
-        str | None,
-        typer.Option(metavar="URL", help="Store: a directory or s3://bucket/prefix [default: DATA/store]."),
-    ] = None,
-    s3_endpoint: Annotated[
-        str | None, typer.Option("--s3-endpoint", metavar="URL", help="S3 endpoint URL (MinIO, SeaweedFS, …).")
-    ] = None,
+    data: DataOption = None,
+    host: HostOption = None,
+    port: PortOption = None,
+    catalog: CatalogOption = None,
+    store: StoreOption = None,
+    s3_endpoint: S3EndpointOption = None,
     workers: Annotated[int | None, typer.Option(metavar="N", help="Worker processes [default: 1].")] = None,
-    tokens: Annotated[
-        Path | None,
-        typer.Option(
-            "--tokens",
-            metavar="FILE",
-            help="Token file (JSON or TOML); without tokens the server is anonymous and loopback-only.",
-        ),
-    ] = None,
-    log_level: Annotated[
-        str | None,
-        typer.Option("--log-level", metavar="LEVEL", help="debug, info, warning or error [default: info]."),
-    ] = None,
+    tokens: TokensOption = None,
+    log_level: LogLevelOption = None,
 ) -> None:
     """Run the HTTP service (settings also from WEIGHTSYNC_* variables; flags win)."""
-    _require_server_extra()
+    require_server_extra()
     overrides = {
         "data": data,
         "host": host,
@@ -191,8 +188,31 @@ def serve(
         "token_file": tokens,
         "log_level": log_level,
     }
-    settings = _settings(overrides)
+    run_server(load_settings(overrides), overrides, APP_FACTORY)
 
+
+def load_settings(overrides: dict[str, Any], settings_class: Any = None):  # -> Settings
+    """The settings (``settings_class``, default the service's) from the flags given over ``WEIGHTSYNC_*``.
+
+    A bad value fails with one line naming the setting.
+    """
+    from pydantic import ValidationError
+
+    from weightsync.service.settings import Settings, describe_validation_error
+
+    cls = settings_class or Settings
+    try:
+        return cls(**{k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as exc:
+        _fail(describe_validation_error(exc))
+
+
+def run_server(settings, overrides: dict[str, Any], factory: str) -> None:
+    """Check the configuration (tokens, bind address, catalog, store), then run uvicorn on ``factory``.
+
+    ``factory`` is an import string (``module:function``) each worker builds its app with, from
+    the environment the flags are exported to.
+    """
     import logging.config
 
     import uvicorn
@@ -210,7 +230,7 @@ def serve(
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     try:
         uvicorn.run(
-            APP_FACTORY,
+            factory,
             factory=True,
             host=settings.host,
             port=settings.port,
@@ -233,8 +253,8 @@ def migrate(
     catalog: Annotated[str | None, typer.Option(metavar="URL", help="Catalog URL.")] = None,
 ) -> None:
     """Bring the catalog database to this release's schema and exit (a deployment's one-shot step)."""
-    _require_server_extra()
-    settings = _settings({"data": data, "catalog": catalog})
+    require_server_extra()
+    settings = load_settings({"data": data, "catalog": catalog})
     revision = _migrate(settings)
     typer.echo(f"catalog at schema revision {revision}")
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import AliasChoices, AliasPath, BaseModel, ConfigDict, Field, field_validator
 
-from weightsync.catalog import DeletedModel, Model, Replica, Version
+from weightsync.catalog import DeletedModel, Model, RelayInfo, Replica, Version
 from weightsync.catalog.schema import ENGINES, REPLICA_MODES, REPLICA_STATUSES
 from weightsync.ops import BeginResult, FsckReport, GcReport, Plan
 
@@ -297,6 +297,39 @@ class ReplicaList(_Out):
     replicas: list[ReplicaOut]
 
 
+# --- relays ------------------------------------------------------------------------
+
+
+class RelayModel(BaseModel):
+    """What a relay holds of one model: the newest version mirrored and how long after its commit."""
+
+    model_config = ConfigDict(extra="forbid")
+    version: int = Field(ge=1, le=INT64)
+    prefetch_lag_s: float | None = Field(None, ge=0, allow_inf_nan=False)
+
+
+class RelayIn(_In):
+    site: str | None = Field(None, min_length=1, max_length=255)
+    upstream: str | None = Field(None, min_length=1, max_length=1024, description="The URL the relay follows.")
+    degraded: bool = Field(False, description="Its upstream did not answer its last request.")
+    models: dict[str, RelayModel] = Field(default_factory=dict, max_length=100_000)
+
+
+class RelayOut(_Out):
+    name: str
+    site: str | None
+    upstream: str | None
+    degraded: bool
+    models: dict[str, RelayModel]
+    first_seen: datetime
+    last_seen: datetime
+    age_s: float = Field(description="Seconds since the last heartbeat, at read time.")
+
+
+class RelayList(_Out):
+    relays: list[RelayOut]
+
+
 # --- admin -------------------------------------------------------------------------
 
 
@@ -395,3 +428,17 @@ def fsck_out(r: FsckReport) -> FsckOut:
 
 def gc_out(r: GcReport) -> GcOut:
     return GcOut.model_validate(r)
+
+
+def relay_out(r: RelayInfo, now: datetime) -> RelayOut:
+    """A relay's heartbeat as answered: its state's ``models``, and its age at ``now``."""
+    return RelayOut(
+        name=r.name,
+        site=r.site,
+        upstream=r.upstream,
+        degraded=r.degraded,
+        models={k: RelayModel.model_validate(v) for k, v in r.state.get("models", {}).items()},
+        first_seen=r.first_seen,
+        last_seen=r.last_seen,
+        age_s=max(0.0, (now - r.last_seen).total_seconds()),
+    )

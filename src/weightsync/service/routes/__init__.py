@@ -24,7 +24,7 @@ class ModelNameConvertor(Convertor[str]):
 
 register_url_convertor("model", ModelNameConvertor())
 
-from weightsync.service.routes import admin, health, ledger, models, objects, server, ui, versions  # noqa: E402
+from weightsync.service.routes import admin, health, ledger, models, objects, relays, server, ui, versions  # noqa: E402
 
 ROUTERS = [
     health.router,
@@ -33,6 +33,7 @@ ROUTERS = [
     versions.router,
     objects.router,
     ledger.router,
+    relays.router,
     admin.router,
     ui.router,
 ]

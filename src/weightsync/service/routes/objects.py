@@ -19,7 +19,7 @@ from weightsync.store import validate_digest
 router = APIRouter(prefix="/v1/objects", tags=["objects"])
 
 # Objects never change, so any cache may keep them; "private" because reading needs a token.
-_IMMUTABLE = "private, max-age=31536000, immutable"
+IMMUTABLE_CACHE = "private, max-age=31536000, immutable"
 
 _BINARY_BODY = {
     "requestBody": {
@@ -29,7 +29,7 @@ _BINARY_BODY = {
 }
 
 
-def _etag_matches(if_none_match: str | None, etag: str) -> bool:
+def etag_matches(if_none_match: str | None, etag: str) -> bool:
     if if_none_match is None:
         return False
     tags = {t.strip().removeprefix("W/") for t in if_none_match.split(",")}
@@ -126,8 +126,8 @@ async def get_object(
     validate_digest(digest)
     info = await ops.stat_object(digest)
     etag = f'"{digest}"'
-    headers = {"ETag": etag, "Accept-Ranges": "bytes", "Cache-Control": _IMMUTABLE}
-    if _etag_matches(if_none_match, etag):
+    headers = {"ETag": etag, "Accept-Ranges": "bytes", "Cache-Control": IMMUTABLE_CACHE}
+    if etag_matches(if_none_match, etag):
         return Response(status_code=status.HTTP_304_NOT_MODIFIED, headers=headers)
     offset, length, code = 0, info.size, status.HTTP_200_OK
     if range_ is not None:
@@ -161,7 +161,7 @@ async def head_object(digest: str, ops: OpsDep, who: Reader) -> Response:
             "Content-Length": str(info.size),
             "ETag": f'"{digest}"',
             "Accept-Ranges": "bytes",
-            "Cache-Control": _IMMUTABLE,
+            "Cache-Control": IMMUTABLE_CACHE,
         },
     )
 
