@@ -90,12 +90,7 @@ async def ready(request: Request, ops: OpsDep) -> JSONResponse:
 @router.get(
     "/v1/objects/{digest}",
     operation_id="getObject",
-    responses={
-        200: {"content": {"application/octet-stream": {}}},
-        206: {"content": {"application/octet-stream": {}}, "description": "the requested range"},
-        304: {"description": "If-None-Match matched"},
-        416: {"description": "Range malformed or outside the object"},
-    },
+    responses=objects.GET_OBJECT_RESPONSES,
 )
 async def get_object(
     digest: str,

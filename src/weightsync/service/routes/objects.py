@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Request, Response, status
 from fastapi.responses import StreamingResponse
@@ -104,16 +104,20 @@ async def put_object(
     return PutObjectOut(digest=result.digest, size=result.size, created=result.created)
 
 
+GET_OBJECT_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"application/octet-stream": {}}},
+    206: {"content": {"application/octet-stream": {}}, "description": "the requested range"},
+    304: {"description": "If-None-Match matched"},
+    416: {"description": "Range malformed or outside the object"},
+}
+"""getObject's answers besides problems (the relay's getObject documents the same)."""
+
+
 @router.get(
     "/{digest}",
     operation_id="getObject",
     response_class=StreamingResponse,
-    responses={
-        200: {"content": {"application/octet-stream": {}}},
-        206: {"content": {"application/octet-stream": {}}, "description": "the requested range"},
-        304: {"description": "If-None-Match matched"},
-        416: {"description": "Range malformed or outside the object"},
-    },
+    responses=GET_OBJECT_RESPONSES,
 )
 async def get_object(
     digest: str,
