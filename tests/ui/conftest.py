@@ -9,15 +9,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-
-# The real-server helpers of the client suite (start_server, tokens); tests/ is not a package.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "client"))
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]

@@ -76,6 +76,7 @@ class Mirror:
         self._head_slots = asyncio.Semaphore(_HEADS)
         self._locks: dict[str, asyncio.Lock] = {}
         self._followers: dict[str, asyncio.Task[None]] = {}
+        self._upstream_models: dict[str, models.Model] = {}  # the upstream's record of each model, as last read
         self._tasks: set[asyncio.Task[Any]] = set()
         self._reports: asyncio.Queue[tuple[str, dict[str, Any]]] = asyncio.Queue(_FORWARD_QUEUE)
         self._below: dict[str, dict[str, Any]] = {}  # relays below this one: their latest heartbeat
@@ -144,6 +145,7 @@ class Mirror:
                 for m in found:
                     if not self.mirrors(m.name):
                         continue
+                    self._upstream_models[m.name] = m
                     follower = self._followers.get(m.name)
                     if follower is None or follower.done():
                         self._followers[m.name] = asyncio.ensure_future(self._follow(m.name))
@@ -163,9 +165,10 @@ class Mirror:
             try:
                 await self.sync(model)
                 after = (await self._local_head(model))[0]
-                async for _ in self.upstream.events(model, after=after):
+                async for version in self.upstream.events(model, after=after):
                     self._reached()
-                    await self.sync(model)
+                    if not await self._next(model, version):
+                        await self.sync(model)
                     attempt = 0
                 log.info("upstream ended the event stream of %s (deleted there)", model)
                 return
@@ -204,10 +207,30 @@ class Mirror:
         head, pinned = await self._local_head(up.name)
         return (up.head is not None and (head is None or up.head > head)) or pinned != up.pinned
 
+    async def _next(self, model: str, v: models.Version) -> bool:
+        """Mirror ``v`` straight from its event when it is the version after the local head: the usual case.
+
+        Its manifest and objects are fetched at once, without asking the upstream for the model, the
+        lineage and the versions after the head first (three WAN round trips before the first byte). The
+        model's settings are those of the last :meth:`sync`. False (nothing done) when ``v`` is not next,
+        the model is pinned here or upstream, or no sync has read the model yet: :meth:`sync` then runs.
+        """
+        up = self._upstream_models.get(model)
+        if up is None or up.pinned is not None:
+            return False
+        async with self._lock(model):
+            head, pinned = await self._local_head(model)
+            if head is None or pinned is not None or v.parent != head or v.number <= head:
+                return False
+            await self._mirror_version(up, v, prefetch=True)
+            self._announce(model)
+            return True
+
     async def sync(self, model: str) -> int:
         """Mirror every upstream version of ``model`` above the local head, in order, and its pin; how many."""
         async with self._lock(model):
             up = await self.upstream.get_model(model)
+            self._upstream_models[model] = up
             self._reached()
             head, pinned = await self._local_head(model)
             count = 0
