@@ -74,6 +74,16 @@ class Relay:
             time.sleep(0.1)
         raise RuntimeError(f"relay {self.site} did not answer /healthz")
 
+    def wait_for(self, model: str, number: int, timeout: float = 900) -> None:
+        """Return once this relay's head of `model` is `number` or later."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            r = httpx.get(f"{self.url}/v1/models/{model}", timeout=10)
+            if r.status_code == 200 and (r.json().get("head") or 0) >= number:
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"relay {self.site} did not mirror {model} v{number}")
+
     def kill(self) -> None:
         if self.proc is not None:
             self.proc.kill()
@@ -105,6 +115,8 @@ def run_layout(layout: str, versions: list[Path], args: argparse.Namespace, work
                     relays[r] = Relay(upstream, work / f"relay-{r}" / "data", r).start()
             outs: list[Path] = []
             t0 = time.time()
+            for relay in relays.values():  # a relay shows a model once it holds a version of it
+                relay.wait_for(model, first.version)
             for r in REGIONS:
                 url = relays[r].url if layout == "relay" else f"http://127.0.0.1:{links[r].port}"
                 for i in range(PER_REGION):
@@ -169,6 +181,38 @@ def run_layout(layout: str, versions: list[Path], args: argparse.Namespace, work
     return rows
 
 
+def plot(rows: list[dict], out: Path) -> Path:
+    """Per case: bytes across one WAN link per version, and publish → last applied, relay vs direct."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = sorted({r["case"] for r in rows})
+    fig, axes = plt.subplots(2, len(cases), figsize=(4.6 * len(cases), 6.4), squeeze=False)
+    for col, case in enumerate(cases):
+        for layout, marker in (("relay", "o"), ("direct", "s")):
+            mine = sorted((r for r in rows if r["case"] == case and r["layout"] == layout), key=lambda r: r["version"])
+            xs = [r["version"] for r in mine]
+            axes[0][col].plot(xs, [max(r["link_bytes"].values()) / 1e6 for r in mine], marker=marker, label=layout)
+            axes[1][col].plot(xs, [r["latency_s"] for r in mine], marker=marker, label=layout)
+            for r in mine:
+                if r.get("event"):
+                    what = "outage" if "cut" in r["event"] else "restart"
+                    axes[1][col].annotate(what, (r["version"], r["latency_s"]))
+        axes[0][col].plot(xs, [r["version_bytes"] / 1e6 for r in mine], linestyle="--", label="version's bytes")
+        axes[0][col].set_title(f"{case}: MB across one WAN link")
+        axes[1][col].set_title(f"{case}: publish → last of 8 applied (s)")
+        for ax in (axes[0][col], axes[1][col]):
+            ax.set_xlabel("version (1: keyframe, late joiners)")
+            ax.set_yscale("log")
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.relay_bench", description=__doc__.split("\n")[0])
     ap.add_argument("--case", default="bf16-lr1e-6")
@@ -180,7 +224,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--outage-at-s", type=float, default=0.3)
     ap.add_argument("--outage-s", type=float, default=3.0)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "relay.jsonl")
+    ap.add_argument("--plot", type=Path, default=None, help="only draw the plot of --out's results into this PNG")
     args = ap.parse_args(argv)
+    if args.plot is not None:
+        rows = [json.loads(line) for line in args.out.read_text().splitlines() if line.strip()]
+        print(plot(rows, args.plot))
+        return 0
     from benchmarks.corpus import ensure_case
 
     versions = ensure_case(args.case, args.versions)[: args.versions + 1]
