@@ -103,3 +103,29 @@ async def test_without_tokens_the_dashboard_answers_on_loopback_only(tmp_path):
             assert r.status_code == 401, path
         page = await client.get("/ui/")
         assert "no tokens configured" in page.text and 'name="token"' not in page.text
+
+
+def test_the_models_page_shows_each_relay_with_only_the_models_the_reader_may_read(service, versions):
+    """A relay's heartbeat (as `weightsync relay` sends it) on the Models page: site, upstream, degraded,
+    what it holds and how far behind; the models a token may not read are left out, here and in /v1/relays."""
+    name = f"Acme/Relayed-{uuid.uuid4().hex[:8]}"
+    publish_chain(service.client("org"), name, versions[:2])
+    hidden = f"policy-{uuid.uuid4().hex[:8]}"
+    publish_chain(service.client("publisher"), hidden, versions[:1])
+    relay = f"relay@eu-{uuid.uuid4().hex[:8]}"
+    held = {name: {"version": 1, "prefetch_lag_s": 0.25}, hidden: {"version": 1}}
+    body = {"site": "eu-west", "upstream": "http://origin.example:8400", "degraded": True, "models": held}
+    ok(service.client("admin").put(f"/v1/relays/{relay}", json=body), 200)
+
+    page = _signed_in(service, "org").get("/ui/")
+    assert page.status_code == 200
+    row = page.text[page.text.index(f'data-relay="{relay}"') :]
+    row = row[: row.index("</tr>")]
+    assert 'class="unhealthy"' in page.text[: page.text.index(f'data-relay="{relay}"') + 80]
+    assert "eu-west" in row and "http://origin.example:8400" in row and ">degraded<" in row
+    assert f'data-held="{name}"' in row and f"{name} v1 (1 behind), prefetched 0.25 s after commit" in row
+    assert hidden not in page.text  # nor its name in the relay's row
+    listed = {r["name"]: r for r in ok(service.client("org").get("/v1/relays"), 200)["relays"]}
+    assert set(listed[relay]["models"]) == {name}
+    everything = {r["name"]: r for r in ok(service.client("admin").get("/v1/relays"), 200)["relays"]}
+    assert set(everything[relay]["models"]) == {name, hidden}

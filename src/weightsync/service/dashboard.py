@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from weightsync import errors
-from weightsync.catalog import Model, Replica, Version, VersionTotals
+from weightsync.catalog import Model, RelayInfo, Replica, Version, VersionTotals
 from weightsync.codec import Manifest
 from weightsync.common import model_path_name
 from weightsync.ops import Ops
@@ -234,6 +234,44 @@ async def models_overview(ops: Ops, who: Principal, now: datetime, stale_after_s
                 unhealthy=sum(v.replica.status == "unhealthy" for v in views),
             )
         )
+    return out
+
+
+@dataclass(frozen=True)
+class RelayModel:
+    """What a relay holds of one model, against the head here."""
+
+    name: str
+    version: int | None
+    behind: int | None
+    prefetch_lag_s: float | None
+
+
+@dataclass(frozen=True)
+class RelayView:
+    """A relay's last heartbeat as the Models page shows it (only the models the reader may read)."""
+
+    relay: RelayInfo
+    heartbeat_age_s: float
+    stale: bool
+    models: list[RelayModel]
+
+
+async def relay_views(ops: Ops, who: Principal, now: datetime, stale_after_s: float) -> list[RelayView]:
+    """Every relay that heartbeats here (and those below it), with the models ``who`` may read."""
+    heads = {m.name: m.pinned if m.pinned is not None else m.head for m in await ops.list_models()}
+    out = []
+    for r in sorted(await ops.list_relays(), key=lambda r: (r.site or "", r.name)):
+        held = []
+        for name, state in sorted((r.state.get("models") or {}).items()):
+            if not who.may_use(name) or not isinstance(state, dict):
+                continue
+            version = state.get("version")
+            head = heads.get(name)
+            behind = head - version if isinstance(version, int) and head is not None else None
+            held.append(RelayModel(name, version, behind, state.get("prefetch_lag_s")))
+        age = _seconds(now, r.last_seen) or 0.0
+        out.append(RelayView(r, age, age > stale_after_s, held))
     return out
 
 

@@ -9,6 +9,7 @@ record's attribute has another name than the wire field, the field says so with 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
@@ -430,14 +431,16 @@ def gc_out(r: GcReport) -> GcOut:
     return GcOut.model_validate(r)
 
 
-def relay_out(r: RelayInfo, now: datetime) -> RelayOut:
-    """A relay's heartbeat as answered: its state's ``models``, and its age at ``now``."""
+def relay_out(r: RelayInfo, now: datetime, *, visible: Callable[[str], bool] | None = None) -> RelayOut:
+    """A relay's heartbeat as answered: its state's ``models`` (those ``visible`` says the reader may
+    read: a token scoped to some models learns nothing of the others), and its age at ``now``."""
+    held = r.state.get("models", {})
     return RelayOut(
         name=r.name,
         site=r.site,
         upstream=r.upstream,
         degraded=r.degraded,
-        models={k: RelayModel.model_validate(v) for k, v in r.state.get("models", {}).items()},
+        models={k: RelayModel.model_validate(v) for k, v in held.items() if visible is None or visible(k)},
         first_seen=r.first_seen,
         last_seen=r.last_seen,
         age_s=max(0.0, (now - r.last_seen).total_seconds()),

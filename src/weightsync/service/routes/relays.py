@@ -27,4 +27,4 @@ async def relay_heartbeat(name: RelayName, body: RelayIn, ops: OpsDep, who: Read
 async def list_relays(ops: OpsDep, who: Reader) -> RelayList:
     """Every relay that reported here (its relays' reports forwarded too), with the age of its last heartbeat."""
     now = datetime.now(UTC)
-    return RelayList(relays=[relay_out(r, now) for r in await ops.list_relays()])
+    return RelayList(relays=[relay_out(r, now, visible=who.may_use) for r in await ops.list_relays()])

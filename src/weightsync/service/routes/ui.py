@@ -175,8 +175,10 @@ async def ui_root() -> Response:
 @router.get("/ui/")
 async def models_page(request: Request) -> Response:
     async def build(who: Principal, ops: Ops, settings: Settings) -> tuple[str, dict[str, Any]]:
-        rows = await dashboard.models_overview(ops, who, _now(), settings.ui_stale_after_s)
-        return "models.html", {"title": "Models", "nav": "models", "rows": rows, "live_models": []}
+        now = _now()
+        rows = await dashboard.models_overview(ops, who, now, settings.ui_stale_after_s)
+        relays = await dashboard.relay_views(ops, who, now, settings.ui_stale_after_s)
+        return "models.html", {"title": "Models", "nav": "models", "rows": rows, "relays": relays, "live_models": []}
 
     return await _page(request, build)
 
