@@ -125,6 +125,11 @@ def test_pulls_through_a_relay_are_the_origins_and_cross_the_link_once(
     assert cli("pull", model, str(tmp_path / "cli"))["version"] == 4
     assert tree(tmp_path / "cli") == tree(tmp_path / "follower")
 
+    # The dashboard is served by the relay too (its own catalog: the versions it mirrored).
+    page = httpx.get(f"{relay.url}/ui/models/{model}", headers={"accept": "text/html"}, timeout=30)
+    assert page.status_code == 200 and f"<h1>{model}</h1>" in page.text and 'data-version="4"' in page.text
+    assert httpx.get(f"{relay.url}/ui/static/ui.css", timeout=30).status_code == 200
+
 
 def test_a_chained_relay_needs_no_special_case(origin: Server, relays: list[Server], tmp_path: Path) -> None:
     model = "Org/chained"
