@@ -225,6 +225,9 @@ CATALOG_WRITES = (
     "purge_expired_leases",
     "record_replica",
     "import_version",
+    "record_relay",
+    "claim_fetch",
+    "release_fetch",
 )
 
 
