@@ -172,6 +172,15 @@ def test_a_chained_relay_needs_no_special_case(origin: Server, relays: list[Serv
     ).stdout
     assert "relay@rack" in listing and "relay@region" in listing and f"{model} v2" in listing
 
+    # A model deleted at the origin stops being served down the whole chain (its event streams end).
+    with Api(origin.url) as api:
+        api.delete_model(model)
+    for relay in (region, rack):
+        wait_for(
+            f"{model} deleted on {relay.url}",
+            lambda relay=relay: httpx.get(f"{relay.url}/v1/models/{model}", timeout=10).status_code == 404,
+        )
+
 
 def test_misses_are_fetched_once_for_any_number_of_concurrent_requests(
     origin: Server, relays: list[Server], tmp_path: Path

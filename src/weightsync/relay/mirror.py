@@ -30,7 +30,7 @@ from weightsync.client import models
 from weightsync.codec import Manifest
 from weightsync.common import Backoff
 from weightsync.ops import Ops
-from weightsync.ops.admin import pin_model
+from weightsync.ops.admin import delete_model, pin_model
 from weightsync.relay.inflight import InFlight
 from weightsync.relay.metrics import RelayMetrics
 from weightsync.relay.settings import RelaySettings
@@ -151,6 +151,10 @@ class Mirror:
                         self._followers[m.name] = asyncio.ensure_future(self._follow(m.name))
                     elif await self._behind(m) and not self._lock(m.name).locked():
                         self.spawn_logged(self.sync(m.name))
+                listed = {m.name for m in found}
+                for local in await self.ops.list_models():
+                    if local.name not in listed and self.mirrors(local.name):
+                        await self._forget_if_gone(local.name)
                 await self._renew_leases()
             except asyncio.CancelledError:
                 raise
@@ -171,15 +175,38 @@ class Mirror:
                         await self.sync(model)
                     attempt = 0
                 log.info("upstream ended the event stream of %s (deleted there)", model)
+                await self._forget_if_gone(model)
                 return
             except asyncio.CancelledError:
                 raise
             except errors.ModelNotFound:
-                return  # deleted upstream between the list and the sync: the list brings it back if it returns
+                # Deleted upstream between the list and the sync: the list brings it back if it returns.
+                await self._forget_if_gone(model)
+                return
             except Exception as exc:  # noqa: BLE001 - logged; retried with backoff
                 self._failed(exc)
             await asyncio.sleep(_RETRY.delay(attempt))
             attempt += 1
+
+    async def _forget_if_gone(self, model: str) -> None:
+        """Delete the mirror of ``model`` once the upstream itself answers that it has no such model.
+
+        Only a ModelNotFound from the upstream counts (an unreachable upstream proves nothing): a model
+        deleted there, even while this relay was down, stops being served here. Its objects go to GC.
+        """
+        try:
+            await self.upstream.get_model(model)
+            return
+        except errors.ModelNotFound:
+            pass
+        async with self._lock(model):
+            try:
+                await delete_model(self.ops, model)
+            except errors.ModelNotFound:
+                return
+        self._upstream_models.pop(model, None)
+        self._last_mirrored.pop(model, None)
+        log.info("model %s was deleted upstream: deleted here too", model)
 
     def spawn_logged(self, coro: Coroutine[Any, Any, Any]) -> None:
         """Run ``coro`` in the background (cancelled at :meth:`stop`); a failure is noted as the upstream's."""
