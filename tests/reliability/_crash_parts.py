@@ -49,6 +49,7 @@ from _crash_util import (
     materializes,
     open_ops,
     rebuild_matches,
+    sharded_versions,
     visible,
 )
 
@@ -61,26 +62,7 @@ RANKS: tuple[tuple[str, ...], ...] = (
 
 def parts_versions(count: int, *, seed: int = 7):
     """`count` consecutive versions of the two-shard model (every tensor name held by one shard only)."""
-    from _ckpt import safetensors_file
-    from _versions import model_files, next_step
-
-    from weightsync.codec import Checkpoint
-
-    a = model_files(seed, n=4)
-    b = {name.replace("layer.", "expert."): t for name, t in model_files(seed + 1, n=2).items()}
-    out = []
-    for i in range(count):
-        out.append(
-            Checkpoint.from_bytes(
-                {
-                    "shard-1.safetensors": safetensors_file(a, {"step": str(i)}),
-                    "shard-2.safetensors": safetensors_file(b, {"step": str(i)}),
-                    "config.json": b'{"hidden": 96}',
-                }
-            )
-        )
-        a, b = next_step(a, 100 + i), next_step(b, 200 + i)
-    return out
+    return sharded_versions(count, seed=seed, distinct=True)
 
 
 def part_of(ck, rank: int):

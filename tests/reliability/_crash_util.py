@@ -276,14 +276,20 @@ def install_store_hooks(cp: CrashPoints, store) -> None:
 # --- test data ----------------------------------------------------------------------------------------------------
 
 
-def sharded_versions(count: int, *, seed: int = 7):
-    """`count` consecutive versions of a two-shard checkpoint (both shards change every step) plus a config."""
+def sharded_versions(count: int, *, seed: int = 7, distinct: bool = False):
+    """`count` consecutive versions of a two-shard checkpoint (both shards change every step) plus a config.
+
+    ``distinct``: the second shard's tensors are named ``expert.*``, so no name is in both shards (as the
+    parts of a multi-part publish must be).
+    """
     from _ckpt import safetensors_file
     from _versions import model_files, next_step
 
     from weightsync.codec import Checkpoint
 
     a, b = model_files(seed, n=4), model_files(seed + 1, n=2)
+    if distinct:
+        b = {name.replace("layer.", "expert."): t for name, t in b.items()}
     out = []
     for i in range(count):
         out.append(
