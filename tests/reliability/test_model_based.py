@@ -897,13 +897,16 @@ def _scratch(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def _run_machine(machine: type[OpsMachine], tmp_path: Path, capsys, examples: int, steps: int, label: str) -> None:
+def _run_machine(
+    machine: type[OpsMachine], tmp_path: Path, capsys, examples: int, steps: int, label: str, *, reset: bool = True
+) -> None:
     scratch = _scratch(tmp_path)
     try:
         template = scratch / "template.db"
         Catalog.open(f"sqlite:///{template}").close()
         machine.scratch, machine.template = scratch, template
-        Stats.reset()
+        if reset:
+            Stats.reset()
         run_state_machine_as_test(
             machine,
             settings=settings(
@@ -935,11 +938,20 @@ def test_model_based_sequences(tmp_path, capsys, long_run):
 def test_model_based_multi_part_sequences(tmp_path, capsys, long_run):
     """PartsMachine: single and multi-part publishes, conflicts, lost ranks, expiry, GC with no grace."""
     examples, steps = (100, 40) if long_run else (12, 15)
+    wanted = {"publish_in_parts", "a_rank_never_arrives", "late_rank", "gc_without_grace"}
+    wanted |= {f"conflict_{c}" for c in CONFLICTS}
     _run_machine(PartsMachine, tmp_path, capsys, examples, steps, "model-based parts")
-    if not long_run:  # the fixed seed reaches every multi-part rule
-        ran = set(Stats.rules)
-        assert {"publish_in_parts", "a_rank_never_arrives", "late_rank", "gc_without_grace"} <= ran, ran
-        assert {f"conflict_{c}" for c in CONFLICTS} <= ran, ran
+    # derandomize=True fixes the draws for a given hypothesis state, but which rules a short run reaches
+    # still depends on what ran before in the process (a run right after test_crash_points.py missed
+    # one): run more examples, counting on, until every multi-part rule has run (each round checks
+    # every invariant as the first did).
+    for _ in range(3):
+        if long_run or wanted <= set(Stats.rules):
+            break
+        examples *= 2
+        _run_machine(PartsMachine, tmp_path, capsys, examples, steps, "model-based parts, more examples", reset=False)
+    if not long_run:
+        assert wanted <= set(Stats.rules), sorted(wanted - set(Stats.rules))
 
 
 def test_resumed_begin_returns_the_pending_publish(tmp_path):
