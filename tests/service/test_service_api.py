@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from collections.abc import Iterator
 
@@ -535,3 +536,34 @@ def test_relay_heartbeats_replace_each_other_and_are_listed(service):
     assert listed[0]["models"] == {"m": {"version": 3, "prefetch_lag_s": 0.5}} and listed[0]["age_s"] >= 0
     assert c.put("/v1/relays/-bad", json={}).status_code == 422
     assert c.put("/v1/relays/r", json={"models": {"m": {"version": 0}}}).status_code == 422
+
+
+def test_plan_with_inline_objects_is_one_answer_holding_the_plan_and_every_object(service, model, versions):
+    """getPlan?inline=N: an update of at most N bytes comes with its manifests and objects, each byte-identical
+    to what getObject serves; a larger one (or no `inline`) is the plan's JSON alone; a bad N is a 422."""
+    from weightsync import bundle
+
+    publish_chain(service.client("publisher"), model, versions[:3])
+    reader = service.client("reader")
+    plain = ok(reader.get(f"/v1/models/{model}/plan", params={"have": 1}), 200)
+    r = reader.get(f"/v1/models/{model}/plan", params={"have": 1, "inline": plain["bytes"]})
+    assert r.status_code == 200 and r.headers["content-type"] == bundle.MEDIA_TYPE
+    assert int(r.headers["content-length"]) == len(r.content)
+    got = list(bundle.parts(r.content))
+    plan = json.loads(bytes(got[0][1]))
+    assert got[0][0] == bundle.PLAN and plan["target"] == 3 and [s["number"] for s in plan["steps"]] == [2, 3]
+    wanted = {s["manifest"] for s in plan["steps"]} | {o["digest"] for s in plan["steps"] for o in s["objects"]}
+    objects = {name: bytes(data) for name, data in got[1:]}
+    assert set(objects) == wanted
+    for digest, data in objects.items():
+        assert hashlib.sha256(data).hexdigest() == digest
+        fetched = reader.get(f"/v1/objects/{digest}")
+        assert fetched.status_code == 200 and fetched.content == data
+    # One byte too few: the plan alone, as JSON. Without inline: JSON. Nothing to fetch: JSON.
+    small = reader.get(f"/v1/models/{model}/plan", params={"have": 1, "inline": plain["bytes"] - 1})
+    assert small.headers["content-type"].startswith("application/json") and small.json()["bytes"] == plain["bytes"]
+    same = reader.get(f"/v1/models/{model}/plan", params={"have": 3, "inline": 1 << 20})
+    assert same.headers["content-type"].startswith("application/json") and same.json()["steps"] == []
+    for bad in (-1, bundle.MAX_INLINE + 1, "x"):
+        problem(reader.get(f"/v1/models/{model}/plan", params={"inline": bad}), 422, "validation")
+    problem(reader.get(f"/v1/models/{model}/plan", params={"want": 99, "inline": 10}), 404, "not-found")

@@ -11,6 +11,7 @@ during a retry's wait) once its batch is stopped: Ctrl-C ends a push or pull at 
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -19,7 +20,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from weightsync import __version__, errors
+from weightsync import __version__, bundle, errors
 from weightsync.client import models
 from weightsync.client._pool import check_cancelled, pause
 from weightsync.client.wire import Retry, TokenBucket, problem_error
@@ -242,6 +243,53 @@ class Api:
         return models.Plan.from_json(
             self._json("GET", f"/v1/models/{model}/plan", params=params, not_found=errors.VersionNotFound)
         )
+
+    def get_plan_bundle(
+        self, model: str, *, have: int | None, want: int | None = None, holder: str | None = None, inline: int
+    ) -> tuple[models.Plan, dict[str, memoryview]]:
+        """The plan and, when its bytes are at most `inline`, its manifests and objects in the same answer.
+
+        Returns (plan, {digest: bytes} of the objects that came with it: unchecked, the caller checks each
+        against its name). A server that answers the plan alone (a larger update, an older server, a relay
+        lacking some objects) gives fewer or none; the caller fetches the rest as usual. Bytes received are
+        rate-limited; `on_bytes` counts the objects' bytes.
+        """
+        params: dict[str, Any] = {"formats": READ_FORMATS, "inline": inline}
+        if have is not None:
+            params["have"] = have
+        if want is not None:
+            params["want"] = want
+        if holder:
+            params["holder"] = holder
+
+        def consume(resp: httpx.Response) -> tuple[str, bytearray]:
+            body = bytearray()
+            for chunk in resp.iter_bytes(UPLOAD_CHUNK):
+                check_cancelled()
+                if self.limiter is not None:
+                    self.limiter.acquire(len(chunk))
+                body += chunk
+            return resp.headers.get("content-type", ""), body
+
+        path = f"/v1/models/{model}/plan"
+        kind, body = self.request(
+            "GET", path, params=params, ok=(200,), stream_to=consume, not_found=errors.VersionNotFound
+        )
+        if not kind.startswith(bundle.MEDIA_TYPE):
+            try:
+                return models.Plan.from_json(json.loads(body)), {}
+            except ValueError:
+                raise errors.BadResponse(f"GET {path}: the answer is neither a plan nor a plan bundle") from None
+        got = bundle.parts(body)
+        name, plan_json = next(got)
+        try:
+            plan = models.Plan.from_json(json.loads(bytes(plan_json)))
+        except ValueError:
+            raise errors.BadResponse(f"GET {path}: the bundle's plan is not JSON") from None
+        objects = dict(got)
+        if self.on_bytes is not None:
+            self.on_bytes(sum(len(v) for v in objects.values()))
+        return plan, objects
 
     def watch(self, model: str, *, after: int, timeout: float) -> models.Version | None:
         """The head once it is newer than ``after``; None when ``timeout`` s pass first (a 204)."""

@@ -56,7 +56,7 @@ class _FileSink:
         self.tmp = path.with_name(path.name + f".{os.getpid()}.{threading.get_ident()}.tmp")
         self.f = open(self.tmp, "wb")  # noqa: SIM115 - held until finish() or abandon()
 
-    def __call__(self, chunk: bytes) -> None:
+    def __call__(self, chunk: bytes | memoryview) -> None:
         if not chunk:
             self.f.seek(0)
             self.f.truncate()
@@ -83,7 +83,7 @@ class ObjectCache:
 
     def __init__(self, root: Path | None) -> None:
         self.root = root
-        self._mem: dict[str, bytes] = {}
+        self._mem: dict[str, bytes | memoryview] = {}
         self._mem_parts: dict[tuple[str, int, int], bytes] = {}
         self._verified: set[str] = set()
         self._lock = threading.Lock()
@@ -124,8 +124,8 @@ class ObjectCache:
             return memoryview(b"")
         return np.memmap(path, dtype=np.uint8, mode="r")
 
-    def put(self, digest: str, data: bytes) -> None:
-        """Add bytes the caller has verified (used for manifests fetched whole)."""
+    def put(self, digest: str, data: bytes | memoryview) -> None:
+        """Add an object's bytes, checked against its name here (DigestMismatch: nothing kept)."""
         if hashlib.sha256(data).hexdigest() != digest:
             raise errors.DigestMismatch(f"object {digest} was received with other bytes")
         if self.root is None:

@@ -45,6 +45,9 @@ from weightsync.codec.manifest import FrameRef, Manifest
 
 log = logging.getLogger("weightsync.client")
 
+DEFAULT_INLINE_BYTES = 8 << 20
+"""Updates up to this size come with their plan (one round trip); larger ones are fetched in parallel ranges."""
+
 Progress = Callable[[int, int], None]
 """Called as progress(bytes_done, bytes_total) while objects move."""
 
@@ -87,6 +90,8 @@ class FetchOptions:
     deep_verify: bool = True
     range_bytes: int = DEFAULT_RANGE_BYTES
     decode_threads: int | None = None
+    inline_bytes: int = DEFAULT_INLINE_BYTES
+    """`prepare`: an update of at most this many bytes comes with its plan, in one request (0: never)."""
 
     def cache(self) -> ObjectCache | None:
         """The shared object cache, or None for each checkout's own."""
@@ -124,8 +129,13 @@ def fetch_update(
     range_bytes: int,
     meter: Meter,
     select: Callable[[str], bool] | None = None,
+    inline: int = 0,
 ) -> tuple[Plan, list[Manifest], list[str], dict[str, float]]:
     """The plan from `have` to `want` (None: head) and every manifest and object it needs, verified in `cache`.
+
+    With `inline` (bytes; not with `select`), an update of at most that many bytes comes in the plan's
+    own answer (docs/API.md "One request per update"): one round trip instead of two; ``plan_s`` then
+    covers its objects too. Whatever did not come with it is fetched as usual.
 
     With `select`, only the byte ranges of the frames that change the tensors it takes
     (inplace.frames_needed), fetched as parts: those are not checked against their object's
@@ -136,11 +146,16 @@ def fetch_update(
     and download_s).
     """
     t0 = time.perf_counter()
-    plan = api.get_plan(model, have=have, want=want, holder=holder)
+    inlined: dict[str, memoryview] = {}
+    if select is None and inline:
+        plan, inlined = api.get_plan_bundle(model, have=have, want=want, holder=holder, inline=inline)
+    else:
+        plan = api.get_plan(model, have=have, want=want, holder=holder)
     timings = {"plan_s": time.perf_counter() - t0}
     t = time.perf_counter()
     partial: list[str] = []
     if select is None:
+        _keep_inlined(cache, plan, inlined)
         fetch_plan(api, cache, plan, pool, range_bytes=range_bytes, meter=meter)
         manifests = [load_manifest(cache, s.manifest) for s in plan.steps]
     else:
@@ -150,6 +165,22 @@ def fetch_update(
         partial = [d for d in extents if not cache.has(d)]
     timings["download_s"] = time.perf_counter() - t
     return plan, manifests, partial, timings
+
+
+def _keep_inlined(cache: ObjectCache, plan: Plan, inlined: dict[str, memoryview]) -> None:
+    """Put the objects that came with the plan into `cache`, each checked against its name.
+
+    One that does not hash to its name is dropped (and fetched again by `fetch_plan`, whose own
+    checks then decide); one the plan does not name is ignored.
+    """
+    manifests, objects = step_objects(plan.steps)
+    for digest, data in inlined.items():
+        if (digest not in manifests and digest not in objects) or cache.has(digest):
+            continue
+        try:
+            cache.put(digest, data)
+        except errors.DigestMismatch:
+            log.warning("object %s came with the plan with other bytes: fetching it again", digest)
 
 
 def prepare_update(
@@ -184,6 +215,7 @@ def prepare_update(
         range_bytes=options.range_bytes,
         meter=meter,
         select=select,
+        inline=options.inline_bytes,
     )
     try:
         prepared = inplace.prepare(

@@ -27,7 +27,7 @@ from weightsync.client.checkout import Checkout
 from weightsync.client.inplace import Prepared, TensorUpdate
 from weightsync.client.ledger import LedgerReporter
 from weightsync.client.models import PullResult, Version
-from weightsync.client.pull import FetchOptions, Meter, Progress, prepare_update, pull
+from weightsync.client.pull import DEFAULT_INLINE_BYTES, FetchOptions, Meter, Progress, prepare_update, pull
 from weightsync.client.selection import Selection, selector
 from weightsync.client.watch import WATCH_RECONNECT, follow
 from weightsync.client.wire import Retry, TokenBucket
@@ -50,6 +50,9 @@ class Subscriber:
     ``tensors`` makes it a slice subscriber: it prepares and applies only the tensors
     the selection takes (glob patterns over tensor names, or a predicate:
     client/selection.py), fetching only the frames that change them.
+
+    ``inline_bytes``: `prepare` asks for an update of at most this many bytes in the plan's own
+    answer (one request per update instead of a plan and then a batch of reads; 0: never).
 
     One operation at a time per instance (calls are serialized by a lock);
     `prepare` may run in a background thread while the caller serves.
@@ -77,6 +80,7 @@ class Subscriber:
         progress: Progress | None = None,
         report: bool = True,
         tensors: Selection | None = None,
+        inline_bytes: int = DEFAULT_INLINE_BYTES,
     ) -> None:
         self.model = model
         self.select = selector(tensors)
@@ -86,7 +90,12 @@ class Subscriber:
         self.concurrency = max(1, concurrency)
         self.version = version
         self.options = FetchOptions(
-            Path(cache_dir) if cache_dir is not None else None, keep_objects, deep_verify, range_bytes, decode_threads
+            Path(cache_dir) if cache_dir is not None else None,
+            keep_objects,
+            deep_verify,
+            range_bytes,
+            decode_threads,
+            max(0, inline_bytes),
         )
         self.progress = progress
         self.report = report

@@ -176,7 +176,9 @@ async def report_replica(model: str, body: ReplicaIn, request: Request, ops: Ops
     return out
 
 
-@router.get("/v1/models/{model:model}/plan", operation_id="getPlan", response_model=PlanOut)
+@router.get(
+    "/v1/models/{model:model}/plan", operation_id="getPlan", response_model=PlanOut, responses=versions.PLAN_RESPONSES
+)
 async def get_plan(
     model: str,
     request: Request,
@@ -186,14 +188,19 @@ async def get_plan(
     want: Annotated[int | None, Query(ge=-INT64, le=INT64)] = None,
     holder: Annotated[str | None, Query(min_length=1, max_length=255)] = None,
     formats: Annotated[str | None, Query(max_length=64, pattern=r"^[0-9]{1,3}(,[0-9]{1,3})*$")] = None,
-) -> PlanOut:
+    inline: versions.InlineQuery = None,
+) -> Response | PlanOut:
     """The service's getPlan; with ``holder``, the target's chain is also leased at the upstream (in the
-    background) while the local lease lasts, so the upstream keeps what this relay may have to fetch."""
-    plan = await versions.get_plan(model, ops, who, have=have, want=want, holder=holder, formats=formats)
+    background) while the local lease lasts, so the upstream keeps what this relay may have to fetch. With
+    ``inline``, the bundle carries only the objects this relay holds already: the reader gets the others
+    through getObject, which mirrors them."""
+    plan = await versions.read_plan(model, ops, have=have, want=want, holder=holder, formats=formats)
     if holder:
         mirror = await _mirror(request)
         mirror.spawn_logged(mirror.hold_upstream(model, plan.target))
-    return plan
+    if inline is None or plan.bytes > inline or not plan.steps:
+        return plan
+    return await versions.plan_bundle(ops, plan)  # what this relay holds already; the reader fetches the rest
 
 
 @router.put("/v1/relays/{name}", operation_id="relayHeartbeat", response_model=RelayOut)

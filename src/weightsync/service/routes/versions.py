@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Query, Response, status
 from fastapi.responses import StreamingResponse
 
-from weightsync import errors
+from weightsync import bundle, errors
 from weightsync.common import check_model_name
 from weightsync.ops import Ops, committed
 from weightsync.ops.core import FORMATS, parts_id
@@ -54,6 +54,18 @@ def _number(number: str) -> int | None:
 
 
 # --- reading -------------------------------------------------------------------------------
+
+InlineQuery = Annotated[
+    int | None,
+    Query(
+        ge=0,
+        le=bundle.MAX_INLINE,
+        description=(
+            "When the plan's bytes are at most this many, answer the plan with its manifests and objects in "
+            f"one body ({bundle.MEDIA_TYPE}, docs/API.md); else, or without it, the plan's JSON."
+        ),
+    ),
+]
 
 
 @router.get("/versions", operation_id="listVersions", response_model=VersionList)
@@ -111,7 +123,15 @@ async def get_manifest(
     return Response(data, media_type="application/octet-stream", headers=headers)
 
 
-@router.get("/plan", operation_id="getPlan", response_model=PlanOut)
+PLAN_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": f"The plan (JSON), or with `inline` the plan and its objects in one body ({bundle.MEDIA_TYPE})",
+        "content": {bundle.MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}},
+    }
+}
+
+
+@router.get("/plan", operation_id="getPlan", response_model=PlanOut, responses=PLAN_RESPONSES)
 async def get_plan(
     model: str,
     ops: OpsDep,
@@ -127,10 +147,55 @@ async def get_plan(
             description="Manifest formats the reader reads, comma-separated (e.g. 1,2); 406 if the plan needs another.",
         ),
     ] = None,
-) -> PlanOut:
+    inline: InlineQuery = None,
+) -> Response | PlanOut:
     """What to fetch to go from ``have`` to ``want`` (default: the head); ``holder`` leases the chain."""
+    out = await read_plan(model, ops, have=have, want=want, holder=holder, formats=formats)
+    if inline is None or out.bytes > inline or not out.steps:
+        return out
+    return await plan_bundle(ops, out)
+
+
+async def read_plan(
+    model: str, ops: Ops, *, have: int | None, want: int | None, holder: str | None, formats: str | None
+) -> PlanOut:
+    """getPlan's plan (its JSON answer), for the service's route and the relay's."""
     readable = None if formats is None else {int(f) for f in formats.split(",")}
     return plan_out(await ops.plan(model, have=have, want=want, holder=holder, formats=readable))
+
+
+async def plan_bundle(ops: Ops, out: PlanOut) -> Response:
+    """The plan and every manifest and object of its steps in one body (weightsync/bundle.py).
+
+    Objects the store does not hold are left out (the reader fetches what it lacks the usual way);
+    each is read as getObject streams it. The length is known up front from the store's sizes.
+    """
+    wanted: dict[str, int] = {}
+    for step in out.steps:
+        wanted.setdefault(step.manifest, step.manifest_bytes)
+        for o in step.objects:
+            wanted.setdefault(o.digest, o.size)
+
+    async def size_of(digest: str) -> int | None:
+        try:
+            return (await ops.stat_object(digest)).size
+        except errors.ObjectNotFound:
+            return None
+
+    sizes = await asyncio.gather(*(size_of(d) for d in wanted))
+    held = {d: n for d, n in zip(wanted, sizes, strict=True) if n is not None}
+    plan_json = out.model_dump_json().encode()
+    total = len(bundle.head()) + bundle.part_overhead(bundle.PLAN) + len(plan_json)
+    total += sum(bundle.part_overhead(d) + n for d, n in held.items())
+
+    async def body() -> AsyncIterator[bytes]:
+        yield bundle.head() + bundle.part_header(bundle.PLAN, len(plan_json)) + plan_json
+        for digest, size in held.items():
+            yield bundle.part_header(digest, size)
+            async for chunk in ops.read_object(digest):
+                yield chunk
+
+    return StreamingResponse(body(), media_type=bundle.MEDIA_TYPE, headers={"Content-Length": str(total)})
 
 
 # --- publishing -----------------------------------------------------------------------------

@@ -1,0 +1,150 @@
+"""One request per update: `prepare` asks for the plan with its objects inline (getPlan?inline=N).
+
+Real server, real transport; the transport below only records requests, and where a test says so
+rewrites one answer (a byte flipped, an old server's plain JSON) to prove the fallbacks.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+torch = pytest.importorskip("torch")
+st = pytest.importorskip("safetensors.torch")
+
+from _client_util import TinyTrainer  # noqa: E402
+
+from weightsync import bundle  # noqa: E402
+from weightsync.client import Publisher, Subscriber  # noqa: E402
+
+SMALL = {"chunk_bytes": 16 << 10, "object_bytes": 48 << 10}
+
+
+class Recording(httpx.BaseTransport):
+    """Passes requests to the server and records (method, path, query); `edit` may rewrite a plan's answer."""
+
+    def __init__(self, *, edit=None, strip_inline: bool = False) -> None:
+        self.inner = httpx.HTTPTransport()
+        self.seen: list[tuple[str, str, str]] = []
+        self.edit = edit
+        self.strip_inline = strip_inline
+        self._lock = threading.Lock()
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        if self.strip_inline and "inline" in request.url.params:  # a server that predates `inline` ignores it
+            request.url = request.url.copy_remove_param("inline")
+        with self._lock:
+            self.seen.append((request.method, request.url.path, str(request.url.query, "ascii")))
+        resp = self.inner.handle_request(request)
+        if self.edit is None or not request.url.path.endswith("/plan"):
+            return resp
+        body = resp.read()
+        new = self.edit(resp.headers.get("content-type", ""), body)
+        headers = [(k, v) for k, v in resp.headers.items() if k.lower() != "content-length"]
+        return httpx.Response(resp.status_code, headers=headers, content=new)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def _bits(t):
+    return t.detach().contiguous().view(-1).view(torch.uint8)
+
+
+def _versions(url: str, model: str, n: int) -> list[dict]:
+    trainer, out = TinyTrainer(seed=3), []
+    with Publisher(url, model, **SMALL) as pub:
+        for i in range(1, n + 1):
+            trainer.step()
+            sd = trainer.export()
+            pub.publish(sd, step=i)
+            out.append({k: v.clone() for k, v in sd.items()})
+    return out
+
+
+def _follow(url: str, model: str, versions: list[dict], transport: Recording, **options) -> list[list[tuple]]:
+    """A subscriber holding v1 prepares and applies v2..vn; the requests of each prepare. Bit-identical after each."""
+    tensors = {k: v.clone() for k, v in versions[0].items()}
+    requests = []
+    with Subscriber(url, model, name="bundle", version=1, report=False, transport=transport, **options) as sub:
+        for v in range(2, len(versions) + 1):
+            transport.seen.clear()
+            prepared = sub.prepare(v)
+            requests.append(list(transport.seen))
+            sub.apply(tensors, prepared)
+            for name, want in versions[v - 1].items():
+                assert torch.equal(_bits(tensors[name]), _bits(want)), f"v{v}: {name} differs"
+    return requests
+
+
+def test_a_small_update_is_one_request(server, model) -> None:
+    versions = _versions(server.url, model, 3)
+    per_prepare = _follow(server.url, model, versions, Recording())
+    for seen in per_prepare:
+        assert len(seen) == 1, seen
+        method, path, query = seen[0]
+        assert (method, path) == ("GET", f"/v1/models/{model}/plan") and "inline=" in query
+
+
+def test_without_inline_or_above_it_the_plan_and_its_objects_are_separate_requests(server, model) -> None:
+    versions = _versions(server.url, model, 3)
+    for options in ({"inline_bytes": 0}, {"inline_bytes": 64}):  # 64 bytes: every update is larger
+        per_prepare = _follow(server.url, model, versions, Recording(), **options)
+        for seen in per_prepare:
+            paths = [p for _, p, _ in seen]
+            assert paths[0] == f"/v1/models/{model}/plan" and len(paths) >= 2, seen
+            assert all(p.startswith("/v1/objects/") for p in paths[1:]), seen
+
+
+def test_an_object_damaged_in_the_bundle_is_fetched_again(server, model, caplog) -> None:
+    versions = _versions(server.url, model, 3)
+
+    def flip_last_byte(kind: str, body: bytes) -> bytes:
+        assert kind.startswith(bundle.MEDIA_TYPE)
+        return body[:-1] + bytes([body[-1] ^ 1])  # the last byte belongs to the last object
+
+    transport = Recording(edit=flip_last_byte)
+    with caplog.at_level(logging.WARNING, logger="weightsync.client"):
+        per_prepare = _follow(server.url, model, versions, transport)
+    for seen in per_prepare:
+        assert len([p for _, p, _ in seen if p.startswith("/v1/objects/")]) == 1, seen  # that one, again
+    assert "came with the plan with other bytes" in caplog.text
+
+
+def test_a_server_that_answers_the_plan_alone_is_followed_the_usual_way(server, model) -> None:
+    versions = _versions(server.url, model, 3)
+    per_prepare = _follow(server.url, model, versions, Recording(strip_inline=True))
+    for seen in per_prepare:
+        assert [p for _, p, _ in seen][0] == f"/v1/models/{model}/plan" and len(seen) >= 2, seen
+
+
+def test_a_malformed_bundle_is_a_named_error_and_changes_nothing(server, model) -> None:
+    from weightsync import errors
+
+    versions = _versions(server.url, model, 2)
+    transport = Recording(edit=lambda kind, body: body[: len(body) // 2])  # cut in the middle of a part
+    tensors = {k: v.clone() for k, v in versions[0].items()}
+    with Subscriber(server.url, model, name="bundle", version=1, report=False, transport=transport) as sub:
+        with pytest.raises(errors.BadResponse, match="truncated"):
+            sub.prepare(2)
+        assert sub.version == 1
+    for name, want in versions[0].items():
+        assert torch.equal(_bits(tensors[name]), _bits(want))
+
+
+def test_bundle_path_in_tmp_is_not_left_behind(server, model, tmp_path: Path) -> None:
+    """With a disk cache, objects that came with the plan land in it verified, like downloaded ones."""
+    versions = _versions(server.url, model, 2)
+    transport = Recording()
+    tensors = {k: v.clone() for k, v in versions[0].items()}
+    with Subscriber(
+        server.url, model, name="bundle", version=1, report=False, transport=transport, cache_dir=tmp_path
+    ) as sub:
+        sub.apply(tensors, sub.prepare(2))
+    cached = sorted(p.name for p in (tmp_path / "objects").iterdir())
+    assert cached and all(len(n) == 64 for n in cached), cached  # whole objects only, no temporaries
+    assert len(transport.seen) == 1
