@@ -9,6 +9,7 @@ safetensors header and ``__metadata__`` survive unchanged.
 
 from __future__ import annotations
 
+import mmap
 import os
 import re
 from collections.abc import Iterable
@@ -108,9 +109,15 @@ def layout_of(path: str, data: np.ndarray) -> FileLayout:
 
 
 def _map(path: Path) -> np.ndarray:
-    if path.stat().st_size == 0:
-        return np.zeros(0, dtype=np.uint8)
-    return np.memmap(path, dtype=np.uint8, mode="r")
+    """The file's bytes, mapped read-only, as a plain uint8 array (the map lives as long as any view of it).
+
+    Not np.memmap: every slice of a memmap goes through its Python ``__array_finalize__``, and the
+    encoder slices thousands of times per version (14 % of a 45 MB delta's encode, measured).
+    """
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return np.zeros(0, dtype=np.uint8)
+        return np.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), dtype=np.uint8)
 
 
 def list_files(root: Path) -> list[str]:
