@@ -48,12 +48,33 @@ def begin(
 ) -> Version:
     """Open a pending publish (or return the pending one of that id); Conflict if the id is used otherwise."""
     m = model_row(s, model, lock=True)
+    row, _ = _begin(
+        s, m, parent=parent, kind=kind, publish_id=publish_id, step=step, metadata=metadata, expires=expires, now=now
+    )
+    return version_record(row, m.name)
+
+
+def _begin(
+    s: Session,
+    m: ModelRow,
+    *,
+    parent: int | None,
+    kind: str,
+    publish_id: str,
+    step: int | None,
+    metadata: dict[str, Any],
+    expires: datetime,
+    now: datetime,
+    parent_checked: bool = False,
+) -> tuple[VersionRow, bool]:
+    """:func:`begin` on the (locked) model row ``m``: (the new pending row, True), or (the pending one of
+    that id, False). ``parent_checked``: the caller read ``parent`` as committed in this transaction."""
     prior = s.scalars(select(VersionRow).where(VersionRow.publish_id == publish_id)).one_or_none()
     if prior is not None:
         if prior.model_id == m.id and prior.state == "pending":
-            return version_record(prior, m.name)
+            return prior, False
         raise errors.Conflict(f"publish id {publish_id!r} is already used")
-    if parent is not None:
+    if parent is not None and not parent_checked:
         committed_row(s, m, parent)
     row = VersionRow(
         model_id=m.id,
@@ -70,7 +91,7 @@ def begin(
     )
     s.add(row)
     s.flush()
-    return version_record(row, m.name)
+    return row, True
 
 
 @dataclass(frozen=True)
@@ -127,9 +148,9 @@ def open_(
         long_chain = len(chain) >= m.keyframe_interval
         heavy = keyframe_bytes > 0 and delta_bytes > m.max_chain_ratio * keyframe_bytes
         kind = "keyframe" if keyframe or long_chain or heavy else "delta"
-    version = begin(
+    row, made = _begin(
         s,
-        model,
+        m,
         parent=parent,
         kind=kind,
         publish_id=publish_id,
@@ -137,10 +158,13 @@ def open_(
         metadata=metadata,
         expires=expires,
         now=now,
+        parent_checked=parent is not None,  # its chain was read above
     )
+    version = version_record(row, m.name)
     pinned = None
     if refs is not None and version.kind == ("keyframe" if keyframe else "delta") and version.parent == parent:
-        pinned = objects.attach(s, pending_row(s, m, version.publish_id, now), refs, now)
+        # A row made here is the pending publish; one begun again is checked (still pending, unexpired).
+        pinned = objects.attach(s, row if made else pending_row(s, m, version.publish_id, now), refs, now)
     return Opened(version, parent_manifest, pinned)
 
 

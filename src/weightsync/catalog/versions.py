@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import datetime
 
-from sqlalchemy import delete, func, select
+from sqlalchemy import bindparam, delete, func, select
 from sqlalchemy.orm import Session
 
 from .. import errors
@@ -142,19 +142,18 @@ def _lineage(s: Session, m: ModelRow, number: int) -> list[Version]:
     return [version_record(r, m.name) for r in chain_rows(s, m, number)]
 
 
+_CHAIN = select(VersionRow).where(
+    VersionRow.model_id == bindparam("model_id"),
+    VersionRow.state == "committed",
+    VersionRow.number.between(bindparam("first"), bindparam("last")),
+)
+
+
 def chain_rows(s: Session, m: ModelRow, number: int) -> list[VersionRow]:
     """The rows of committed ``number``'s chain, keyframe first, in two reads; VersionNotFound if a link is missing."""
     top = committed_row(s, m, number)
-    rows = {
-        r.number: r
-        for r in s.scalars(
-            select(VersionRow).where(
-                VersionRow.model_id == m.id,
-                VersionRow.state == "committed",
-                VersionRow.number.between(top.chain_base, number - 1),
-            )
-        )
-    }
+    bounds = {"model_id": m.id, "first": top.chain_base, "last": number - 1}
+    rows = {r.number: r for r in s.scalars(_CHAIN, bounds)}
     chain = [top]
     while chain[-1].kind == "delta":
         p = chain[-1].parent
