@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 
@@ -429,3 +430,53 @@ def test_bandwidth_cap_and_unknown_model(server, model, tmp_path: Path) -> None:
         sub.pull(tmp_path / "nope")
     with Subscriber(server.url, model) as sub, pytest.raises(errors.VersionNotFound):
         sub.pull(tmp_path / "nope", version=42)
+
+
+def test_the_next_base_is_exactly_the_published_files_when_only_changed_segments_are_copied(
+    server, model, tmp_path: Path, monkeypatch
+) -> None:
+    """A path publisher copies into its base only what changed (segments a format 2 delta states unchanged
+    at the same place are left as they are): after every publish the base holds the files byte for byte,
+    the skipped ranges are exactly the unchanged tensors, and a subscriber following the deltas stays exact."""
+    import numpy as np
+    import safetensors.numpy as stn
+
+    from weightsync.client import base as base_mod
+
+    rng = np.random.default_rng(5)
+    frozen = rng.integers(0, 255, 40_000, dtype=np.uint8)  # never changes
+    moving = rng.standard_normal(30_000).astype(np.float32)
+    paths = []
+    for i in range(4):
+        moving = moving.copy()
+        moving[rng.integers(0, moving.size, 500)] += 1.0
+        d = tmp_path / f"v{i}"
+        d.mkdir()
+        stn.save_file(
+            {"frozen": frozen, "moving": moving, "step": np.array([i], np.int64)}, str(d / "model.safetensors")
+        )
+        paths.append(d)
+    skipped: list[dict] = []
+    real = base_mod.same_ranges
+
+    def spy(manifest, number):
+        got = real(manifest, number)
+        skipped.append(got)
+        return got
+
+    monkeypatch.setattr(base_mod, "same_ranges", spy)
+    with Publisher(server.url, model, **SMALL) as pub, Subscriber(server.url, model, name="follower") as sub:
+        for i, d in enumerate(paths):
+            result = pub.publish(d)
+            held = pub._base.held()
+            assert held is not None and held.state.number == result.version
+            want = (d / "model.safetensors").read_bytes()
+            assert held.checkpoint.files[0].data.tobytes() == want, f"v{i + 1}: the base differs from the file"
+            sub.pull(tmp_path / "follow", result.version)
+            assert (tmp_path / "follow" / "model.safetensors").read_bytes() == want
+    # v1 is a keyframe (nothing held to copy into); each delta skipped exactly the frozen tensor's bytes and
+    # the safetensors header (the same in every version).
+    header = 8 + int.from_bytes(want[:8], "little")
+    meta = json.loads(want[8:header])
+    a, b = meta["frozen"]["data_offsets"]
+    assert skipped == [{"model.safetensors": [(0, header), (header + a, header + b)]}] * 3, skipped

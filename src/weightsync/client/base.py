@@ -24,12 +24,15 @@ import numpy as np
 
 from weightsync import errors
 from weightsync.client._http import Api
+from weightsync.client._pool import cpu_pool, run_all
 from weightsync.client.checkout import Checkout
 from weightsync.client.decode import HeldFile, Tree
 from weightsync.client.models import Version
 from weightsync.client.pull import Meter, pull
 from weightsync.client.state import CheckoutState
 from weightsync.codec.checkpoint import Checkpoint, CheckpointFile, layout_of
+from weightsync.codec.manifest import VERSION_2 as MANIFEST_V2
+from weightsync.codec.manifest import Manifest
 from weightsync.codec.validate import validate_for_publish
 
 log = logging.getLogger("weightsync.client")
@@ -103,6 +106,41 @@ def _own(path: Path) -> IO[bytes]:
             "model and server, or give this one another cache directory"
         ) from None
     return f
+
+
+_COPY_PIECE = 8 << 20
+"""Bytes per copy job when the next base is copied in (pieces run on the CPU pool)."""
+
+
+def same_ranges(manifest: Manifest, base_number: int | None) -> dict[str, list[tuple[int, int]]]:
+    """Per file, the byte ranges (start, end) of `manifest`'s segments that hold what the base version
+    `base_number` holds at the same place: delta-coded on that base, stated unchanged (the format 2
+    encoder compares their bytes), not moved. Empty unless `manifest` is a format 2 delta on it."""
+    if manifest.kind != "delta" or manifest.version != MANIFEST_V2 or manifest.parent != base_number:
+        return {}
+    out: dict[str, list[tuple[int, int]]] = {}
+    for f in manifest.files:
+        for e in f.segments:
+            if e.unchanged and e.base_offset == e.segment.offset:
+                out.setdefault(f.path, []).append((e.segment.offset, e.segment.offset + e.segment.length))
+    return out
+
+
+def _complement(ranges: list[tuple[int, int]], size: int) -> list[tuple[int, int]]:
+    """The ranges of [0, size) outside `ranges` (sorted, disjoint)."""
+    out, at = [], 0
+    for a, b in sorted(ranges):
+        if a > at:
+            out.append((at, a))
+        at = max(at, b)
+    if at < size:
+        out.append((at, size))
+    return out
+
+
+def _pieces(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """`ranges` cut into pieces of at most _COPY_PIECE bytes."""
+    return [(a, min(b, a + _COPY_PIECE)) for start, b in ranges for a in range(start, b, _COPY_PIECE)]
 
 
 @dataclass
@@ -195,22 +233,30 @@ class BaseKeeper:
         if self.checkout is not None:
             self.checkout.forget()  # one unlink: no lock needed
 
-    def remember(self, checkpoint: Checkpoint, owned: bool, state: CheckoutState) -> None:
+    def remember(
+        self, checkpoint: Checkpoint, owned: bool, state: CheckoutState, manifest: Manifest | None = None
+    ) -> None:
         """Hold the published bytes as the next base: in memory, or switched into the cache checkout.
 
         In memory, bytes that are not ours (the caller's files may change) are copied: into the
         buffers of the base they replace when it is our own copy of the same sizes (a copy into
         memory already mapped is several times faster than into fresh pages), else into new ones.
+        Copying into the old buffers skips the segments `manifest` (the version just published)
+        states unchanged from the held base at the same place (`same_ranges`), and runs on the
+        process's CPU pool.
         """
         if self.checkout is None:
             old, self._base = self._base, None
             if owned:
                 self._base = Base(state, checkpoint)
             elif old is not None and old.own and _same_sizes(old.checkpoint, checkpoint):
-                files = []
+                same = same_ranges(manifest, old.state.number) if manifest is not None else {}
+                files, jobs = [], []
                 for mine, theirs in zip(old.checkpoint.files, checkpoint.files, strict=True):
-                    np.copyto(mine.data, theirs.data)
+                    for a, b in _pieces(_complement(same.get(theirs.layout.path, []), theirs.data.size)):
+                        jobs.append((mine.data[a:b], theirs.data[a:b]))
                     files.append(CheckpointFile(theirs.layout, mine.data))
+                run_all(cpu_pool(), lambda job: np.copyto(job[0], job[1]), jobs)
                 self._base = Base(state, Checkpoint(files, single_file=checkpoint.single_file), own=True)
             else:
                 self._base = Base(state, _in_memory(checkpoint), own=True)
