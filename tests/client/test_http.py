@@ -322,3 +322,32 @@ def test_watch_stops_during_a_reconnect_wait() -> None:
     ) as sub:
         assert list(sub.watch(after=0, timeout=1, stop=stop)) == []
     assert len(polls) == 3
+
+
+def test_clients_load_the_certificate_store_once_per_process_and_never_for_plain_http(monkeypatch) -> None:
+    """Building an Api used to load the CA store twice (its client and the presigned-URL client): ~90 ms each
+    time on the 2-core box. Plain HTTP needs none; HTTPS and presigned URLs share one context per process."""
+    import httpx
+
+    from weightsync.client import _http
+
+    made: list[int] = []
+    real = httpx.create_ssl_context
+
+    def counting(*args, **kwargs):
+        made.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(httpx, "create_ssl_context", counting)
+    _http._tls_context.cache_clear()
+    try:
+        plain = Api("http://127.0.0.1:9")
+        assert made == []  # no store loaded for a plain-HTTP server, and the presigned-URL client not made yet
+        bare = plain._bare
+        assert made == [1] and bare is plain._bare  # made on first use, with the process's one context
+        secure = [Api("https://127.0.0.1:9") for _ in range(3)]
+        assert made == [1]  # every HTTPS client shares it
+        for a in (plain, *secure):
+            a.close()
+    finally:
+        _http._tls_context.cache_clear()
