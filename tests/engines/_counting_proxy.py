@@ -2,7 +2,8 @@
 
 One proxy stands for one host: every worker of that host talks to the server through it, so
 ``downloads`` is what the server sent that host, per object and byte range
-(``GET /v1/objects/{digest}`` with its ``Range`` header, ``""`` when whole).
+(``GET /v1/objects/{digest}`` with its ``Range`` header, ``""`` when whole; an object that came
+inside a plan bundle, ``getPlan?inline=N``, counts as sent whole).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import threading
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
+
+from weightsync import bundle
 
 _HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "proxy-connection"}
 
@@ -48,6 +51,12 @@ class CountingProxy:
                     with lock:
                         proxy.downloads[(digest, self.headers.get("Range", ""))] += 1
                         proxy.bytes += len(data)
+                elif resp.status == 200 and (resp.getheader("Content-Type") or "").startswith(bundle.MEDIA_TYPE):
+                    inlined = [(name, len(part)) for name, part in bundle.parts(data) if name != bundle.PLAN]
+                    with lock:
+                        for digest, size in inlined:
+                            proxy.downloads[(digest, "")] += 1
+                            proxy.bytes += size
                 self.send_response(resp.status, resp.reason)
                 for k, v in resp.getheaders():
                     if k.lower() not in _HOP:
