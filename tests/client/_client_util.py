@@ -148,6 +148,27 @@ class TinyTrainer:
         }
 
 
+def publish_steps(url: str, model: str, trainer, n: int, **options) -> list[dict]:
+    """Publish `n` optimizer steps of `trainer` (step i as ``step=i``); a copy of each exported state_dict."""
+    from weightsync.client import Publisher
+
+    out = []
+    with Publisher(url, model, **options) as pub:
+        for i in range(1, n + 1):
+            trainer.step()
+            sd = trainer.export()
+            pub.publish(sd, step=i)
+            out.append({k: v.clone() for k, v in sd.items()})
+    return out
+
+
+def tensor_bits(t):
+    """A torch tensor's bytes, as a uint8 tensor: compare with torch.equal for bit identity."""
+    import torch
+
+    return t.detach().contiguous().view(-1).view(torch.uint8)
+
+
 def write_version(root: Path, state_dict: dict, *, config: bytes = b'{"hidden": 256}\n') -> Path:
     """A checkpoint directory: model.safetensors plus a config file."""
     from weightsync.client.tensors import serialize_state_dict

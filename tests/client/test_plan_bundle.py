@@ -16,10 +16,10 @@ import pytest
 torch = pytest.importorskip("torch")
 st = pytest.importorskip("safetensors.torch")
 
-from _client_util import TinyTrainer  # noqa: E402
+from _client_util import TinyTrainer, publish_steps, tensor_bits  # noqa: E402
 
 from weightsync import bundle  # noqa: E402
-from weightsync.client import Publisher, Subscriber  # noqa: E402
+from weightsync.client import Subscriber  # noqa: E402
 
 SMALL = {"chunk_bytes": 16 << 10, "object_bytes": 48 << 10}
 
@@ -51,19 +51,8 @@ class Recording(httpx.BaseTransport):
         self.inner.close()
 
 
-def _bits(t):
-    return t.detach().contiguous().view(-1).view(torch.uint8)
-
-
 def _versions(url: str, model: str, n: int) -> list[dict]:
-    trainer, out = TinyTrainer(seed=3), []
-    with Publisher(url, model, **SMALL) as pub:
-        for i in range(1, n + 1):
-            trainer.step()
-            sd = trainer.export()
-            pub.publish(sd, step=i)
-            out.append({k: v.clone() for k, v in sd.items()})
-    return out
+    return publish_steps(url, model, TinyTrainer(seed=3), n, **SMALL)
 
 
 def _follow(url: str, model: str, versions: list[dict], transport: Recording, **options) -> list[list[tuple]]:
@@ -77,7 +66,7 @@ def _follow(url: str, model: str, versions: list[dict], transport: Recording, **
             requests.append(list(transport.seen))
             sub.apply(tensors, prepared)
             for name, want in versions[v - 1].items():
-                assert torch.equal(_bits(tensors[name]), _bits(want)), f"v{v}: {name} differs"
+                assert torch.equal(tensor_bits(tensors[name]), tensor_bits(want)), f"v{v}: {name} differs"
     return requests
 
 
@@ -133,7 +122,7 @@ def test_a_malformed_bundle_is_a_named_error_and_changes_nothing(server, model) 
             sub.prepare(2)
         assert sub.version == 1
     for name, want in versions[0].items():
-        assert torch.equal(_bits(tensors[name]), _bits(want))
+        assert torch.equal(tensor_bits(tensors[name]), tensor_bits(want))
 
 
 def test_bundle_path_in_tmp_is_not_left_behind(server, model, tmp_path: Path) -> None:

@@ -9,6 +9,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from _client_util import publish_steps, tensor_bits  # noqa: E402
+
 from weightsync import errors  # noqa: E402
 from weightsync.client import Publisher, Subscriber  # noqa: E402
 from weightsync.client.selection import selector  # noqa: E402
@@ -53,18 +55,7 @@ class TinyMoE:
 
 
 def _publish(url: str, model: str, n: int) -> list[dict]:
-    trainer, out = TinyMoE(), []
-    with Publisher(url, model, **SMALL) as pub:
-        for i in range(1, n + 1):
-            trainer.step()
-            sd = trainer.export()
-            pub.publish(sd, step=i)
-            out.append({k: v.clone() for k, v in sd.items()})
-    return out
-
-
-def _bits(t):
-    return t.detach().contiguous().view(-1).view(torch.uint8)
+    return publish_steps(url, model, TinyMoE(), n, **SMALL)
 
 
 def _frames_for(prepared, patterns: list[str]) -> int:
@@ -102,7 +93,7 @@ def test_a_slice_subscriber_fetches_and_applies_only_its_experts(server, model) 
             whole.version = v
             assert sub.version == v
             for name, t in held.items():
-                assert torch.equal(_bits(t), _bits(published[v - 1][name])), f"v{v}: {name} differs"
+                assert torch.equal(tensor_bits(t), tensor_bits(published[v - 1][name])), f"v{v}: {name} differs"
     assert {k: v.data_ptr() for k, v in held.items()} == pointers, "updated in place"
 
 
@@ -116,7 +107,7 @@ def test_a_predicate_and_a_per_call_selection(server, model) -> None:
         assert set(prepared.specs) == set(odd)
         sub.apply(odd, prepared)
     for name, t in odd.items():
-        assert torch.equal(_bits(t), _bits(published[1][name]))
+        assert torch.equal(tensor_bits(t), tensor_bits(published[1][name]))
     # Holding less than the selection is refused before any change, as for a whole version.
     with Subscriber(server.url, model, name="short", version=1, tensors=["layers.0.experts.1.*"]) as sub:
         short = {"layers.0.experts.1.up.weight": published[0]["layers.0.experts.1.up.weight"].clone()}
@@ -143,11 +134,13 @@ def test_a_damaged_range_is_caught_undone_and_fetched_again(server, model, tmp_p
             sub.apply(held, prepared)
         assert sub.version == 1
         for name, t in held.items():
-            assert torch.equal(_bits(t), _bits(before[name])), "a failed check leaves the tensors as they were"
+            assert torch.equal(tensor_bits(t), tensor_bits(before[name])), (
+                "a failed check leaves the tensors as they were"
+            )
         sub.apply(held, sub.prepare(2))  # the damaged ranges were dropped: fetched again, and right
         assert sub.version == 2
     for name, t in held.items():
-        assert torch.equal(_bits(t), _bits(published[1][name]))
+        assert torch.equal(tensor_bits(t), tensor_bits(published[1][name]))
 
 
 @pytest.mark.parametrize("bad", [[], [""], [3]])

@@ -252,16 +252,13 @@ class Api:
     def get_plan(
         self, model: str, *, have: int | None, want: int | None = None, holder: str | None = None
     ) -> models.Plan:
-        params: dict[str, Any] = {}
-        if have is not None:
-            params["have"] = have
-        if want is not None:
-            params["want"] = want
-        if holder:
-            params["holder"] = holder
-        params["formats"] = READ_FORMATS  # a version in a format this client cannot read is a 406, not a crash
         return models.Plan.from_json(
-            self._json("GET", f"/v1/models/{model}/plan", params=params, not_found=errors.VersionNotFound)
+            self._json(
+                "GET",
+                f"/v1/models/{model}/plan",
+                params=_plan_params(have, want, holder),
+                not_found=errors.VersionNotFound,
+            )
         )
 
     def get_plan_bundle(
@@ -274,13 +271,7 @@ class Api:
         lacking some objects) gives fewer or none; the caller fetches the rest as usual. Bytes received are
         rate-limited; `on_bytes` counts the objects' bytes.
         """
-        params: dict[str, Any] = {"formats": READ_FORMATS, "inline": inline}
-        if have is not None:
-            params["have"] = have
-        if want is not None:
-            params["want"] = want
-        if holder:
-            params["holder"] = holder
+        params = {**_plan_params(have, want, holder), "inline": inline}
 
         def consume(resp: httpx.Response) -> tuple[str, bytearray]:
             body = bytearray()
@@ -543,6 +534,18 @@ class Api:
         if grace_s is not None:
             body["grace_s"] = grace_s
         return models.GcReport.from_json(self._json("POST", "/v1/admin/gc", json=body))
+
+
+def _plan_params(have: int | None, want: int | None, holder: str | None) -> dict[str, Any]:
+    """getPlan's query. ``formats``: a version in a format this client cannot read is a 406, not a crash."""
+    params: dict[str, Any] = {"formats": READ_FORMATS}
+    if have is not None:
+        params["have"] = have
+    if want is not None:
+        params["want"] = want
+    if holder:
+        params["holder"] = holder
+    return params
 
 
 @functools.cache

@@ -198,9 +198,9 @@ async def get_plan(
     if holder:
         mirror = await _mirror(request)
         mirror.spawn_logged(mirror.hold_upstream(model, plan.target))
-    if inline is None or plan.bytes > inline or not plan.steps:
-        return plan
-    return await versions.plan_bundle(ops, plan)  # what this relay holds already; the reader fetches the rest
+    return await versions.plan_answer(
+        ops, plan, inline
+    )  # a bundle holds what this relay has; the reader fetches the rest
 
 
 @router.put("/v1/relays/{name}", operation_id="relayHeartbeat", response_model=RelayOut)

@@ -150,7 +150,14 @@ async def get_plan(
     inline: InlineQuery = None,
 ) -> Response | PlanOut:
     """What to fetch to go from ``have`` to ``want`` (default: the head); ``holder`` leases the chain."""
-    out = await read_plan(model, ops, have=have, want=want, holder=holder, formats=formats)
+    return await plan_answer(
+        ops, await read_plan(model, ops, have=have, want=want, holder=holder, formats=formats), inline
+    )
+
+
+async def plan_answer(ops: Ops, out: PlanOut, inline: int | None) -> Response | PlanOut:
+    """getPlan's answer for `out`: its JSON, or with `inline` at least its bytes (and steps to fetch) the
+    plan with its objects in one body (:func:`plan_bundle`)."""
     if inline is None or out.bytes > inline or not out.steps:
         return out
     return await plan_bundle(ops, out)
