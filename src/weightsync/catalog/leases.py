@@ -15,7 +15,7 @@ from sqlalchemy import and_, delete, select
 from sqlalchemy.orm import Session
 
 from .records import Lease
-from .rows import committed_row, lease_record, model_row, rowcount
+from .rows import ModelKey, committed_row, lease_record, model_row, rowcount
 from .schema import LeaseRow, ModelRow, VersionRow
 
 __all__ = ["acquire", "active", "held_chains", "on_chain", "purge_expired", "release", "release_applied"]
@@ -35,7 +35,7 @@ def held_chains(s: Session, m: ModelRow, now: datetime) -> set[int]:
     return {b for b in s.scalars(stmt) if b is not None}
 
 
-def on_chain(s: Session, m: ModelRow, holder: str, chain_base: int, now: datetime) -> Lease | None:
+def on_chain(s: Session, m: ModelKey, holder: str, chain_base: int, now: datetime) -> Lease | None:
     """``holder``'s unexpired lease on the chain based at ``chain_base`` (the one expiring last), or None."""
     stmt = (
         select(LeaseRow)

@@ -72,8 +72,8 @@ def lock_rows(s: Session, digests: Sequence[str]) -> list[ObjectRow]:
     return out
 
 
-def attach(s: Session, v: VersionRow, refs: dict[str, int], now: datetime) -> Pinned:
-    """Make ``refs`` (digest -> size) referenced by ``v``, recording unknown objects; return what changed.
+def attach(s: Session, version_id: int, refs: dict[str, int], now: datetime) -> Pinned:
+    """Make ``refs`` (digest -> size) referenced by version ``version_id``, recording unknown objects; say what changed.
 
     A ``deleting`` object is left out (it is in ``deleting`` of the result): its bytes may vanish
     at any moment, so the publisher must upload it again after GC removed the row. Raises
@@ -101,9 +101,9 @@ def attach(s: Session, v: VersionRow, refs: dict[str, int], now: datetime) -> Pi
                 .values(unreferenced_since=None)
                 .execution_options(synchronize_session=False)
             )
-    have = set(s.scalars(select(VersionObjectRow.digest).where(VersionObjectRow.version_id == v.id)))
+    have = set(s.scalars(select(VersionObjectRow.digest).where(VersionObjectRow.version_id == version_id)))
     added = [d for d in usable if d not in have]
-    for rows in chunks([{"version_id": v.id, "digest": d, "size": refs[d]} for d in added]):
+    for rows in chunks([{"version_id": version_id, "digest": d, "size": refs[d]} for d in added]):
         s.execute(insert(VersionObjectRow), list(rows))
     return Pinned(added=tuple(added), deleting=tuple(deleting))
 

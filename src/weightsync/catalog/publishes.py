@@ -5,18 +5,31 @@ docs/CATALOG.md "Commit: the compare-and-swap rule" and "Idempotency".
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar, cast
 
-from sqlalchemy import and_, delete, or_, select, update
+from sqlalchemy import and_, bindparam, delete, or_, select, update
 from sqlalchemy.orm import Session
 
 from .. import errors
 from . import objects, versions
 from .records import Pinned, Version
-from .rows import committed_row, model_row, version_record
-from .schema import ModelRow, ObjectRow, PartRow, VersionObjectRow, VersionRow
+from .rows import (
+    MODELS,
+    VERSION_COLUMNS,
+    VERSION_OBJECTS,
+    VERSIONS,
+    ModelKey,
+    VersionFields,
+    chunks,
+    committed_fields,
+    committed_row,
+    model_key,
+    model_row,
+    version_record,
+)
+from .schema import ModelRow, ObjectRow, PartRow, VersionRow
 
 __all__ = [
     "abort",
@@ -32,6 +45,8 @@ __all__ = [
     "record_part",
     "Parts",
 ]
+
+R = TypeVar("R", bound=VersionFields)
 
 
 def begin(
@@ -164,7 +179,7 @@ def open_(
     pinned = None
     if refs is not None and version.kind == ("keyframe" if keyframe else "delta") and version.parent == parent:
         # A row made here is the pending publish; one begun again is checked (still pending, unexpired).
-        pinned = objects.attach(s, row if made else pending_row(s, m, version.publish_id, now), refs, now)
+        pinned = objects.attach(s, (row if made else pending_row(s, m, version.publish_id, now)).id, refs, now)
     return Opened(version, parent_manifest, pinned)
 
 
@@ -202,7 +217,7 @@ def pending_row(s: Session, m: ModelRow, publish_id: str, now: datetime, *, lock
     return _still_pending(s.scalars(stmt).one_or_none(), m, publish_id, now)
 
 
-def _still_pending(row: VersionRow | None, m: ModelRow, publish_id: str, now: datetime) -> VersionRow:
+def _still_pending(row: R | None, m: ModelKey, publish_id: str, now: datetime) -> R:
     """``row`` if it is the pending, unexpired publish ``publish_id`` of ``m``; PublishNotFound otherwise."""
     if row is None or row.model_id != m.id:
         raise errors.PublishNotFound(f"no publish {publish_id!r} for model {m.name!r}")
@@ -222,7 +237,58 @@ def pending(s: Session, model: str, publish_id: str, now: datetime) -> Version:
 def reference(s: Session, model: str, publish_id: str, refs: dict[str, int], now: datetime) -> Pinned:
     """Reference ``refs`` from the pending publish so GC keeps them; ``deleting`` ones are refused (objects.attach)."""
     m = model_row(s, model, lock=True)
-    return objects.attach(s, pending_row(s, m, publish_id, now), refs, now)
+    return objects.attach(s, pending_row(s, m, publish_id, now).id, refs, now)
+
+
+# The commit's statements, built once (Core, on the tables: the commit is on every publish's path and
+# the ORM's per-statement work cost several times the SQL's). Row locks as in pending_row.
+_PUBLISH = select(*VERSION_COLUMNS).where(VERSIONS.c.publish_id == bindparam("publish_id")).with_for_update()
+_PUBLISH_OR_KEY = (
+    select(*VERSION_COLUMNS)
+    .where(
+        or_(
+            VERSIONS.c.publish_id == bindparam("publish_id"),
+            and_(
+                VERSIONS.c.model_id == bindparam("model_id"),
+                VERSIONS.c.idempotency_key == bindparam("key"),
+                VERSIONS.c.committed_at.is_not(None),
+            ),
+        )
+    )
+    .with_for_update()
+)
+# The newest number ever given (deleted versions keep theirs), with its chain base.
+_NEWEST = (
+    select(VERSIONS.c.number, VERSIONS.c.chain_base)
+    .where(VERSIONS.c.model_id == bindparam("model_id"), VERSIONS.c.number.is_not(None))
+    .order_by(VERSIONS.c.number.desc())
+    .limit(1)
+)
+_REFERENCES = select(VERSION_OBJECTS.c.digest, VERSION_OBJECTS.c.size).where(
+    VERSION_OBJECTS.c.version_id == bindparam("version_id")
+)
+_UNREFERENCE = delete(VERSION_OBJECTS).where(
+    VERSION_OBJECTS.c.version_id == bindparam("version_id"),
+    VERSION_OBJECTS.c.digest.in_(bindparam("digests", expanding=True)),
+)
+_COMMIT_ROW = (
+    update(VERSIONS)
+    .where(VERSIONS.c.id == bindparam("version_id"))
+    .values(
+        number=bindparam("v_number"),
+        parent=bindparam("v_parent"),
+        kind=bindparam("v_kind"),
+        chain_base=bindparam("v_chain_base"),
+        state="committed",
+        manifest_digest=bindparam("v_manifest_digest"),
+        raw_bytes=bindparam("v_raw_bytes"),
+        stored_bytes=bindparam("v_stored_bytes"),
+        idempotency_key=bindparam("v_idempotency_key"),
+        committed_at=bindparam("v_committed_at"),
+        expires_at=None,
+    )
+)
+_MOVE_HEAD = update(MODELS).where(MODELS.c.id == bindparam("model_id")).values(head=bindparam("v_head"))
 
 
 def commit(
@@ -250,33 +316,29 @@ def commit(
     (Catalog.commit_held): None, with nothing changed, when the publish lacks one of those references.
     """
 
-    def replay(row: VersionRow, how: str) -> Version:
+    def replay(row: VersionFields, how: str) -> Version:
         if row.manifest_digest != manifest_digest:
             raise errors.Conflict(f"{how} already committed version {row.number} of {m.name!r} with another manifest")
         return version_record(row, m.name)
 
-    m = model_row(s, model, lock=True)
+    conn = s.connection()
+    m = model_key(s, model, lock=True)
     # The publish's row and the version its idempotency key committed, if any, in one read (row locks:
     # see pending_row). Idempotency first: a retried commit finds the head already moved by itself.
-    mine = VersionRow.publish_id == publish_id
-    if idempotency_key is not None:
-        mine = or_(
-            mine,
-            and_(
-                VersionRow.model_id == m.id,
-                VersionRow.idempotency_key == idempotency_key,
-                VersionRow.committed_at.is_not(None),
-            ),
-        )
-    rows = s.scalars(select(VersionRow).where(mine).with_for_update()).all()
+    if idempotency_key is None:
+        found = conn.execute(_PUBLISH, {"publish_id": publish_id}).all()
+    else:
+        keyed = {"publish_id": publish_id, "model_id": m.id, "key": idempotency_key}
+        found = conn.execute(_PUBLISH_OR_KEY, keyed).all()
+    rows = [cast(VersionFields, r) for r in found]
     if idempotency_key is not None:
         for prior in rows:
             if prior.model_id == m.id and prior.idempotency_key == idempotency_key and prior.committed_at is not None:
                 return replay(prior, f"idempotency key {idempotency_key!r}")
-    row = next((r for r in rows if r.publish_id == publish_id), None)
-    if row is not None and row.model_id == m.id and row.committed_at is not None:
-        return replay(row, f"publish {publish_id!r}")
-    row = _still_pending(row, m, publish_id, now)
+    mine = next((r for r in rows if r.publish_id == publish_id), None)
+    if mine is not None and mine.model_id == m.id and mine.committed_at is not None:
+        return replay(mine, f"publish {publish_id!r}")
+    row = _still_pending(mine, m, publish_id, now)
 
     if as_begun and parent != row.parent:
         raise errors.Conflict(f"manifest parent {parent} differs from the publish's parent {row.parent}")
@@ -286,21 +348,15 @@ def commit(
         raise errors.StaleParent(
             f"model {m.name!r}: stated parent {parent} is not the head (head is {m.head})", current_head=m.head
         )
-    # The newest number ever given (deleted versions keep theirs), with its chain: a delta's parent is
-    # the head, which is that version unless a forced deletion moved the head back.
-    newest = s.execute(
-        select(VersionRow.number, VersionRow.chain_base)
-        .where(VersionRow.model_id == m.id, VersionRow.number.is_not(None))
-        .order_by(VersionRow.number.desc())
-        .limit(1)
-    ).first()
+    # A delta's parent is the head, which is the newest version unless a forced deletion moved the head back.
+    newest = conn.execute(_NEWEST, {"model_id": m.id}).first()
     number = 1 if newest is None else newest.number + 1
     base: int | None
     if kind == "delta":
         assert parent is not None
         base = newest.chain_base if newest is not None and newest.number == parent else None
         if base is None:
-            base = committed_row(s, m, parent).chain_base
+            base = committed_fields(s, m, parent).chain_base
         if chain_base is not None and chain_base != base:
             raise errors.InvalidArgument(f"chain_base {chain_base} is not the parent's chain base {base}")
     else:
@@ -308,12 +364,7 @@ def commit(
             raise errors.InvalidArgument(f"a keyframe starts its own chain: chain_base must be None, not {chain_base}")
         base = number
 
-    had: dict[str, int] = {
-        d: n
-        for d, n in s.execute(
-            select(VersionObjectRow.digest, VersionObjectRow.size).where(VersionObjectRow.version_id == row.id)
-        )
-    }
+    had: dict[str, int] = {d: n for d, n in conn.execute(_REFERENCES, {"version_id": row.id})}
     # checkObjects referenced every object and the manifest already (the usual commit): a referenced
     # row is never deleting (objects.attach) and its grace clock is stopped, so nothing to lock or change.
     held = manifest_digest in had and all(had.get(d) == n for d, n in refs.items())
@@ -322,7 +373,7 @@ def commit(
     if not held:
         # The manifest's row is locked with the others, in the one lock order (objects module).
         locked = objects.lock_rows(s, sorted({*refs, manifest_digest}))
-        pinned = objects.attach(s, row, refs, now)
+        pinned = objects.attach(s, row.id, refs, now)
         gone = [*pinned.deleting, *(r.digest for r in locked if r.digest == manifest_digest and r.state == "deleting")]
         if gone:
             # GC is deleting these bytes (DESIGN invariant 7): the version would lose them.
@@ -335,27 +386,41 @@ def commit(
     if row.publish_id is not None and row.publish_id.startswith(PARTS_PREFIX):
         parts = set(s.scalars(select(PartRow.manifest_digest).where(PartRow.version_id == row.id)))
     stale = [d for d in had if d not in refs and d not in parts]
-    if stale:
-        s.execute(
-            delete(VersionObjectRow).where(VersionObjectRow.version_id == row.id, VersionObjectRow.digest.in_(stale))
-        )
-    row.number = number
-    row.parent = parent
-    row.kind = kind
-    row.chain_base = base
-    row.state = "committed"
-    row.manifest_digest = manifest_digest
-    row.raw_bytes = raw_bytes
-    row.stored_bytes = stored_bytes
-    row.idempotency_key = idempotency_key
-    row.committed_at = now
-    row.expires_at = None
-    m.head = number
-    s.flush()
+    for chunk in chunks(stale):
+        conn.execute(_UNREFERENCE, {"version_id": row.id, "digests": list(chunk)})
+    conn.execute(_MOVE_HEAD, {"model_id": m.id, "v_head": number})
+    conn.execute(
+        _COMMIT_ROW,
+        {
+            "version_id": row.id,
+            "v_number": number,
+            "v_parent": parent,
+            "v_kind": kind,
+            "v_chain_base": base,
+            "v_manifest_digest": manifest_digest,
+            "v_raw_bytes": raw_bytes,
+            "v_stored_bytes": stored_bytes,
+            "v_idempotency_key": idempotency_key,
+            "v_committed_at": now,
+        },
+    )
     if not held:
         s.execute(update(ObjectRow).where(ObjectRow.digest == manifest_digest).values(unreferenced_since=None))
     objects.mark_unreferenced(s, [d for d in stale if d != manifest_digest], now)
-    return version_record(row, m.name)
+    return replace(
+        version_record(row, m.name),
+        number=number,
+        parent=parent,
+        kind=kind,
+        chain_base=base,
+        state="committed",
+        manifest_digest=manifest_digest,
+        raw_bytes=raw_bytes,
+        stored_bytes=stored_bytes,
+        idempotency_key=idempotency_key,
+        committed_at=now,
+        expires_at=None,
+    )
 
 
 def abort(s: Session, model: str, publish_id: str, now: datetime) -> Version:

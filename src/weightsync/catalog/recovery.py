@@ -57,7 +57,7 @@ def import_version(
     )
     s.add(row)
     s.flush()
-    pinned = objects.attach(s, row, refs, now)
+    pinned = objects.attach(s, row.id, refs, now)
     if pinned.deleting:
         raise errors.IncompletePublish(f"object {pinned.deleting[0]} is being deleted by GC: cannot import")
     s.execute(update(ObjectRow).where(ObjectRow.digest == r.manifest_digest).values(unreferenced_since=None))

@@ -8,24 +8,33 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, TypeVar, cast
+from datetime import datetime
+from typing import Any, Protocol, TypeVar, cast
 
-from sqlalchemy import CursorResult, Result, bindparam, select
+from sqlalchemy import CursorResult, Result, Table, bindparam, select
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
 
 from .. import errors
 from .checks import validate_model_name
 from .records import Lease, Model, ObjectInfo, Replica, Version
-from .schema import LeaseRow, ModelRow, ObjectRow, ReplicaRow, VersionRow
+from .schema import LeaseRow, ModelRow, ObjectRow, ReplicaRow, VersionObjectRow, VersionRow
 
 __all__ = [
     "CHUNK",
+    "MODELS",
+    "VERSION_COLUMNS",
+    "VERSION_OBJECTS",
+    "VERSIONS",
+    "ModelKey",
+    "VersionFields",
     "chunks",
+    "committed_fields",
     "committed_row",
     "db_errors",
     "lease_record",
     "model_record",
+    "model_key",
     "model_row",
     "object_record",
     "replica_record",
@@ -78,6 +87,86 @@ _COMMITTED = select(VersionRow).where(
 )
 
 
+#: The tables, for Core statements: a statement on a table's columns skips the ORM's per-statement work
+#: (entity loading, identity map, unit of work), several times the cost of the SQL itself on SQLite.
+#: The hot paths (the commit, the reads behind every GET) run those; rows they return carry the ORM
+#: rows' attribute names, so the record builders below take either.
+MODELS = cast(Table, ModelRow.__table__)
+VERSIONS = cast(Table, VersionRow.__table__)
+VERSION_OBJECTS = cast(Table, VersionObjectRow.__table__)
+#: A version row's columns, named as VersionRow's attributes (``metadata`` is ``metadata_``).
+VERSION_COLUMNS = tuple(c.label("metadata_") if c.name == "metadata" else c for c in VERSIONS.c)
+
+_MODEL_KEY = select(MODELS.c.id, MODELS.c.name, MODELS.c.head, MODELS.c.pinned).where(
+    MODELS.c.name == bindparam("name"), MODELS.c.deleted_at.is_(None)
+)
+_MODEL_KEY_LOCKED = _MODEL_KEY.with_for_update()
+
+
+class ModelKey(Protocol):
+    """What a Core read of a model row gives (:func:`model_key`): its id, name, head and pin."""
+
+    @property
+    def id(self) -> int: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def head(self) -> int | None: ...
+    @property
+    def pinned(self) -> int | None: ...
+
+
+class VersionFields(Protocol):
+    """A version row as an ORM row or a Core row of :data:`VERSION_COLUMNS` (what :func:`version_record` reads)."""
+
+    @property
+    def id(self) -> int: ...
+    @property
+    def model_id(self) -> int: ...
+    @property
+    def number(self) -> int | None: ...
+    @property
+    def parent(self) -> int | None: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def chain_base(self) -> int | None: ...
+    @property
+    def state(self) -> str: ...
+    @property
+    def step(self) -> int | None: ...
+    @property
+    def metadata_(self) -> dict[str, Any] | None: ...
+    @property
+    def raw_bytes(self) -> int | None: ...
+    @property
+    def stored_bytes(self) -> int | None: ...
+    @property
+    def manifest_digest(self) -> str | None: ...
+    @property
+    def publish_id(self) -> str: ...
+    @property
+    def idempotency_key(self) -> str | None: ...
+    @property
+    def created_at(self) -> datetime: ...
+    @property
+    def committed_at(self) -> datetime | None: ...
+    @property
+    def expires_at(self) -> datetime | None: ...
+    @property
+    def deleted_at(self) -> datetime | None: ...
+
+
+def model_key(s: Session, name: str, *, lock: bool = False) -> ModelKey:
+    """:func:`model_row` as a Core read (id, name, head, pinned): for transactions that do not change the model
+    through the ORM. ModelNotFound; ``lock`` takes the row lock."""
+    validate_model_name(name)
+    row = s.connection().execute(_MODEL_KEY_LOCKED if lock else _MODEL_KEY, {"name": name}).first()
+    if row is None:
+        raise errors.ModelNotFound(f"no model named {name!r}")
+    return cast(ModelKey, row)
+
+
 def model_row(s: Session, name: str, *, lock: bool = False) -> ModelRow:
     """Return the row of model ``name``; ModelNotFound (a deleted model too). ``lock`` takes its row lock."""
     validate_model_name(name)
@@ -87,13 +176,29 @@ def model_row(s: Session, name: str, *, lock: bool = False) -> ModelRow:
     return row
 
 
-def committed_row(s: Session, m: ModelRow, number: int, *, include_deleted: bool = False) -> VersionRow:
+def committed_row(s: Session, m: ModelKey, number: int, *, include_deleted: bool = False) -> VersionRow:
     """Return committed version ``number`` of ``m`` (deleted too if asked); VersionNotFound."""
     states = ["committed", "deleted"] if include_deleted else ["committed"]
     row = s.scalars(_COMMITTED, {"model_id": m.id, "number": number, "states": states}).one_or_none()
     if row is None:
         raise errors.VersionNotFound(f"model {m.name!r} has no committed version {number}")
     return row
+
+
+_COMMITTED_FIELDS = select(*VERSION_COLUMNS).where(
+    VERSIONS.c.model_id == bindparam("model_id"),
+    VERSIONS.c.number == bindparam("number"),
+    VERSIONS.c.state.in_(bindparam("states", expanding=True)),
+)
+
+
+def committed_fields(s: Session, m: ModelKey, number: int, *, include_deleted: bool = False) -> VersionFields:
+    """:func:`committed_row` as a Core read, for records only (the row is not the ORM's); VersionNotFound."""
+    states = ["committed", "deleted"] if include_deleted else ["committed"]
+    row = s.connection().execute(_COMMITTED_FIELDS, {"model_id": m.id, "number": number, "states": states}).first()
+    if row is None:
+        raise errors.VersionNotFound(f"model {m.name!r} has no committed version {number}")
+    return cast(VersionFields, row)
 
 
 def model_record(row: ModelRow) -> Model:
@@ -109,7 +214,7 @@ def model_record(row: ModelRow) -> Model:
     )
 
 
-def version_record(row: VersionRow, model: str) -> Version:
+def version_record(row: VersionFields, model: str) -> Version:
     """The frozen record of a version row of ``model``."""
     return Version(
         model=model,

@@ -16,7 +16,17 @@ from sqlalchemy.orm import Session
 from .. import errors
 from . import leases, objects
 from .records import Lease, Target, Version, VersionTotals
-from .rows import chunks, committed_row, model_row, version_record
+from .rows import (
+    VERSION_COLUMNS,
+    VERSIONS,
+    ModelKey,
+    VersionFields,
+    chunks,
+    committed_fields,
+    model_key,
+    model_row,
+    version_record,
+)
 from .schema import ModelRow, VersionObjectRow, VersionRow
 
 __all__ = [
@@ -52,8 +62,8 @@ def drop(s: Session, rows: Sequence[VersionRow], now: datetime) -> None:
 
 def get(s: Session, model: str, number: int, include_deleted: bool) -> Version:
     """Committed version ``number`` (deleted too if asked); VersionNotFound."""
-    m = model_row(s, model)
-    return version_record(committed_row(s, m, number, include_deleted=include_deleted), m.name)
+    m = model_key(s, model)
+    return version_record(committed_fields(s, m, number, include_deleted=include_deleted), m.name)
 
 
 def listing(
@@ -100,21 +110,21 @@ def totals(s: Session, model: str) -> VersionTotals:
 
 def head(s: Session, model: str) -> Version | None:
     """The model's head version, or None before its first commit."""
-    m = model_row(s, model)
-    return None if m.head is None else version_record(committed_row(s, m, m.head), m.name)
+    m = model_key(s, model)
+    return None if m.head is None else version_record(committed_fields(s, m, m.head), m.name)
 
 
 def target(s: Session, model: str) -> Target:
     """What followers of ``model`` hold: its pinned version if pinned, else its head (docs/CATALOG.md "Pins")."""
-    m = model_row(s, model)
+    m = model_key(s, model)
     number = m.head if m.pinned is None else m.pinned
-    found = None if number is None else version_record(committed_row(s, m, number), m.name)
+    found = None if number is None else version_record(committed_fields(s, m, number), m.name)
     return Target(found, pinned=m.pinned is not None)
 
 
 def lineage(s: Session, model: str, number: int) -> list[Version]:
     """The chain from ``number``'s keyframe to it, keyframe first; VersionNotFound if a link is missing."""
-    m = model_row(s, model)
+    m = model_key(s, model)
     return _lineage(s, m, number)
 
 
@@ -126,7 +136,7 @@ def reading(
     The chain from the keyframe to the version, keyframe first (VersionNotFound if the model has no
     such committed version), and ``holder``'s unexpired lease on that chain (None without a holder).
     """
-    m = model_row(s, model)
+    m = model_key(s, model)
     if number is None:
         number = m.head if m.pinned is None else m.pinned
         if number is None:
@@ -137,23 +147,25 @@ def reading(
     return chain, lease
 
 
-def _lineage(s: Session, m: ModelRow, number: int) -> list[Version]:
+def _lineage(s: Session, m: ModelKey, number: int) -> list[Version]:
     """:func:`lineage` of a model row, as records."""
     return [version_record(r, m.name) for r in chain_rows(s, m, number)]
 
 
-_CHAIN = select(VersionRow).where(
-    VersionRow.model_id == bindparam("model_id"),
-    VersionRow.state == "committed",
-    VersionRow.number.between(bindparam("first"), bindparam("last")),
+_CHAIN = select(*VERSION_COLUMNS).where(
+    VERSIONS.c.model_id == bindparam("model_id"),
+    VERSIONS.c.state == "committed",
+    VERSIONS.c.number.between(bindparam("first"), bindparam("last")),
 )
 
 
-def chain_rows(s: Session, m: ModelRow, number: int) -> list[VersionRow]:
-    """The rows of committed ``number``'s chain, keyframe first, in two reads; VersionNotFound if a link is missing."""
-    top = committed_row(s, m, number)
+def chain_rows(s: Session, m: ModelKey, number: int) -> list[VersionFields]:
+    """The rows of committed ``number``'s chain, keyframe first, in two reads; VersionNotFound if a link is missing.
+
+    Core reads (for records and decisions: the rows are not the ORM's)."""
+    top = committed_fields(s, m, number)
     bounds = {"model_id": m.id, "first": top.chain_base, "last": number - 1}
-    rows = {r.number: r for r in s.scalars(_CHAIN, bounds)}
+    rows: dict[int | None, VersionFields] = {r.number: r for r in s.connection().execute(_CHAIN, bounds)}
     chain = [top]
     while chain[-1].kind == "delta":
         p = chain[-1].parent
