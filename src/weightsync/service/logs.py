@@ -21,7 +21,9 @@ __all__ = ["JsonFormatter", "logging_config", "request_id_var"]
 request_id_var: ContextVar[str | None] = ContextVar("weightsync_request_id", default=None)
 
 _BEARER_RE = re.compile(r"(?i)(bearer\s+)[^\s\"',;]+")
-_STD_ATTRS = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "color_message"}
+_STD_ATTRS = frozenset(vars(logging.makeLogRecord({}))) | {"message", "asctime", "color_message"}
+# One encoder for every line (json.dumps with options builds a new one per call).
+_ENCODE = json.JSONEncoder(default=str, ensure_ascii=False).encode
 
 
 def _scrub(text: str) -> str:
@@ -46,7 +48,7 @@ class JsonFormatter(logging.Formatter):
                 doc[key] = value
         if record.exc_info:
             doc["exc"] = _scrub("".join(traceback.format_exception(*record.exc_info)).rstrip())
-        return json.dumps(doc, default=str, ensure_ascii=False)
+        return _ENCODE(doc)
 
 
 def logging_config(level: str = "info") -> dict[str, Any]:

@@ -8,6 +8,7 @@ N`` does), values live in files shared by the workers and ``/metrics`` aggregate
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -75,6 +76,29 @@ class Metrics:
             registry=reg,
             multiprocess_mode="livesum",
         )
+
+        # Each label set's series, looked up once: ``labels()`` checks and locks on every call.
+        self._request_series: dict[tuple[str, str, str], tuple[Any, Any]] = {}
+        self._byte_series: dict[str, tuple[Any, Any]] = {}
+
+    def request_done(self, method: str, route: str, status: str, seconds: float, bytes_in: int, bytes_out: int) -> None:
+        """Count one answered request: its count and latency by method, route and status; its bytes by route."""
+        key = (method, route, status)
+        series = self._request_series.get(key)
+        if series is None:
+            series = (self.requests.labels(*key), self.latency.labels(*key))
+            self._request_series[key] = series
+        series[0].inc()
+        series[1].observe(seconds)
+        if bytes_in or bytes_out:
+            sized = self._byte_series.get(route)
+            if sized is None:
+                sized = (self.bytes_in.labels(route), self.bytes_out.labels(route))
+                self._byte_series[route] = sized
+            if bytes_in:
+                sized[0].inc(bytes_in)
+            if bytes_out:
+                sized[1].inc(bytes_out)
 
     def render(self) -> tuple[bytes, str]:
         if self.multiprocess:
