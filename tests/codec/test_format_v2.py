@@ -295,3 +295,47 @@ def test_a_changed_tensor_whose_checksum_equals_its_bases_is_still_coded():
     again = Manifest.decode(manifest.encode())
     assert not again.files[0].segments[1].unchanged
     assert _decode(again, read, base)[0].tobytes() == new.files[0].data.tobytes()
+
+
+@pytest.mark.parametrize("known", [False, True])
+def test_an_unchanged_tensor_cut_into_frames_gets_none_as_if_compared_first(known):
+    """A segment of at least chunk_bytes is coded without a compare first (encode_jobs.V2Job): its
+    frames are dropped when none holds a change, so the manifest and frames are those of a compare
+    first: the segment unchanged, no frame of it, its digest the base's; the others coded as before."""
+    rng = np.random.default_rng(11)
+    base_t = {
+        "big": ("BF16", (64, 96), rng.integers(0, 256, 64 * 96 * 2, dtype=np.uint8)),
+        "tail": ("F32", (300,), rng.integers(0, 256, 1200, dtype=np.uint8)),  # cut into frames, last one short
+        "moved": ("BF16", (64, 96), rng.integers(0, 256, 64 * 96 * 2, dtype=np.uint8)),
+        "small": ("BF16", (40,), rng.integers(0, 256, 80, dtype=np.uint8)),
+    }
+    new_t = dict(base_t)
+    new_t["moved"] = ("BF16", (64, 96), mutate(rng, base_t["moved"][2], 2, 3))
+    base = Checkpoint.from_bytes({"m.safetensors": safetensors_file(base_t)})
+    new = Checkpoint.from_bytes({"m.safetensors": safetensors_file(new_t)})
+    enc = Encoder(threads=2, chunk_bytes=1024)
+    digests = None
+    if known:
+        first = enc.encode(new, base).manifest.files[0].segments
+        digests = {("m.safetensors", e.segment.kind, e.segment.name): e.base_digest for e in first}
+    encoded = enc.encode(new, base, base_digests=digests)
+    m = encoded.manifest
+    segs = {e.segment.name: (si, e) for si, e in enumerate(m.files[0].segments)}
+    framed = {p.seg for fr in m.frames for p in fr.pieces}
+    for name in ("big", "tail", "small"):
+        si, e = segs[name]
+        assert e.unchanged and si not in framed
+        assert (
+            e.digest
+            == e.base_digest
+            == reference_sum(new.files[0].segment_bytes(e.segment), e.segment.dtype.width).hex()
+        )
+    si, e = segs["moved"]
+    assert not e.unchanged and si in framed
+    assert len(encoded.frames) == 64 * 96 * 2 // 1024, "only the changed tensor's frames"
+    assert all(p.seg == si for fr in m.frames for p in fr.pieces)
+    offsets = np.cumsum([0] + [len(fr.data) for fr in encoded.frames])
+    located = encoded.with_locations(lambda i, _: (None, int(offsets[i])))
+    area = b"".join(fr.data for fr in encoded.frames)
+    out = _decode(located, lambda r: memoryview(area)[r.offset : r.offset + r.length], base, verify_segments=True)
+    assert out[0].tobytes() == new.files[0].data.tobytes()

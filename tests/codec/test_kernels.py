@@ -405,6 +405,32 @@ def test_fused_encode_codes_and_sums_like_the_reference(p, add, cap, before, aft
     assert [s.after for s in b[2]] == (_reference_sums(news, width, starts) if after else [None] * len(news))
 
 
+@pytest.mark.parametrize("width", [1, 2, 4, 8])
+@pytest.mark.parametrize("fill", [0x00, 0xFF, 0x80, 0x7F, "alternating"])
+def test_fused_encode_sums_extreme_words_like_the_reference(width, fill):
+    """Words at the ends of their range, over several 4 KiB blocks, at odd starts: the one-loop 2-byte
+    scan sums words as signed pairs and recovers the odd ones mod 2^32 (_kernels_loops.h), so its
+    bounds are where it could go wrong; the base's sum comes from the changes, so some change."""
+    nat = need_native()
+    n = 3 * 4096 // width + 37
+    if fill == "alternating":
+        base = np.tile(np.array([0xFF, 0xFF, 0x00, 0x00], dtype=np.uint8), n * width // 4 + 1)[: n * width]
+    else:
+        base = np.full(n * width, fill, dtype=np.uint8)
+    new = base.copy()
+    new[:: 997 * width] ^= 0x81  # changes in every block, the first at element 0
+    new[-width:] = 0xFF - new[-width:]
+    cuts = [0, 5 * width, 2048 * width, n * width]
+    bases = [base[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
+    news = [new[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
+    starts = [(1 << 40) + 3, 0, 12345]
+    for add in (False, True):
+        a = kernels.REFERENCE.encode_sparse_sums(bases, news, starts, width, add, n, before=True, after=True)
+        b = nat.encode_sparse_sums(bases, news, starts, width, add, n, before=True, after=True)
+        assert a is not None and b is not None
+        assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]) and a[2] == b[2]
+
+
 @SETTINGS
 @given(st.one_of(pieces(), pieces(big=True)), st.booleans(), st.booleans(), st.booleans())
 def test_fused_dense_encode_codes_and_sums_like_the_reference(p, add, before, after):

@@ -290,21 +290,35 @@ static int hold_pairs(Pieces *bases, Pieces *news, PyObject *obs, PyObject *ons,
 }
 
 /* Code the pieces as their concatenation and take their checksums in the same pass, block
- * by block. Returns -1 when there are more than c->cap changes (sums are then partial). */
+ * by block. Returns -1 when there are more than c->cap changes (sums are then partial).
+ * The base is never summed when the new bytes are: its checksum is theirs moved by the
+ * changes the scan finds anyway (Coder.fix), so a pass reads each byte once and sums half
+ * of them. 2-byte elements on AVX2 take the one-loop scan_sum_avx2_u16. */
 static int code_pieces(const Pieces *bases, const Pieces *news, int w, int add, int want, u64 constant, Coder *c,
                        PieceSums *sums) {
     const int L = w == 1 ? 1 : w / 2;
     const u64 per = SUM_BLOCK / w;
+    const int moved = (want & SUM_BEFORE) && (want & SUM_AFTER);
     u64 e0 = 0;
     for (Py_ssize_t i = 0; i < news->n; i++) {
         const u8 *a = piece(bases, i), *b = piece(news, i);
         const u64 n = piece_elements(news, i, w), start = news->starts[i];
+        u64 fix[4] = {0, 0, 0, 0};
+        c->fix = moved ? fix : NULL;
+        c->woff = start - e0; /* checksum position = frame position + woff (mod 2^64) */
+#ifdef WS_X86
+        if (has_avx2 && w == 2 && (want & SUM_AFTER)) {
+            if (scan_sum_avx2_u16(a, b, n, e0, add, c, start, sums[i].after) < 0) return -1;
+        } else
+#endif
         for (u64 off = 0; off < n; off += per) {
             u64 m = n - off < per ? n - off : per;
-            if (want & SUM_BEFORE) sum_range(a + off * w, m, w, start + off, sums[i].before);
+            if ((want & SUM_BEFORE) && !moved) sum_range(a + off * w, m, w, start + off, sums[i].before);
             if (want & SUM_AFTER) sum_range(b + off * w, m, w, start + off, sums[i].after);
             if (scan(a + off * w, b + off * w, m, w, e0 + off, add, c) < 0) return -1;
         }
+        if (moved)
+            for (int j = 0; j < L; j++) sums[i].before[j] = sums[i].after[j] + fix[j];
         sum_constant(start, n, constant, L, sums[i].before);
         sum_constant(start, n, constant, L, sums[i].after);
         e0 += n;

@@ -4,8 +4,9 @@ Each byte is digested once, in the pass that codes it, while it is in cache. Ver
 (xxh3-128) streams: a segment cut across frames is hashed by its chunks' tasks in order
 (`XxhChain`). Version 2 (the tensor checksum, FORMAT §10) adds the checksums of a
 segment's pieces, each taken at its position, so chunks need no order; and a delta-coded
-segment whose bytes equal its base's is found first (a compare that stops at the first
-change) and gets no frame at all (FORMAT §5.3). `weightsync.codec.encoder` drives these.
+segment whose bytes equal its base's gets no frame at all (FORMAT §5.3): a small one is found
+first (a compare that stops at the first change), a segment cut into frames of its own when
+none of its frames holds a change. `weightsync.codec.encoder` drives these.
 """
 
 from __future__ import annotations
@@ -18,14 +19,14 @@ import numpy as np
 import xxhash
 
 from weightsync.codec import kernels
-from weightsync.codec.checksum import PieceSums, TensorSum, tensor_sum
+from weightsync.codec.checksum import PieceSums, TensorSum
 from weightsync.codec.decoder import base_offset
 from weightsync.codec.dtypes import DType
-from weightsync.codec.frame import encode_delta_pieces, encode_key, xxh3_128
+from weightsync.codec.frame import changed_elements, encode_delta_pieces, encode_key, xxh3_128
 from weightsync.codec.manifest import VERSION_2, Piece, SegmentEntry
 
-_COMPARE_FIRST = 64 << 10
-_COMPARE_MAX = 4 << 20
+_COMPARE_GROUP = 4 << 20
+"""Bytes of small segments compared per pool task: one task each cost more than the compare."""
 
 
 @dataclass
@@ -113,21 +114,16 @@ class XxhChain:
 
 
 def same_bytes(base: np.ndarray, new: np.ndarray, width: int, want_sum: bool) -> tuple[bool, TensorSum | None]:
-    """Whether `new` equals `base`, stopping at the first block that differs; and, if equal and
-    `want_sum`, the checksum of the bytes, summed block by block while they are in cache."""
-    k = kernels.active()
-    total = TensorSum.empty(width) if want_sum else None
-    off, step = 0, _COMPARE_FIRST
-    while off < len(new):
-        step = max(width, step - step % width)
-        b, n = base[off : off + step], new[off : off + step]
-        if k.count_changed(b, n, 1):
-            return False, None
-        if total is not None:
-            total = total + tensor_sum(n, width, start=off // width)
-        off += len(n)
-        step = min(2 * step, _COMPARE_MAX)
-    return True, total
+    """Whether `new` equals `base`, stopping at the first element that differs; and, if equal and
+    `want_sum`, the checksum of the bytes, from the same pass (the fused coder with room for no change)."""
+    found = kernels.active().encode_sparse_sums([base], [new], [0], width, False, 0, before=False, after=want_sum)
+    if found is None:
+        return False, None
+    if not want_sum:
+        return True, None
+    lanes = found[2][0].after
+    assert lanes is not None, "asked for"
+    return True, TensorSum(width, len(new) // width, tuple(lanes))
 
 
 @dataclass
@@ -259,25 +255,36 @@ class V2Job(Job):
 
     def run(self, pool: ThreadPoolExecutor) -> tuple[list[EncodedFrame], Digested]:
         out = Digested({}, {}, set())
-        candidates = [
-            (fi, si, e) for fi, row in enumerate(self.entries) for si, e in enumerate(row) if e.base_offset is not None
+        # Whether a small segment equals its base decides how frames group (FORMAT §4.5), so those are
+        # compared first, a few per task. A segment cut into frames of its own is not: its frames are
+        # coded, and dropped when none holds a change (a compare would read it up to its first change
+        # twice, and a large tensor of an RL step changes somewhere in almost every chunk).
+        small = [
+            (fi, si, e)
+            for fi, row in enumerate(self.entries)
+            for si, e in enumerate(row)
+            if e.base_offset is not None and e.segment.length < self.chunk_bytes
         ]
 
-        def compare(item: tuple[int, int, SegmentEntry]) -> tuple[bool, TensorSum | None]:
-            fi, si, e = item
-            return same_bytes(
-                self.base_bytes(fi, si), self.new_bytes(fi, si), e.segment.dtype.width, e.base_digest is None
-            )
+        def compare(group: list[tuple[int, int, SegmentEntry]]) -> list[tuple[bool, TensorSum | None]]:
+            found = []
+            for fi, si, e in group:
+                base, new = self.base_bytes(fi, si), self.new_bytes(fi, si)
+                found.append(same_bytes(base, new, e.segment.dtype.width, e.base_digest is None))
+            return found
 
-        for (fi, si, e), (same, total) in zip(candidates, pool.map(compare, candidates), strict=True):
-            if same:
-                digest = e.base_digest if e.base_digest is not None else _hex(total)
-                out.new[fi, si] = out.base[fi, si] = digest
-                out.same.add((fi, si))
+        groups = _by_bytes(small, _COMPARE_GROUP)
+        for group, found in zip(groups, pool.map(compare, groups), strict=True):
+            for (fi, si, e), (same, total) in zip(group, found, strict=True):
+                if same:
+                    digest = e.base_digest if e.base_digest is not None else _hex(total)
+                    out.new[fi, si] = out.base[fi, si] = digest
+                    out.same.add((fi, si))
         plans = plan_frames(self.entries, self.chunk_bytes, out.same, per_file=self.per_file)
         level = self.level
 
-        def run(plan: Plan) -> tuple[EncodedFrame, PieceSums]:
+        def run(plan: Plan) -> tuple[EncodedFrame, PieceSums, bool]:
+            """The frame, its pieces' checksums, and whether it is a delta without a change."""
             width = plan.dtype.width
             starts = [p.offset // width for p in plan.pieces]
             news = [self.new_bytes(p.file, p.seg, p.offset, p.length) for p in plan.pieces]
@@ -286,24 +293,39 @@ class V2Job(Job):
                 sums = PieceSums(width, starts, wants)
                 olds = [self.base_bytes(p.file, p.seg, p.offset, p.length) for p in plan.pieces]
                 blob = encode_delta_pieces(olds, news, plan.dtype, level=level, version=VERSION_2, piece_sums=sums)
-            else:
-                sums = PieceSums(width, starts, [False] * len(news))
-                for i, x in enumerate(news):
-                    sums.update(i, x, x)
-                data = news[0] if len(news) == 1 else np.concatenate(news)
-                blob = encode_key(data, plan.dtype, level=level, version=VERSION_2)
-            return self.frame(plan, blob), sums
+                return self.frame(plan, blob), sums, changed_elements(blob) == 0
+            sums = PieceSums(width, starts, [False] * len(news))
+            for i, x in enumerate(news):
+                sums.update(i, x, x)
+            data = news[0] if len(news) == 1 else np.concatenate(news)
+            blob = encode_key(data, plan.dtype, level=level, version=VERSION_2)
+            return self.frame(plan, blob), sums, False
 
         results = list(pool.map(run, plans))
+        # A segment in frames of its own whose frames hold no change equals its base: no frame (FORMAT §5.3).
+        unchanged: dict[tuple[int, int], bool] = {}
+        for plan, (_, _, none) in zip(plans, results, strict=True):
+            p = plan.pieces[0]
+            if plan.delta and self.entries[p.file][p.seg].segment.length >= self.chunk_bytes:
+                unchanged[p.file, p.seg] = unchanged.get((p.file, p.seg), True) and none
+        same_large = {key for key, none in unchanged.items() if none}
         new_sums: dict[tuple[int, int], TensorSum] = {}
         base_sums: dict[tuple[int, int], TensorSum] = {}
-        for plan, (_, sums) in zip(plans, results, strict=True):
+        frames: list[EncodedFrame] = []
+        for plan, (frame, sums, _) in zip(plans, results, strict=True):
+            first = plan.pieces[0]
+            if (first.file, first.seg) not in same_large:
+                frames.append(frame)
             for i, p in enumerate(plan.pieces):
                 key = (p.file, p.seg)
                 new_sums[key] = new_sums[key] + sums.new[i] if key in new_sums else sums.new[i]
                 b = sums.base[i]
                 if b is not None:
                     base_sums[key] = base_sums[key] + b if key in base_sums else b
+        for fi, si in same_large:
+            e = self.entries[fi][si]
+            out.new[fi, si] = out.base[fi, si] = e.base_digest if e.base_digest is not None else new_sums[fi, si].hex()
+            out.same.add((fi, si))
         for fi, row in enumerate(self.entries):
             for si, e in enumerate(row):
                 key = (fi, si)
@@ -313,7 +335,23 @@ class V2Job(Job):
                 out.new[key] = new_sums.get(key, empty).hex()  # empty segments are in no frame
                 if e.base_offset is not None:
                     out.base[key] = e.base_digest if e.base_digest is not None else base_sums.get(key, empty).hex()
-        return [fr for fr, _ in results], out
+        return frames, out
+
+
+def _by_bytes(items: list[tuple[int, int, SegmentEntry]], size: int) -> list[list[tuple[int, int, SegmentEntry]]]:
+    """`items` in order, cut into runs of about `size` bytes of segments (at least one item each)."""
+    groups: list[list[tuple[int, int, SegmentEntry]]] = []
+    run: list[tuple[int, int, SegmentEntry]] = []
+    total = 0
+    for item in items:
+        run.append(item)
+        total += item[2].segment.length
+        if total >= size:
+            groups.append(run)
+            run, total = [], 0
+    if run:
+        groups.append(run)
+    return groups
 
 
 def _hex(total: TensorSum | None) -> str:

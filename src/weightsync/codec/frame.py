@@ -418,6 +418,15 @@ def _encode_pieces_v2(
     return _finish_delta(k, VERSION_2, flags, dtype, method, raw_len, parts, bases, news, add, ZERO_HASH, ZERO_HASH)
 
 
+def changed_elements(frame: bytes | memoryview | np.ndarray) -> int | None:
+    """The number of changed elements a SPARSE delta frame declares (FORMAT §4.2); None for other methods."""
+    head = parse_header(frame)
+    if head.method != METHOD_SPARSE:
+        return None
+    (count,) = _COUNT.unpack_from(_view(frame), HEADER_SIZE)
+    return int(count)
+
+
 def _finish_delta(
     k: kernels.Kernels,
     version: int,
