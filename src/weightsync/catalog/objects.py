@@ -14,17 +14,18 @@ PostgreSQL never deadlock; on SQLite ``BEGIN IMMEDIATE`` serializes writers anyw
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import fields, replace
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, delete, exists, insert, or_, select, update
+from sqlalchemy import ColumnElement, bindparam, delete, exists, insert, or_, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
 from .. import errors
 from .records import ObjectInfo, Pinned
-from .rows import chunks, object_record, rowcount
+from .rows import OBJECTS, chunks, rowcount
 from .schema import ObjectRow, VersionObjectRow, VersionRow
 
 __all__ = [
@@ -50,16 +51,24 @@ def referenced(digest_col: Any) -> ColumnElement[bool]:
     return or_(by_ref, by_manifest)
 
 
+# Per dialect, built once: one statement run with many parameter sets (executemany), on the table (the
+# ORM's bulk-insert path adds its own work to every call).
+_INSERT_IGNORE = {
+    "postgresql": pg_insert(OBJECTS).on_conflict_do_nothing(index_elements=["digest"]),
+    "sqlite": sqlite_insert(OBJECTS).on_conflict_do_nothing(index_elements=["digest"]),
+}
+
+
 def insert_ignore(s: Session, rows: list[dict[str, Any]]) -> None:
     """Insert object ``rows`` (dicts of column values), leaving rows that already exist untouched."""
     if not rows:
         return
-    upsert = pg_insert if s.get_bind().dialect.name == "postgresql" else sqlite_insert
-    # One statement run with many parameter sets (executemany): compiled once and cached, where a
-    # multi-row VALUES list is compiled anew for every row count (most of a commit's CPU time).
-    stmt = upsert(ObjectRow).on_conflict_do_nothing(index_elements=["digest"])
+    # Compiled once and cached, where a multi-row VALUES list is compiled anew for every row count
+    # (most of a commit's CPU time once).
+    conn = s.connection()
+    stmt = _INSERT_IGNORE["postgresql" if conn.dialect.name == "postgresql" else "sqlite"]
     for chunk in chunks(rows):
-        s.execute(stmt, list(chunk))
+        conn.execute(stmt, list(chunk))
 
 
 def lock_rows(s: Session, digests: Sequence[str]) -> list[ObjectRow]:
@@ -124,6 +133,15 @@ def mark_unreferenced(s: Session, digests: Iterable[str], now: datetime) -> None
         )
 
 
+# ObjectInfo's fields, by name (ObjectInfo(**row._asdict())).
+_OBJECTS_IN = select(*(OBJECTS.c[f.name] for f in fields(ObjectInfo))).where(
+    OBJECTS.c.digest.in_(bindparam("digests", expanding=True))
+)
+_RESTART_GRACE = (
+    update(OBJECTS).where(OBJECTS.c.digest == bindparam("v_digest")).values(unreferenced_since=bindparam("v_now"))
+)
+
+
 def record(s: Session, digest: str, size: int, now: datetime) -> ObjectInfo:
     """Record object ``digest`` of ``size`` bytes (idempotent) and return its row as a record.
 
@@ -131,22 +149,24 @@ def record(s: Session, digest: str, size: int, now: datetime) -> ObjectInfo:
     the caller must not rely on the bytes (see :func:`attach`). DigestMismatch on another size.
     """
     insert_ignore(s, [{"digest": digest, "size": size, "first_seen": now, "unreferenced_since": now}])
-    row = s.get(ObjectRow, digest)
-    assert row is not None
-    if row.size != size:
-        raise errors.DigestMismatch(f"object {digest} is recorded with {row.size} bytes, not {size}")
-    if row.state == "live" and row.unreferenced_since is not None and row.unreferenced_since < now:
-        row.unreferenced_since = now
-    s.flush()
-    return object_record(row)
+    found = s.connection().execute(_OBJECTS_IN, {"digests": [digest]}).first()
+    assert found is not None
+    info = ObjectInfo(**found._asdict())
+    if info.size != size:
+        raise errors.DigestMismatch(f"object {digest} is recorded with {info.size} bytes, not {size}")
+    if info.state == "live" and info.unreferenced_since is not None and info.unreferenced_since < now:
+        s.connection().execute(_RESTART_GRACE, {"v_digest": digest, "v_now": now})
+        info = replace(info, unreferenced_since=now)
+    return info
 
 
 def get_many(s: Session, digests: Sequence[str]) -> dict[str, ObjectInfo]:
     """Return the records of those ``digests`` the catalog knows, by digest."""
     out: dict[str, ObjectInfo] = {}
+    conn = s.connection()
     for chunk in chunks(sorted(set(digests))):
-        for row in s.scalars(select(ObjectRow).where(ObjectRow.digest.in_(chunk))):
-            out[row.digest] = object_record(row)
+        for row in conn.execute(_OBJECTS_IN, {"digests": list(chunk)}):
+            out[row.digest] = ObjectInfo(**row._asdict())
     return out
 
 

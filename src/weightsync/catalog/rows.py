@@ -23,6 +23,7 @@ from .schema import LeaseRow, ModelRow, ObjectRow, ReplicaRow, VersionObjectRow,
 __all__ = [
     "CHUNK",
     "MODELS",
+    "OBJECTS",
     "VERSION_COLUMNS",
     "VERSION_OBJECTS",
     "VERSIONS",
@@ -94,6 +95,7 @@ _COMMITTED = select(VersionRow).where(
 MODELS = cast(Table, ModelRow.__table__)
 VERSIONS = cast(Table, VersionRow.__table__)
 VERSION_OBJECTS = cast(Table, VersionObjectRow.__table__)
+OBJECTS = cast(Table, ObjectRow.__table__)
 #: A version row's columns, named as VersionRow's attributes (``metadata`` is ``metadata_``).
 VERSION_COLUMNS = tuple(c.label("metadata_") if c.name == "metadata" else c for c in VERSIONS.c)
 
