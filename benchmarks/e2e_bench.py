@@ -15,10 +15,13 @@ times, interleaved so machine noise hits both alike:
 The first version is a warm-up and is not counted; the figures are medians.
 The split comes from the publisher's ``PublishResult.timings`` (begin, encode,
 upload, commit, cache) and the subscriber's ``timings`` (plan, download,
-decode, apply). Commit latency is the client's round trip of the commit call
-(loopback: the server's own work plus one local HTTP exchange), over ``--commits``
-extra publishes; after each, a follower's plan request (holder named, as
-``Subscriber.prepare`` asks it) is timed too.
+decode, apply). A delta small enough for one request (publishVersion, docs/API.md
+"One request per version") shows that request under upload and no commit.
+Commit latency is the client's round trip of the commit call (commitPublish,
+loopback: the server's own work plus one local HTTP exchange), over ``--commits``
+extra publishes that take the three requests (``inline_bytes=0``); after each, a
+follower's plan request (holder named, as ``Subscriber.prepare`` asks it) is
+timed too; and the same publishes made in one request each, that request timed.
 """
 
 from __future__ import annotations
@@ -119,26 +122,37 @@ def run(versions: list[Path], url: str) -> dict[str, Any]:
     return out
 
 
-def commit_latency(url: str, versions: list[Path], repeats: int) -> tuple[list[float], list[float]]:
-    """Round trips of the commit call alone and of a follower's plan after each commit.
+def commit_latency(url: str, versions: list[Path], repeats: int) -> tuple[list[float], list[float], list[float]]:
+    """Round trips of the commit call alone, of a follower's plan after each commit, and of publishVersion.
 
-    `repeats` publishes of alternating versions, commit timed; after each, a follower holding the
-    previous version asks for the plan to the new head with its holder name (what
-    `Subscriber.prepare` asks first), timed. Returns (commit seconds, plan seconds).
+    `repeats` publishes of alternating versions in three requests (``inline_bytes=0``), commit
+    timed; after each, a follower holding the previous version asks for the plan to the new head
+    with its holder name (what `Subscriber.prepare` asks first), timed. Interleaved with them, the
+    same publishes to another model in one request each (publishVersion), that request timed.
+    Returns (commit seconds, plan seconds, publishVersion seconds).
     """
     from weightsync.client import Publisher, Subscriber
 
     commits: list[float] = []
     plans: list[float] = []
-    with Publisher(url, "e2e-commit") as pub, Subscriber(url, "e2e-commit", name="bench-follower") as sub:
+    whole: list[float] = []
+    # inline_bytes=0: begin, upload and commitPublish, so the commit is a request of its own to time
+    with (
+        Publisher(url, "e2e-commit", inline_bytes=0) as pub,
+        Publisher(url, "e2e-one-request") as one,
+        Subscriber(url, "e2e-commit", name="bench-follower") as sub,
+    ):
         for i in range(repeats + 1):
             r = pub.publish(versions[i % 2])
+            w = one.publish(versions[i % 2])
             if i:  # the first one is a keyframe and a warm-up
                 commits.append(r.timings["commit_s"])
+                if "commit_s" not in w.timings:  # it went in one request
+                    whole.append(w.timings["upload_s"])
                 t = time.perf_counter()
                 sub.api.get_plan("e2e-commit", have=r.version - 1, holder=sub.name)
                 plans.append(time.perf_counter() - t)
-    return commits, plans
+    return commits, plans, whole
 
 
 def table(r: dict[str, Any]) -> str:
@@ -155,6 +169,11 @@ def table(r: dict[str, Any]) -> str:
     )
     if "plan_p50_ms" in r:
         lines[-1] += f"; a follower's plan after each: p50 {r['plan_p50_ms']:.1f} ms, p90 {r['plan_p90_ms']:.1f} ms"
+    if "publish_version_p50_ms" in r:
+        lines[-1] += (
+            f"; the same publishes in one request (publishVersion, client round trip): "
+            f"p50 {r['publish_version_p50_ms']:.1f} ms, p90 {r['publish_version_p90_ms']:.1f} ms"
+        )
     return "\n".join(lines)
 
 
@@ -175,12 +194,15 @@ def main(argv: list[str] | None = None) -> int:
     versions = ensure_case(args.case, args.versions + 1)[: args.versions + 2]
     with tempfile.TemporaryDirectory(prefix="weightsync-e2e-bench-") as tmp, serve(Path(tmp)) as url:
         result = run(versions, url)
-        commits, plans = commit_latency(url, versions, args.commits) if args.commits else ([], [])
+        commits, plans, whole = commit_latency(url, versions, args.commits) if args.commits else ([], [], [])
     if commits:
         result["commit_p50_ms"] = _pct(commits, 50) * 1e3
         result["commit_p90_ms"] = _pct(commits, 90) * 1e3
         result["plan_p50_ms"] = _pct(plans, 50) * 1e3
         result["plan_p90_ms"] = _pct(plans, 90) * 1e3
+    if whole:
+        result["publish_version_p50_ms"] = _pct(whole, 50) * 1e3
+        result["publish_version_p90_ms"] = _pct(whole, 90) * 1e3
     result["commit_samples"] = len(commits) or 2 * result["versions"]
     result.update(machine=machine(), when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), case=args.case)
     args.out.mkdir(parents=True, exist_ok=True)

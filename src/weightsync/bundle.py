@@ -1,35 +1,40 @@
-"""The plan-with-objects answer of getPlan (docs/API.md "One request per update"): framing only.
+"""A JSON part and whole objects in one body (docs/API.md "One request per update"): framing only.
 
-A subscriber whose update is small asks ``GET /v1/models/{model}/plan?inline=N`` and, when the
-plan's bytes are at most N, gets the plan *and* the manifests and objects it names in one
-answer (``Content-Type: application/vnd.weightsync.plan-bundle``): one round trip per update
-instead of a plan, then a batch of object reads. The body is
+Two requests use it. A subscriber whose update is small asks ``GET /v1/models/{model}/plan?inline=N``
+and, when the plan's bytes are at most N, gets the plan *and* the manifests and objects it names
+in one answer (``Content-Type: application/vnd.weightsync.plan-bundle``): one round trip per
+update instead of a plan, then a batch of object reads. A publisher whose version is small sends
+``POST /v1/models/{model}/versions`` (publishVersion) with the begin's JSON and the version's
+objects in one body (``application/vnd.weightsync.publish-bundle``): one request per version
+instead of begin, uploads and commit. The body is
 
     magic "WSPB" | version u8 (1) | 3 zero bytes
     parts: name length u16 LE | name (ASCII) | size u64 LE | size bytes
 
-The first part is named ``plan`` and holds the plan's JSON (as getPlan answers it); each
-other part is named by an object's SHA-256 (64 hex) and holds the whole object. Readers
-check every object against its name, as for any object read. Shared by the service (which
-writes it) and the client (which reads it): this module imports nothing of weightsync but the
-errors and the digest check.
+The first part holds JSON and is named ``plan`` (the plan as getPlan answers it) or ``publish``
+(publishVersion's request); each other part is named by an object's SHA-256 (64 hex) and holds
+the whole object. Readers check every object against its name, as for any object read. Shared by
+the service and the client: this module imports nothing of weightsync but the errors and the
+digest check.
 """
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 from weightsync import errors
 from weightsync.common import is_digest
 
 MEDIA_TYPE = "application/vnd.weightsync.plan-bundle"
+PUBLISH_MEDIA_TYPE = "application/vnd.weightsync.publish-bundle"
 MAGIC = b"WSPB"
 VERSION = 1
 _HEAD = struct.Struct("<4sB3x")
 _NAME = struct.Struct("<H")
 _SIZE = struct.Struct("<Q")
 PLAN = "plan"
+PUBLISH = "publish"
 MAX_INLINE = 64 << 20
 """The most object bytes a server puts in one answer (a larger update is fetched the usual way)."""
 
@@ -49,43 +54,146 @@ def part_overhead(name: str) -> int:
     return _NAME.size + len(name) + _SIZE.size
 
 
-def encode(plan_json: bytes, objects: dict[str, bytes]) -> bytes:
-    """A whole bundle (tests and small answers): the plan, then `objects` by digest."""
-    out = [head(), part_header(PLAN, len(plan_json)), plan_json]
+def encode(plan_json: bytes, objects: dict[str, bytes], *, first: str = PLAN) -> bytes:
+    """A whole bundle (tests and small bodies): the JSON part named `first`, then `objects` by digest."""
+    return b"".join(chunks(plan_json, objects, first=first))
+
+
+def chunks(json_part: bytes, objects: dict[str, bytes], *, first: str) -> list[bytes]:
+    """A bundle's bytes as a list of pieces (headers and the objects themselves, uncopied)."""
+    out = [head() + part_header(first, len(json_part)), json_part]
     for digest, data in objects.items():
         out += [part_header(digest, len(data)), data]
-    return b"".join(out)
+    return out
 
 
-def parts(body: bytes | memoryview) -> Iterator[tuple[str, memoryview]]:
-    """The (name, bytes) parts of a bundle, plan first; BadResponse on anything malformed."""
+def _check_name(name: str, first: bool, first_name: str, what: str, error: type[errors.WeightsyncError]) -> None:
+    if first != (name == first_name) or (not first and not is_digest(name)):
+        raise error(f"{what}: unexpected part {name!r}")
+
+
+def parts(
+    body: bytes | memoryview, *, first: str = PLAN, error: type[errors.WeightsyncError] = errors.BadResponse
+) -> Iterator[tuple[str, memoryview]]:
+    """The (name, bytes) parts of a bundle, the JSON part (named `first`) first; `error` on anything malformed."""
+    what = f"{first} bundle"
     view = memoryview(body)
     if len(view) < _HEAD.size or _HEAD.unpack_from(view)[0] != MAGIC:
-        raise errors.BadResponse("plan bundle: bad magic")
+        raise error(f"{what}: bad magic")
     if view[4] != VERSION:
-        raise errors.BadResponse(f"plan bundle: version {view[4]}, this client reads {VERSION}")
+        raise error(f"{what}: version {view[4]}, this side reads {VERSION}")
     at = _HEAD.size
-    first = True
+    is_first = True
     while at < len(view):
         if at + _NAME.size > len(view):
-            raise errors.BadResponse("plan bundle: truncated part header")
+            raise error(f"{what}: truncated part header")
         (n,) = _NAME.unpack_from(view, at)
         at += _NAME.size
         if at + n + _SIZE.size > len(view):
-            raise errors.BadResponse("plan bundle: truncated part header")
+            raise error(f"{what}: truncated part header")
         try:
             name = bytes(view[at : at + n]).decode("ascii")
         except UnicodeDecodeError:
-            raise errors.BadResponse("plan bundle: a part name is not ASCII") from None
+            raise error(f"{what}: a part name is not ASCII") from None
         at += n
         (size,) = _SIZE.unpack_from(view, at)
         at += _SIZE.size
         if size > len(view) - at:
-            raise errors.BadResponse(f"plan bundle: part {name!r} is truncated")
-        if first != (name == PLAN) or (not first and not is_digest(name)):
-            raise errors.BadResponse(f"plan bundle: unexpected part {name!r}")
+            raise error(f"{what}: part {name!r} is truncated")
+        _check_name(name, is_first, first, what, error)
         yield name, view[at : at + size]
         at += size
-        first = False
-    if first:
-        raise errors.BadResponse("plan bundle: no plan")
+        is_first = False
+    if is_first:
+        raise error(f"{what}: no {first}")
+
+
+class StreamedBundle:
+    """A bundle read as it arrives (a request body): the JSON part whole, then each object as a stream.
+
+    ``await json_part()`` first (at most `max_json` bytes), then ``async for name, size, body in
+    objects()``; each `body` must be read to its end (or :meth:`skip`ped) before the next part.
+    Raises `error` on anything malformed, truncated included.
+    """
+
+    def __init__(
+        self,
+        chunks: AsyncIterator[bytes],
+        *,
+        first: str,
+        max_json: int,
+        error: type[errors.WeightsyncError] = errors.InvalidArgument,
+    ) -> None:
+        self._chunks = chunks
+        self._buf = bytearray()
+        self._done = False
+        self._first = first
+        self._max_json = max_json
+        self._error = error
+        self._what = f"{first} bundle"
+
+    async def _fill(self, n: int) -> bool:
+        """Buffer at least `n` bytes; False when the body ends first."""
+        while len(self._buf) < n and not self._done:
+            try:
+                self._buf += await self._chunks.__anext__()
+            except StopAsyncIteration:
+                self._done = True
+        return len(self._buf) >= n
+
+    async def _take(self, n: int, what: str) -> bytes:
+        if not await self._fill(n):
+            raise self._error(f"{self._what}: truncated {what}")
+        out = bytes(self._buf[:n])
+        del self._buf[:n]
+        return out
+
+    async def _header(self) -> tuple[str, int] | None:
+        """The next part's (name, size); None at the body's end."""
+        if not await self._fill(1):
+            return None
+        (n,) = _NAME.unpack(await self._take(_NAME.size, "part header"))
+        raw = await self._take(n + _SIZE.size, "part header")
+        try:
+            name = raw[:n].decode("ascii")
+        except UnicodeDecodeError:
+            raise self._error(f"{self._what}: a part name is not ASCII") from None
+        return name, _SIZE.unpack_from(raw, n)[0]
+
+    async def json_part(self) -> bytes:
+        """The first part's bytes (after the bundle's head)."""
+        magic, version = _HEAD.unpack(await self._take(_HEAD.size, "head"))
+        if magic != MAGIC:
+            raise self._error(f"{self._what}: bad magic")
+        if version != VERSION:
+            raise self._error(f"{self._what}: version {version}, this side reads {VERSION}")
+        got = await self._header()
+        if got is None:
+            raise self._error(f"{self._what}: no {self._first}")
+        name, size = got
+        _check_name(name, True, self._first, self._what, self._error)
+        if size > self._max_json:
+            raise self._error(f"{self._what}: the {name} part has {size} bytes, at most {self._max_json} are read")
+        return await self._take(size, f"{name} part")
+
+    async def objects(self) -> AsyncIterator[tuple[str, int, AsyncIterator[bytes]]]:
+        """Each object part as (digest, size, its bytes as they arrive)."""
+        while (got := await self._header()) is not None:
+            name, size = got
+            _check_name(name, False, self._first, self._what, self._error)
+            yield name, size, self._body(name, size)
+
+    async def _body(self, name: str, size: int) -> AsyncIterator[bytes]:
+        left = size
+        while left:
+            if not self._buf and not await self._fill(1):
+                raise self._error(f"{self._what}: part {name!r} is truncated")
+            piece = bytes(self._buf[:left])
+            del self._buf[: len(piece)]
+            left -= len(piece)
+            yield piece
+
+    async def skip(self, body: AsyncIterator[bytes]) -> None:
+        """Read a part's bytes to its end, keeping none."""
+        async for _ in body:
+            pass

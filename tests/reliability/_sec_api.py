@@ -29,6 +29,7 @@ REQUIRED_SCOPE: dict[str, tuple[str | None, bool]] = {
     "beginPublish": ("publish", True),
     "checkObjects": ("publish", True),
     "commitPublish": ("publish", True),
+    "publishVersion": ("publish", True),
     "commitPart": ("publish", True),
     "abortPublish": ("publish", True),
     "watchModel": ("read", True),

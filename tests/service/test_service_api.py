@@ -38,6 +38,7 @@ OPERATION_IDS = {
     "beginPublish",
     "checkObjects",
     "commitPublish",
+    "publishVersion",
     "commitPart",
     "abortPublish",
     "putObject",

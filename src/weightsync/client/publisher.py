@@ -30,7 +30,7 @@ from weightsync import errors
 from weightsync.client import upload
 from weightsync.client._http import Api
 from weightsync.client.base import Base, BaseKeeper, snapshot
-from weightsync.client.models import PublishResult
+from weightsync.client.models import PublishBegin, PublishResult
 from weightsync.client.pull import Meter, Progress
 from weightsync.client.state import CheckoutState
 from weightsync.client.tensors import SnapshotBuffers, snapshot_state_dict
@@ -43,6 +43,9 @@ from weightsync.common import model_path_name
 
 log = logging.getLogger("weightsync.client")
 KIND_FORMAT = {kind: version for version, kind in DIGEST_KINDS.items()}
+DEFAULT_PUBLISH_INLINE = 8 << 20
+"""Versions up to this many bytes go in one request: well below the service's 16 MiB default cap on
+non-object bodies (max_json_body), and small enough that one stream loses nothing to parallel uploads."""
 
 
 class Publisher:
@@ -51,8 +54,12 @@ class Publisher:
     ``cache_dir`` keeps the last published version on disk (a checkout under
     ``cache_dir/<model>``) instead of in memory, so a restarted trainer still
     publishes deltas. ``concurrency`` is the number of parallel uploads,
-    ``bandwidth`` an upload cap in bytes/s. Thread-safe: publishes run one at a
-    time, in call order for ``publish_async``.
+    ``bandwidth`` an upload cap in bytes/s. ``inline_bytes``: a version encoded
+    on the held base whose objects add up to at most this many bytes is published
+    in one request (publishVersion: begin, objects and commit; docs/API.md "One
+    request per version"); larger ones, keyframes and parts take begin, parallel
+    uploads and commit (0: always). Thread-safe: publishes run one at a time, in
+    call order for ``publish_async``.
     """
 
     def __init__(
@@ -74,6 +81,7 @@ class Publisher:
         progress: Progress | None = None,
         part: tuple[int, int] | None = None,
         parent_wait_s: float = 600.0,
+        inline_bytes: int = DEFAULT_PUBLISH_INLINE,
     ) -> None:
         if on_mismatch not in ("auto", "keyframe", "download"):
             raise ValueError("on_mismatch must be 'auto', 'keyframe' or 'download'")
@@ -87,6 +95,9 @@ class Publisher:
         if self.part is not None:
             on_mismatch = "keyframe"
         self.parent_wait_s = parent_wait_s
+        if inline_bytes < 0:
+            raise ValueError("inline_bytes must be at least 0")
+        self.inline_bytes = inline_bytes
         self.concurrency = max(1, concurrency)
         self.on_mismatch = (
             on_mismatch if on_mismatch != "auto" else ("download" if self.cache_dir is not None else "keyframe")
@@ -192,7 +203,8 @@ class Publisher:
         commits when the last part arrives. ``wait`` (default) returns once the version is
         committed; without it, once this part is accepted (``version`` 0 while parts are
         missing, and the next publish of this part is a keyframe). Parts of the next step sent
-        while this one is pending are answered 409 parent-pending: retried for ``parent_wait_s``.
+        while this one is pending are answered 409 parent-pending: retried for ``parent_wait_s``,
+        as is a begin on a head that another commit moved between reading it and beginning on it.
         """
         if self.part is not None and step is None:
             raise ValueError("a part publisher needs the step: ranks join the version by (parent, step)")
@@ -218,6 +230,19 @@ class Publisher:
                     timings=timings,
                 )
 
+            def inline(held: Base, packed: upload.Packed) -> upload.Committed | PublishBegin | None:
+                return upload.publish_inline(
+                    self.api,
+                    self.model,
+                    held,
+                    packed,
+                    checkpoint=checkpoint,
+                    limit=self.inline_bytes,
+                    allow_removals=allow_removals,
+                    meter=meter,
+                    timings=timings,
+                )
+
             deadline = time.monotonic() + self.parent_wait_s
             while True:
                 try:
@@ -231,36 +256,44 @@ class Publisher:
                         catch_up=catch_up,
                         prepare=lambda held: pack_for(held, held.state.number),
                         part=self.part,
+                        inline=inline if self.part is None and self.inline_bytes else None,
                     )
                     break
                 except errors.ParentPending:  # the previous step's parts are still pending: its commit is near
                     if time.monotonic() > deadline:
                         raise
                     time.sleep(0.1)
-            # The formats the server reads (one that predates format 2 says nothing: format 1 only).
-            self._formats = tuple(begun.formats or [MANIFEST_V1])
-            # source, base (and a catch-up) and beginPublish; an encoding made first is counted in encode_s
-            timings["begin_s"] = time.perf_counter() - t0 - timings.get("encode_s", 0.0)
-            try:
-                done = upload.commit(
-                    self.api,
-                    self._pool,
-                    self.model,
-                    begun,
-                    base,
-                    packed,
-                    checkpoint=checkpoint,
-                    pack_for=pack_for,
-                    allow_removals=allow_removals,
-                    meter=meter,
-                    timings=timings,
-                    part=self.part,
-                    wait=wait,
-                )
-            except BaseException:
-                if self.part is None:  # a part's group is shared: it expires if this rank never arrives
-                    self._abort(begun.publish_id)
-                raise
+                except errors.StaleParent:  # the head moved between reading it and beginning on it: read it again
+                    if time.monotonic() > deadline:
+                        raise
+            # source, base (and a catch-up) and beginPublish; an encoding made first is counted in encode_s,
+            # a one-request publish (publishVersion) in upload_s
+            timings["begin_s"] = time.perf_counter() - t0 - timings.get("encode_s", 0.0) - timings.get("upload_s", 0.0)
+            if isinstance(begun, upload.Committed):
+                done = begun
+            else:
+                # The formats the server reads (one that predates format 2 says nothing: format 1 only).
+                self._formats = tuple(begun.formats or [MANIFEST_V1])
+                try:
+                    done = upload.commit(
+                        self.api,
+                        self._pool,
+                        self.model,
+                        begun,
+                        base,
+                        packed,
+                        checkpoint=checkpoint,
+                        pack_for=pack_for,
+                        allow_removals=allow_removals,
+                        meter=meter,
+                        timings=timings,
+                        part=self.part,
+                        wait=wait,
+                    )
+                except BaseException:
+                    if self.part is None:  # a part's group is shared: it expires if this rank never arrives
+                        self._abort(begun.publish_id)
+                    raise
             t = time.perf_counter()
             state = CheckoutState.of(self.model, done.number, done.digest, done.manifest, self.api.server)
             try:
@@ -278,7 +311,7 @@ class Publisher:
                 model=self.model,
                 version=done.number,
                 kind=done.manifest.kind,
-                parent=begun.parent,
+                parent=done.manifest.parent,
                 bytes_sent=meter.bytes,
                 raw_bytes=done.manifest.raw_bytes,
                 stored_bytes=done.manifest.stored_bytes,

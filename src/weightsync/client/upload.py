@@ -99,12 +99,16 @@ def begin(
     catch_up: Meter,
     prepare: Callable[[Base], Packed],
     part: tuple[int, int] | None = None,
-) -> tuple[Base | None, PublishBegin, Packed | None]:
+    inline: Callable[[Base, Packed], Committed | PublishBegin | None] | None = None,
+) -> tuple[Base | None, PublishBegin | Committed, Packed | None]:
     """Begin a publish: on the base held when it is still the head, else on the head.
 
     Returns the base to diff against (None: a keyframe), the server's answer, and the version
     already packed when there was a base: `prepare` encodes against the base held *before*
     beginning, so the begin also checks its objects (begin and checkObjects in one round trip).
+    With `inline` (:func:`publish_inline`), a version packed on the held base is first offered
+    whole in one request: the answer is then the version Committed already, or the publish the
+    server began for another kind (None: too large, or a server without publishVersion).
     Behind the head, the keeper catches up (an incremental pull counted by `catch_up`) or gives
     up its base, and nothing is packed yet.
     """
@@ -112,6 +116,9 @@ def begin(
     if base is not None:
         packed = prepare(base)
         try:  # begin answers the parent's manifest: `commit` checks the base against it
+            got = None if inline is None else inline(base, packed)
+            if got is not None:
+                return base, got, packed
             return (
                 base,
                 api.begin_publish(
@@ -180,14 +187,7 @@ def commit(
     if use is not None and begun.parent_manifest not in (None, use.state.manifest):
         use = None
     if part is None and base is not None and begun.parent == base.state.number and not allow_removals:
-        # The held base is the parent: refuse before uploading anything (the commit checks it anyway).
-        dropped = removed_content(
-            tensor_names(f.layout for f in base.checkpoint.files),
-            tensor_names(f.layout for f in checkpoint.files),
-            single_file=checkpoint.single_file,
-        )
-        if dropped:
-            raise errors.RemovesContent(removal_message(base.state.number, dropped))
+        refuse_removals(base, checkpoint)
     fits = (
         packed is not None
         and packed.manifest.version in (begun.formats or [1])
@@ -227,6 +227,74 @@ def commit(
     ).number
     timings["commit_s"] = time.perf_counter() - t
     return Committed(number, packed.digest, packed.manifest, len(packed.objects) + 1, len(todo))
+
+
+def refuse_removals(base: Base, checkpoint: Checkpoint) -> None:
+    """RemovesContent when `checkpoint` drops files or tensors of the held base, its parent: refused
+    before uploading anything (the server's commit checks it anyway)."""
+    dropped = removed_content(
+        tensor_names(f.layout for f in base.checkpoint.files),
+        tensor_names(f.layout for f in checkpoint.files),
+        single_file=checkpoint.single_file,
+    )
+    if dropped:
+        raise errors.RemovesContent(removal_message(base.state.number, dropped))
+
+
+def publish_inline(
+    api: Api,
+    model: str,
+    base: Base,
+    packed: Packed,
+    *,
+    checkpoint: Checkpoint,
+    limit: int,
+    allow_removals: bool,
+    meter: Meter,
+    timings: dict[str, float],
+) -> Committed | PublishBegin | None:
+    """Offer `packed` (encoded on the held `base`) whole in one request (publishVersion, docs/API.md
+    "One request per version"), when its objects add up to at most `limit` bytes.
+
+    Returns the version Committed; the publish the server began instead, for another kind than
+    the one packed (the caller encodes that and goes on as after a begin); or None when the version
+    is larger than `limit` or the server predates publishVersion. Raises what the API raises
+    (StaleParent: the head moved; RemovesContent without `allow_removals`). The request's time is
+    ``timings["upload_s"]``: it carries the objects and the commit.
+    """
+    objects = {**packed.objects, packed.digest: packed.manifest_bytes}  # the manifest last (invariant 2)
+    total = sum(len(b) for b in objects.values())
+    if total > limit or api.publish_version_missing:
+        return None
+    if not allow_removals:
+        refuse_removals(base, checkpoint)
+    m = packed.manifest
+    # The same key for the same manifest on the same parent: a retry whose answer was lost replays it.
+    key = hashlib.sha256(f"{model}\0{m.parent}\0{packed.digest}".encode()).hexdigest()[:32]
+    t = time.perf_counter()
+    meter.total = total
+    api.on_bytes = meter
+    try:
+        got = api.publish_version(
+            model,
+            parent=m.parent,
+            step=m.step,
+            metadata=m.metadata,
+            keyframe=m.kind == "keyframe",
+            objects=objects,
+            manifest=packed.digest,
+            idempotency_key=key,
+            allow_removals=allow_removals,
+        )
+    finally:
+        api.on_bytes = None
+    timings["upload_s"] = time.perf_counter() - t
+    if got is None:
+        api.publish_version_missing = True
+        return None
+    if isinstance(got, PublishBegin):
+        return got
+    return Committed(got.number, packed.digest, packed.manifest, len(objects), len(objects))
 
 
 def commit_part(

@@ -17,7 +17,7 @@ import contextlib
 import hashlib
 import logging
 from collections import OrderedDict
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Collection, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, ParamSpec, TypeVar
@@ -60,6 +60,8 @@ MAX_MANIFEST_BYTES = 256 << 20
 _PROBE_DIGEST = "0" * 64
 # Uploads up to this size that start like a manifest are parsed as they arrive (Ops._warm_manifest).
 MAX_WARM_MANIFEST_BYTES = 32 << 20
+_REPLAY_WINDOW = 1000
+"""Versions after its parent that a retried publishVersion looks through for its own commit."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,8 @@ class BeginResult:
     expires_at: datetime | None
     missing: list[str] | None = None
     """With the objects of an encoding of the answered kind: those to upload (the others are held)."""
+    deleting: tuple[str, ...] = ()
+    """Of those objects, the ones GC is deleting (missing too: upload them once GC is done)."""
 
 
 @dataclass(frozen=True)
@@ -244,6 +248,7 @@ class Ops:
         create: bool = True,
         publish_id: str | None = None,
         objects: list[tuple[str, int]] | None = None,
+        ask_store: bool = True,
     ) -> BeginResult:
         """Open a publish on top of `parent` (the head the publisher holds; None for the first version).
 
@@ -256,7 +261,8 @@ class Ops:
         `parent`); when the answered kind is that one they are held for the publish as
         :meth:`missing_objects` holds them and the result's `missing` says which to
         upload. One catalog transaction (Catalog.open_publish), plus one the first time
-        a model is created.
+        a model is created. Without `ask_store` the store is not asked: every object is
+        missing (a caller that holds all their bytes anyway, publishVersion).
         """
         if objects is not None:
             _check_digests(objects)
@@ -274,11 +280,18 @@ class Ops:
         v = opened.version
         if v.parent != parent:
             raise errors.Conflict(f"publish {v.publish_id!r} was begun on parent {v.parent}, not {parent}")
-        missing = None
+        missing: list[str] | None = None
+        deleting: tuple[str, ...] = ()
         if opened.pinned is not None and objects is not None:
-            missing = await self._missing_in_store(objects, set(opened.pinned.deleting))
+            deleting = opened.pinned.deleting
+            if ask_store:
+                missing = await self._missing_in_store(objects, set(deleting))
+            else:
+                missing = [d for d, _ in objects]
         # Beginning again with a pending publish's id returns that publish: its kind, not today's policy's.
-        return BeginResult(model, v.publish_id, v.kind, parent, opened.parent_manifest, v.expires_at, missing)
+        return BeginResult(
+            model, v.publish_id, v.kind, parent, opened.parent_manifest, v.expires_at, missing, tuple(deleting)
+        )
 
     async def missing_objects(self, model: str, publish_id: str, objects: list[tuple[str, int]]) -> list[str]:
         """Return which of `objects` [(digest, size)] the publisher must upload; the others are held for it.
@@ -315,6 +328,14 @@ class Ops:
         self, chunks: AsyncIterable[bytes], *, expected_digest: str | None = None, max_size: int | None = None
     ) -> PutResult:
         """Store streamed bytes under their SHA-256 (computed here, never trusted) and record them."""
+        result = await self._store_stream(chunks, expected_digest=expected_digest, max_size=max_size)
+        await self._record_written(result)
+        return result
+
+    async def _store_stream(
+        self, chunks: AsyncIterable[bytes], *, expected_digest: str | None, max_size: int | None
+    ) -> PutResult:
+        """:meth:`put_object` without the catalog's record (a manifest among the bytes is parsed as it arrives)."""
         limit = min(max_size or self.settings.max_object_bytes, self.settings.max_object_bytes)
         kept: list[bytes] = []  # the bytes of what may be a manifest, for _warm_manifest
 
@@ -333,7 +354,6 @@ class Ops:
                 yield chunk
 
         result = await self.store.put_stream(teed(), expected_digest=expected_digest, max_size=limit)
-        await self._record_written(result)
         if kept:
             self._warm_manifest(result.digest, b"".join(kept))
         return result
@@ -391,6 +411,7 @@ class Ops:
         idempotency_key: str | None = None,
         allow_removals: bool = False,
         record_later: bool = False,
+        stored: dict[str, int] | None = None,
     ) -> Version:
         """Make the publish visible: validate its manifest and objects, then compare-and-swap the head.
 
@@ -407,6 +428,8 @@ class Ops:
         The commit record (DESIGN invariant 2: after the catalog commit) is written before this
         returns, or with ``record_later`` by a task of its own, off the commit's answer
         (:meth:`drain` waits for those; a record lost to a crash is what fsck --repair rewrites).
+        ``stored`` (digest -> size): objects this caller wrote to the store after the publish held
+        them, so the store is not asked about them again (GC cannot take a held object).
         """
         manifest = await self.load_manifest(manifest_digest, missing=errors.IncompletePublish)  # parsed at upload
         if manifest.model not in (None, model):
@@ -419,6 +442,9 @@ class Ops:
             return await self.load_manifest(await self._manifest_of(model, manifest.parent))
 
         async def check(digest: str, extent: int) -> tuple[str, int]:
+            known = None if stored is None else stored.get(digest)
+            if known is not None and known >= extent:
+                return digest, known
             async with self._sem:
                 try:
                     info = await self.store.stat(digest)
@@ -475,6 +501,112 @@ class Ops:
         else:
             await self._record_committed(version)
         return version
+
+    async def publish_version(
+        self,
+        model: str,
+        *,
+        parent: int | None,
+        step: int | None,
+        metadata: dict[str, Any] | None,
+        keyframe: bool,
+        objects: list[tuple[str, int]],
+        manifest_digest: str,
+        parts: AsyncIterator[tuple[str, int, AsyncIterator[bytes]]],
+        skip: Callable[[AsyncIterator[bytes]], Awaitable[None]],
+        idempotency_key: str | None = None,
+        allow_removals: bool = False,
+    ) -> Version | BeginResult:
+        """A whole publish in one call (publishVersion): begin with `objects`, store each of `parts`
+        ((digest, size, bytes) as they arrive: every listed object, once), commit.
+
+        `objects` [(digest, size)] are every object of the version, the manifest among them, encoded
+        as a keyframe when `keyframe` is set, else as a delta on `parent`. When the publish's kind is
+        not that encoding's (the chain policy asks for a keyframe), nothing is stored: `parts` are
+        read through `skip` and the begun publish is returned, pending, for the usual uploads and
+        commit. Otherwise the version is returned, committed as commit_publish commits it (DESIGN
+        invariant 2: every object stored before the catalog commit). A retry whose first attempt
+        committed finds the head moved by itself: with the same `idempotency_key` and manifest it
+        returns that version (a replay), where beginning alone would raise StaleParent. Any failure
+        after the begin aborts the publish (what was stored stays unreferenced, for GC) and raises.
+        """
+        listed = dict(objects)
+        if len(listed) != len(objects):
+            raise errors.InvalidArgument("publishVersion: an object is listed twice")
+        if manifest_digest not in listed:
+            raise errors.InvalidArgument(f"publishVersion: the manifest {manifest_digest} is not among the objects")
+        try:
+            begun = await self.begin_publish(
+                model, parent=parent, step=step, metadata=metadata, keyframe=keyframe, objects=objects, ask_store=False
+            )
+        except errors.StaleParent:
+            replay = await self._replay(model, parent, idempotency_key, manifest_digest)
+            if replay is None:
+                raise
+            await self._drain(parts, skip)
+            return replay
+        if begun.missing is None:  # another kind than the one encoded: the publisher encodes again
+            await self._drain(parts, skip)
+            return begun
+        try:
+            if begun.deleting:  # as an upload of it would be answered (Ops._record_written): retry shortly
+                raise errors.StoreUnavailable(
+                    f"object {begun.deleting[0]} is being garbage-collected: publish again shortly"
+                )
+            # The begin referenced every object (DESIGN invariant 7: GC cannot take them now) and recorded
+            # them: each is written as it arrives, without asking the store first or recording it again.
+            stored: dict[str, int] = {}
+            async for digest, size, body in parts:
+                if listed.get(digest) != size or digest in stored:
+                    raise errors.InvalidArgument(
+                        f"publishVersion: part {digest} ({size} bytes) is not a listed object of that size"
+                    )
+                await self._store_stream(body, expected_digest=digest, max_size=size)
+                stored[digest] = size
+            if len(stored) != len(listed):
+                raise errors.IncompletePublish(
+                    f"publishVersion: {len(listed) - len(stored)} listed object(s) were not sent"
+                )
+            return await self.commit_publish(
+                model,
+                begun.publish_id,
+                manifest_digest=manifest_digest,
+                idempotency_key=idempotency_key,
+                allow_removals=allow_removals,
+                record_later=True,
+                stored=stored,
+            )
+        except BaseException:
+            with contextlib.suppress(errors.WeightsyncError):
+                await self.abort_publish(model, begun.publish_id)
+            raise
+
+    @staticmethod
+    async def _drain(
+        parts: AsyncIterator[tuple[str, int, AsyncIterator[bytes]]],
+        skip: Callable[[AsyncIterator[bytes]], Awaitable[None]],
+    ) -> None:
+        async for _, _, body in parts:
+            await skip(body)
+
+    async def _replay(
+        self, model: str, parent: int | None, idempotency_key: str | None, manifest_digest: str
+    ) -> Version | None:
+        """The version committed on `parent` under `idempotency_key` (a retried publishVersion), if any.
+
+        Conflict when that key committed another manifest (as a retried commit would be told)."""
+        if idempotency_key is None:
+            return None
+        after = -1 if parent is None else parent
+        for v in await self.list_versions(model, after=after, limit=_REPLAY_WINDOW):
+            if v.idempotency_key == idempotency_key and v.parent == parent:
+                if v.manifest_digest != manifest_digest:
+                    raise errors.Conflict(
+                        f"idempotency key {idempotency_key!r} already committed version {v.number} "
+                        f"of {model!r} with another manifest"
+                    )
+                return v
+        return None
 
     def _wake(self) -> None:
         """Wake this process's watchers and event streams at once (others find the commit by polling)."""

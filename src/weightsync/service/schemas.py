@@ -189,6 +189,27 @@ class BeginIn(_In):
     )
 
 
+class PublishIn(_In):
+    """publishVersion's JSON part: beginPublish's fields, the version's objects and commitPublish's."""
+
+    parent: int | None = Field(
+        ge=-INT64, le=INT64, description="The head the publisher holds; null for a model's first version."
+    )
+    step: int | None = Field(None, ge=0, le=INT64)
+    metadata: dict[str, Any] | None = None
+    keyframe: bool = Field(False, description="The objects encode a keyframe (else a delta on parent).")
+    objects: list[ObjectRef] = Field(
+        min_length=1,
+        max_length=1_000_000,
+        description="Every object of the version, the manifest among them, in the order the body carries them.",
+    )
+    manifest: str = Field(max_length=1024, description="Digest of the version's manifest (one of the objects).")
+    idempotency_key: str | None = Field(None, min_length=1, max_length=128)
+    allow_removals: bool = Field(
+        False, description="Commit even if the version drops files or tensors its parent had (else 409)."
+    )
+
+
 class BeginOut(_Out):
     model: str
     publish_id: str

@@ -7,13 +7,15 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Header, Query, Response, status
-from fastapi.responses import StreamingResponse
+from fastapi import APIRouter, Header, Query, Request, Response, status
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
 
 from weightsync import bundle, errors
 from weightsync.common import check_model_name
 from weightsync.ops import Ops, committed
-from weightsync.ops.core import FORMATS, parts_id
+from weightsync.ops.core import FORMATS, BeginResult, parts_id
 from weightsync.service.deps import MetricsDep, OpsDep, Publisher, Reader, SettingsDep
 from weightsync.service.metrics import Metrics
 from weightsync.service.problems import ApiProblem
@@ -29,6 +31,7 @@ from weightsync.service.schemas import (
     PartOut,
     PlanOut,
     PresignedPut,
+    PublishIn,
     VersionList,
     VersionOut,
     begin_out,
@@ -317,6 +320,78 @@ async def commit_publish(
         metrics.versions_committed.inc()
         metrics.publish_to_commit.observe(max(0.0, (version.committed_at - version.created_at).total_seconds()))
     return version_out(version)
+
+
+PUBLISH_RESPONSES: dict[int | str, dict[str, Any]] = {
+    202: {
+        "model": BeginOut,
+        "description": "Not committed: the publish needs another kind than the one sent (the chain policy asks "
+        "for a keyframe). Nothing was stored; the publish is begun, as beginPublish answers it: encode "
+        "that kind, then checkObjects, putObject and commitPublish as usual.",
+    },
+    415: {"description": f"The body is not a {bundle.PUBLISH_MEDIA_TYPE}"},
+}
+
+
+@router.post(
+    "/versions",
+    operation_id="publishVersion",
+    status_code=status.HTTP_201_CREATED,
+    response_model=VersionOut,
+    responses=PUBLISH_RESPONSES,
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {bundle.PUBLISH_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}},
+        }
+    },
+)
+async def publish_version(
+    model: str,
+    request: Request,
+    ops: OpsDep,
+    who: Publisher,
+    metrics: MetricsDep,
+    settings: SettingsDep,
+    content_type: Annotated[str | None, Header()] = None,
+) -> Response | VersionOut:
+    """Publish a version in one request: beginPublish, the uploads and commitPublish (docs/API.md
+    "One request per version"). The body (weightsync/bundle.py) is a ``publish`` part (PublishIn's
+    JSON) and then every listed object; only those the store lacks are stored. Bodies are capped
+    like JSON bodies (the service's max_json_body)."""
+    check_model_name(model)
+    if content_type is None or content_type.split(";")[0].strip() != bundle.PUBLISH_MEDIA_TYPE:
+        raise ApiProblem(
+            415, "unsupported-media-type", "Unsupported media type", f"send a {bundle.PUBLISH_MEDIA_TYPE} body"
+        )
+    reader = bundle.StreamedBundle(request.stream(), first=bundle.PUBLISH, max_json=settings.max_json_body)
+    try:
+        body = PublishIn.model_validate_json(await reader.json_part())
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors()) from None
+    _refuse_too_large(body.objects, settings.max_object_size)
+    started = ops.clock()
+    got = await ops.publish_version(
+        model,
+        parent=body.parent,
+        step=body.step,
+        metadata=body.metadata,
+        keyframe=body.keyframe,
+        objects=[(o.digest, o.size) for o in body.objects],
+        manifest_digest=body.manifest,
+        parts=reader.objects(),
+        skip=reader.skip,
+        idempotency_key=body.idempotency_key,
+        allow_removals=body.allow_removals,
+    )
+    if isinstance(got, BeginResult):
+        out = begin_out(got)
+        out.formats = list(FORMATS)
+        return JSONResponse(out.model_dump(mode="json"), status_code=status.HTTP_202_ACCEPTED)
+    if got.committed_at is not None and got.committed_at >= started:  # a replay was counted the first time
+        metrics.versions_committed.inc()
+        metrics.publish_to_commit.observe(max(0.0, (got.committed_at - got.created_at).total_seconds()))
+    return version_out(got)
 
 
 @router.post("/publishes/{publish_id}/parts/{rank}", operation_id="commitPart", response_model=PartOut)

@@ -1,0 +1,178 @@
+"""One request per version: `Publisher.publish` sends a small delta whole (publishVersion).
+
+Real server, real transport; the transport below only records requests, and where a test says so
+answers one request itself (an old server's 405) or loses an answer after the server acted.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from _client_util import TinyTrainer, tensor_bits  # noqa: E402
+
+from weightsync import errors  # noqa: E402
+from weightsync.client import Publisher, Subscriber  # noqa: E402
+from weightsync.client._http import Api  # noqa: E402
+from weightsync.client.wire import Retry  # noqa: E402
+
+PUBLISH_VERSION = "/versions"
+
+
+class Recording(httpx.BaseTransport):
+    """Passes requests on and records (method, path); `old` answers publishVersion 405 as an older server;
+    `lose` drops the answer to that many publishVersion requests after the server acted on them."""
+
+    def __init__(self, *, old: bool = False, lose: int = 0) -> None:
+        self.inner = httpx.HTTPTransport()
+        self.seen: list[tuple[str, str]] = []
+        self.old, self.lose = old, lose
+        self._lock = threading.Lock()
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        with self._lock:
+            self.seen.append((request.method, request.url.path))
+        one = request.method == "POST" and request.url.path.endswith(PUBLISH_VERSION)
+        if one and self.old:
+            return httpx.Response(405, json={"detail": "Method Not Allowed"})
+        resp = self.inner.handle_request(request)
+        if one and self.lose:
+            resp.read()
+            self.lose -= 1
+            raise httpx.ReadError("connection reset before the answer")
+        return resp
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def take(self) -> list[tuple[str, str]]:
+        with self._lock:
+            out, self.seen = self.seen, []
+        return out
+
+
+def kinds(seen: list[tuple[str, str]]) -> list[str]:
+    """The requests a publish made, by what they are."""
+    out = []
+    for method, path in seen:
+        if method == "POST" and path.endswith(PUBLISH_VERSION):
+            out.append("publishVersion")
+        elif method == "POST" and path.endswith("/publishes"):
+            out.append("begin")
+        elif method == "PUT" and path.startswith("/v1/objects/"):
+            out.append("put")
+        elif method == "POST" and path.endswith("/commit"):
+            out.append("commit")
+        elif method == "POST" and path.endswith("/objects"):
+            out.append("check")
+        else:
+            out.append(f"{method} {path}")
+    return out
+
+
+def follow(url: str, model: str, want: dict) -> None:
+    """A fresh subscriber pulls the head: bit-identical to `want`."""
+    got = {k: torch.zeros_like(v) for k, v in want.items()}
+    with Subscriber(url, model, name="inline-check", report=False) as sub:
+        sub.apply(got, sub.prepare())
+    for name, t in want.items():
+        assert torch.equal(tensor_bits(got[name]), tensor_bits(t)), name
+
+
+def test_a_small_delta_is_one_request_and_arrives_bit_identical(server, model) -> None:
+    trainer, rec = TinyTrainer(seed=11), Recording()
+    with Publisher(server.url, model, transport=rec) as pub:
+        first = pub.publish(trainer.export(), step=0)
+        assert first.kind == "keyframe" and "publishVersion" not in kinds(rec.take())  # no base held yet
+        for step in (1, 2, 3):
+            trainer.step()
+            r = pub.publish(trainer.export(), step=step)
+            assert (r.kind, r.version, r.parent, r.step) == ("delta", step + 1, step, step)
+            assert kinds(rec.take()) == ["publishVersion"]
+            assert r.objects_uploaded == r.objects_total and r.bytes_sent > 0
+    follow(server.url, model, trainer.export())
+
+
+def test_inline_bytes_zero_or_too_small_takes_three_requests(server, model) -> None:
+    for options in ({"inline_bytes": 0}, {"inline_bytes": 100}):
+        trainer, rec = TinyTrainer(seed=12), Recording()
+        name = f"{model}-{options['inline_bytes']}"
+        with Publisher(server.url, name, transport=rec, **options) as pub:
+            pub.publish(trainer.export())
+            rec.take()
+            trainer.step()
+            assert pub.publish(trainer.export()).kind == "delta"
+            seen = kinds(rec.take())
+            assert "publishVersion" not in seen and seen[0] == "begin" and seen[-1] == "commit" and "put" in seen
+        follow(server.url, name, trainer.export())
+    with pytest.raises(ValueError):
+        Publisher(server.url, model, inline_bytes=-1)
+
+
+def test_an_older_server_is_asked_once_then_three_requests(server, model) -> None:
+    trainer, rec = TinyTrainer(seed=13), Recording(old=True)
+    with Publisher(server.url, model, transport=rec) as pub:
+        pub.publish(trainer.export())
+        rec.take()
+        for expect_probe in (True, False):
+            trainer.step()
+            assert pub.publish(trainer.export()).kind == "delta"
+            seen = kinds(rec.take())
+            assert seen.count("publishVersion") == (1 if expect_probe else 0)
+            assert seen[-1] == "commit"
+    follow(server.url, model, trainer.export())
+
+
+def test_a_lost_answer_is_retried_and_replayed_not_published_twice(server, model) -> None:
+    """The server committed, the answer was lost: the retry gets the same version; no second version."""
+    trainer, rec = TinyTrainer(seed=14), Recording()
+    with Publisher(server.url, model, transport=rec, retry=Retry(attempts=3, base=0.01)) as pub:
+        pub.publish(trainer.export())
+        trainer.step()
+        rec.take()
+        rec.lose = 1
+        r = pub.publish(trainer.export())
+        assert (r.version, r.kind) == (2, "delta")
+        assert kinds(rec.take()) == ["publishVersion", "publishVersion"]
+        trainer.step()
+        assert pub.publish(trainer.export()).version == 3  # and the publisher goes on from it
+    with Api(server.url) as api:
+        assert [v.number for v in api.list_versions(model)] == [1, 2, 3]
+    follow(server.url, model, trainer.export())
+
+
+def test_when_the_chain_policy_wants_a_keyframe_the_publisher_sends_one(server, model) -> None:
+    trainer, rec = TinyTrainer(seed=15), Recording()
+    with Publisher(server.url, model, transport=rec) as pub:
+        pub.publish(trainer.export())
+        pub.api.update_model(model, keyframe_interval=2)
+        trainer.step()
+        assert pub.publish(trainer.export()).kind == "delta"
+        trainer.step()
+        rec.take()
+        r = pub.publish(trainer.export())  # the chain holds 2 versions: the server answers 202
+        assert (r.kind, r.version) == ("keyframe", 3)
+        seen = kinds(rec.take())
+        assert seen[0] == "publishVersion" and seen[-1] == "commit"
+    follow(server.url, model, trainer.export())
+
+
+def test_a_stale_base_catches_up_and_a_removal_is_refused_before_sending(server, model) -> None:
+    trainer, rec = TinyTrainer(seed=16), Recording()
+    with Publisher(server.url, model, transport=rec) as a, Publisher(server.url, model) as b:
+        a.publish(trainer.export())
+        trainer.step()
+        b.publish(trainer.export())  # b catches up on v1, publishes v2
+        trainer.step()
+        r = a.publish(trainer.export())  # a holds v1: its one request is stale, it catches up
+        assert r.version == 3 and r.parent == 2
+        rec.take()
+        smaller = dict(list(trainer.export().items())[1:])
+        with pytest.raises(errors.RemovesContent):
+            a.publish(smaller)
+        assert "publishVersion" not in kinds(rec.take())
+    follow(server.url, model, trainer.export())

@@ -1,0 +1,146 @@
+"""Ops.publish_version (publishVersion) over every catalog x store combination: a whole publish in one call;
+a refusal or a body that stops half-way aborts the publish, so nothing is visible and nothing stays pending,
+and what was stored is left to GC (DESIGN invariants 2 and 5)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import AsyncIterator
+
+import pytest
+from _publish import publish
+from _versions import checkpoint, model_files, next_step
+
+from weightsync import errors
+from weightsync.codec import Checkpoint, Encoder
+from weightsync.codec.pack import pack
+from weightsync.ops import fsck
+
+pytestmark = pytest.mark.anyio
+
+
+def encoded(ck: Checkpoint, base: Checkpoint | None, parent: int | None) -> tuple[str, dict[str, bytes]]:
+    manifest, objects = pack(Encoder(chunk_bytes=1 << 16, threads=2).encode(ck, base), target_bytes=1 << 16)
+    manifest.model, manifest.parent = "m", parent
+    mbytes = manifest.encode()
+    digest = hashlib.sha256(mbytes).hexdigest()
+    return digest, {**{o.digest: o.data for o in objects}, digest: mbytes}
+
+
+async def parts_of(objects: dict[str, bytes], *, stop_after: int | None = None, cut: int | None = None):
+    """The (digest, size, bytes) parts of a body; `stop_after` parts then the body ends; `cut` bytes of the
+    last one sent, then the body ends (a client that went away)."""
+
+    async def body(data: bytes) -> AsyncIterator[bytes]:
+        for at in range(0, len(data), 4096):
+            yield data[at : at + 4096]
+
+    async def cut_body(data: bytes, n: int) -> AsyncIterator[bytes]:
+        yield data[:n]
+        raise errors.InvalidArgument("publish bundle: part is truncated")
+
+    for i, (digest, data) in enumerate(objects.items()):
+        if stop_after is not None and i == stop_after:
+            if cut is not None:
+                yield digest, len(data), cut_body(data, cut)
+            return
+        yield digest, len(data), body(data)
+
+
+async def skip(body: AsyncIterator[bytes]) -> None:
+    async for _ in body:
+        pass
+
+
+async def pending(ops) -> list:
+    return await ops.list_versions("m", states=("pending",))
+
+
+@pytest.fixture
+def chain():
+    t = model_files()
+    return [checkpoint(t), checkpoint(next_step(t, 1), 1)]
+
+
+async def test_one_call_commits_and_reads_back(ops, chain):
+    v1, _, _ = await publish(ops, "m", chain[0], None, None)
+    digest, objects = encoded(chain[1], chain[0], v1.number)
+    v = await ops.publish_version(
+        "m",
+        parent=1,
+        step=None,
+        metadata={"k": 1},
+        keyframe=False,
+        objects=[(d, len(b)) for d, b in objects.items()],
+        manifest_digest=digest,
+        parts=parts_of(objects),
+        skip=skip,
+        idempotency_key="key",
+    )
+    assert (v.number, v.kind, v.manifest_digest, v.metadata) == (2, "delta", digest, {"k": 1})
+    got = await ops.materialize("m", 2)
+    assert {p: a.tobytes() for p, a in got.files.items()} == {f.layout.path: f.data.tobytes() for f in chain[1].files}
+    assert await pending(ops) == []
+    report = await fsck(ops, read_data=True)
+    assert report.ok, report.problems
+
+
+@pytest.mark.parametrize("how", ["body-ends-early", "client-went-away", "wrong-part", "removes-content"])
+async def test_a_failed_call_aborts_the_publish(ops, clock, chain, how):
+    await publish(ops, "m", chain[0], None, None)
+    digest, objects = encoded(chain[1], chain[0], 1)
+    listed = [(d, len(b)) for d, b in objects.items()]
+    kwargs = {}
+    if how == "body-ends-early":
+        parts, expected = parts_of(objects, stop_after=len(objects) - 1), errors.IncompletePublish
+    elif how == "client-went-away":
+        parts, expected = parts_of(objects, stop_after=0, cut=10), errors.InvalidArgument
+    elif how == "wrong-part":
+        parts, expected = parts_of({"ab" * 32: b"abc"}), errors.InvalidArgument
+    else:  # a version that drops the config file its parent had
+        smaller = Checkpoint([f for f in chain[1].files if f.layout.path != "config.json"])
+        digest, objects = encoded(smaller, chain[0], 1)
+        listed = [(d, len(b)) for d, b in objects.items()]
+        parts, expected = parts_of(objects), errors.RemovesContent
+    with pytest.raises(expected):
+        await ops.publish_version(
+            "m",
+            parent=1,
+            step=None,
+            metadata=None,
+            keyframe=False,
+            objects=listed,
+            manifest_digest=digest,
+            parts=parts,
+            skip=skip,
+            **kwargs,
+        )
+    assert (await ops.get_version("m")).number == 1
+    assert await pending(ops) == []
+    # What was stored is unreferenced: GC takes it after the grace period, and fsck is clean after.
+    clock.advance(hours=2)
+    await fsck(ops, repair=True)
+    report = await fsck(ops)
+    assert report.ok, report.problems
+
+
+async def test_a_kind_the_policy_refuses_is_answered_as_a_begin_without_storing(ops, chain):
+    await publish(ops, "m", chain[0], None, None)
+    await ops.update_model_settings("m", keyframe_interval=1)
+    digest, objects = encoded(chain[1], chain[0], 1)
+    begun = await ops.publish_version(
+        "m",
+        parent=1,
+        step=None,
+        metadata=None,
+        keyframe=False,
+        objects=[(d, len(b)) for d, b in objects.items()],
+        manifest_digest=digest,
+        parts=parts_of(objects),
+        skip=skip,
+    )
+    assert begun.kind == "keyframe" and begun.missing is None
+    assert [v.publish_id for v in await pending(ops)] == [begun.publish_id]
+    for d in objects:
+        with pytest.raises(errors.ObjectNotFound):
+            await ops.stat_object(d)
