@@ -85,6 +85,19 @@ def test_every_implementation_agrees(t, start):
     assert len(sums[0].lanes) == lanes_of(width) and sums[0].count == len(data) // width
 
 
+@pytest.mark.parametrize("width", [1, 2, 4, 8])
+@pytest.mark.parametrize("word", [0x0000, 0xFFFF, 0x8000, 0x7FFF, 0x00FF, 0xFF00])
+def test_words_at_the_ends_of_their_range_sum_alike(width, word):
+    """Every word the same extreme value, over several 4 KiB blocks and a tail: the C loop for
+    2-byte elements sums sign-flipped pairs and recovers the odd words mod 2^32 (_kernels_sum.h)."""
+    n = 5 * 4096 // width + 3
+    data = np.full(n * width // 2 if width > 1 else n, word, dtype="<u2" if width > 1 else np.uint16)
+    data = data.view(np.uint8)[: n * width] if width > 1 else (data & 0xFF).astype(np.uint8)
+    for start in (0, (1 << 40) + 1):
+        sums = all_sums(data, width, start)
+        assert all(x == sums[0] for x in sums)
+
+
 @SETTINGS
 @given(tensor(min_elements=1), st.data())
 def test_a_change_of_any_one_element_is_detected(t, data):

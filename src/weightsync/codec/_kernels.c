@@ -547,8 +547,9 @@ fail:
 
 /* Apply gap-coded changes across the targets (consecutive pieces of one frame), taking each
  * target's checksum before and/or after in the same pass, block by block: a block is summed
- * as it comes from memory, its changes applied while it is in L1, and summed again. A block
- * without a change needs no second sum. */
+ * as it comes from memory and its changes applied while it is in L1. The sum after is the
+ * sum before moved by each change as it is written (Changes.fix: the checksum is linear,
+ * FORMAT §10), so no byte is summed twice. */
 static void apply_sparse_pieces(const Pieces *targets, int w, int op, int want, u64 constant, Changes *s,
                                 PieceSums *sums) {
     const int L = w == 1 ? 1 : w / 2;
@@ -563,17 +564,16 @@ static void apply_sparse_pieces(const Pieces *targets, int w, int op, int want, 
             e0 += n;
             continue;
         }
+        u64 fix[4] = {0, 0, 0, 0};
+        s->fix = fix;
+        s->woff = start - e0; /* checksum position = frame position + woff (mod 2^64) */
         for (u64 off = 0; off < n; off += per) {
             const u64 m = n - off < per ? n - off : per;
-            const int changes = s->k < s->count && s->pos < e0 + off + m;
-            u64 block[4] = {0, 0, 0, 0};
-            if ((want & SUM_BEFORE) || !changes) sum_range(t + off * w, m, w, start + off, block);
-            for (int j = 0; j < L; j++) sums[i].before[j] += block[j];
-            if (changes) run(t, e0, e0 + off + m, s);
-            if (!(want & SUM_AFTER)) continue;
-            if (changes) sum_range(t + off * w, m, w, start + off, sums[i].after);
-            else for (int j = 0; j < L; j++) sums[i].after[j] += block[j];
+            sum_range(t + off * w, m, w, start + off, sums[i].before);
+            if (s->k < s->count && s->pos < e0 + off + m) run(t, e0, e0 + off + m, s);
         }
+        s->fix = NULL;
+        for (int j = 0; j < L; j++) sums[i].after[j] = sums[i].before[j] + fix[j];
         sum_constant(start, n, constant, L, sums[i].before);
         sum_constant(start, n, constant, L, sums[i].after);
         e0 += n;

@@ -208,43 +208,25 @@ SCAN_AVX2(u8)
 SCAN_AVX2(u16)
 
 /* The encode's one pass for 2-byte elements (bf16, fp16: most of a model): the change scan
- * of scan_avx2_u16 and the checksum of the new words (FORMAT §10, one lane), from the same
- * loads, so the new bytes are read once and the base's checksum comes from c->fix. Adds the
- * n elements' lanes (without the C term) to after[0]; element i sits at checksum position
- * start + i and frame position e0 + i. Returns 0, or -1 past c->cap changes.
- *
- * The checksum without widening each word (vpmovzxwd and vpmaddwd cost two cycles each
- * on a Zen 1 core, an add or a xor half a cycle): rows of 32 words (64 bytes), per dword
- * slot d of each 32-byte half, words 2d and 2d+1.
- *   - p = vpmaddwd(y ^ 0x8000, 1): the pair's sum as signed words, u_e + u_o - 65536;
- *     s sums p over the rows and t the running s, so after R rows
- *     sum_r r * p(r) = R * s - t (the t trick of _kernels_sum.h);
- *   - q sums the raw dwords mod 2^32: U_e + 65536 * U_o, with U_e + U_o = s + 65536 * R
- *     known, so 65535 * U_o = q - (s + 65536 R) mod 2^32, and 65535 is odd: U_o is that
- *     times 65535^-1 = 0xFFFEFFFF mod 2^32 (exact: U_o < 2^23 in a block).
- * Word index within the block: 32 r + 16 half + 2 d (+ 1 for the odd word), so
- *   sum u * index = 32 * sum_r r * P(r) + (16 half + 2 d) * S + U_o, with P = p + 65536.
- * Bounds per block (64 rows): |s| <= 2^22, |t| <= 2^28. */
-#define FUSED_ROWS (SUM_BLOCK / 64)
+ * of scan_avx2_u16 and the checksum of the new words (FORMAT §10, one lane: the pair sums of
+ * _kernels_sum.h), from the same loads, so the new bytes are read once and the base's
+ * checksum comes from c->fix. Adds the n elements' lanes (without the C term) to after[0];
+ * element i sits at checksum position start + i and frame position e0 + i. Returns 0, or
+ * -1 past c->cap changes. */
 __attribute__((target("avx2"))) static int scan_sum_avx2_u16(const u8 *a, const u8 *b, u64 n, u64 e0, int add,
                                                               Coder *c, u64 start, u64 *after) {
     u64 k = c->k, prev = c->prev, cap = c->cap, i = 0, *fix = c->fix, woff = c->woff;
     u8 *g0 = c->gaps[0], *g1 = c->gaps[1], *g2 = c->gaps[2], *g3 = c->gaps[3];
     u8 **vals = c->vals;
-    const u64 per = SUM_BLOCK / 2, R = FUSED_ROWS;
-    const __m256i flip = _mm256_set1_epi16((short)0x8000), ones = _mm256_set1_epi16(1);
+    const u64 per = SUM_BLOCK / 2;
     for (; i + per <= n; i += per) {
-        __m256i s0 = _mm256_setzero_si256(), s1 = s0, t0 = s0, t1 = s0, q0 = s0, q1 = s0;
+        PairSums sums;
+        pairs_start(&sums);
         for (u64 j = i; j < i + per; j += 32) {
             const u8 *pa = a + 2 * j, *pb = b + 2 * j;
             __m256i x0 = _mm256_loadu_si256((const __m256i *)pa), x1 = _mm256_loadu_si256((const __m256i *)(pa + 32));
             __m256i y0 = _mm256_loadu_si256((const __m256i *)pb), y1 = _mm256_loadu_si256((const __m256i *)(pb + 32));
-            s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_xor_si256(y0, flip), ones));
-            s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_xor_si256(y1, flip), ones));
-            t0 = _mm256_add_epi32(t0, s0);
-            t1 = _mm256_add_epi32(t1, s1);
-            q0 = _mm256_add_epi32(q0, y0);
-            q1 = _mm256_add_epi32(q1, y1);
+            pairs_row(&sums, y0, y1);
             /* two mask bits per element, in element order (no pack and lane permute) */
             u64 eq = (u64)(u32)_mm256_movemask_epi8(_mm256_cmpeq_epi16(x0, y0)) |
                      ((u64)(u32)_mm256_movemask_epi8(_mm256_cmpeq_epi16(x1, y1)) << 32);
@@ -258,23 +240,7 @@ __attribute__((target("avx2"))) static int scan_sum_avx2_u16(const u8 *a, const 
                 EMIT(u16, e0 + e, x, y);
             }
         }
-        int32_t sv[16], tv[16];
-        u32 qv[16];
-        _mm256_storeu_si256((__m256i *)sv, s0);
-        _mm256_storeu_si256((__m256i *)(sv + 8), s1);
-        _mm256_storeu_si256((__m256i *)tv, t0);
-        _mm256_storeu_si256((__m256i *)(tv + 8), t1);
-        _mm256_storeu_si256((__m256i *)qv, q0);
-        _mm256_storeu_si256((__m256i *)(qv + 8), q1);
-        const u64 elem = start + i;
-        u64 acc = 0;
-        for (int d = 0; d < 16; d++) { /* slot d: half d / 8, dword d % 8: words 2d, 2d+1 of the row */
-            const u32 pairs = (u32)sv[d] + 65536u * (u32)R; /* U_e + U_o */
-            const u64 odd = (u32)((qv[d] - pairs) * 0xFFFEFFFFu);
-            const u64 by_row = R * (u64)(int64_t)sv[d] - (u64)(int64_t)tv[d] + 65536ull * (R * (R - 1) / 2);
-            acc += (u64)pairs * (2 * (elem + 2 * (u64)d) + 1) + 2 * (32 * by_row + odd);
-        }
-        after[0] += acc;
+        after[0] += pairs_fold(&sums, start + i);
     }
     sum_range(b + 2 * i, n - i, 2, start + i, after);
     for (; i < n; i++) {
@@ -441,12 +407,19 @@ typedef struct {
     u8 *gaps[4];
     u8 *vals[8];
     u64 count, k, pos;
+    /* When set, each change adds (new word - old word) * weight to fix[lane], weight
+     * 2 * (frame position + woff) + 1: the target's checksum after the changes is its
+     * checksum before plus fix (as Coder.fix), so the result needs no second sum. */
+    u64 *fix;
+    u64 woff;
 } Changes;
 
 static void changes_start(Changes *s, u64 count) {
     s->count = count;
     s->k = 0;
     s->pos = count ? gap_at(s->gaps, 0) : 0;
+    s->fix = NULL;
+    s->woff = 0;
 }
 
 /* Apply the next changes that lie before frame position `limit` to t, which holds frame
@@ -454,7 +427,7 @@ static void changes_start(Changes *s, u64 count) {
  * has no branch but the data's. Positions were bound-checked by the caller. */
 #define SPARSE_RUN(T, NAME, EXPR)                                                               \
     static u64 NAME(u8 *t, u64 t0, u64 limit, Changes *s) {                                     \
-        u64 k = s->k, pos = s->pos, first = k;                                                  \
+        u64 k = s->k, pos = s->pos, first = k, *fix = s->fix, woff = s->woff;                   \
         const u64 count = s->count;                                                              \
         u8 *const *vals = s->vals;                                                               \
         while (k < count && pos < limit) {                                                       \
@@ -462,10 +435,12 @@ static void changes_start(Changes *s, u64 count) {
             for (unsigned j = 0; j < sizeof(T); j++) v |= (T)((T)vals[j][k] << (8 * j));         \
             u8 *at = t + (pos - t0) * sizeof(T);                                                 \
             memcpy(&cur, at, sizeof(T));                                                         \
+            const T old = cur;                                                                   \
             T d = (T)((T)(v >> 1) ^ (T)(0 - (T)(v & 1)));                                        \
             (void)d;                                                                             \
             cur = (T)(EXPR);                                                                     \
             memcpy(at, &cur, sizeof(T));                                                         \
+            if (fix) fix_change(fix, cur, old, sizeof(T), 2 * (pos + woff) + 1);                \
             if (++k < count) pos += 1 + gap_at(s->gaps, k);                                      \
         }                                                                                        \
         s->k = k;                                                                                \

@@ -83,6 +83,70 @@ __attribute__((target("avx2"))) static void sum_block_u16_avx2(const u8 *p, u64 
     sum_fold_u16_by(s, t, elem, L, lanes);
 }
 
+/* 2-byte elements (L = 1) without widening each word: vpmovzxwd and vpmaddwd cost two cycles
+ * each on a Zen 1 core, an add or a xor half a cycle. Rows of 64 bytes (32 words); per dword
+ * slot d of the row's two 32-byte halves (d < 16), the words 2d and 2d+1:
+ *   - p = vpmaddwd(y ^ 0x8000, 1): the pair's sum as signed words, u_e + u_o - 65536; s sums
+ *     p over the rows and t the running s, so after R rows sum_r r * p(r) = R * s - t;
+ *   - q sums the raw dwords mod 2^32: U_e + 65536 * U_o, where U_e + U_o = s + 65536 * R, so
+ *     65535 * U_o = q - (s + 65536 * R) mod 2^32, and 65535 is odd: U_o is that times
+ *     65535^-1 = 0xFFFEFFFF mod 2^32 (exact: U_o < 2^23 in a block).
+ * A word's index in the block is 64 r / 2 + 2 d (+ 1 for the odd word), so
+ *   sum u * index = 32 * sum_r r * P(r) + 2 d * S + U_o,  P = p + 65536, S = sum P.
+ * Bounds per block (64 rows): |s| <= 2^22, |t| <= 2^28. Measured from L1/L2 on this box:
+ * ~16 GB/s against ~12 for the widening loop below (which 4- and 8-byte elements keep:
+ * their adjacent words feed different lanes). */
+#define PAIR_ROWS (SUM_BLOCK / 64)
+
+typedef struct {
+    __m256i s0, s1, t0, t1, q0, q1;
+} PairSums;
+
+__attribute__((target("avx2"))) static inline ALWAYS_INLINE void pairs_start(PairSums *a) {
+    a->s0 = a->s1 = a->t0 = a->t1 = a->q0 = a->q1 = _mm256_setzero_si256();
+}
+
+/* One row of 64 bytes (y0, y1: its halves). */
+__attribute__((target("avx2"))) static inline ALWAYS_INLINE void pairs_row(PairSums *a, __m256i y0, __m256i y1) {
+    const __m256i flip = _mm256_set1_epi16((short)0x8000), ones = _mm256_set1_epi16(1);
+    a->s0 = _mm256_add_epi32(a->s0, _mm256_madd_epi16(_mm256_xor_si256(y0, flip), ones));
+    a->s1 = _mm256_add_epi32(a->s1, _mm256_madd_epi16(_mm256_xor_si256(y1, flip), ones));
+    a->t0 = _mm256_add_epi32(a->t0, a->s0);
+    a->t1 = _mm256_add_epi32(a->t1, a->s1);
+    a->q0 = _mm256_add_epi32(a->q0, y0);
+    a->q1 = _mm256_add_epi32(a->q1, y1);
+}
+
+/* The lane of a block of PAIR_ROWS rows whose first element sits at position `elem`. */
+__attribute__((target("avx2"))) static inline ALWAYS_INLINE u64 pairs_fold(const PairSums *a, u64 elem) {
+    const u64 R = PAIR_ROWS;
+    int32_t sv[16], tv[16];
+    u32 qv[16];
+    _mm256_storeu_si256((__m256i *)sv, a->s0);
+    _mm256_storeu_si256((__m256i *)(sv + 8), a->s1);
+    _mm256_storeu_si256((__m256i *)tv, a->t0);
+    _mm256_storeu_si256((__m256i *)(tv + 8), a->t1);
+    _mm256_storeu_si256((__m256i *)qv, a->q0);
+    _mm256_storeu_si256((__m256i *)(qv + 8), a->q1);
+    u64 acc = 0;
+    for (int d = 0; d < 16; d++) {
+        const u32 pairs = (u32)sv[d] + 65536u * (u32)R; /* U_e + U_o */
+        const u64 odd = (u32)((qv[d] - pairs) * 0xFFFEFFFFu);
+        const u64 by_row = R * (u64)(int64_t)sv[d] - (u64)(int64_t)tv[d] + 65536ull * (R * (R - 1) / 2);
+        acc += (u64)pairs * (2 * (elem + 2 * (u64)d) + 1) + 2 * (32 * by_row + odd);
+    }
+    return acc;
+}
+
+__attribute__((target("avx2"))) static void sum_block_pairs_avx2(const u8 *p, u64 elem, u64 *lanes) {
+    PairSums a;
+    pairs_start(&a);
+    for (int r = 0; r < PAIR_ROWS; r++)
+        pairs_row(&a, _mm256_loadu_si256((const __m256i *)(p + 64 * r)),
+                  _mm256_loadu_si256((const __m256i *)(p + 64 * r + 32)));
+    lanes[0] += pairs_fold(&a, elem);
+}
+
 /* Bytes: only row totals need the row weight, so vpsadbw sums each row into four u64; the
  * weight of the slot j within the row comes from vpmaddubsw with weights 0..31 (pairs
  * <= 255 * 61, no saturation) and vpmaddwd into i32 (<= 4 * 255 * 31 per row). */
@@ -119,6 +183,7 @@ static void sum_range(const u8 *p, u64 n, int w, u64 elem, u64 *lanes) {
 #ifdef WS_X86
         if (has_avx2) {
             if (w == 1) sum_block_u8_avx2(p + off, elem, lanes);
+            else if (L == 1) sum_block_pairs_avx2(p + off, elem, lanes);
             else sum_block_u16_avx2(p + off, elem, L, lanes);
             continue;
         }
