@@ -425,14 +425,20 @@ static void changes_start(Changes *s, u64 count) {
 /* Apply the next changes that lie before frame position `limit` to t, which holds frame
  * position t0 at its start; returns how many. Per width and operation, so the loop body
  * has no branch but the data's. Positions were bound-checked by the caller. */
+/* The planes' pointers and the checksum's move are kept in locals: the target is a u8 *, so
+ * every write through it might alias anything the compiler cannot see is private, and it
+ * would reload s->vals and s->gaps, and load and store s->fix, at every change. */
 #define SPARSE_RUN(T, NAME, EXPR)                                                               \
     static u64 NAME(u8 *t, u64 t0, u64 limit, Changes *s) {                                     \
-        u64 k = s->k, pos = s->pos, first = k, *fix = s->fix, woff = s->woff;                   \
-        const u64 count = s->count;                                                              \
-        u8 *const *vals = s->vals;                                                               \
+        u64 k = s->k, pos = s->pos, first = k;                                                  \
+        const u64 count = s->count, woff = s->woff;                                              \
+        const u8 *vp[sizeof(T)], *g0 = s->gaps[0], *g1 = s->gaps[1], *g2 = s->gaps[2], *g3 = s->gaps[3]; \
+        for (unsigned j = 0; j < sizeof(T); j++) vp[j] = s->vals[j];                             \
+        u64 moved[4] = {0, 0, 0, 0};                                                             \
+        const int fixing = s->fix != NULL;                                                       \
         while (k < count && pos < limit) {                                                       \
             T v = 0, cur;                                                                        \
-            for (unsigned j = 0; j < sizeof(T); j++) v |= (T)((T)vals[j][k] << (8 * j));         \
+            for (unsigned j = 0; j < sizeof(T); j++) v |= (T)((T)vp[j][k] << (8 * j));           \
             u8 *at = t + (pos - t0) * sizeof(T);                                                 \
             memcpy(&cur, at, sizeof(T));                                                         \
             const T old = cur;                                                                   \
@@ -440,9 +446,12 @@ static void changes_start(Changes *s, u64 count) {
             (void)d;                                                                             \
             cur = (T)(EXPR);                                                                     \
             memcpy(at, &cur, sizeof(T));                                                         \
-            if (fix) fix_change(fix, cur, old, sizeof(T), 2 * (pos + woff) + 1);                \
-            if (++k < count) pos += 1 + gap_at(s->gaps, k);                                      \
+            if (fixing) fix_change(moved, cur, old, sizeof(T), 2 * (pos + woff) + 1);           \
+            if (++k < count)                                                                     \
+                pos += 1 + ((u64)g0[k] | ((u64)g1[k] << 8) | ((u64)g2[k] << 16) | ((u64)g3[k] << 24)); \
         }                                                                                        \
+        if (fixing)                                                                              \
+            for (int h = 0; h < 4; h++) s->fix[h] += moved[h];                                   \
         s->k = k;                                                                                \
         s->pos = pos;                                                                            \
         return k - first;                                                                        \
