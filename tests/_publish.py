@@ -55,6 +55,53 @@ async def publish(
     return version, begin, digest
 
 
+async def publish_one(
+    ops,
+    model: str,
+    ck: Checkpoint,
+    base: Checkpoint | None,
+    parent: int | None,
+    *,
+    idempotency_key: str | None = None,
+    chunk_bytes: int = 1 << 16,
+    object_bytes: int = 1 << 17,
+):
+    """The same version in one call (Ops.publish_version, as publishVersion runs it): begin with every
+    object, the objects in order, the manifest last, the commit. A delta on `base` (a keyframe without)."""
+    encoded = Encoder(chunk_bytes=chunk_bytes, threads=2).encode(ck, base)
+    manifest, objects = pack(encoded, target_bytes=object_bytes)
+    manifest.model, manifest.parent = model, parent
+    mbytes = manifest.encode()
+    digest = hashlib.sha256(mbytes).hexdigest()
+    blobs = {**{o.digest: o.data for o in objects}, digest: mbytes}
+
+    async def body(data: bytes):
+        for at in range(0, len(data), 64 << 10):
+            yield data[at : at + (64 << 10)]
+
+    async def parts():
+        for d, data in blobs.items():
+            yield d, len(data), body(data)
+
+    async def skip(chunks) -> None:
+        async for _ in chunks:
+            pass
+
+    return await ops.publish_version(
+        model,
+        parent=parent,
+        step=None,
+        metadata=None,
+        keyframe=base is None,
+        objects=[(d, len(b)) for d, b in blobs.items()],
+        manifest_digest=digest,
+        parts=parts(),
+        skip=skip,
+        idempotency_key=idempotency_key,
+        record_later=False,  # as `publish` commits: the record before the call returns
+    )
+
+
 async def publish_part(
     ops,
     model: str,

@@ -13,7 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from _client_util import TinyTrainer, tensor_bits  # noqa: E402
+from _client_util import TinyTrainer, tensor_bits, tree_bytes, write_version  # noqa: E402
 
 from weightsync import errors  # noqa: E402
 from weightsync.client import Publisher, Subscriber  # noqa: E402
@@ -176,3 +176,27 @@ def test_a_stale_base_catches_up_and_a_removal_is_refused_before_sending(server,
             a.publish(smaller)
         assert "publishVersion" not in kinds(rec.take())
     follow(server.url, model, trainer.export())
+
+
+def test_a_path_source_keeps_its_next_base_during_the_request_and_drops_it_when_it_fails(
+    server, model, tmp_path
+) -> None:
+    """From files (bytes not the publisher's), the next base is copied in while the one request is in
+    flight: each delta is on the last version, and a request that fails leaves no half-copied base
+    behind (the next publish is a keyframe, right to the bit)."""
+    trainer, rec = TinyTrainer(seed=17), Recording()
+    paths = []
+    for i in range(5):
+        paths.append(write_version(tmp_path / f"v{i}", trainer.export()))
+        trainer.step()
+    with Publisher(server.url, model, transport=rec, retry=Retry(attempts=2, base=0.01)) as pub:
+        assert [pub.publish(p).kind for p in paths[:3]] == ["keyframe", "delta", "delta"]
+        rec.lose = 2  # both attempts' answers lost: the version committed, the publisher cannot know
+        with pytest.raises(errors.ServerUnavailable):
+            pub.publish(paths[3])
+        assert pub._base.held() is None
+        r = pub.publish(paths[4])  # on the head (v4, committed by the lost request): a keyframe
+        assert (r.version, r.parent, r.kind) == (5, 4, "keyframe")
+    with Subscriber(server.url, model, name="paths") as sub:
+        sub.pull(tmp_path / "out")
+    assert tree_bytes(tmp_path / "out") == tree_bytes(paths[4])

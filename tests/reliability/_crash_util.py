@@ -556,10 +556,32 @@ CHUNK_BYTES = 16 << 10
 class PublishScenario(Scenario):
     """Publish version `new` on top of the committed `before` (objects → manifest → commit → commit record)."""
 
-    def __init__(self, before: list[int]) -> None:
+    def __init__(self, before: list[int], *, one_request: bool = False) -> None:
         self.before = before
         self.new = (before[-1] + 1) if before else 1
-        self.name = f"publish-v{self.new}" + ("-keyframe" if not before else "-delta")
+        self.one_request = one_request  # Ops.publish_version (publishVersion) instead of begin, uploads, commit
+        self.name = f"publish-{'one-' if one_request else ''}v{self.new}" + ("-keyframe" if not before else "-delta")
+
+    async def _publish(self, ops, versions, parent: int | None):
+        """The version, published as the scenario publishes it (the one-request kind with its idempotency key)."""
+        from _publish import publish, publish_one
+
+        base = versions[parent - 1] if parent else None
+        if self.one_request:
+            return await publish_one(
+                ops,
+                MODEL,
+                versions[self.new - 1],
+                base,
+                parent,
+                idempotency_key=f"one-v{self.new}",
+                object_bytes=OBJECT_BYTES,
+                chunk_bytes=CHUNK_BYTES,
+            )
+        v, _, _ = await publish(
+            ops, MODEL, versions[self.new - 1], base, parent, object_bytes=OBJECT_BYTES, chunk_bytes=CHUNK_BYTES
+        )
+        return v
 
     def setup(self, work: Path, env: Env) -> None:
         async def go():
@@ -572,8 +594,6 @@ class PublishScenario(Scenario):
         asyncio.run(go())
 
     def run(self, work: Path, env: Env, cp: CrashPoints) -> None:
-        from _publish import publish
-
         versions = sharded_versions(self.new)
 
         async def go():
@@ -583,16 +603,7 @@ class PublishScenario(Scenario):
                 install_fs_hooks(cp)
             else:
                 install_store_hooks(cp, ops.store)
-            parent = self.before[-1] if self.before else None
-            await publish(
-                ops,
-                MODEL,
-                versions[self.new - 1],
-                versions[parent - 1] if parent else None,
-                parent,
-                object_bytes=OBJECT_BYTES,
-                chunk_bytes=CHUNK_BYTES,
-            )
+            await self._publish(ops, versions, self.before[-1] if self.before else None)
             cp.completed()
 
         asyncio.run(go())
@@ -601,8 +612,6 @@ class PublishScenario(Scenario):
         return asyncio.run(self._check(work, env))
 
     async def _check(self, work: Path, env: Env) -> list[str]:
-        from _publish import publish
-
         versions = sharded_versions(self.new)
         clock = Clock(env.start + timedelta(minutes=2))
         ops = open_ops(work, env, clock, sequential=True)
@@ -622,25 +631,19 @@ class PublishScenario(Scenario):
             if landed:  # the publisher died before it saw the reply: its retried commit is idempotent
                 v = await ops.get_version(MODEL, self.new)
                 try:
-                    again = await ops.commit_publish(
-                        MODEL, v.publish_id, manifest_digest=v.manifest_digest, idempotency_key=v.idempotency_key
-                    )
+                    if self.one_request:  # the whole request again: replayed by its key
+                        again = await self._publish(ops, versions, self.before[-1] if self.before else None)
+                    else:
+                        again = await ops.commit_publish(
+                            MODEL, v.publish_id, manifest_digest=v.manifest_digest, idempotency_key=v.idempotency_key
+                        )
                     if again.number != self.new or (await visible(ops)) != (nums, head):
                         out.append(f"retried commit answered v{again.number} and moved the catalog")
                 except Exception as exc:  # noqa: BLE001
                     out.append(f"retried commit failed: {type(exc).__name__}: {exc}")
             else:  # the publisher restarts and publishes again: nothing may be wedged
-                parent = self.before[-1] if self.before else None
                 try:
-                    v, _, _ = await publish(
-                        ops,
-                        MODEL,
-                        versions[self.new - 1],
-                        versions[parent - 1] if parent else None,
-                        parent,
-                        object_bytes=OBJECT_BYTES,
-                        chunk_bytes=CHUNK_BYTES,
-                    )
+                    v = await self._publish(ops, versions, self.before[-1] if self.before else None)
                     if v.number != self.new:
                         out.append(f"re-run publish landed as v{v.number}, not v{self.new}")
                 except Exception as exc:  # noqa: BLE001
@@ -865,6 +868,7 @@ SCENARIOS: dict[str, Scenario] = {
     for s in (
         PublishScenario([]),
         PublishScenario([1, 2]),
+        PublishScenario([1, 2], one_request=True),
         GcScenario(),
         PullScenario(2, 3),
         PullScenario(1, 3),

@@ -138,12 +138,13 @@ def _say(capsys, tally: Tally, extra: str = "") -> None:
         print(f"\n[crash] {tally.line()}{extra}\n[crash]   points by kind: {tally.kinds()}")
 
 
-SERVER_SIDE = ["publish-v1-keyframe", "publish-v3-delta", "gc"]
+SERVER_SIDE = ["publish-v1-keyframe", "publish-v3-delta", "publish-one-v3-delta", "gc"]
 
 
 @pytest.mark.parametrize("scenario", SERVER_SIDE)
 def test_publish_and_gc_crash_points(lab, capsys, scenario):
-    """Publish (objects, manifest, commit, commit record) and GC, on SQLite + filesystem."""
+    """Publish (objects, manifest, commit, commit record; or all of it in one call, publishVersion) and GC,
+    on SQLite + filesystem."""
     tally = lab.run(scenario)
     _say(capsys, tally)
     assert tally.n > 0 and tally.points["after"] == tally.n

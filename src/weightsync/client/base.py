@@ -15,7 +15,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -169,12 +169,15 @@ class BaseKeeper:
         self.checkout = Checkout(cache_dir) if cache_dir is not None else None
         self.pool = pool
         self._base: Base | None = None
+        self._early: tuple[list[CheckpointFile], Future[None]] | None = None
+        """The next base's files being copied into the held base's buffers (:meth:`overwrite_early`)."""
         self._owner: IO[bytes] | None = None
         if self.checkout is not None:
             self._owner = _own(self.checkout.meta / "publisher.lock")
 
     def close(self) -> None:
         """Release the cache directory (the base stays there for the next publisher)."""
+        self._settle()
         if self._owner is not None:
             self._owner.close()  # closing the file releases its flock
             self._owner = None
@@ -230,8 +233,54 @@ class BaseKeeper:
     def forget(self) -> None:
         """Hold nothing: the next publish is a keyframe (or a catch-up)."""
         self._base = None
+        self._settle()
         if self.checkout is not None:
             self.checkout.forget()  # one unlink: no lock needed
+
+    def _settle(self) -> list[CheckpointFile] | None:
+        """Wait for an early copy, if one runs; its files (None: none ran, or it failed)."""
+        early, self._early = self._early, None
+        if early is None:
+            return None
+        files, done = early
+        try:
+            done.result()
+        except Exception as exc:  # noqa: BLE001 - a failed copy only costs the next base
+            log.warning("copying the next base failed (%s): the next publish is a keyframe", exc)
+            return None
+        return files
+
+    def _copy_jobs(self, old: Base, checkpoint: Checkpoint, manifest: Manifest | None) -> tuple[list, list]:
+        """The next base's files in `old`'s buffers, and the copy jobs (what `manifest` changed) that fill them."""
+        same = same_ranges(manifest, old.state.number) if manifest is not None else {}
+        files, jobs = [], []
+        for mine, theirs in zip(old.checkpoint.files, checkpoint.files, strict=True):
+            for a, b in _pieces(_complement(same.get(theirs.layout.path, []), theirs.data.size)):
+                jobs.append((mine.data[a:b], theirs.data[a:b]))
+            files.append(CheckpointFile(theirs.layout, mine.data))
+        return files, jobs
+
+    def overwrite_early(self, checkpoint: Checkpoint, owned: bool, manifest: Manifest) -> bool:
+        """Start copying `checkpoint` into the held base's own buffers now, in the background, while its
+        publish is in flight; :meth:`remember` then only waits for the copy. True when it started.
+
+        From here the held base is gone (its bytes are being replaced): :meth:`held` is None, and
+        a publish that does not commit must :meth:`forget` (the next one is a keyframe or a catch-up).
+        Only for a base held in memory as our own copy of the same sizes, from bytes not ours.
+        """
+        old = self._base
+        if self.checkout is not None or owned or old is None or not old.own:
+            return False
+        if not _same_sizes(old.checkpoint, checkpoint):
+            return False
+        files, jobs = self._copy_jobs(old, checkpoint, manifest)
+        self._base = None
+
+        def copy() -> None:
+            run_all(cpu_pool(), lambda job: np.copyto(job[0], job[1]), jobs)
+
+        self._early = (files, self.pool.submit(copy))
+        return True
 
     def remember(
         self, checkpoint: Checkpoint, owned: bool, state: CheckoutState, manifest: Manifest | None = None
@@ -247,15 +296,13 @@ class BaseKeeper:
         """
         if self.checkout is None:
             old, self._base = self._base, None
-            if owned:
+            early = self._settle()
+            if early is not None:  # overwrite_early copied these bytes while the publish was in flight
+                self._base = Base(state, Checkpoint(early, single_file=checkpoint.single_file), own=True)
+            elif owned:
                 self._base = Base(state, checkpoint)
             elif old is not None and old.own and _same_sizes(old.checkpoint, checkpoint):
-                same = same_ranges(manifest, old.state.number) if manifest is not None else {}
-                files, jobs = [], []
-                for mine, theirs in zip(old.checkpoint.files, checkpoint.files, strict=True):
-                    for a, b in _pieces(_complement(same.get(theirs.layout.path, []), theirs.data.size)):
-                        jobs.append((mine.data[a:b], theirs.data[a:b]))
-                    files.append(CheckpointFile(theirs.layout, mine.data))
+                files, jobs = self._copy_jobs(old, checkpoint, manifest)
                 run_all(cpu_pool(), lambda job: np.copyto(job[0], job[1]), jobs)
                 self._base = Base(state, Checkpoint(files, single_file=checkpoint.single_file), own=True)
             else:

@@ -231,17 +231,34 @@ class Publisher:
                 )
 
             def inline(held: Base, packed: upload.Packed) -> upload.Committed | PublishBegin | None:
-                return upload.publish_inline(
-                    self.api,
-                    self.model,
-                    held,
-                    packed,
-                    checkpoint=checkpoint,
-                    limit=self.inline_bytes,
-                    allow_removals=allow_removals,
-                    meter=meter,
-                    timings=timings,
-                )
+                # The next base is copied in while the request is in flight; unless the request commits
+                # the version, the base is forgotten (the next publish begins on the head).
+                early = False
+
+                def keep_early() -> None:
+                    nonlocal early
+                    early = self._base.overwrite_early(checkpoint, owned, packed.manifest)
+
+                try:
+                    got = upload.publish_inline(
+                        self.api,
+                        self.model,
+                        held,
+                        packed,
+                        checkpoint=checkpoint,
+                        limit=self.inline_bytes,
+                        allow_removals=allow_removals,
+                        meter=meter,
+                        timings=timings,
+                        before_send=keep_early,
+                    )
+                except BaseException:
+                    if early:
+                        self._base.forget()
+                    raise
+                if early and not isinstance(got, upload.Committed):
+                    self._base.forget()
+                return got
 
             deadline = time.monotonic() + self.parent_wait_s
             while True:

@@ -112,13 +112,16 @@ def begin(
     Behind the head, the keeper catches up (an incremental pull counted by `catch_up`) or gives
     up its base, and nothing is packed yet.
     """
+    on_head: dict[str, Any] = dict(keyframe=keyframe, step=step, metadata=metadata, catch_up=catch_up, part=part)
     base = None if keyframe else keeper.held()
     if base is not None:
         packed = prepare(base)
         try:  # begin answers the parent's manifest: `commit` checks the base against it
             got = None if inline is None else inline(base, packed)
-            if got is not None:
+            if isinstance(got, Committed) or (got is not None and keeper.held() is base):
                 return base, got, packed
+            if keeper.held() is not base:  # the one request went, and the base with it (overwrite_early)
+                return (None, got, None) if got is not None else _on_head(api, keeper, model, **on_head)
             return (
                 base,
                 api.begin_publish(
@@ -134,6 +137,21 @@ def begin(
             )
         except errors.StaleParent:
             pass
+    return _on_head(api, keeper, model, **on_head)
+
+
+def _on_head(
+    api: Api,
+    keeper: BaseKeeper,
+    model: str,
+    *,
+    keyframe: bool,
+    step: int | None,
+    metadata: dict[str, Any] | None,
+    catch_up: Meter,
+    part: tuple[int, int] | None,
+) -> tuple[Base | None, PublishBegin, None]:
+    """Begin on the server's head: with the base held when it is the head, after a catch-up, or none."""
     head = api.head(model)
     base = None if keyframe else keeper.for_head(head, catch_up)
     answer = api.begin_publish(
@@ -252,9 +270,11 @@ def publish_inline(
     allow_removals: bool,
     meter: Meter,
     timings: dict[str, float],
+    before_send: Callable[[], None] | None = None,
 ) -> Committed | PublishBegin | None:
     """Offer `packed` (encoded on the held `base`) whole in one request (publishVersion, docs/API.md
-    "One request per version"), when its objects add up to at most `limit` bytes.
+    "One request per version"), when its objects add up to at most `limit` bytes. `before_send` is
+    called right before the request goes (the publisher starts keeping the next base then).
 
     Returns the version Committed; the publish the server began instead, for another kind than
     the one packed (the caller encodes that and goes on as after a begin); or None when the version
@@ -273,6 +293,8 @@ def publish_inline(
     key = hashlib.sha256(f"{model}\0{m.parent}\0{packed.digest}".encode()).hexdigest()[:32]
     t = time.perf_counter()
     meter.total = total
+    if before_send is not None:
+        before_send()
     api.on_bytes = meter
     try:
         got = api.publish_version(

@@ -516,6 +516,7 @@ class Ops:
         skip: Callable[[AsyncIterator[bytes]], Awaitable[None]],
         idempotency_key: str | None = None,
         allow_removals: bool = False,
+        record_later: bool = True,
     ) -> Version | BeginResult:
         """A whole publish in one call (publishVersion): begin with `objects`, store each of `parts`
         ((digest, size, bytes) as they arrive: every listed object, once), commit.
@@ -529,6 +530,7 @@ class Ops:
         committed finds the head moved by itself: with the same `idempotency_key` and manifest it
         returns that version (a replay), where beginning alone would raise StaleParent. Any failure
         after the begin aborts the publish (what was stored stays unreferenced, for GC) and raises.
+        ``record_later``: as for commit_publish (the commit record written off the answer's path).
         """
         listed = dict(objects)
         if len(listed) != len(objects):
@@ -573,7 +575,7 @@ class Ops:
                 manifest_digest=manifest_digest,
                 idempotency_key=idempotency_key,
                 allow_removals=allow_removals,
-                record_later=True,
+                record_later=record_later,
                 stored=stored,
             )
         except BaseException:
