@@ -15,9 +15,11 @@ import httpx
 import pytest
 from _service_http import EventReader, files_of, ok, problem, publish, publish_chain, pull
 from _service_util import BACKENDS, backend_settings, running
+from _versions import checkpoint, model_files, next_step
 
 from weightsync import errors
 from weightsync.client._http import Api
+from weightsync.codec import Checkpoint
 from weightsync.common import VERSION
 from weightsync.service import Settings
 
@@ -106,9 +108,22 @@ def _stored(client: httpx.Client, digest: str) -> bool:
     return r.status_code == 200
 
 
-def test_delete_model_then_gc_after_its_grace(service, versions):
+def _own_versions(seed: int) -> list[Checkpoint]:
+    """Four consecutive checkpoints of tensors made from ``seed`` (the ``versions`` fixture's, from another seed)."""
+    t = model_files(seed=seed)
+    out = []
+    for i in range(4):
+        out.append(checkpoint(t, i))
+        t = next_step(t, i + 1)
+    return out
+
+
+def test_delete_model_then_gc_after_its_grace(service):
     suffix = uuid.uuid4().hex[:8]
     doomed, kept = f"policy-doomed-{suffix}", f"policy-kept-{suffix}"
+    # Bytes no other test publishes: the service is the session's, and objects are content-addressed, so
+    # another model holding the session's `versions` would keep "only the doomed model's" objects alive.
+    versions = _own_versions(seed=int(suffix, 16))
     pub, admin, reader = service.client("publisher"), service.client("admin"), service.client("reader")
     gone = publish_chain(pub, doomed, versions[:3])
     publish_chain(pub, kept, versions[:2])  # the same bytes: the two models share data objects
