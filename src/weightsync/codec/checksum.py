@@ -197,6 +197,8 @@ class PieceSums:
         self.width = width
         self.starts = list(starts)
         self._wants_base = list(base)
+        self.new: list[TensorSum] = []
+        self.base: list[TensorSum | None] = []
         self.restart()
 
     @property
@@ -207,21 +209,28 @@ class PieceSums:
     def take(self, sizes: Sequence[int], sums: Sequence[tuple[Sequence[int] | None, Sequence[int] | None]]) -> None:
         """Set every piece's checksums from (base lanes, new lanes) pairs computed by the coder (pieces of `sizes`
         bytes); base lanes are kept where wanted."""
-        self.restart()
-        for i, (n, (before, after)) in enumerate(zip(sizes, sums, strict=True)):
+        new: list[TensorSum] = []
+        base: list[TensorSum | None] = []
+        for n, (before, after), wanted in zip(sizes, sums, self._wants_base, strict=True):
             if after is None:
                 raise InvalidArgument("the coder did not sum a piece's new bytes")
-            self.new[i] = TensorSum(self.width, n // self.width, tuple(after))
-            if self._wants_base[i]:
-                if before is None:
-                    raise InvalidArgument("the coder did not sum a piece's base bytes")
-                self.base[i] = TensorSum(self.width, n // self.width, tuple(before))
+            count = n // self.width
+            new.append(TensorSum(self.width, count, tuple(after)))
+            if not wanted:
+                base.append(None)
+            elif before is None:
+                raise InvalidArgument("the coder did not sum a piece's base bytes")
+            else:
+                base.append(TensorSum(self.width, count, tuple(before)))
+        self._pos = list(self.starts)
+        self.new, self.base = new, base
 
     def restart(self) -> None:
         """Forget what was fed (a coding pass that gave up part way feeds every piece again)."""
+        empty = TensorSum.empty(self.width)  # immutable: one for every piece
         self._pos = list(self.starts)
-        self.new = [TensorSum.empty(self.width) for _ in self.starts]
-        self.base: list[TensorSum | None] = [TensorSum.empty(self.width) if b else None for b in self._wants_base]
+        self.new = [empty] * len(self.starts)
+        self.base = [empty if b else None for b in self._wants_base]
 
     def update(self, i: int, base: np.ndarray, new: np.ndarray) -> None:
         """Feed the next bytes of piece `i`: `new` always, `base` when its base checksum is wanted."""

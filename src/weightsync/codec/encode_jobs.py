@@ -331,10 +331,17 @@ class V2Job(Job):
                 key = (fi, si)
                 if key in out.new:
                     continue
-                empty = TensorSum.empty(e.segment.dtype.width)
-                out.new[key] = new_sums.get(key, empty).hex()  # empty segments are in no frame
-                if e.base_offset is not None:
-                    out.base[key] = e.base_digest if e.base_digest is not None else base_sums.get(key, empty).hex()
+                total = new_sums.get(key)
+                if total is None:  # an empty segment: in no frame
+                    total = TensorSum.empty(e.segment.dtype.width)
+                out.new[key] = total.hex()
+                if e.base_offset is None:
+                    continue
+                base_total = base_sums.get(key)
+                if e.base_digest is not None:
+                    out.base[key] = e.base_digest
+                else:
+                    out.base[key] = (base_total if base_total is not None else TensorSum.empty(total.width)).hex()
         return frames, out
 
 
