@@ -18,14 +18,14 @@ from dataclasses import fields, replace
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, bindparam, delete, exists, insert, or_, select, update
+from sqlalchemy import ColumnElement, Row, bindparam, delete, exists, insert, or_, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
 from .. import errors
 from .records import ObjectInfo, Pinned
-from .rows import OBJECTS, chunks, rowcount
+from .rows import OBJECTS, VERSION_OBJECTS, chunks, rowcount
 from .schema import ObjectRow, VersionObjectRow, VersionRow
 
 __all__ = [
@@ -71,25 +71,42 @@ def insert_ignore(s: Session, rows: list[dict[str, Any]]) -> None:
         conn.execute(stmt, list(chunk))
 
 
-def lock_rows(s: Session, digests: Sequence[str]) -> list[ObjectRow]:
-    """Lock the existing rows of ``digests`` in digest order (see the module's lock order) and return them."""
-    out: list[ObjectRow] = []
+# attach's statements, built once (Core, on the tables: attach runs in every beginPublish with objects
+# and every checkObjects, and the ORM's per-statement work cost several times the SQL's).
+_LOCK = (
+    select(OBJECTS.c.digest, OBJECTS.c.size, OBJECTS.c.state)
+    .where(OBJECTS.c.digest.in_(bindparam("digests", expanding=True)))
+    .order_by(OBJECTS.c.digest)
+    .with_for_update()
+)
+_STOP_GRACE = (
+    update(OBJECTS).where(OBJECTS.c.digest.in_(bindparam("digests", expanding=True))).values(unreferenced_since=None)
+)
+_HELD = select(VERSION_OBJECTS.c.digest).where(VERSION_OBJECTS.c.version_id == bindparam("version_id"))
+_REFERENCE = insert(VERSION_OBJECTS)
+
+
+def lock_rows(s: Session, digests: Sequence[str]) -> list[Row[Any]]:
+    """Lock the existing rows of ``digests`` in digest order (see the module's lock order); return their
+    ``digest``, ``size`` and ``state``, read under the lock."""
+    out: list[Row[Any]] = []
+    conn = s.connection()
     for chunk in chunks(sorted(set(digests))):
-        stmt = select(ObjectRow).where(ObjectRow.digest.in_(chunk)).order_by(ObjectRow.digest).with_for_update()
-        # Re-read rows this session loaded before: the lock is what makes their values current.
-        out.extend(s.scalars(stmt.execution_options(populate_existing=True)))
+        out.extend(conn.execute(_LOCK, {"digests": list(chunk)}))
     return out
 
 
-def attach(s: Session, version_id: int, refs: dict[str, int], now: datetime) -> Pinned:
+def attach(s: Session, version_id: int, refs: dict[str, int], now: datetime, *, fresh: bool = False) -> Pinned:
     """Make ``refs`` (digest -> size) referenced by version ``version_id``, recording unknown objects; say what changed.
 
     A ``deleting`` object is left out (it is in ``deleting`` of the result): its bytes may vanish
     at any moment, so the publisher must upload it again after GC removed the row. Raises
-    IncompletePublish if an object is recorded with another size.
+    IncompletePublish if an object is recorded with another size. ``fresh``: the version's row
+    was inserted in this transaction, so it references nothing yet (one read fewer).
     """
     if not refs:
         return Pinned(added=(), deleting=())
+    conn = s.connection()
     digests = sorted(refs)
     insert_ignore(s, [{"digest": d, "size": refs[d], "first_seen": now, "unreferenced_since": None} for d in digests])
     usable: list[str] = []
@@ -104,16 +121,11 @@ def attach(s: Session, version_id: int, refs: dict[str, int], now: datetime) -> 
             (deleting if row.state == "deleting" else live).append(row.digest)
         usable.extend(live)
         if live:
-            s.execute(
-                update(ObjectRow)
-                .where(ObjectRow.digest.in_(live))
-                .values(unreferenced_since=None)
-                .execution_options(synchronize_session=False)
-            )
-    have = set(s.scalars(select(VersionObjectRow.digest).where(VersionObjectRow.version_id == version_id)))
+            conn.execute(_STOP_GRACE, {"digests": live})
+    have = set() if fresh else set(conn.scalars(_HELD, {"version_id": version_id}))
     added = [d for d in usable if d not in have]
     for rows in chunks([{"version_id": version_id, "digest": d, "size": refs[d]} for d in added]):
-        s.execute(insert(VersionObjectRow), list(rows))
+        conn.execute(_REFERENCE, list(rows))
     return Pinned(added=tuple(added), deleting=tuple(deleting))
 
 

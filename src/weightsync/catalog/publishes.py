@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any, TypeVar, cast
 
-from sqlalchemy import and_, bindparam, delete, or_, select, update
+from sqlalchemy import and_, bindparam, delete, insert, or_, select, update
 from sqlalchemy.orm import Session
 
 from .. import errors
@@ -24,8 +24,8 @@ from .rows import (
     VersionFields,
     chunks,
     committed_fields,
-    committed_row,
     model_key,
+    model_policy,
     model_row,
     version_record,
 )
@@ -62,16 +62,41 @@ def begin(
     now: datetime,
 ) -> Version:
     """Open a pending publish (or return the pending one of that id); Conflict if the id is used otherwise."""
-    m = model_row(s, model, lock=True)
-    row, _ = _begin(
+    m = model_key(s, model, lock=True)
+    version, _, _ = _begin(
         s, m, parent=parent, kind=kind, publish_id=publish_id, step=step, metadata=metadata, expires=expires, now=now
     )
-    return version_record(row, m.name)
+    return version
+
+
+# The begin's statements, built once (Core, on the tables, as the commit's below: a begin is on every
+# publish's path). The publish id's row, unlocked (a begun-again publish is locked by _PUBLISH when its
+# objects are referenced), and the pending row's insert.
+_PUBLISH_ID = select(*VERSION_COLUMNS).where(VERSIONS.c.publish_id == bindparam("publish_id"))
+# The same, locked (see pending_row): the row a commit or a reference works on.
+_PUBLISH = _PUBLISH_ID.with_for_update()
+_NEW_PUBLISH = (
+    insert(VERSIONS)
+    .values(
+        model_id=bindparam("v_model_id"),
+        number=None,
+        parent=bindparam("v_parent"),
+        kind=bindparam("v_kind"),
+        chain_base=None,
+        state="pending",
+        step=bindparam("v_step"),
+        metadata=bindparam("v_metadata"),
+        publish_id=bindparam("v_publish_id"),
+        created_at=bindparam("v_created_at"),
+        expires_at=bindparam("v_expires_at"),
+    )
+    .returning(VERSIONS.c.id)
+)
 
 
 def _begin(
     s: Session,
-    m: ModelRow,
+    m: ModelKey,
     *,
     parent: int | None,
     kind: str,
@@ -81,32 +106,51 @@ def _begin(
     expires: datetime,
     now: datetime,
     parent_checked: bool = False,
-) -> tuple[VersionRow, bool]:
-    """:func:`begin` on the (locked) model row ``m``: (the new pending row, True), or (the pending one of
-    that id, False). ``parent_checked``: the caller read ``parent`` as committed in this transaction."""
-    prior = s.scalars(select(VersionRow).where(VersionRow.publish_id == publish_id)).one_or_none()
+) -> tuple[Version, int, bool]:
+    """:func:`begin` on the (locked) model row ``m``: (the new pending publish, its row's id, True), or (the
+    pending one of that id, its row's id, False). ``parent_checked``: the caller read ``parent`` as committed
+    in this transaction."""
+    conn = s.connection()
+    prior = cast(VersionFields | None, conn.execute(_PUBLISH_ID, {"publish_id": publish_id}).first())
     if prior is not None:
         if prior.model_id == m.id and prior.state == "pending":
-            return prior, False
+            return version_record(prior, m.name), prior.id, False
         raise errors.Conflict(f"publish id {publish_id!r} is already used")
     if parent is not None and not parent_checked:
-        committed_row(s, m, parent)
-    row = VersionRow(
-        model_id=m.id,
+        committed_fields(s, m, parent)
+    row_id = conn.execute(
+        _NEW_PUBLISH,
+        {
+            "v_model_id": m.id,
+            "v_parent": parent,
+            "v_kind": kind,
+            "v_step": step,
+            "v_metadata": metadata,
+            "v_publish_id": publish_id,
+            "v_created_at": now,
+            "v_expires_at": expires,
+        },
+    ).scalar_one()
+    version = Version(
+        model=m.name,
         number=None,
         parent=parent,
         kind=kind,
         chain_base=None,
         state="pending",
         step=step,
-        metadata_=metadata,
+        metadata=dict(metadata),
+        raw_bytes=None,
+        stored_bytes=None,
+        manifest_digest=None,
         publish_id=publish_id,
+        idempotency_key=None,
         created_at=now,
+        committed_at=None,
         expires_at=expires,
+        deleted_at=None,
     )
-    s.add(row)
-    s.flush()
-    return row, True
+    return version, row_id, True
 
 
 @dataclass(frozen=True)
@@ -141,8 +185,12 @@ def open_(
     its keyframe; else a delta. ``refs`` were encoded as a keyframe when ``keyframe`` is set, else
     as a delta on ``parent``: they are referenced (objects.attach) only when that is the kind the
     publish has (a pending publish begun again keeps the kind it was begun with).
+
+    Core statements built once, as the commit's (beginPublish is on every publish's path): the model's
+    lock, its chain's two reads, the publish id's read, the insert, and attach's four statements. The
+    checks of a multi-part group (``parts-`` ids) keep their ORM reads.
     """
-    m = model_row(s, model, lock=True)
+    m = model_policy(s, model)
     if parent != m.head:
         raise errors.StaleParent(f"model {model!r}: parent {parent} is not the head ({m.head})", current_head=m.head)
     if publish_id.startswith(PARTS_PREFIX):
@@ -163,7 +211,7 @@ def open_(
         long_chain = len(chain) >= m.keyframe_interval
         heavy = keyframe_bytes > 0 and delta_bytes > m.max_chain_ratio * keyframe_bytes
         kind = "keyframe" if keyframe or long_chain or heavy else "delta"
-    row, made = _begin(
+    version, row_id, made = _begin(
         s,
         m,
         parent=parent,
@@ -175,11 +223,12 @@ def open_(
         now=now,
         parent_checked=parent is not None,  # its chain was read above
     )
-    version = version_record(row, m.name)
     pinned = None
     if refs is not None and version.kind == ("keyframe" if keyframe else "delta") and version.parent == parent:
         # A row made here is the pending publish; one begun again is checked (still pending, unexpired).
-        pinned = objects.attach(s, (row if made else pending_row(s, m, version.publish_id, now)).id, refs, now)
+        if not made:
+            row_id = _pending_fields(s, m, version.publish_id, now).id
+        pinned = objects.attach(s, row_id, refs, now, fresh=made)
     return Opened(version, parent_manifest, pinned)
 
 
@@ -187,7 +236,7 @@ PARTS_PREFIX = "parts-"
 """The publish id of a multi-part publish starts so: ``parts-`` + a hash of (model, parent, step) (ops.parts_id)."""
 
 
-def _no_other_group(s: Session, m: ModelRow, parent: int | None, publish_id: str, now: datetime) -> None:
+def _no_other_group(s: Session, m: ModelKey, parent: int | None, publish_id: str, now: datetime) -> None:
     """ParentPending when another multi-part publish (another step) is pending on ``parent``: its parts
     were sent first, so the version they make is the parent this step must wait for."""
     other = s.scalars(
@@ -228,6 +277,12 @@ def _still_pending(row: R | None, m: ModelKey, publish_id: str, now: datetime) -
     return row
 
 
+def _pending_fields(s: Session, m: ModelKey, publish_id: str, now: datetime) -> VersionFields:
+    """:func:`pending_row` (locked) as a Core read, for the row's fields only; PublishNotFound."""
+    found = s.connection().execute(_PUBLISH, {"publish_id": publish_id}).first()
+    return _still_pending(cast(VersionFields | None, found), m, publish_id, now)
+
+
 def pending(s: Session, model: str, publish_id: str, now: datetime) -> Version:
     """The pending publish as a record (no lock)."""
     m = model_row(s, model)
@@ -236,13 +291,12 @@ def pending(s: Session, model: str, publish_id: str, now: datetime) -> Version:
 
 def reference(s: Session, model: str, publish_id: str, refs: dict[str, int], now: datetime) -> Pinned:
     """Reference ``refs`` from the pending publish so GC keeps them; ``deleting`` ones are refused (objects.attach)."""
-    m = model_row(s, model, lock=True)
-    return objects.attach(s, pending_row(s, m, publish_id, now).id, refs, now)
+    m = model_key(s, model, lock=True)
+    return objects.attach(s, _pending_fields(s, m, publish_id, now).id, refs, now)
 
 
 # The commit's statements, built once (Core, on the tables: the commit is on every publish's path and
 # the ORM's per-statement work cost several times the SQL's). Row locks as in pending_row.
-_PUBLISH = select(*VERSION_COLUMNS).where(VERSIONS.c.publish_id == bindparam("publish_id")).with_for_update()
 _PUBLISH_OR_KEY = (
     select(*VERSION_COLUMNS)
     .where(

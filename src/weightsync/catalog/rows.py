@@ -28,6 +28,7 @@ __all__ = [
     "VERSION_OBJECTS",
     "VERSIONS",
     "ModelKey",
+    "ModelPolicy",
     "VersionFields",
     "chunks",
     "committed_fields",
@@ -36,6 +37,7 @@ __all__ = [
     "lease_record",
     "model_record",
     "model_key",
+    "model_policy",
     "model_row",
     "object_record",
     "replica_record",
@@ -103,6 +105,18 @@ _MODEL_KEY = select(MODELS.c.id, MODELS.c.name, MODELS.c.head, MODELS.c.pinned).
     MODELS.c.name == bindparam("name"), MODELS.c.deleted_at.is_(None)
 )
 _MODEL_KEY_LOCKED = _MODEL_KEY.with_for_update()
+_MODEL_POLICY_LOCKED = (
+    select(
+        MODELS.c.id,
+        MODELS.c.name,
+        MODELS.c.head,
+        MODELS.c.pinned,
+        MODELS.c.keyframe_interval,
+        MODELS.c.max_chain_ratio,
+    )
+    .where(MODELS.c.name == bindparam("name"), MODELS.c.deleted_at.is_(None))
+    .with_for_update()
+)
 
 
 class ModelKey(Protocol):
@@ -116,6 +130,15 @@ class ModelKey(Protocol):
     def head(self) -> int | None: ...
     @property
     def pinned(self) -> int | None: ...
+
+
+class ModelPolicy(ModelKey, Protocol):
+    """:class:`ModelKey` with the chain settings the keyframe policy reads (:func:`model_policy`)."""
+
+    @property
+    def keyframe_interval(self) -> int: ...
+    @property
+    def max_chain_ratio(self) -> float: ...
 
 
 class VersionFields(Protocol):
@@ -167,6 +190,15 @@ def model_key(s: Session, name: str, *, lock: bool = False) -> ModelKey:
     if row is None:
         raise errors.ModelNotFound(f"no model named {name!r}")
     return cast(ModelKey, row)
+
+
+def model_policy(s: Session, name: str) -> ModelPolicy:
+    """:func:`model_key` with the row lock, and the model's chain settings (a publish's begin). ModelNotFound."""
+    validate_model_name(name)
+    row = s.connection().execute(_MODEL_POLICY_LOCKED, {"name": name}).first()
+    if row is None:
+        raise errors.ModelNotFound(f"no model named {name!r}")
+    return cast(ModelPolicy, row)
 
 
 def model_row(s: Session, name: str, *, lock: bool = False) -> ModelRow:
