@@ -79,12 +79,15 @@ class ClientStats:
 
 
 def kind_of(request: httpx.Request) -> str:
-    """A coarse name of the API call (or ``presigned`` for a request straight to S3)."""
+    """A coarse name of the API call (or ``presigned`` for a request straight to S3); ``commit`` for either
+    request that commits (commitPublish, publishVersion)."""
     path = request.url.path
     if "X-Amz-Signature" in str(request.url.query):
         return "presigned"
     if path.startswith("/v1/objects"):
         return "object"
+    if request.method == "POST" and path.endswith("/versions"):
+        return "commit"  # publishVersion: a whole publish in one request, its commit included
     for part in ("commit", "objects", "publishes", "plan", "manifest", "replicas", "versions"):
         if f"/{part}" in path:
             return part

@@ -55,6 +55,34 @@ CHECKS = [
 SKIP = {"streamEvents"}
 
 
+def _publish_bundles() -> st.SearchStrategy[bytes]:
+    """publishVersion bodies: bundles whose JSON part is any JSON object (sometimes near a valid request) and
+    whose object parts are any bytes under any names; or any bytes at all. None may get a 5xx."""
+    from weightsync import bundle
+
+    digest = st.text("0123456789abcdef", min_size=64, max_size=64)
+    ref = st.fixed_dictionaries({"digest": digest, "size": st.integers(-1, 4096)})
+    near = st.fixed_dictionaries(
+        {
+            "parent": st.one_of(st.none(), st.integers(-2, 5)),
+            "keyframe": st.booleans(),
+            "objects": st.lists(ref, max_size=3),
+            "manifest": digest,
+        }
+    )
+    anything = st.dictionaries(st.text(max_size=8), st.one_of(st.integers(), st.text(max_size=8)), max_size=4)
+    parts = st.dictionaries(digest, st.binary(max_size=256), max_size=3)
+    bundles = st.builds(
+        lambda doc, objs: bundle.encode(json.dumps(doc).encode(), objs, first=bundle.PUBLISH),
+        st.one_of(near, anything),
+        parts,
+    )
+    return st.one_of(bundles, st.binary(max_size=512))
+
+
+schemathesis.openapi.media_type("application/vnd.weightsync.publish-bundle", _publish_bundles())
+
+
 @dataclass
 class Fixture:
     server: SecServer

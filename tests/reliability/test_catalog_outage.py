@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
-from _fault_data import ClientStats, checkpoint_of, digests_of, make_versions
+from _fault_data import ClientStats, checkpoint_of, digests_of, kind_of, make_versions
 from _fault_pg import PgProxy
 from _fault_service import Serve, file_digests, serve
 from _pg import ADMIN_URL, fresh_database
@@ -51,9 +51,16 @@ class Env:
         self.stats = ClientStats()
 
     def publisher(
-        self, model: str, *, retry: Retry = CLIENT_RETRY, hook: Callable[[httpx.Request], None] | None = None
+        self,
+        model: str,
+        *,
+        retry: Retry = CLIENT_RETRY,
+        hook: Callable[[httpx.Request], None] | None = None,
+        inline_bytes: int | None = None,
     ) -> Publisher:
-        return Publisher(self.url, model, retry=retry, transport=self.stats.transport(hook))
+        """A publisher; ``inline_bytes=0``: begin, uploads and commitPublish (else a small delta is one request)."""
+        options = {} if inline_bytes is None else {"inline_bytes": inline_bytes}
+        return Publisher(self.url, model, retry=retry, transport=self.stats.transport(hook), **options)
 
     def subscriber(
         self, model: str, *, retry: Retry = CLIENT_RETRY, hook: Callable[[httpx.Request], None] | None = None
@@ -177,13 +184,18 @@ def test_publish_fails_closed_during_an_outage_and_commits_after(env, tmp_path):
     )
 
 
-def test_short_outage_mid_publish_is_ridden_out(env, tmp_path):
+# How the delta is published: begin, uploads and commitPublish; or publishVersion (one request).
+MODES = {"three-requests": 0, "one-request": None}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_short_outage_mid_publish_is_ridden_out(env, tmp_path, mode):
     model = "outage-short-" + uuid.uuid4().hex[:8]
     hook = Trigger()
-    with env.publisher(model, hook=hook) as pub:
+    with env.publisher(model, hook=hook, inline_bytes=MODES[mode]) as pub:
         pub.publish(checkpoint_of(VERSIONS[0]), step=0)
         # Down as the commit is sent, back 2 s later: within the client's retries.
-        fired = hook.arm(lambda r: r.url.path.endswith("/commit"), _outage(env.proxy, 2.0))
+        fired = hook.arm(lambda r: kind_of(r) == "commit", _outage(env.proxy, 2.0))
         before = env.stats.count_kind("commit", 503)
         assert pub.publish(checkpoint_of(VERSIONS[1]), step=1).version == 2
     assert fired.is_set() and env.stats.count_kind("commit", 503) > before
@@ -195,10 +207,13 @@ def test_short_outage_mid_publish_is_ridden_out(env, tmp_path):
     )
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("deliver", [False, True], ids=["before-server-commit", "after-server-commit"])
-def test_connection_cut_at_the_commit_lands_exactly_once(env, tmp_path, deliver):
+def test_connection_cut_at_the_commit_lands_exactly_once(env, tmp_path, deliver, mode):
+    """Cut while committing; after the server's COMMIT the answer is lost: the retried commit (or the whole
+    publishVersion again, replayed by its idempotency key) lands the version exactly once."""
     model = f"outage-cut-{int(deliver)}-" + uuid.uuid4().hex[:8]
-    with env.publisher(model, retry=QUICK_RETRY) as pub:
+    with env.publisher(model, retry=QUICK_RETRY, inline_bytes=MODES[mode]) as pub:
         pub.publish(checkpoint_of(VERSIONS[0]), step=0)
         cut = env.proxy.cut_commit(HEAD_UPDATE, deliver=deliver)
         before = env.stats.count_kind("commit", 503)

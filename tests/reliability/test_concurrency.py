@@ -68,8 +68,15 @@ def service(request, tmp_path):
             ctx.__exit__(None, None, None)
 
 
+def _commits(request: httpx.Request) -> bool:
+    """A request that commits: commitPublish, or publishVersion (a whole publish in one request)."""
+    path = request.url.path
+    return request.method == "POST" and (path.endswith("/commit") or path.endswith("/versions"))
+
+
 class GateTransport(httpx.BaseTransport):
-    """Holds the next commit request at `gate` (a barrier), and records commit statuses."""
+    """Holds the next commit request (commitPublish or publishVersion) at `gate` (a barrier), and records
+    commit statuses."""
 
     def __init__(self) -> None:
         self.inner = httpx.HTTPTransport()
@@ -78,12 +85,12 @@ class GateTransport(httpx.BaseTransport):
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         held = False
-        if request.method == "POST" and request.url.path.endswith("/commit") and self.gate is not None:
+        if _commits(request) and self.gate is not None:
             gate, self.gate = self.gate, None
             gate.wait(BARRIER_TIMEOUT)
             held = True
         response = self.inner.handle_request(request)
-        if request.url.path.endswith("/commit"):
+        if _commits(request):
             self.commits.append((held, response.status_code))
         return response
 

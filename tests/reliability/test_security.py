@@ -46,9 +46,11 @@ from _sec_server import (
     version_files,
 )
 
-from weightsync import errors
+from weightsync import bundle, errors
 from weightsync.client import Retry, Subscriber
+from weightsync.codec import Encoder
 from weightsync.codec.manifest import Manifest
+from weightsync.codec.pack import pack
 
 HERE = Path(__file__).resolve().parent
 MODEL = "policy-sec"
@@ -549,6 +551,34 @@ def _builders(sec: Sec) -> dict[str, Callable[[httpx.Client, str], Call]]:
             (201,),
         )
 
+    def publish_version(c: httpx.Client, model: str) -> Call:
+        """A small keyframe of its own on the head (dropping the model's files, so allow_removals), whole in
+        one request: under the service's body cap."""
+        from _versions import checkpoint, model_files
+
+        head = _head(c, model)
+        tiny = checkpoint(model_files(seed=secrets.randbelow(1 << 30), n=1))
+        m, objects = pack(Encoder(threads=1).encode(tiny, None))
+        m.parent, m.model = head, model
+        data = m.encode()
+        digest = hashlib.sha256(data).hexdigest()
+        blobs = {o.digest: o.data for o in objects}
+        blobs[digest] = data
+        fields = {
+            "parent": head,
+            "keyframe": True,
+            "objects": [{"digest": d, "size": len(b)} for d, b in blobs.items()],
+            "manifest": digest,
+            "allow_removals": True,
+        }
+        body = bundle.encode(json.dumps(fields).encode(), blobs, first=bundle.PUBLISH)
+        return Call(
+            "POST",
+            f"/v1/models/{model}/versions",
+            {"content": body, "headers": {"Content-Type": bundle.PUBLISH_MEDIA_TYPE}},
+            (201,),
+        )
+
     def put(c: httpx.Client, model: str) -> Call:
         data = secrets.token_bytes(100)
         return Call("PUT", f"/v1/objects/{hashlib.sha256(data).hexdigest()}", {"content": data}, (201,))
@@ -589,6 +619,7 @@ def _builders(sec: Sec) -> dict[str, Callable[[httpx.Client, str], Call]]:
             },
         ),
         "commitPublish": commit,
+        "publishVersion": publish_version,
         # A part naming a manifest the store lacks: 409 incomplete-publish for an allowed caller.
         "commitPart": lambda c, m: Call(
             "POST",
