@@ -4,8 +4,9 @@ The general in-place path (client/inplace.py) decodes every frame into per-tenso
 changes during `prepare`, checks each base in a pass of its own, writes the changed
 elements and checks the result from them: what tensors on a GPU need, where only small
 staged arrays may cross. Tensors in host memory need none of that: the C kernels apply a
-FORMAT v2 frame into the tensor's own bytes and checksum every block right before and
-right after patching it, while it is in cache (``codec.frame.apply_frame_sums``). So for
+FORMAT v2 frame into the tensor's own bytes, checksum every block right before patching
+it, while it is in cache, and move that checksum by each change as they write it (the
+checksum is linear, FORMAT §10), which gives the result's (``codec.frame.apply_frame_sums``). So for
 a one-step delta into host tensors `prepare` only fetches and checks the frames, and
 `apply` is one pass over the touched tensors that both verifies the base and the result
 (FORMAT §10.2: a tensor's checksum is the sum of its pieces'). When a base or a result

@@ -19,7 +19,9 @@
  * The fused entry points (*_sums) do in one pass over the bytes what would otherwise be
  * two or three: code the changes and take the checksums of base and new; or take the
  * base's checksum, apply, and take the result's. They work through each piece in blocks
- * of SUM_BLOCK bytes, so the second and third looks at a block hit L1, not memory.
+ * of SUM_BLOCK bytes, so the second and third looks at a block hit L1, not memory. The
+ * sparse ones sum one side only: the checksum is linear (FORMAT §10), so the other side's
+ * is the summed one moved by the changes the pass visits anyway (Coder.fix, Changes.fix).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

@@ -747,9 +747,10 @@ def apply_frame_sums(
     """Apply a version 2 `frame` into the concatenation of `targets` and return each target's checksums.
 
     The checksums come from the pass that applies (FORMAT §10.2: target `i` summed at
-    ``starts[i]``, its first element's position in its segment), so checking a result
-    reads no byte again; with `before`, each block is also summed right before it is
-    patched, while in cache, so checking the base reads no byte again either. Nothing of
+    ``starts[i]``, its first element's position in its segment): each block is summed
+    right before it is patched, while in cache, and a sparse frame's result is that sum
+    moved by each change as it is written (the checksum is linear), so neither checking the
+    base (`before`) nor the result reads a byte again. Nothing of
     the frame's own is checked (it has no hashes): the caller compares the sums with its
     manifest's digests (FORMAT §5.3) and, on a mismatch, may `undo_frame`. Same target
     rules as `apply_frame_pieces`; CorruptData, nothing written, on a change past the end.
