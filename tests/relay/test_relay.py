@@ -247,6 +247,7 @@ def test_writes_to_a_relay_are_refused_naming_the_upstream(
 
     for method, path in [
         ("POST", f"/v1/models/{model}/publishes"),
+        ("POST", f"/v1/models/{model}/versions"),
         ("POST", "/v1/models"),
         ("PATCH", f"/v1/models/{model}"),
         ("DELETE", f"/v1/models/{model}"),
@@ -258,6 +259,18 @@ def test_writes_to_a_relay_are_refused_naming_the_upstream(
         assert r.headers["content-type"].startswith("application/problem+json")
         assert r.json()["type"].endswith("/read-only")
         assert r.json()["upstream"] == origin.url
+    # The SDK's one-request publish is told the same (not taken for an older server without the route).
+    with Api(relay.url) as api, pytest.raises(errors.ReadOnly):
+        api.publish_version(
+            model,
+            parent=1,
+            step=None,
+            metadata=None,
+            keyframe=True,
+            objects={"0" * 64: b""},
+            manifest="0" * 64,
+            idempotency_key="k",
+        )
     assert versions(relay.url, model) == versions(origin.url, model)
 
     # The CLI: one line naming the upstream, a non-zero exit.

@@ -9,6 +9,7 @@ from fastapi.routing import APIRoute
 
 from weightsync.relay.app import relay_routers
 from weightsync.relay.routes import READ_ONLY_OPERATIONS
+from weightsync.service.deps import Require
 from weightsync.service.routes import ROUTERS
 
 
@@ -24,14 +25,13 @@ def _operations(routers) -> dict[tuple[str, str], str]:
 
 
 def _scope(route: APIRoute) -> set[str]:
-    """The scopes a service route's dependencies require (``require_<scope>``)."""
+    """The scopes a service route's dependencies require (service/deps.py ``Require(scope)``)."""
     found = set()
     stack = [route.dependant]
     while stack:
         d = stack.pop()
-        name = getattr(d.call, "__name__", "")
-        if name.startswith("require_"):
-            found.add(name.removeprefix("require_"))
+        if isinstance(d.call, Require):
+            found.add(d.call.scope)
         stack.extend(d.dependencies)
     return found
 

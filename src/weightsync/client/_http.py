@@ -477,8 +477,11 @@ class Api:
             content=content,
             ok=(201, 202, 405),
         )
-        if resp.status_code == 405:  # a server that predates publishVersion (GET /versions only)
-            return None
+        if resp.status_code == 405:
+            err = problem_error(resp, not_found=errors.ModelNotFound, server=self.server)
+            if isinstance(err, errors.ReadOnly):  # a relay: publish to its upstream
+                raise err
+            return None  # a server that predates publishVersion (GET /versions only)
         answer = _decoded(resp, "publishVersion")
         if resp.status_code == 202:
             return models.PublishBegin.from_json(answer)

@@ -51,6 +51,7 @@ READ_ONLY_OPERATIONS = frozenset(
         "beginPublish",
         "checkObjects",
         "commitPublish",
+        "publishVersion",
         "commitPart",
         "abortPublish",
         "putObject",
