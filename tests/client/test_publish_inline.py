@@ -13,7 +13,14 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from _client_util import TinyTrainer, tensor_bits, tree_bytes, write_version  # noqa: E402
+from _client_util import (  # noqa: E402
+    TinyTrainer,
+    start_server,
+    stop_server,
+    tensor_bits,
+    tree_bytes,
+    write_version,
+)
 
 from weightsync import errors  # noqa: E402
 from weightsync.client import Publisher, Subscriber  # noqa: E402
@@ -200,3 +207,22 @@ def test_a_path_source_keeps_its_next_base_during_the_request_and_drops_it_when_
     with Subscriber(server.url, model, name="paths") as sub:
         sub.pull(tmp_path / "out")
     assert tree_bytes(tmp_path / "out") == tree_bytes(paths[4])
+
+
+def test_a_body_over_the_server_s_cap_goes_in_three_requests_and_is_not_tried_again(tmp_path) -> None:
+    """A server whose body cap is below the publisher's inline_bytes answers 413: that version goes the
+    usual way, and the next one of that size is not offered in one request again."""
+    srv = start_server(tmp_path / "srv", env={"WEIGHTSYNC_MAX_JSON_BODY": str(4 << 10)})
+    try:
+        trainer, rec = TinyTrainer(seed=18), Recording()
+        with Publisher(srv.url, "capped", transport=rec, inline_bytes=64 << 20) as pub:
+            pub.publish(trainer.export())
+            rec.take()
+            for expect_try in (True, False):
+                trainer.step()
+                assert pub.publish(trainer.export()).kind == "delta"
+                seen = kinds(rec.take())
+                assert seen.count("publishVersion") == (1 if expect_try else 0) and seen[-1] == "commit"
+        follow(srv.url, "capped", trainer.export())
+    finally:
+        stop_server(srv)

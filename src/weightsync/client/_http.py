@@ -92,6 +92,11 @@ class Api:
         self.on_bytes: Callable[[int], None] | None = None
         self.publish_version_missing = False
         """Set once the server answered publishVersion 405 (it predates it): publishes take three requests."""
+        self.publish_version_ok = False
+        """Set once a publishVersion was answered 201 or 202: the server has the route."""
+        self.publish_version_cap: int | None = None
+        """Versions whose objects add up to more bytes than this are not sent in one request: a 413 named the
+        server's body cap (its problem's ``limit``), or at least that a body of that size was too large."""
         headers = {"User-Agent": f"weightsync/{__version__}"}
         if token:
             headers["Authorization"] = f"Bearer {token}"
@@ -449,7 +454,9 @@ class Api:
     ) -> models.Version | models.PublishBegin | None:
         """Publish a version in one request (publishVersion): `objects` by digest, the manifest among them
         and last. The committed version; or the begun publish when the server wants another kind (encode
-        that, then check, upload and commit as usual); or None from a server without publishVersion."""
+        that, then check, upload and commit as usual); or None from a server without publishVersion
+        (405, :attr:`publish_version_missing` set) or whose body cap the request exceeds (413,
+        :attr:`publish_version_cap` lowered below its size)."""
         body: dict[str, Any] = {
             "parent": parent,
             "keyframe": keyframe,
@@ -475,13 +482,21 @@ class Api:
             f"/v1/models/{model}/versions",
             headers={"Content-Type": bundle.PUBLISH_MEDIA_TYPE, "Content-Length": str(size)},
             content=content,
-            ok=(201, 202, 405),
+            ok=(201, 202, 405, 413),
         )
+        if resp.status_code == 413:  # over the server's body cap: versions this large go in three requests
+            limit = _problem_member(resp, "limit")
+            body_cap = limit if isinstance(limit, int) and 0 <= limit < size else size - 1
+            objects_cap = body_cap - (size - sum(len(b) for b in objects.values()))  # less this request's framing
+            self.publish_version_cap = min(objects_cap, self.publish_version_cap or objects_cap)
+            return None
         if resp.status_code == 405:
             err = problem_error(resp, not_found=errors.ModelNotFound, server=self.server)
             if isinstance(err, errors.ReadOnly):  # a relay: publish to its upstream
                 raise err
+            self.publish_version_missing = True
             return None  # a server that predates publishVersion (GET /versions only)
+        self.publish_version_ok = True
         answer = _decoded(resp, "publishVersion")
         if resp.status_code == 202:
             return models.PublishBegin.from_json(answer)
@@ -604,6 +619,15 @@ def _plan_params(have: int | None, want: int | None, holder: str | None) -> dict
 
 
 @functools.cache
+def _problem_member(resp: httpx.Response, name: str) -> Any:
+    """A member of a problem+json answer (None when absent, or the body is not a JSON object)."""
+    try:
+        body = resp.json()
+    except ValueError:
+        return None
+    return body.get(name) if isinstance(body, dict) else None
+
+
 def _tls_context() -> ssl.SSLContext:
     """The process's one TLS context with the default certificate store (httpx's default, built once)."""
     return httpx.create_ssl_context()

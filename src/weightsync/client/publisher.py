@@ -237,7 +237,8 @@ class Publisher:
 
                 def keep_early() -> None:
                     nonlocal early
-                    early = self._base.overwrite_early(checkpoint, owned, packed.manifest)
+                    if self.api.publish_version_ok:  # not on a first try: an older server answers 405
+                        early = self._base.overwrite_early(checkpoint, owned, packed.manifest)
 
                 try:
                     got = upload.publish_inline(

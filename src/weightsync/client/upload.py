@@ -278,13 +278,15 @@ def publish_inline(
 
     Returns the version Committed; the publish the server began instead, for another kind than
     the one packed (the caller encodes that and goes on as after a begin); or None when the version
-    is larger than `limit` or the server predates publishVersion. Raises what the API raises
+    is larger than `limit` or than the server's body cap (a 413 taught it), or the server predates
+    publishVersion. Raises what the API raises
     (StaleParent: the head moved; RemovesContent without `allow_removals`). The request's time is
     ``timings["upload_s"]``: it carries the objects and the commit.
     """
     objects = {**packed.objects, packed.digest: packed.manifest_bytes}  # the manifest last (invariant 2)
     total = sum(len(b) for b in objects.values())
-    if total > limit or api.publish_version_missing:
+    cap = api.publish_version_cap
+    if total > limit or api.publish_version_missing or (cap is not None and total > cap):
         return None
     if not allow_removals:
         refuse_removals(base, checkpoint)
@@ -311,8 +313,7 @@ def publish_inline(
     finally:
         api.on_bytes = None
     timings["upload_s"] = time.perf_counter() - t
-    if got is None:
-        api.publish_version_missing = True
+    if got is None:  # an older server (405) or a body over its cap (413): three requests instead
         return None
     if isinstance(got, PublishBegin):
         return got

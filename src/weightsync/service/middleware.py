@@ -104,6 +104,7 @@ class EdgeMiddleware:
                 "Request body too large",
                 f"request bodies are limited to {self.max_json_body} bytes",
                 headers={"Connection": "close"},
+                limit=self.max_json_body,
             )
             await response(scope, receive_counted, send_counted)
 
