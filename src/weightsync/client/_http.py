@@ -618,7 +618,6 @@ def _plan_params(have: int | None, want: int | None, holder: str | None) -> dict
     return params
 
 
-@functools.cache
 def _problem_member(resp: httpx.Response, name: str) -> Any:
     """A member of a problem+json answer (None when absent, or the body is not a JSON object)."""
     try:
@@ -628,6 +627,7 @@ def _problem_member(resp: httpx.Response, name: str) -> Any:
     return body.get(name) if isinstance(body, dict) else None
 
 
+@functools.cache
 def _tls_context() -> ssl.SSLContext:
     """The process's one TLS context with the default certificate store (httpx's default, built once)."""
     return httpx.create_ssl_context()
