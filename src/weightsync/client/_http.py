@@ -384,15 +384,9 @@ class Api:
         """Begin a publish; with `objects` (an encoding made first) the answer may carry their check too.
 
         With `part` (rank, world) it joins the multi-part publish of (model, parent, step)."""
-        body: dict[str, Any] = {"parent": parent, "keyframe": keyframe}
+        body = _begin_fields(parent, keyframe, step, metadata, objects)
         if part is not None:
             body["part"] = {"rank": part[0], "world": part[1]}
-        if step is not None:
-            body["step"] = step
-        if metadata:
-            body["metadata"] = metadata
-        if objects is not None:
-            body["objects"] = [{"digest": d, "size": s} for d, s in objects]
         return models.PublishBegin.from_json(self._json("POST", f"/v1/models/{model}/publishes", json=body))
 
     def check_objects(self, model: str, publish_id: str, objects: list[tuple[str, int]]) -> models.CheckObjects:
@@ -457,17 +451,8 @@ class Api:
         that, then check, upload and commit as usual); or None from a server without publishVersion
         (405, :attr:`publish_version_missing` set) or whose body cap the request exceeds (413,
         :attr:`publish_version_cap` lowered below its size)."""
-        body: dict[str, Any] = {
-            "parent": parent,
-            "keyframe": keyframe,
-            "objects": [{"digest": d, "size": len(b)} for d, b in objects.items()],
-            "manifest": manifest,
-            "idempotency_key": idempotency_key,
-        }
-        if step is not None:
-            body["step"] = step
-        if metadata:
-            body["metadata"] = metadata
+        body = _begin_fields(parent, keyframe, step, metadata, [(d, len(b)) for d, b in objects.items()])
+        body.update(manifest=manifest, idempotency_key=idempotency_key)
         if allow_removals:
             body["allow_removals"] = True
         pieces = bundle.chunks(json.dumps(body).encode(), objects, first=bundle.PUBLISH)
@@ -616,6 +601,24 @@ def _plan_params(have: int | None, want: int | None, holder: str | None) -> dict
     if holder:
         params["holder"] = holder
     return params
+
+
+def _begin_fields(
+    parent: int | None,
+    keyframe: bool,
+    step: int | None,
+    metadata: dict[str, Any] | None,
+    objects: list[tuple[str, int]] | None,
+) -> dict[str, Any]:
+    """The JSON fields beginPublish and publishVersion share (optional ones only when set)."""
+    body: dict[str, Any] = {"parent": parent, "keyframe": keyframe}
+    if step is not None:
+        body["step"] = step
+    if metadata:
+        body["metadata"] = metadata
+    if objects is not None:
+        body["objects"] = [{"digest": d, "size": n} for d, n in objects]
+    return body
 
 
 def _problem_member(resp: httpx.Response, name: str) -> Any:
