@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 
 import httpx
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -185,28 +186,90 @@ def test_a_stale_base_catches_up_and_a_removal_is_refused_before_sending(server,
     follow(server.url, model, trainer.export())
 
 
-def test_a_path_source_keeps_its_next_base_during_the_request_and_drops_it_when_it_fails(
+def test_a_lost_answer_keeps_the_base_whole_and_the_same_publish_again_replays_as_a_delta(
     server, model, tmp_path
 ) -> None:
-    """From files (bytes not the publisher's), the next base is copied in while the one request is in
-    flight: each delta is on the last version, and a request that fails leaves no half-copied base
-    behind (the next publish is a keyframe, right to the bit)."""
+    """From files (bytes not the publisher's), the next base is the held one patched by the delta's own
+    frames once the version committed: a request whose answer is lost leaves the held base whole (its
+    version, its bytes), so the same publish again is replayed (the version the lost request committed,
+    still a delta) and the chain goes on in deltas, right to the bit."""
+    from weightsync.client import base as base_mod
+
     trainer, rec = TinyTrainer(seed=17), Recording()
     paths = []
     for i in range(5):
         paths.append(write_version(tmp_path / f"v{i}", trainer.export()))
         trainer.step()
-    with Publisher(server.url, model, transport=rec, retry=Retry(attempts=2, base=0.01)) as pub:
+    patched: list[int | None] = []
+    real = base_mod.patch_jobs
+
+    def spy(old, manifest, objects):
+        patched.append(manifest.parent)
+        return real(old, manifest, objects)
+
+    with (
+        pytest.MonkeyPatch.context() as mp,
+        Publisher(server.url, model, transport=rec, retry=Retry(attempts=2, base=0.01)) as pub,
+    ):
+        mp.setattr(base_mod, "patch_jobs", spy)
         assert [pub.publish(p).kind for p in paths[:3]] == ["keyframe", "delta", "delta"]
+        assert patched == [1, 2]  # each delta's frames made the next base
         rec.lose = 2  # both attempts' answers lost: the version committed, the publisher cannot know
         with pytest.raises(errors.ServerUnavailable):
             pub.publish(paths[3])
-        assert pub._base.held() is None
-        r = pub.publish(paths[4])  # on the head (v4, committed by the lost request): a keyframe
-        assert (r.version, r.parent, r.kind) == (5, 4, "keyframe")
+        held = pub._base.held()
+        assert held is not None and held.state.number == 3
+        assert {f.layout.path: bytes(f.data) for f in held.checkpoint.files} == tree_bytes(paths[2])
+        r = pub.publish(paths[3])  # the same version again: the server answers what the lost request committed
+        assert (r.version, r.parent, r.kind) == (4, 3, "delta")
+        r = pub.publish(paths[4])
+        assert (r.version, r.parent, r.kind) == (5, 4, "delta")
     with Subscriber(server.url, model, name="paths") as sub:
         sub.pull(tmp_path / "out")
     assert tree_bytes(tmp_path / "out") == tree_bytes(paths[4])
+
+
+def test_a_base_copied_during_the_request_is_dropped_when_it_fails(server, model, tmp_path) -> None:
+    """A delta whose frames cannot be applied into the held base (a tensor moved in the file) has the
+    next base copied in while the one request is in flight: a request that fails leaves no half-copied
+    base behind (the next publish is a keyframe, right to the bit)."""
+    import safetensors.numpy as stn
+
+    from weightsync.client import base as base_mod
+
+    rec = Recording()
+    rng = np.random.default_rng(3)
+    a, b = rng.standard_normal(4000).astype(np.float32), rng.standard_normal(4000).astype(np.float32)
+    paths = []
+    for i, names in enumerate([("a", "b"), ("a", "b"), ("b", "c"), ("b", "c")]):  # v2: "a" renamed "c"
+        d = tmp_path / f"v{i}"
+        d.mkdir()
+        a, b = a.copy(), b.copy()
+        a[rng.integers(0, a.size, 40)] += 1.0
+        stn.save_file({names[0]: a, names[1]: b} if names[0] == "a" else {"c": a, "b": b}, str(d / "w.safetensors"))
+        paths.append(d)
+    copies = []
+    real = base_mod.BaseKeeper._copy_jobs
+
+    def spy(self, old, checkpoint, manifest):
+        copies.append(manifest.parent)
+        return real(self, old, checkpoint, manifest)
+
+    with Publisher(server.url, model, transport=rec, retry=Retry(attempts=2, base=0.01)) as pub:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(base_mod.BaseKeeper, "_copy_jobs", spy)
+            assert [pub.publish(p).kind for p in paths[:2]] == ["keyframe", "delta"]
+            assert copies == []  # the delta's frames were applied into the base: nothing copied
+            rec.lose = 2
+            with pytest.raises(errors.ServerUnavailable):
+                pub.publish(paths[2], allow_removals=True)
+            assert copies == [2]  # "b" moved: the next base was being copied in during the request
+            assert pub._base.held() is None
+        r = pub.publish(paths[3], allow_removals=True)  # on the head (v3, committed by the lost request)
+        assert (r.version, r.parent, r.kind) == (4, 3, "keyframe")
+    with Subscriber(server.url, model, name="paths") as sub:
+        sub.pull(tmp_path / "out")
+    assert tree_bytes(tmp_path / "out") == tree_bytes(paths[3])
 
 
 def test_a_body_over_the_server_s_cap_goes_in_three_requests_and_is_not_tried_again(tmp_path) -> None:

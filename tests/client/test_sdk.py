@@ -444,12 +444,13 @@ def test_bandwidth_cap_and_unknown_model(server, model, tmp_path: Path) -> None:
         sub.pull(tmp_path / "nope", version=42)
 
 
-def test_the_next_base_is_exactly_the_published_files_when_only_changed_segments_are_copied(
-    server, model, tmp_path: Path, monkeypatch
-) -> None:
-    """A path publisher copies into its base only what changed (segments a format 2 delta states unchanged
-    at the same place are left as they are): after every publish the base holds the files byte for byte,
-    the skipped ranges are exactly the unchanged tensors, and a subscriber following the deltas stays exact."""
+@pytest.mark.parametrize("keep", ["patch", "copy"])
+def test_the_next_base_is_exactly_the_published_files(server, model, tmp_path: Path, monkeypatch, keep: str) -> None:
+    """A path publisher keeps its next base in the previous one's buffers: by applying each delta's own
+    frames into them ("patch", what a format 2 delta on the held base gets), or where those cannot apply
+    by copying only what changed ("copy", forced here: segments a format 2 delta states unchanged at the
+    same place are left as they are). Either way, after every publish the base holds the files byte for
+    byte, and a subscriber following the deltas stays exact."""
     import numpy as np
     import safetensors.numpy as stn
 
@@ -469,14 +470,23 @@ def test_the_next_base_is_exactly_the_published_files_when_only_changed_segments
         )
         paths.append(d)
     skipped: list[dict] = []
-    real = base_mod.same_ranges
+    patched: list[int | None] = []
+    real_ranges, real_patch = base_mod.same_ranges, base_mod.patch_jobs
 
-    def spy(manifest, number):
-        got = real(manifest, number)
+    def spy_ranges(manifest, number):
+        got = real_ranges(manifest, number)
         skipped.append(got)
         return got
 
-    monkeypatch.setattr(base_mod, "same_ranges", spy)
+    def spy_patch(old, manifest, objects):
+        patched.append(manifest.parent)
+        return real_patch(old, manifest, objects)
+
+    monkeypatch.setattr(base_mod, "same_ranges", spy_ranges)
+    monkeypatch.setattr(base_mod, "patch_jobs", spy_patch)
+    if keep == "copy":
+        monkeypatch.setattr(base_mod, "patchable", lambda old, checkpoint, manifest: False)
+    buffers = None
     with Publisher(server.url, model, **SMALL) as pub, Subscriber(server.url, model, name="follower") as sub:
         for i, d in enumerate(paths):
             result = pub.publish(d)
@@ -484,11 +494,16 @@ def test_the_next_base_is_exactly_the_published_files_when_only_changed_segments
             assert held is not None and held.state.number == result.version
             want = (d / "model.safetensors").read_bytes()
             assert held.checkpoint.files[0].data.tobytes() == want, f"v{i + 1}: the base differs from the file"
+            buffers = buffers if buffers is not None else held.checkpoint.files[0].data
+            assert np.shares_memory(buffers, held.checkpoint.files[0].data)  # the same buffers all along
             sub.pull(tmp_path / "follow", result.version)
             assert (tmp_path / "follow" / "model.safetensors").read_bytes() == want
-    # v1 is a keyframe (nothing held to copy into); each delta skipped exactly the frozen tensor's bytes and
-    # the safetensors header (the same in every version).
+    if keep == "patch":  # v1 is a keyframe (nothing held); each delta's frames made the next base
+        assert patched == [1, 2, 3] and skipped == []
+        return
+    # Each delta skipped exactly the frozen tensor's bytes and the safetensors header (the same in every version).
     header = 8 + int.from_bytes(want[:8], "little")
     meta = json.loads(want[8:header])
     a, b = meta["frozen"]["data_offsets"]
+    assert patched == []
     assert skipped == [{"model.safetensors": [(0, header), (header + a, header + b)]}] * 3, skipped

@@ -14,7 +14,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,8 +31,9 @@ from weightsync.client.models import Version
 from weightsync.client.pull import Meter, pull
 from weightsync.client.state import CheckoutState
 from weightsync.codec.checkpoint import Checkpoint, CheckpointFile, layout_of
+from weightsync.codec.frame import apply_frame_pieces
 from weightsync.codec.manifest import VERSION_2 as MANIFEST_V2
-from weightsync.codec.manifest import Manifest
+from weightsync.codec.manifest import FrameRef, Manifest
 from weightsync.codec.validate import validate_for_publish
 
 log = logging.getLogger("weightsync.client")
@@ -143,6 +144,54 @@ def _pieces(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return [(a, min(b, a + _COPY_PIECE)) for start, b in ranges for a in range(start, b, _COPY_PIECE)]
 
 
+def patchable(old: Checkpoint, checkpoint: Checkpoint, manifest: Manifest) -> bool:
+    """Whether `manifest`'s frames, applied into `old`'s buffers, give `checkpoint`'s bytes (`patch_jobs`).
+
+    `manifest` is the version just published from `checkpoint`. Its frames apply in place when it
+    is a format 2 delta, every file has `old`'s path and size, its segments tile it, and each sits
+    where its base did (delta- or keyframe-coded); segments stated unchanged are left as they are.
+    """
+    if manifest.kind != "delta" or manifest.version != MANIFEST_V2:
+        return False
+    if not len(manifest.files) == len(old.files) == len(checkpoint.files):
+        return False
+    for f, mine, theirs in zip(manifest.files, old.files, checkpoint.files, strict=True):
+        same_file = mine.layout.path == f.path or (manifest.single_file and len(old.files) == 1)
+        if not (same_file and f.path == theirs.layout.path and f.size == mine.data.size == theirs.data.size):
+            return False
+        at = 0
+        for e in sorted(f.segments, key=lambda e: e.segment.offset):
+            if e.segment.offset != at or e.base_offset not in (None, e.segment.offset):
+                return False
+            at += e.segment.length
+        if at != f.size:
+            return False
+    return True
+
+
+def patch_jobs(old: Checkpoint, manifest: Manifest, objects: Mapping[str, bytes]) -> list[Callable[[], Any]] | None:
+    """Jobs that apply `manifest`'s frames (`objects`: its packed objects by digest) into `old`'s buffers, which
+    `patchable` allowed; None when a frame's object is not in `objects`.
+
+    A delta frame writes only the elements it changes, so keeping the next base costs work in
+    proportion to the changes, not a copy of the model. Nothing is checked here: the next encode
+    sums every base byte it reads and checks the sums against this manifest's digests
+    (``upload.pack_version``), so a base that came out wrong costs a keyframe, never a wrong delta.
+    """
+    if any(ref.object not in objects for ref in manifest.frames):
+        return None
+
+    def job(ref: FrameRef) -> Callable[[], Any]:
+        blob = memoryview(objects[ref.object or ""])[ref.offset : ref.offset + ref.length]
+        targets = []
+        for p in ref.pieces:
+            start = manifest.files[p.file].segments[p.seg].segment.offset + p.offset
+            targets.append(old.files[p.file].data[start : start + p.length])
+        return lambda: apply_frame_pieces(blob, targets, verify_base=False)
+
+    return [job(ref) for ref in manifest.frames]
+
+
 @dataclass
 class Base:
     """The version a publisher diffs against: its checkout state and its bytes."""
@@ -171,12 +220,15 @@ class BaseKeeper:
         self._base: Base | None = None
         self._early: tuple[list[CheckpointFile], Future[None]] | None = None
         """The next base's files being copied into the held base's buffers (:meth:`overwrite_early`)."""
+        self._patching: Future[Any] | None = None
+        """The held base's buffers being patched by the version just published (:meth:`remember`)."""
         self._owner: IO[bytes] | None = None
         if self.checkout is not None:
             self._owner = _own(self.checkout.meta / "publisher.lock")
 
     def close(self) -> None:
         """Release the cache directory (the base stays there for the next publisher)."""
+        self._ready()
         self._settle()
         if self._owner is not None:
             self._owner.close()  # closing the file releases its flock
@@ -185,6 +237,7 @@ class BaseKeeper:
     @property
     def number(self) -> int | None:
         """The version held (None: none)."""
+        self._ready()
         if self._base is not None:
             return self._base.state.number
         if self.checkout is not None:
@@ -194,10 +247,24 @@ class BaseKeeper:
 
     def held(self) -> Base | None:
         """The base kept from this process's last publish or catch-up, unchecked against the head (None: none)."""
+        self._ready()
         return self._base
+
+    def _ready(self) -> None:
+        """Wait until the held base's bytes are patched, if :meth:`remember` left that running; if it
+        failed, hold nothing (the next publish is a keyframe or a catch-up)."""
+        patching, self._patching = self._patching, None
+        if patching is None:
+            return
+        try:
+            patching.result()
+        except Exception as exc:  # noqa: BLE001 - a failed patch only costs the next base
+            log.warning("patching the next base failed (%s): the next publish is a keyframe", exc)
+            self._base = None
 
     def for_head(self, head: Version | None, meter: Meter) -> Base | None:
         """The held version if it is the server's head; else catch up (download mode) or None (keyframe)."""
+        self._ready()
         if head is None:
             return None
         number, digest = head.number, head.manifest
@@ -232,6 +299,7 @@ class BaseKeeper:
 
     def forget(self) -> None:
         """Hold nothing: the next publish is a keyframe (or a catch-up)."""
+        self._ready()
         self._base = None
         self._settle()
         if self.checkout is not None:
@@ -266,13 +334,18 @@ class BaseKeeper:
 
         From here the held base is gone (its bytes are being replaced): :meth:`held` is None, and
         a publish that does not commit must :meth:`forget` (the next one is a keyframe or a catch-up).
-        Only for a base held in memory as our own copy of the same sizes, from bytes not ours.
+        Only for a base held in memory as our own copy of the same sizes, from bytes not ours, and
+        not for a delta whose frames `remember` can apply into it (`patchable`): that costs less
+        than the copy and keeps the base should the publish fail.
         """
+        self._ready()
         old = self._base
         if self.checkout is not None or owned or old is None or not old.own:
             return False
         if not _same_sizes(old.checkpoint, checkpoint):
             return False
+        if manifest.parent == old.state.number and patchable(old.checkpoint, checkpoint, manifest):
+            return False  # a delta on it is applied into it after the commit (remember): no copy to start
         files, jobs = self._copy_jobs(old, checkpoint, manifest)
         self._base = None
 
@@ -283,22 +356,49 @@ class BaseKeeper:
         return True
 
     def remember(
-        self, checkpoint: Checkpoint, owned: bool, state: CheckoutState, manifest: Manifest | None = None
+        self,
+        checkpoint: Checkpoint,
+        owned: bool,
+        state: CheckoutState,
+        manifest: Manifest | None = None,
+        objects: Mapping[str, bytes] | None = None,
     ) -> None:
         """Hold the published bytes as the next base: in memory, or switched into the cache checkout.
 
-        In memory, bytes that are not ours (the caller's files may change) are copied: into the
-        buffers of the base they replace when it is our own copy of the same sizes (a copy into
-        memory already mapped is several times faster than into fresh pages), else into new ones.
-        Copying into the old buffers skips the segments `manifest` (the version just published)
-        states unchanged from the held base at the same place (`same_ranges`), and runs on the
-        process's CPU pool.
+        In memory, bytes that are not ours (the caller's files may change) are kept in the
+        buffers of the base they replace when it is our own copy of the same sizes, else copied
+        into new ones. Into the old buffers: when `manifest` (the version just published) is a
+        format 2 delta on the held base and `objects` its packed frames, the frames are applied
+        in place (`patch_jobs`: work in proportion to the changes), in the background: this
+        returns at once and whatever reads the base next waits for it; else the bytes are copied
+        (a copy into memory already mapped is several times faster than into fresh pages),
+        skipping the segments `manifest` states unchanged at the same place (`same_ranges`).
+        Either runs on the process's CPU pool.
         """
+        self._ready()
         if self.checkout is None:
             old, self._base = self._base, None
             early = self._settle()
+            patch = None
+            if (
+                early is None
+                and not owned
+                and old is not None
+                and old.own
+                and manifest is not None
+                and objects
+                and manifest.parent == old.state.number
+                and patchable(old.checkpoint, checkpoint, manifest)
+            ):
+                patch = patch_jobs(old.checkpoint, manifest, objects)
             if early is not None:  # overwrite_early copied these bytes while the publish was in flight
                 self._base = Base(state, Checkpoint(early, single_file=checkpoint.single_file), own=True)
+            elif patch is not None and old is not None:  # applied in the background: the next publish waits for it
+                patches = patch
+                self._patching = self.pool.submit(lambda: run_all(cpu_pool(), lambda job: job(), patches))
+                pairs = zip(old.checkpoint.files, checkpoint.files, strict=True)
+                files = [CheckpointFile(t.layout, m.data) for m, t in pairs]
+                self._base = Base(state, Checkpoint(files, single_file=checkpoint.single_file), own=True)
             elif owned:
                 self._base = Base(state, checkpoint)
             elif old is not None and old.own and _same_sizes(old.checkpoint, checkpoint):

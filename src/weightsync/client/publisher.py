@@ -318,7 +318,7 @@ class Publisher:
                 if not done.number:  # a part not waited for: the version is not known yet
                     self._base.forget()
                 else:
-                    self._base.remember(checkpoint, owned, state, done.manifest)
+                    self._base.remember(checkpoint, owned, state, done.manifest, done.objects)
             except OSError as exc:  # committed already: only the next publish's base is lost
                 log.warning(
                     "could not keep v%s as the next base (%s): the next publish is a keyframe", done.number, exc

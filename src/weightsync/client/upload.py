@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -174,6 +174,8 @@ class Committed:
     manifest: Manifest
     objects_total: int
     objects_uploaded: int
+    objects: dict[str, bytes] = field(default_factory=dict)
+    """The data objects of `manifest` by digest (what the publisher keeps its next base from)."""
 
 
 def commit(
@@ -238,13 +240,13 @@ def commit(
         number, digest = commit_part(api, model, begun.publish_id, part, packed.digest, allow_removals, wait, poll_s)
         timings["commit_s"] = time.perf_counter() - t
         # The version's manifest digest (the merge's), and this part's manifest: the files this rank holds.
-        return Committed(number, digest, packed.manifest, len(packed.objects) + 1, len(todo))
+        return Committed(number, digest, packed.manifest, len(packed.objects) + 1, len(todo), packed.objects)
     key = hashlib.sha256(f"{model}\0{begun.publish_id}\0{packed.digest}".encode()).hexdigest()[:32]
     number = api.commit_publish(
         model, begun.publish_id, manifest=packed.digest, idempotency_key=key, allow_removals=allow_removals
     ).number
     timings["commit_s"] = time.perf_counter() - t
-    return Committed(number, packed.digest, packed.manifest, len(packed.objects) + 1, len(todo))
+    return Committed(number, packed.digest, packed.manifest, len(packed.objects) + 1, len(todo), packed.objects)
 
 
 def refuse_removals(base: Base, checkpoint: Checkpoint) -> None:
@@ -317,7 +319,7 @@ def publish_inline(
         return None
     if isinstance(got, PublishBegin):
         return got
-    return Committed(got.number, packed.digest, packed.manifest, len(objects), len(objects))
+    return Committed(got.number, packed.digest, packed.manifest, len(objects), len(objects), packed.objects)
 
 
 def commit_part(
