@@ -59,3 +59,60 @@ def test_a_truncated_body_is_refused_or_a_prefix_of_the_parts(plan: bytes, datas
 def test_malformed(body: bytes, why: str) -> None:
     with pytest.raises(errors.BadResponse, match=why):
         list(bundle.parts(body))
+
+
+def _received(body: bytes, cuts: list[int]) -> tuple[bytes, dict[str, tuple[bytes, str]]]:
+    """`body` fed to a Receiver in the pieces `cuts` make, then finished."""
+    r = bundle.Receiver()
+    at = 0
+    for cut in [*sorted(cuts), len(body)]:
+        r.feed(body[at:cut])
+        at = cut
+    plan, objects = r.finish()
+    return bytes(plan), {n: (bytes(d), h) for n, (d, h) in objects.items()}
+
+
+@given(plan=st.binary(max_size=200), datas=blobs, data=st.data())
+def test_a_body_received_in_any_pieces_gives_the_parts_and_their_hashes(plan: bytes, datas: list[bytes], data) -> None:
+    """The receiver's parts are `parts`' of the whole body, however the body arrives, each object's SHA-256
+    taken as it came (here the names are not the data's hashes: the hash is of the bytes received)."""
+    objects = _named(datas)
+    body = bundle.encode(plan, objects)
+    cuts = data.draw(st.lists(st.integers(0, len(body)), max_size=8))
+    got_plan, got = _received(body, cuts)
+    assert got_plan == plan
+    assert {n: d for n, (d, _) in got.items()} == objects
+    assert all(h == hashlib.sha256(d).hexdigest() for d, h in got.values())
+
+
+@given(plan=st.binary(max_size=50), datas=blobs, data=st.data())
+def test_a_receiver_refuses_what_parts_refuses(plan: bytes, datas: list[bytes], data) -> None:
+    """A body cut anywhere: the receiver gives what `parts` gives, or raises where it raises."""
+    body = bundle.encode(plan, _named(datas))
+    cut = data.draw(st.integers(0, len(body) - 1))
+    try:
+        want = [(n, bytes(d)) for n, d in bundle.parts(body[:cut])]
+    except errors.BadResponse:
+        with pytest.raises(errors.BadResponse):
+            _received(body[:cut], [data.draw(st.integers(0, cut))])
+        return
+    got_plan, got = _received(body[:cut], [data.draw(st.integers(0, cut))])
+    assert [(bundle.PLAN, got_plan), *((n, d) for n, (d, _) in got.items())] == want
+
+
+@pytest.mark.parametrize(
+    ("body", "why"),
+    [
+        (b"XXXX\x01\x00\x00\x00", "bad magic"),
+        (bundle.head()[:4] + b"\x02\x00\x00\x00", "version 2"),
+        (bundle.head(), "no plan"),
+        (bundle.head() + bundle.part_header("a" * 64, 0), "unexpected part"),
+        (bundle.encode(b"{}", {}) + bundle.part_header("not-a-digest", 0), "unexpected part"),
+        (bundle.encode(b"{}", {}) + bundle.part_header(bundle.PLAN, 0), "unexpected part"),
+        (bundle.head() + b"\x04\x00\xff\xfe\xfd\xfc" + bytes(8), "not ASCII"),
+        (b"WSP", "bad magic"),
+    ],
+)
+def test_a_receiver_refuses_malformed_bodies(body: bytes, why: str) -> None:
+    with pytest.raises(errors.BadResponse, match=why):
+        _received(body, [1, 3])

@@ -20,8 +20,10 @@ digest check.
 
 from __future__ import annotations
 
+import hashlib
 import struct
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 from weightsync import errors
 from weightsync.common import is_digest
@@ -106,6 +108,86 @@ def parts(
         is_first = False
     if is_first:
         raise error(f"{what}: no {first}")
+
+
+class Receiver:
+    """A bundle received in chunks (an answer's body), each object part hashed (SHA-256) as its bytes arrive.
+
+    ``feed`` every chunk in order, then ``finish`` for the JSON part (named `first`) and
+    {name: (bytes, SHA-256 hex of them)} of the object parts: a reader compares each hash with
+    the name without another pass over the bytes, and the hashing runs while the rest of the
+    body is still on its way. The same parts as :func:`parts` of the whole body, and the same
+    `error`s on anything malformed (raised by ``feed`` as soon as it shows, or by ``finish``).
+    """
+
+    def __init__(self, *, first: str = PLAN, error: type[errors.WeightsyncError] = errors.BadResponse) -> None:
+        self._buf = bytearray()
+        self._first, self._error = first, error
+        self._what = f"{first} bundle"
+        self._at = _HEAD.size  # where the next part's header starts
+        self._part: tuple[str, int, int, Any] | None = None  # name, start, size, hasher (None: the JSON part)
+        self._fed = 0  # bytes of the current part hashed
+        self._done: list[tuple[str, int, int, str | None]] = []
+
+    def feed(self, chunk: bytes | memoryview) -> None:
+        self._buf += chunk
+        if len(self._buf) >= _HEAD.size and not self._done and self._part is None and self._at == _HEAD.size:
+            self._check_head()
+        while len(self._buf) >= _HEAD.size:
+            if self._part is None and not self._next_header():
+                return
+            assert self._part is not None
+            name, start, size, hasher = self._part
+            upto = min(len(self._buf), start + size)
+            if hasher is not None and upto > start + self._fed:
+                hasher.update(memoryview(self._buf)[start + self._fed : upto])
+            self._fed = upto - start
+            if self._fed < size:
+                return
+            self._done.append((name, start, size, None if hasher is None else hasher.hexdigest()))
+            self._part, self._fed, self._at = None, 0, start + size
+
+    def _check_head(self) -> None:
+        magic, version = _HEAD.unpack_from(self._buf)
+        if magic != MAGIC:
+            raise self._error(f"{self._what}: bad magic")
+        if version != VERSION:
+            raise self._error(f"{self._what}: version {version}, this side reads {VERSION}")
+
+    def _next_header(self) -> bool:
+        """Parse the header of the part at ``_at`` when all of it arrived; whether it did."""
+        at, buf = self._at, self._buf
+        if at + _NAME.size > len(buf):
+            return False
+        (n,) = _NAME.unpack_from(buf, at)
+        if at + _NAME.size + n + _SIZE.size > len(buf):
+            return False
+        try:
+            name = bytes(buf[at + _NAME.size : at + _NAME.size + n]).decode("ascii")
+        except UnicodeDecodeError:
+            raise self._error(f"{self._what}: a part name is not ASCII") from None
+        (size,) = _SIZE.unpack_from(buf, at + _NAME.size + n)
+        _check_name(name, not self._done, self._first, self._what, self._error)
+        hasher = None if not self._done else hashlib.sha256()
+        self._part = (name, at + _NAME.size + n + _SIZE.size, size, hasher)
+        return True
+
+    def finish(self) -> tuple[memoryview, dict[str, tuple[memoryview, str]]]:
+        """(the JSON part, {object name: (its bytes, their SHA-256 hex)}); `error` if the body ended inside a
+        part or holds no JSON part."""
+        if len(self._buf) < _HEAD.size:
+            raise self._error(f"{self._what}: bad magic")
+        self._check_head()
+        if self._part is not None or self._at != len(self._buf):
+            truncated = self._part[0] if self._part is not None else None
+            what = "truncated part header" if truncated is None else f"part {truncated!r} is truncated"
+            raise self._error(f"{self._what}: {what}")
+        if not self._done:
+            raise self._error(f"{self._what}: no {self._first}")
+        view = memoryview(self._buf)
+        _, start, size, _ = self._done[0]
+        objects = {name: (view[a : a + n], h or "") for name, a, n, h in self._done[1:]}
+        return view[start : start + size], objects
 
 
 class StreamedBundle:

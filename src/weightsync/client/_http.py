@@ -273,40 +273,49 @@ class Api:
     ) -> tuple[models.Plan, dict[str, memoryview]]:
         """The plan and, when its bytes are at most `inline`, its manifests and objects in the same answer.
 
-        Returns (plan, {digest: bytes} of the objects that came with it: unchecked, the caller checks each
-        against its name). A server that answers the plan alone (a larger update, an older server, a relay
-        lacking some objects) gives fewer or none; the caller fetches the rest as usual. Bytes received are
-        rate-limited; `on_bytes` counts the objects' bytes.
+        Returns (plan, {digest: bytes} of the objects that came with it, each checked against its name:
+        hashed as its bytes arrived, while the rest of the body was still coming). An object whose bytes
+        do not hash to its name is left out, with a warning, as is any the server did not send (a larger
+        update, an older server, a relay lacking some objects): the caller fetches those as usual.
+        Bytes received are rate-limited; `on_bytes` counts the objects' bytes.
         """
         params = {**_plan_params(have, want, holder), "inline": inline}
 
-        def consume(resp: httpx.Response) -> tuple[str, bytearray]:
-            body = bytearray()
+        def consume(resp: httpx.Response) -> tuple[str, bundle.Receiver | bytearray]:
+            kind = resp.headers.get("content-type", "")
+            sink: bundle.Receiver | bytearray = bundle.Receiver() if kind.startswith(bundle.MEDIA_TYPE) else bytearray()
             for chunk in resp.iter_bytes(UPLOAD_CHUNK):
                 check_cancelled()
                 if self.limiter is not None:
                     self.limiter.acquire(len(chunk))
-                body += chunk
-            return resp.headers.get("content-type", ""), body
+                if isinstance(sink, bytearray):
+                    sink += chunk
+                else:
+                    sink.feed(chunk)
+            return kind, sink
 
         path = f"/v1/models/{model}/plan"
-        kind, body = self.request(
+        kind, sink = self.request(
             "GET", path, params=params, ok=(200,), stream_to=consume, not_found=errors.VersionNotFound
         )
-        if not kind.startswith(bundle.MEDIA_TYPE):
+        if isinstance(sink, bytearray):
             try:
-                return models.Plan.from_json(json.loads(body)), {}
+                return models.Plan.from_json(json.loads(sink)), {}
             except ValueError:
                 raise errors.BadResponse(f"GET {path}: the answer is neither a plan nor a plan bundle") from None
-        got = bundle.parts(body)
-        name, plan_json = next(got)
+        plan_json, received = sink.finish()
         try:
             plan = models.Plan.from_json(json.loads(bytes(plan_json)))
         except ValueError:
             raise errors.BadResponse(f"GET {path}: the bundle's plan is not JSON") from None
-        objects = dict(got)
+        objects = {}
+        for digest, (data, sha256) in received.items():
+            if sha256 == digest:
+                objects[digest] = data
+            else:
+                log.warning("object %s came with the plan with other bytes: fetching it again", digest)
         if self.on_bytes is not None:
-            self.on_bytes(sum(len(v) for v in objects.values()))
+            self.on_bytes(sum(len(v) for v, _ in received.values()))
         return plan, objects
 
     def watch(self, model: str, *, after: int, timeout: float) -> models.Version | None:

@@ -128,6 +128,10 @@ class ObjectCache:
         """Add an object's bytes, checked against its name here (DigestMismatch: nothing kept)."""
         if hashlib.sha256(data).hexdigest() != digest:
             raise errors.DigestMismatch(f"object {digest} was received with other bytes")
+        self.put_checked(digest, data)
+
+    def put_checked(self, digest: str, data: bytes | memoryview) -> None:
+        """Add an object's bytes that the caller has just checked against its name (hashed as they arrived)."""
         if self.root is None:
             self._mem[digest] = data
             return

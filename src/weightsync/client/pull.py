@@ -170,19 +170,12 @@ def fetch_update(
 
 
 def _keep_inlined(cache: ObjectCache, plan: Plan, inlined: dict[str, memoryview]) -> None:
-    """Put the objects that came with the plan into `cache`, each checked against its name.
-
-    One that does not hash to its name is dropped (and fetched again by `fetch_plan`, whose own
-    checks then decide); one the plan does not name is ignored.
-    """
+    """Put the objects that came with the plan into `cache` (each checked against its name on arrival:
+    `Api.get_plan_bundle`); one the plan does not name is ignored."""
     manifests, objects = step_objects(plan.steps)
     for digest, data in inlined.items():
-        if (digest not in manifests and digest not in objects) or cache.has(digest):
-            continue
-        try:
-            cache.put(digest, data)
-        except errors.DigestMismatch:
-            log.warning("object %s came with the plan with other bytes: fetching it again", digest)
+        if (digest in manifests or digest in objects) and not cache.has(digest):
+            cache.put_checked(digest, data)
 
 
 def prepare_update(
