@@ -14,7 +14,7 @@ from _versions import checkpoint, model_files, next_step
 from weightsync import errors
 from weightsync.codec import Checkpoint, Encoder
 from weightsync.codec.pack import pack
-from weightsync.ops import fsck
+from weightsync.ops import core, fsck
 
 pytestmark = pytest.mark.anyio
 
@@ -85,8 +85,10 @@ async def test_one_call_commits_and_reads_back(ops, chain):
     assert report.ok, report.problems
 
 
-@pytest.mark.parametrize("how", ["body-ends-early", "client-went-away", "wrong-part", "removes-content"])
-async def test_a_failed_call_aborts_the_publish(ops, clock, chain, how):
+@pytest.mark.parametrize(
+    "how", ["body-ends-early", "client-went-away", "wrong-part", "other-bytes", "other-big-bytes", "removes-content"]
+)
+async def test_a_failed_call_aborts_the_publish(ops, clock, chain, how, monkeypatch):
     await publish(ops, "m", chain[0], None, None)
     digest, objects = encoded(chain[1], chain[0], 1)
     listed = [(d, len(b)) for d, b in objects.items()]
@@ -97,6 +99,12 @@ async def test_a_failed_call_aborts_the_publish(ops, clock, chain, how):
         parts, expected = parts_of(objects, stop_after=0, cut=10), errors.InvalidArgument
     elif how == "wrong-part":
         parts, expected = parts_of({"ab" * 32: b"abc"}), errors.InvalidArgument
+    elif how in ("other-bytes", "other-big-bytes"):  # a listed object's size, not its bytes: stored whole or streamed
+        if how == "other-big-bytes":
+            monkeypatch.setattr(core, "WHOLE_PART_BYTES", 0)
+        first = next(iter(objects))
+        damaged = {**objects, first: bytes([objects[first][0] ^ 1]) + objects[first][1:]}
+        parts, expected = parts_of(damaged), errors.DigestMismatch
     else:  # a version that drops the config file its parent had
         smaller = Checkpoint([f for f in chain[1].files if f.layout.path != "config.json"])
         digest, objects = encoded(smaller, chain[0], 1)
