@@ -152,3 +152,41 @@ def test_a_base_that_does_not_hold_the_version_costs_a_keyframe_not_a_wrong_delt
     with Subscriber(server.url, model, name="patch-check") as sub:
         sub.pull(tmp_path / "out")
     assert tree_bytes(tmp_path / "out") == tree_bytes(paths[3])
+
+
+def test_a_patch_that_fails_leaves_a_base_copied_afresh(server, model, tmp_path: Path, monkeypatch, caplog) -> None:
+    """A patch of the next base that fails part way (its bytes unknown) is not kept: the published files are
+    copied afresh instead, so the next publish is still a delta, exact at the subscriber."""
+    from _client_util import TinyTrainer, tree_bytes, write_version
+
+    from weightsync.client import base as base_mod
+
+    trainer = TinyTrainer(seed=31)
+    paths = []
+    for i in range(5):
+        paths.append(write_version(tmp_path / f"v{i}", trainer.export()))
+        trainer.step()
+    calls = {"n": 0}
+    real = base_mod.apply_frame_pieces
+
+    def flaky(blob, targets, **kw):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise MemoryError("no memory for the planes")
+        return real(blob, targets, **kw)
+
+    with Publisher(server.url, model) as pub:
+        assert [pub.publish(p).kind for p in paths[:3]] == ["keyframe", "delta", "delta"]
+        monkeypatch.setattr(base_mod, "apply_frame_pieces", flaky)
+        with caplog.at_level(logging.WARNING, logger="weightsync.client"):
+            assert pub.publish(paths[3]).kind == "delta"  # the patch of its base fails on the second frame
+        assert calls["n"] >= 2
+        held = pub._base.held()
+        assert held is not None and held.state.number == 4
+        assert {f.layout.path: bytes(f.data) for f in held.checkpoint.files} == tree_bytes(paths[3])
+        monkeypatch.setattr(base_mod, "apply_frame_pieces", real)
+        assert pub.publish(paths[4]).kind == "delta"
+    with Subscriber(server.url, model, name="patch-fails") as sub:
+        sub.pull(tmp_path / "out")
+    assert tree_bytes(tmp_path / "out") == tree_bytes(paths[4])
+    assert "failed" in caplog.text

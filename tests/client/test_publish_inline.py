@@ -190,9 +190,10 @@ def test_a_lost_answer_keeps_the_base_whole_and_the_same_publish_again_replays_a
     server, model, tmp_path
 ) -> None:
     """From files (bytes not the publisher's), the next base is the held one patched by the delta's own
-    frames once the version committed: a request whose answer is lost leaves the held base whole (its
-    version, its bytes), so the same publish again is replayed (the version the lost request committed,
-    still a delta) and the chain goes on in deltas, right to the bit."""
+    frames (after the commit, or while the one request is in flight once the server is known to take it,
+    undone if it fails): a request whose answer is lost leaves the held base whole (its version, its
+    bytes), so the same publish again is replayed (the version the lost request committed, still a
+    delta) and the chain goes on in deltas, right to the bit."""
     from weightsync.client import base as base_mod
 
     trainer, rec = TinyTrainer(seed=17), Recording()
@@ -203,9 +204,11 @@ def test_a_lost_answer_keeps_the_base_whole_and_the_same_publish_again_replays_a
     patched: list[int | None] = []
     real = base_mod.patch_jobs
 
-    def spy(old, manifest, objects):
-        patched.append(manifest.parent)
-        return real(old, manifest, objects)
+    early: list[int | None] = []  # patches started during the request (their undo made ready)
+
+    def spy(old, manifest, objects, *, undo=False):
+        (early if undo else patched).append(manifest.parent)
+        return real(old, manifest, objects, undo=undo)
 
     with (
         pytest.MonkeyPatch.context() as mp,
@@ -217,6 +220,9 @@ def test_a_lost_answer_keeps_the_base_whole_and_the_same_publish_again_replays_a
         rec.lose = 2  # both attempts' answers lost: the version committed, the publisher cannot know
         with pytest.raises(errors.ServerUnavailable):
             pub.publish(paths[3])
+        # From the second publishVersion on the base is patched while the request is in flight; the failed
+        # one's patch was undone (the base's bytes below are v3's).
+        assert patched == [1, 2, 3] and early == [2, 3], (patched, early)
         held = pub._base.held()
         assert held is not None and held.state.number == 3
         assert {f.layout.path: bytes(f.data) for f in held.checkpoint.files} == tree_bytes(paths[2])

@@ -478,9 +478,10 @@ def test_the_next_base_is_exactly_the_published_files(server, model, tmp_path: P
         skipped.append(got)
         return got
 
-    def spy_patch(old, manifest, objects):
-        patched.append(manifest.parent)
-        return real_patch(old, manifest, objects)
+    def spy_patch(old, manifest, objects, *, undo=False):
+        if not undo:
+            patched.append(manifest.parent)
+        return real_patch(old, manifest, objects, undo=undo)
 
     monkeypatch.setattr(base_mod, "same_ranges", spy_ranges)
     monkeypatch.setattr(base_mod, "patch_jobs", spy_patch)

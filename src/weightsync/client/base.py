@@ -31,7 +31,7 @@ from weightsync.client.models import Version
 from weightsync.client.pull import Meter, pull
 from weightsync.client.state import CheckoutState
 from weightsync.codec.checkpoint import Checkpoint, CheckpointFile, layout_of
-from weightsync.codec.frame import apply_frame_pieces
+from weightsync.codec.frame import apply_frame_pieces, undo_frame
 from weightsync.codec.manifest import VERSION_2 as MANIFEST_V2
 from weightsync.codec.manifest import FrameRef, Manifest
 from weightsync.codec.validate import validate_for_publish
@@ -169,7 +169,9 @@ def patchable(old: Checkpoint, checkpoint: Checkpoint, manifest: Manifest) -> bo
     return True
 
 
-def patch_jobs(old: Checkpoint, manifest: Manifest, objects: Mapping[str, bytes]) -> list[Callable[[], Any]] | None:
+def patch_jobs(
+    old: Checkpoint, manifest: Manifest, objects: Mapping[str, bytes], *, undo: bool = False
+) -> list[Callable[[], Any]] | None:
     """Jobs that apply `manifest`'s frames (`objects`: its packed objects by digest) into `old`'s buffers, which
     `patchable` allowed; None when a frame's object is not in `objects`.
 
@@ -177,6 +179,7 @@ def patch_jobs(old: Checkpoint, manifest: Manifest, objects: Mapping[str, bytes]
     proportion to the changes, not a copy of the model. Nothing is checked here: the next encode
     sums every base byte it reads and checks the sums against this manifest's digests
     (``upload.pack_version``), so a base that came out wrong costs a keyframe, never a wrong delta.
+    With `undo`, jobs that take the patched buffers back to `old`'s bytes (delta frames only).
     """
     if any(ref.object not in objects for ref in manifest.frames):
         return None
@@ -187,6 +190,8 @@ def patch_jobs(old: Checkpoint, manifest: Manifest, objects: Mapping[str, bytes]
         for p in ref.pieces:
             start = manifest.files[p.file].segments[p.seg].segment.offset + p.offset
             targets.append(old.files[p.file].data[start : start + p.length])
+        if undo:
+            return lambda: undo_frame(blob, targets)
         return lambda: apply_frame_pieces(blob, targets, verify_base=False)
 
     return [job(ref) for ref in manifest.frames]
@@ -218,8 +223,10 @@ class BaseKeeper:
         self.checkout = Checkout(cache_dir) if cache_dir is not None else None
         self.pool = pool
         self._base: Base | None = None
-        self._early: tuple[list[CheckpointFile], Future[None]] | None = None
-        """The next base's files being copied into the held base's buffers (:meth:`overwrite_early`)."""
+        self._early: tuple[list[CheckpointFile], Future[Any]] | None = None
+        """The next base's files being copied or patched into the held base's buffers (:meth:`overwrite_early`)."""
+        self._undo: tuple[Base, list[Callable[[], Any]]] | None = None
+        """While an early patch runs: the base it patches and the jobs that undo it (:meth:`abandon_early`)."""
         self._patching: Future[Any] | None = None
         """The held base's buffers being patched by the version just published (:meth:`remember`)."""
         self._owner: IO[bytes] | None = None
@@ -300,6 +307,7 @@ class BaseKeeper:
     def forget(self) -> None:
         """Hold nothing: the next publish is a keyframe (or a catch-up)."""
         self._ready()
+        self._undo = None
         self._base = None
         self._settle()
         if self.checkout is not None:
@@ -328,15 +336,19 @@ class BaseKeeper:
             files.append(CheckpointFile(theirs.layout, mine.data))
         return files, jobs
 
-    def overwrite_early(self, checkpoint: Checkpoint, owned: bool, manifest: Manifest) -> bool:
-        """Start copying `checkpoint` into the held base's own buffers now, in the background, while its
-        publish is in flight; :meth:`remember` then only waits for the copy. True when it started.
+    def overwrite_early(
+        self, checkpoint: Checkpoint, owned: bool, manifest: Manifest, objects: Mapping[str, bytes] | None = None
+    ) -> bool:
+        """Start making `checkpoint` the next base in the held base's own buffers now, in the background, while
+        its publish is in flight; :meth:`remember` then only waits for it. True when it started.
 
-        From here the held base is gone (its bytes are being replaced): :meth:`held` is None, and
-        a publish that does not commit must :meth:`forget` (the next one is a keyframe or a catch-up).
-        Only for a base held in memory as our own copy of the same sizes, from bytes not ours, and
-        not for a delta whose frames `remember` can apply into it (`patchable`): that costs less
-        than the copy and keeps the base should the publish fail.
+        A format 2 delta on the held base whose frames are all deltas and apply in place (`patchable`;
+        `objects`: its packed frames) is patched into them: a publish that does not commit calls
+        :meth:`abandon_early`, which undoes every frame (XOR undoes itself, SUB undoes ADD), so the
+        base is held again. Other versions of the same sizes are copied in: a publish that does not
+        commit leaves nothing held then (the next one is a keyframe or a catch-up). Either way, from
+        here until then :meth:`held` is None. Only for a base held in memory as our own copy, from
+        bytes not ours; a delta whose frames cannot all be undone is patched after the commit instead.
         """
         self._ready()
         old = self._base
@@ -344,16 +356,41 @@ class BaseKeeper:
             return False
         if not _same_sizes(old.checkpoint, checkpoint):
             return False
+        files = [CheckpointFile(t.layout, m.data) for m, t in zip(old.checkpoint.files, checkpoint.files, strict=True)]
         if manifest.parent == old.state.number and patchable(old.checkpoint, checkpoint, manifest):
-            return False  # a delta on it is applied into it after the commit (remember): no copy to start
-        files, jobs = self._copy_jobs(old, checkpoint, manifest)
+            undoable = all(f.delta for f in manifest.frames)
+            jobs = patch_jobs(old.checkpoint, manifest, objects or {}) if undoable else None
+            undo = patch_jobs(old.checkpoint, manifest, objects or {}, undo=True) if jobs is not None else None
+            if jobs is None or undo is None:
+                return False  # patched into it after the commit (remember)
+            self._base, self._undo = None, (old, undo)
+            self._early = (files, self.pool.submit(lambda: run_all(cpu_pool(), lambda job: job(), jobs)))
+            return True
+        files, copies = self._copy_jobs(old, checkpoint, manifest)
         self._base = None
 
         def copy() -> None:
-            run_all(cpu_pool(), lambda job: np.copyto(job[0], job[1]), jobs)
+            run_all(cpu_pool(), lambda job: np.copyto(job[0], job[1]), copies)
 
         self._early = (files, self.pool.submit(copy))
         return True
+
+    def abandon_early(self) -> None:
+        """The publish that :meth:`overwrite_early` started for did not commit (or may not have): an early patch
+        is undone, so the base it patched is held again; an early copy is dropped (nothing held)."""
+        undo, self._undo = self._undo, None
+        files = self._settle()
+        if undo is None or files is None:  # a copy, or a patch that failed part way: its bytes are unknown
+            self.forget()
+            return
+        old, jobs = undo
+        try:
+            run_all(cpu_pool(), lambda job: job(), jobs)
+        except Exception as exc:  # noqa: BLE001 - only the next base is lost
+            log.warning("undoing the next base failed (%s): the next publish is a keyframe", exc)
+            self.forget()
+            return
+        self._base = old
 
     def remember(
         self,
@@ -376,6 +413,7 @@ class BaseKeeper:
         Either runs on the process's CPU pool.
         """
         self._ready()
+        self._undo = None  # committed: an early patch stands
         if self.checkout is None:
             old, self._base = self._base, None
             early = self._settle()

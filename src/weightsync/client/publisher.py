@@ -231,14 +231,14 @@ class Publisher:
                 )
 
             def inline(held: Base, packed: upload.Packed) -> upload.Committed | PublishBegin | None:
-                # The next base is copied in while the request is in flight; unless the request commits
-                # the version, the base is forgotten (the next publish begins on the head).
+                # The next base is made while the request is in flight (BaseKeeper.overwrite_early); unless
+                # the request commits the version, that is undone or the base forgotten (abandon_early).
                 early = False
 
                 def keep_early() -> None:
                     nonlocal early
                     if self.api.publish_version_ok:  # not on a first try: an older server answers 405
-                        early = self._base.overwrite_early(checkpoint, owned, packed.manifest)
+                        early = self._base.overwrite_early(checkpoint, owned, packed.manifest, packed.objects)
 
                 try:
                     got = upload.publish_inline(
@@ -255,10 +255,10 @@ class Publisher:
                     )
                 except BaseException:
                     if early:
-                        self._base.forget()
+                        self._base.abandon_early()
                     raise
                 if early and not isinstance(got, upload.Committed):
-                    self._base.forget()
+                    self._base.abandon_early()
                 return got
 
             deadline = time.monotonic() + self.parent_wait_s
