@@ -61,6 +61,7 @@ def plan_frames(
     """
     plans: list[Plan] = []
     open_groups: dict[tuple[bool, str, int], Plan] = {}
+    filled: dict[tuple[bool, str, int], int] = {}  # each open group's bytes, kept as it grows (not re-summed)
     for fi, segs in enumerate(entries):
         for si, entry in enumerate(segs):
             seg = entry.segment
@@ -74,12 +75,14 @@ def plan_frames(
                 continue
             key = (delta, seg.dtype.name, fi if per_file else -1)
             group = open_groups.get(key)
-            if group is not None and group.raw_len + seg.length > chunk_bytes:
+            if group is not None and filled[key] + seg.length > chunk_bytes:
                 plans.append(group)
                 group = None
             if group is None:
                 group = open_groups[key] = Plan(delta, seg.dtype, [])
+                filled[key] = 0
             group.pieces.append(Piece(fi, si, 0, seg.length))
+            filled[key] += seg.length
     plans.extend(g for g in open_groups.values() if g.pieces)
     return plans
 
