@@ -153,19 +153,43 @@ def test_a_lost_answer_is_retried_and_replayed_not_published_twice(server, model
     follow(server.url, model, trainer.export())
 
 
-def test_when_the_chain_policy_wants_a_keyframe_the_publisher_sends_one(server, model) -> None:
+@pytest.mark.parametrize("source", ["state_dict", "path"])
+def test_when_the_chain_policy_wants_a_keyframe_the_publisher_sends_one(server, model, tmp_path, source) -> None:
+    """The server answers 202 (a keyframe is due): the publisher encodes one and commits it; from files, the
+    next base patched during the refused request is undone first, and after every publish the base holds
+    exactly the files published."""
     trainer, rec = TinyTrainer(seed=15), Recording()
+
+    def version(i: int):
+        if source == "state_dict":
+            return trainer.export()
+        return write_version(tmp_path / f"v{i}", trainer.export())
+
+    def base_is(path) -> None:
+        if source == "path":
+            held = pub._base.held()
+            assert held is not None and {f.layout.path: bytes(f.data) for f in held.checkpoint.files} == tree_bytes(
+                path
+            )
+
     with Publisher(server.url, model, transport=rec) as pub:
-        pub.publish(trainer.export())
-        pub.api.update_model(model, keyframe_interval=2)
-        trainer.step()
-        assert pub.publish(trainer.export()).kind == "delta"
+        pub.publish(v := version(0))
+        base_is(v)
+        pub.api.update_model(model, keyframe_interval=3)
+        for i in (1, 2):
+            trainer.step()
+            assert pub.publish(v := version(i)).kind == "delta"
+            base_is(v)
         trainer.step()
         rec.take()
-        r = pub.publish(trainer.export())  # the chain holds 2 versions: the server answers 202
-        assert (r.kind, r.version) == ("keyframe", 3)
+        r = pub.publish(v := version(3))  # the chain holds 3 versions: the server answers 202
+        assert (r.kind, r.version) == ("keyframe", 4)
         seen = kinds(rec.take())
         assert seen[0] == "publishVersion" and seen[-1] == "commit"
+        base_is(v)
+        trainer.step()
+        assert pub.publish(v := version(4)).kind == "delta"
+        base_is(v)
     follow(server.url, model, trainer.export())
 
 
