@@ -23,6 +23,7 @@ directory lacks): `needed_files` says which files each step of a chain decodes,
 
 from __future__ import annotations
 
+import mmap
 import shutil
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -49,9 +50,17 @@ class Scratch(Protocol):
 
 
 def map_file(path: Path, size: int, mode: Literal["r", "r+"] = "r") -> np.ndarray:
-    """A file's bytes as a uint8 memory map (read-only unless `mode` says otherwise)."""
+    """A file's bytes as a uint8 memory map (read-only unless `mode` says otherwise).
+
+    Read-only: a plain array over the map, not np.memmap, whose every slice runs Python
+    (``__array_finalize__``): checks and decodes slice it once per segment (codec/checkpoint.py
+    ``_map``). Writable: np.memmap, which the decode flushes.
+    """
     if size == 0:
         return np.zeros(0, dtype=np.uint8)
+    if mode == "r":
+        with open(path, "rb") as f:
+            return np.frombuffer(mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ), dtype=np.uint8)
     return np.memmap(path, dtype=np.uint8, mode=mode, shape=(size,))
 
 
