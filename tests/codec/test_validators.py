@@ -196,6 +196,11 @@ V2_MUTATIONS = [
     lambda d: d["files"][0].update(size=d["files"][0]["size"] + 1),
     lambda d: _seg(d, "dtype").__setitem__(1, "F32"),  # the lengths no longer tile the file
     lambda d: _seg(d, "shape").__setitem__(1, [-1]),
+    lambda d: _seg(d, "shape").__setitem__(1, [True]),  # a bool is not a dimension
+    lambda d: _seg(d, "shape").__setitem__(1, [1 << 49]),
+    lambda d: _seg(d, "shape").__setitem__(1, 4),
+    lambda d: _seg(d, "dtype").__setitem__(1, ["BF16"]),  # not a name (unhashable)
+    lambda d: _seg(d, "dtype").__setitem__(1, "F99"),
     lambda d: _seg(d, "digest").__setitem__(1, "XYZ"),
     lambda d: _seg(d, "digest").__setitem__(1, "00" * 16),  # two lanes' worth for a BF16 tensor
     lambda d: _seg(d, "digest").__setitem__(1, None),  # "equal to its base" but in a frame

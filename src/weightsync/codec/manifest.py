@@ -271,13 +271,19 @@ def check_dtype(name: Any, what: str) -> DType:
         raise FormatError(f"{what}: unknown dtype {name!r}") from None
 
 
+_MAX_DIM = 1 << 48
+
+
 def check_segment(path: str, kind: Any, name: Any, dtype: DType, shape_doc: Any, offset: int, size: int) -> Segment:
     """A segment at `offset` of file `path` (`size` bytes); its length follows from dtype and shape."""
     if kind not in KINDS or not isinstance(name, str):
         raise FormatError(f"{path}: bad segment kind or name")
     if not isinstance(shape_doc, list):
         raise FormatError(f"{path}: segment {name!r} shape is not a list")
-    shape = tuple(check_int(d, f"{path}: shape", 1 << 48) for d in shape_doc)
+    if all(type(d) is int and 0 <= d <= _MAX_DIM for d in shape_doc):
+        shape = tuple(shape_doc)
+    else:  # name the bad dimension
+        shape = tuple(check_int(d, f"{path}: shape", _MAX_DIM) for d in shape_doc)
     try:
         length = dtype.nbytes(shape)
     except UnsupportedDtype as exc:

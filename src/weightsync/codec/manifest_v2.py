@@ -27,7 +27,8 @@ import re
 import struct
 from typing import Any
 
-from weightsync.codec.checksum import lanes_of
+from weightsync.codec.checksum import WIDTHS, lanes_of
+from weightsync.codec.dtypes import DType
 from weightsync.codec.frame import MAX_FRAME_RAW
 from weightsync.codec.manifest import (
     MAX_FRAMES,
@@ -51,6 +52,8 @@ SEGMENT_COLUMNS = ("kind", "name", "dtype", "shape", "digest", "base")
 FRAME_COLUMNS = ("object", "offset", "length", "pieces")
 _COUNT_HEX = 16  # the u64 element count that leads a checksum's wire form, as hex
 _LANES = {n: re.compile(f"[0-9a-f]{{{16 * n}}}") for n in (1, 2, 4)}
+_LANES_BY_WIDTH = {w: _LANES[lanes_of(w)] for w in WIDTHS}
+_COUNT = struct.Struct("<Q")
 
 
 def _lanes(digest: str) -> str:
@@ -106,9 +109,10 @@ def _columns(doc: Any, required: tuple[str, ...], optional: tuple[str, ...], wha
     return n
 
 
-def _digest(count: int, width: int, lanes: Any, what: str) -> str:
-    """The hex wire form of a checksum of `count` elements of `width` bytes, given its lanes' hex."""
-    return struct.pack("<Q", count).hex() + check_hex(lanes, _LANES[lanes_of(width)], what)
+def _lanes_pattern(width: int) -> re.Pattern[str]:
+    """The pattern of the lanes' hex of a checksum of `width`-byte elements (InvalidArgument: no such width)."""
+    found = _LANES_BY_WIDTH.get(width)
+    return found if found is not None else _LANES[lanes_of(width)]
 
 
 def read(doc: dict[str, Any]) -> tuple[list[FileEntry], list[FrameRef]]:
@@ -127,27 +131,36 @@ def read(doc: dict[str, Any]) -> tuple[list[FileEntry], list[FrameRef]]:
 def _read_files(doc: dict[str, Any]) -> list[FileEntry]:
     files: list[FileEntry] = []
     total = 0
+    known: dict[str, DType] = {}  # dtypes by name, looked up once
     for path, size, cols in check_paths(doc["files"]):
         n = _columns(cols, SEGMENT_COLUMNS, ("base_offset",), f"{path}: segments", MAX_SEGMENTS)
         total += n
         if total > MAX_SEGMENTS:
             raise LimitExceeded("too many segments")
         moved = cols.get("base_offset", [None] * n)
+        kinds, names, dtypes, shapes = cols["kind"], cols["name"], cols["dtype"], cols["shape"]
+        bases, digests = cols["base"], cols["digest"]
         segs = []
         cursor = 0
         for i in range(n):
-            dtype = check_dtype(cols["dtype"][i], path)
-            seg = check_segment(path, cols["kind"][i], cols["name"][i], dtype, cols["shape"][i], cursor, size)
+            name = dtypes[i]
+            dtype = known.get(name) if type(name) is str else None
+            if dtype is None:
+                dtype = check_dtype(name, path)
+                if type(name) is str:
+                    known[name] = dtype
+            seg = check_segment(path, kinds[i], names[i], dtype, shapes[i], cursor, size)
             cursor += seg.length
-            count = seg.length // dtype.width
-            base_lanes, lanes = cols["base"][i], cols["digest"][i]
+            width = dtype.width
+            count = _COUNT.pack(seg.length // width).hex()  # the digests' leading element count
+            base_lanes, lanes = bases[i], digests[i]
             if base_lanes is None:
                 if lanes is None or moved[i] is not None:
                     raise FormatError(f"{path}: segment {seg.name!r} has neither a digest nor a base")
-                segs.append(SegmentEntry(seg, _digest(count, dtype.width, lanes, "digest")))
+                segs.append(SegmentEntry(seg, count + check_hex(lanes, _lanes_pattern(width), "digest")))
                 continue
-            base = _digest(count, dtype.width, base_lanes, "base")
-            digest = base if lanes is None else _digest(count, dtype.width, lanes, "digest")
+            base = count + check_hex(base_lanes, _lanes_pattern(width), "base")
+            digest = base if lanes is None else count + check_hex(lanes, _lanes_pattern(width), "digest")
             base_offset = seg.offset if moved[i] is None else check_int(moved[i], f"{path}: base_offset", 1 << 62)
             segs.append(SegmentEntry(seg, digest, base_offset, base, lanes is None))
         if cursor != size:
