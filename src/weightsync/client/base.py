@@ -197,6 +197,11 @@ def patch_jobs(
     return [job(ref) for ref in manifest.frames]
 
 
+def _in_buffers(old: Checkpoint, checkpoint: Checkpoint) -> list[CheckpointFile]:
+    """`checkpoint`'s files laid over `old`'s buffers (the same sizes): the next base once its bytes are in."""
+    return [CheckpointFile(theirs.layout, mine.data) for mine, theirs in zip(old.files, checkpoint.files, strict=True)]
+
+
 @dataclass
 class Base:
     """The version a publisher diffs against: its checkout state and its bytes."""
@@ -329,12 +334,11 @@ class BaseKeeper:
     def _copy_jobs(self, old: Base, checkpoint: Checkpoint, manifest: Manifest | None) -> tuple[list, list]:
         """The next base's files in `old`'s buffers, and the copy jobs (what `manifest` changed) that fill them."""
         same = same_ranges(manifest, old.state.number) if manifest is not None else {}
-        files, jobs = [], []
+        jobs = []
         for mine, theirs in zip(old.checkpoint.files, checkpoint.files, strict=True):
             for a, b in _pieces(_complement(same.get(theirs.layout.path, []), theirs.data.size)):
                 jobs.append((mine.data[a:b], theirs.data[a:b]))
-            files.append(CheckpointFile(theirs.layout, mine.data))
-        return files, jobs
+        return _in_buffers(old.checkpoint, checkpoint), jobs
 
     def overwrite_early(
         self, checkpoint: Checkpoint, owned: bool, manifest: Manifest, objects: Mapping[str, bytes] | None = None
@@ -356,14 +360,13 @@ class BaseKeeper:
             return False
         if not _same_sizes(old.checkpoint, checkpoint):
             return False
-        files = [CheckpointFile(t.layout, m.data) for m, t in zip(old.checkpoint.files, checkpoint.files, strict=True)]
         if manifest.parent == old.state.number and patchable(old.checkpoint, checkpoint, manifest):
-            undoable = all(f.delta for f in manifest.frames)
-            jobs = patch_jobs(old.checkpoint, manifest, objects or {}) if undoable else None
-            undo = patch_jobs(old.checkpoint, manifest, objects or {}, undo=True) if jobs is not None else None
-            if jobs is None or undo is None:
+            jobs = patch_jobs(old.checkpoint, manifest, objects or {})
+            undo = patch_jobs(old.checkpoint, manifest, objects or {}, undo=True)
+            if jobs is None or undo is None or not all(f.delta for f in manifest.frames):
                 return False  # patched into it after the commit (remember)
             self._base, self._undo = None, (old, undo)
+            files = _in_buffers(old.checkpoint, checkpoint)
             self._early = (files, self.pool.submit(lambda: run_all(cpu_pool(), lambda job: job(), jobs)))
             return True
         files, copies = self._copy_jobs(old, checkpoint, manifest)
@@ -434,8 +437,7 @@ class BaseKeeper:
             elif patch is not None and old is not None:  # applied in the background: the next publish waits for it
                 patches = patch
                 self._patching = self.pool.submit(lambda: run_all(cpu_pool(), lambda job: job(), patches))
-                pairs = zip(old.checkpoint.files, checkpoint.files, strict=True)
-                files = [CheckpointFile(t.layout, m.data) for m, t in pairs]
+                files = _in_buffers(old.checkpoint, checkpoint)
                 self._base = Base(state, Checkpoint(files, single_file=checkpoint.single_file), own=True)
             elif owned:
                 self._base = Base(state, checkpoint)
