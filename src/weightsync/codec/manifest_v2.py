@@ -28,7 +28,6 @@ import struct
 from typing import Any
 
 from weightsync.codec.checksum import WIDTHS, lanes_of
-from weightsync.codec.dtypes import DType
 from weightsync.codec.frame import MAX_FRAME_RAW
 from weightsync.codec.manifest import (
     MAX_FRAMES,
@@ -131,7 +130,6 @@ def read(doc: dict[str, Any]) -> tuple[list[FileEntry], list[FrameRef]]:
 def _read_files(doc: dict[str, Any]) -> list[FileEntry]:
     files: list[FileEntry] = []
     total = 0
-    known: dict[str, DType] = {}  # dtypes by name, looked up once
     for path, size, cols in check_paths(doc["files"]):
         n = _columns(cols, SEGMENT_COLUMNS, ("base_offset",), f"{path}: segments", MAX_SEGMENTS)
         total += n
@@ -143,24 +141,19 @@ def _read_files(doc: dict[str, Any]) -> list[FileEntry]:
         segs = []
         cursor = 0
         for i in range(n):
-            name = dtypes[i]
-            dtype = known.get(name) if type(name) is str else None
-            if dtype is None:
-                dtype = check_dtype(name, path)
-                if type(name) is str:
-                    known[name] = dtype
+            dtype = check_dtype(dtypes[i], path)
             seg = check_segment(path, kinds[i], names[i], dtype, shapes[i], cursor, size)
             cursor += seg.length
-            width = dtype.width
-            count = _COUNT.pack(seg.length // width).hex()  # the digests' leading element count
+            count = _COUNT.pack(seg.length // dtype.width).hex()  # the digests' leading element count
+            pattern = _lanes_pattern(dtype.width)
             base_lanes, lanes = bases[i], digests[i]
             if base_lanes is None:
                 if lanes is None or moved[i] is not None:
                     raise FormatError(f"{path}: segment {seg.name!r} has neither a digest nor a base")
-                segs.append(SegmentEntry(seg, count + check_hex(lanes, _lanes_pattern(width), "digest")))
+                segs.append(SegmentEntry(seg, count + check_hex(lanes, pattern, "digest")))
                 continue
-            base = count + check_hex(base_lanes, _lanes_pattern(width), "base")
-            digest = base if lanes is None else count + check_hex(lanes, _lanes_pattern(width), "digest")
+            base = count + check_hex(base_lanes, pattern, "base")
+            digest = base if lanes is None else count + check_hex(lanes, pattern, "digest")
             base_offset = seg.offset if moved[i] is None else check_int(moved[i], f"{path}: base_offset", 1 << 62)
             segs.append(SegmentEntry(seg, digest, base_offset, base, lanes is None))
         if cursor != size:
