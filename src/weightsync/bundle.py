@@ -77,37 +77,12 @@ def _check_name(name: str, first: bool, first_name: str, what: str, error: type[
 def parts(
     body: bytes | memoryview, *, first: str = PLAN, error: type[errors.WeightsyncError] = errors.BadResponse
 ) -> Iterator[tuple[str, memoryview]]:
-    """The (name, bytes) parts of a bundle, the JSON part (named `first`) first; `error` on anything malformed."""
-    what = f"{first} bundle"
-    view = memoryview(body)
-    if len(view) < _HEAD.size or _HEAD.unpack_from(view)[0] != MAGIC:
-        raise error(f"{what}: bad magic")
-    if view[4] != VERSION:
-        raise error(f"{what}: version {view[4]}, this side reads {VERSION}")
-    at = _HEAD.size
-    is_first = True
-    while at < len(view):
-        if at + _NAME.size > len(view):
-            raise error(f"{what}: truncated part header")
-        (n,) = _NAME.unpack_from(view, at)
-        at += _NAME.size
-        if at + n + _SIZE.size > len(view):
-            raise error(f"{what}: truncated part header")
-        try:
-            name = bytes(view[at : at + n]).decode("ascii")
-        except UnicodeDecodeError:
-            raise error(f"{what}: a part name is not ASCII") from None
-        at += n
-        (size,) = _SIZE.unpack_from(view, at)
-        at += _SIZE.size
-        if size > len(view) - at:
-            raise error(f"{what}: part {name!r} is truncated")
-        _check_name(name, is_first, first, what, error)
-        yield name, view[at : at + size]
-        at += size
-        is_first = False
-    if is_first:
-        raise error(f"{what}: no {first}")
+    """The (name, bytes) parts of a whole bundle, the JSON part (named `first`) first; `error` on anything
+    malformed (:class:`Receiver`'s checks, fed the body at once, its objects not hashed)."""
+    receiver = Receiver(first=first, error=error, hashed=False)
+    receiver.feed(body)
+    for name, data, _ in receiver.parts():
+        yield name, data
 
 
 class Receiver:
@@ -116,24 +91,31 @@ class Receiver:
     ``feed`` every chunk in order, then ``finish`` for the JSON part (named `first`) and
     {name: (bytes, SHA-256 hex of them)} of the object parts: a reader compares each hash with
     the name without another pass over the bytes, and the hashing runs while the rest of the
-    body is still on its way. The same parts as :func:`parts` of the whole body, and the same
-    `error`s on anything malformed (raised by ``feed`` as soon as it shows, or by ``finish``).
+    body is still on its way. However the body is cut into chunks, the same parts and the same
+    `error`s on anything malformed (raised by ``feed`` as soon as it shows, or by ``finish``);
+    :func:`parts` reads a whole body with it, unhashed (``hashed=False``).
     """
 
-    def __init__(self, *, first: str = PLAN, error: type[errors.WeightsyncError] = errors.BadResponse) -> None:
+    def __init__(
+        self, *, first: str = PLAN, error: type[errors.WeightsyncError] = errors.BadResponse, hashed: bool = True
+    ) -> None:
         self._buf = bytearray()
-        self._first, self._error = first, error
+        self._first, self._error, self._hashed = first, error, hashed
         self._what = f"{first} bundle"
+        self._headed = False  # the magic and version checked
         self._at = _HEAD.size  # where the next part's header starts
-        self._part: tuple[str, int, int, Any] | None = None  # name, start, size, hasher (None: the JSON part)
+        # The part arriving: name, start, size, hasher (None: the JSON part, or not hashing).
+        self._part: tuple[str, int, int, Any] | None = None
         self._fed = 0  # bytes of the current part hashed
         self._done: list[tuple[str, int, int, str | None]] = []
 
     def feed(self, chunk: bytes | memoryview) -> None:
         self._buf += chunk
-        if len(self._buf) >= _HEAD.size and not self._done and self._part is None and self._at == _HEAD.size:
+        if not self._headed:
+            if len(self._buf) < _HEAD.size:
+                return
             self._check_head()
-        while len(self._buf) >= _HEAD.size:
+        while True:
             if self._part is None and not self._next_header():
                 return
             assert self._part is not None
@@ -153,6 +135,7 @@ class Receiver:
             raise self._error(f"{self._what}: bad magic")
         if version != VERSION:
             raise self._error(f"{self._what}: version {version}, this side reads {VERSION}")
+        self._headed = True
 
     def _next_header(self) -> bool:
         """Parse the header of the part at ``_at`` when all of it arrived; whether it did."""
@@ -168,16 +151,15 @@ class Receiver:
             raise self._error(f"{self._what}: a part name is not ASCII") from None
         (size,) = _SIZE.unpack_from(buf, at + _NAME.size + n)
         _check_name(name, not self._done, self._first, self._what, self._error)
-        hasher = None if not self._done else hashlib.sha256()
+        hasher = hashlib.sha256() if self._done and self._hashed else None
         self._part = (name, at + _NAME.size + n + _SIZE.size, size, hasher)
         return True
 
-    def finish(self) -> tuple[memoryview, dict[str, tuple[memoryview, str]]]:
-        """(the JSON part, {object name: (its bytes, their SHA-256 hex)}); `error` if the body ended inside a
-        part or holds no JSON part."""
-        if len(self._buf) < _HEAD.size:
+    def parts(self) -> list[tuple[str, memoryview, str | None]]:
+        """Every part in order, the JSON part first: (name, bytes, SHA-256 hex; None for the JSON part or when
+        not hashed); `error` if the body ended inside a part or holds no JSON part."""
+        if not self._headed:  # fewer bytes than the bundle's head
             raise self._error(f"{self._what}: bad magic")
-        self._check_head()
         if self._part is not None or self._at != len(self._buf):
             truncated = self._part[0] if self._part is not None else None
             what = "truncated part header" if truncated is None else f"part {truncated!r} is truncated"
@@ -185,9 +167,12 @@ class Receiver:
         if not self._done:
             raise self._error(f"{self._what}: no {self._first}")
         view = memoryview(self._buf)
-        _, start, size, _ = self._done[0]
-        objects = {name: (view[a : a + n], h or "") for name, a, n, h in self._done[1:]}
-        return view[start : start + size], objects
+        return [(name, view[a : a + n], h) for name, a, n, h in self._done]
+
+    def finish(self) -> tuple[memoryview, dict[str, tuple[memoryview, str]]]:
+        """(the JSON part, {object name: (its bytes, their SHA-256 hex)}), as :meth:`parts` checks them."""
+        (_, json_part, _), *objects = self.parts()
+        return json_part, {name: (data, h or "") for name, data, h in objects}
 
 
 class StreamedBundle:
