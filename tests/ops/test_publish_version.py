@@ -4,6 +4,7 @@ and what was stored is left to GC (DESIGN invariants 2 and 5)."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from collections.abc import AsyncIterator
 
@@ -62,9 +63,12 @@ def chain():
     return [checkpoint(t), checkpoint(next_step(t, 1), 1)]
 
 
-async def test_one_call_commits_and_reads_back(ops, chain):
+@pytest.mark.parametrize("order", ["manifest-last", "manifest-first"])
+async def test_one_call_commits_and_reads_back(ops, chain, order):
     v1, _, _ = await publish(ops, "m", chain[0], None, None)
     digest, objects = encoded(chain[1], chain[0], v1.number)
+    if order == "manifest-first":  # as Publisher sends them: the manifest parses while the rest is written
+        objects = {digest: objects[digest], **{d: b for d, b in objects.items() if d != digest}}
     v = await ops.publish_version(
         "m",
         parent=1,
@@ -130,6 +134,46 @@ async def test_a_failed_call_aborts_the_publish(ops, clock, chain, how, monkeypa
     await fsck(ops, repair=True)
     report = await fsck(ops)
     assert report.ok, report.problems
+
+
+@pytest.mark.parametrize("how", ["a-part-fails-to-store", "a-later-part-is-not-listed"])
+async def test_no_write_outlives_a_failed_call(ops, chain, how, monkeypatch):
+    """Parts are written while the next ones arrive; a failure, of a write or of the body, is raised only once
+    every write begun has ended, so nothing is still being stored after the answer."""
+    await publish(ops, "m", chain[0], None, None)
+    digest, objects = encoded(chain[1], chain[0], 1)
+    listed = [(d, len(b)) for d, b in objects.items()]
+    first = next(iter(objects))
+    if how == "a-part-fails-to-store":
+        sent, expected = {**objects, first: bytes([objects[first][0] ^ 1]) + objects[first][1:]}, errors.DigestMismatch
+    else:
+        sent, expected = {first: objects[first], "ab" * 32: b"abc"}, errors.InvalidArgument
+    put, begun, ended = ops.store.put, [], []
+
+    async def slow_put(data, **kw):
+        begun.append(len(data))
+        await asyncio.sleep(0.05)  # still writing when the next part arrives
+        try:
+            return await put(data, **kw)
+        finally:
+            ended.append(len(data))
+
+    monkeypatch.setattr(ops.store, "put", slow_put)
+    with pytest.raises(expected):
+        await ops.publish_version(
+            "m",
+            parent=1,
+            step=None,
+            metadata=None,
+            keyframe=False,
+            objects=listed,
+            manifest_digest=digest,
+            parts=parts_of(sent),
+            skip=skip,
+        )
+    assert begun and sorted(ended) == sorted(begun)
+    assert (await ops.get_version("m")).number == 1
+    assert await pending(ops) == []
 
 
 async def test_a_kind_the_policy_refuses_is_answered_as_a_begin_without_storing(ops, chain):

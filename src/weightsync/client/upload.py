@@ -285,7 +285,8 @@ def publish_inline(
     (StaleParent: the head moved; RemovesContent without `allow_removals`). The request's time is
     ``timings["upload_s"]``: it carries the objects and the commit.
     """
-    objects = {**packed.objects, packed.digest: packed.manifest_bytes}  # the manifest last (invariant 2)
+    # The manifest first: the server parses it while it writes the data objects (any order is valid).
+    objects = {packed.digest: packed.manifest_bytes, **packed.objects}
     total = sum(len(b) for b in objects.values())
     cap = api.publish_version_cap
     if total > limit or api.publish_version_missing or (cap is not None and total > cap):
