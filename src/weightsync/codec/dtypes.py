@@ -6,7 +6,7 @@ stored packed, so the codec treats their bytes as 1-byte elements (FORMAT §3).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -24,11 +24,12 @@ class DType:
     """Bits per element as stored by safetensors (4 for F4, 6 for F6_*)."""
     float_exponent_bits: int = 0
     """Exponent width for floating dtypes of 8+ bits (used to pick byte planes)."""
+    width: int = field(init=False, repr=False, compare=False)
+    """Coding element width in bytes: XOR and byte planes work on this unit (max(1, bits // 8))."""
 
-    @property
-    def width(self) -> int:
-        """Coding element width in bytes: XOR and byte planes work on this unit."""
-        return max(1, self.bits // 8)
+    def __post_init__(self) -> None:
+        # A field, not a property: it is read per segment and per piece on every manifest parse.
+        object.__setattr__(self, "width", max(1, self.bits // 8))
 
     @property
     def numpy_uint(self) -> np.dtype[Any]:
