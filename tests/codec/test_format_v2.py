@@ -339,3 +339,25 @@ def test_an_unchanged_tensor_cut_into_frames_gets_none_as_if_compared_first(know
     area = b"".join(fr.data for fr in encoded.frames)
     out = _decode(located, lambda r: memoryview(area)[r.offset : r.offset + r.length], base, verify_segments=True)
     assert out[0].tobytes() == new.files[0].data.tobytes()
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_an_encoder_on_a_given_pool_writes_the_same_bytes_on_that_pool(version):
+    """Encoder(pool=…) runs its jobs on that executor (the client's CPU pool, no threads started per encode):
+    the same frames and manifest as an encoder with a pool of its own."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    class Counting(ThreadPoolExecutor):
+        jobs = 0
+
+        def submit(self, *args, **kwargs):
+            Counting.jobs += 1
+            return super().submit(*args, **kwargs)
+
+    base, new = _step(seed=3, changed=0.05)
+    want = Encoder(threads=2, chunk_bytes=4096, format_version=version).encode(new, base)
+    with Counting(2) as pool:
+        got = Encoder(chunk_bytes=4096, format_version=version, pool=pool).encode(new, base)
+    assert Counting.jobs > 0
+    assert [fr.data for fr in got.frames] == [fr.data for fr in want.frames]
+    assert got.manifest.encode() == want.manifest.encode()

@@ -29,6 +29,7 @@ from typing import Any
 from weightsync import errors
 from weightsync.client import upload
 from weightsync.client._http import Api
+from weightsync.client._pool import cpu_pool
 from weightsync.client.base import Base, BaseKeeper, snapshot
 from weightsync.client.models import PublishBegin, PublishResult
 from weightsync.client.pull import Meter, Progress
@@ -103,7 +104,13 @@ class Publisher:
             on_mismatch if on_mismatch != "auto" else ("download" if self.cache_dir is not None else "keyframe")
         )
         # A part's frames never straddle files: a file several parts carry is then stored once (codec/parts.py).
-        self.encoder = Encoder(threads=encoder_threads, chunk_bytes=chunk_bytes, frames_per_file=self.part is not None)
+        self.encoder = Encoder(
+            threads=encoder_threads,
+            chunk_bytes=chunk_bytes,
+            frames_per_file=self.part is not None,
+            # The process's CPU pool unless a size is asked for: no threads started per publish.
+            pool=cpu_pool() if encoder_threads is None else None,
+        )
         self.object_bytes = object_bytes
         self.progress = progress
         limiter = TokenBucket(bandwidth) if bandwidth else None

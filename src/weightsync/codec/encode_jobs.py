@@ -12,7 +12,7 @@ none of its frames holds a change. `weightsync.codec.encoder` drives these.
 from __future__ import annotations
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
 import numpy as np
@@ -184,7 +184,7 @@ class V1Job(Job):
     """Version 1 (FORMAT §5.2): every segment in frames; xxh3-128 of whole segments from the frame coder,
     of segments cut across frames chained chunk by chunk (`XxhChain`)."""
 
-    def run(self, pool: ThreadPoolExecutor) -> tuple[list[EncodedFrame], Digested]:
+    def run(self, pool: Executor) -> tuple[list[EncodedFrame], Digested]:
         plans = plan_frames(self.entries, self.chunk_bytes, set(), per_file=self.per_file)
         in_frame = {(p.file, p.seg) for plan in plans for p in plan.pieces if self.whole(p)}
         chains: dict[tuple[int, int], XxhChain] = {}
@@ -256,7 +256,7 @@ class V2Job(Job):
     """Version 2 (FORMAT §5.3): segments equal to their base get no frame; the others' checksums are
     added from their pieces' checksums, each summed by the frame coder at the piece's position."""
 
-    def run(self, pool: ThreadPoolExecutor) -> tuple[list[EncodedFrame], Digested]:
+    def run(self, pool: Executor) -> tuple[list[EncodedFrame], Digested]:
         out = Digested({}, {}, set())
         # Whether a small segment equals its base decides how frames group (FORMAT §4.5), so those are
         # compared first, a few per task. A segment cut into frames of its own is not: its frames are

@@ -11,7 +11,7 @@ the GIL, so this scales with cores. What one encode does, per format version, is
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -76,6 +76,10 @@ class Encoder:
     default: tensor checksums, compact manifests, FORMAT §5.3) or 1 (xxh3-128, §5.2).
     ``frames_per_file``: no frame holds pieces of two files (a part of a multi-part publish
     encodes so, codec/parts.py: a file several parts carry is then kept once by dropping frames).
+    ``pool``: run on this executor (its size, not ``threads``, sets the parallelism) instead of
+    starting a pool of its own for each `encode`; its jobs never wait on each other, so a pool
+    whose jobs must not (the client's process-wide CPU pool) is fine, as long as `encode` is
+    not called from one of its own jobs.
     """
 
     def __init__(
@@ -86,6 +90,7 @@ class Encoder:
         chunk_bytes: int = DEFAULT_CHUNK,
         format_version: int = DEFAULT_FORMAT,
         frames_per_file: bool = False,
+        pool: Executor | None = None,
     ) -> None:
         if chunk_bytes < 1024:
             raise ValueError("chunk_bytes must be at least 1024")
@@ -96,6 +101,7 @@ class Encoder:
         self.chunk_bytes = chunk_bytes
         self.format_version = format_version
         self.frames_per_file = frames_per_file
+        self.pool = pool
 
     @property
     def digest_kind(self) -> str:
@@ -142,8 +148,11 @@ class Encoder:
             chunk_bytes=self.chunk_bytes,
             per_file=self.frames_per_file,
         )
-        with ThreadPoolExecutor(self.threads) as pool:
-            frames, digested = job.run(pool)
+        if self.pool is not None:
+            frames, digested = job.run(self.pool)
+        else:
+            with ThreadPoolExecutor(self.threads) as pool:
+                frames, digested = job.run(pool)
         files = []
         for fi, (f, row) in enumerate(zip(new.files, entries, strict=True)):
             segs = tuple(
