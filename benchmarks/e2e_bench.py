@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,15 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results"
 PUBLISH_PHASES = ("begin_s", "encode_s", "upload_s", "commit_s", "cache_s")
 PREPARE_PHASES = ("plan_s", "download_s", "decode_s")
+# What the server says it spent (its Server-Timing answers): publishVersion's phases, a plan bundle's read.
+SERVER_PUBLISH = ("server_begin_s", "server_store_s", "server_commit_s")
+SERVER_PREPARE = ("server_plan_s",)
+
+
+def _median(values: Iterable[float]) -> float:
+    """The median of the values that are not NaN (NaN when none is)."""
+    kept = [v for v in values if not math.isnan(v)]
+    return statistics.median(kept) if kept else math.nan
 
 
 def _pct(values: list[float], p: float) -> float:
@@ -61,6 +72,9 @@ def _version(pub: Any, sub: Any, tensors: dict, path: Path, *, keyframe: bool) -
     row = {"total_s": t3 - t0, "publish_s": t1 - t0, "prepare_s": t2 - t1, "apply_s": t3 - t2}
     row.update({k: result.timings.get(k, 0.0) for k in PUBLISH_PHASES})
     row.update({k: getattr(sub, "timings", {}).get(k, 0.0) for k in PREPARE_PHASES})
+    # NaN where the server said nothing (a publish in three requests): shown as "–", not as 0.
+    row.update({k: result.timings.get(k, math.nan) for k in SERVER_PUBLISH})
+    row.update({k: getattr(sub, "timings", {}).get(k, math.nan) for k in SERVER_PREPARE})
     row["bytes_up"] = float(result.bytes_sent)
     row["bytes_down"] = float(prepared.bytes_received)
     return row
@@ -113,7 +127,7 @@ def run(versions: list[Path], url: str) -> dict[str, Any]:
             s.close()
     out: dict[str, Any] = {}
     for kind, rs in rows.items():
-        out[kind] = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+        out[kind] = {k: _median(r[k] for r in rs) for k in rs[0]}
     commits = [r["commit_s"] for rs in rows.values() for r in rs]
     out["commit_p50_ms"] = _pct(commits, 50) * 1e3
     out["commit_p90_ms"] = _pct(commits, 90) * 1e3
@@ -158,8 +172,18 @@ def commit_latency(url: str, versions: list[Path], repeats: int) -> tuple[list[f
 def table(r: dict[str, Any]) -> str:
     """The per-phase medians, delta beside keyframe, in milliseconds (a markdown table)."""
     lines = ["| phase (median ms) | delta | keyframe |", "|---|---:|---:|"]
-    for k in ("total_s", "publish_s", *PUBLISH_PHASES, "prepare_s", *PREPARE_PHASES, "apply_s"):
-        lines.append(f"| {k.removesuffix('_s')} | {r['delta'][k] * 1e3:.1f} | {r['keyframe'][k] * 1e3:.1f} |")
+
+    def ms(v: float) -> str:
+        return "–" if math.isnan(v) else f"{v * 1e3:.1f}"
+
+    order = ("total_s", "publish_s", *PUBLISH_PHASES[:3], *SERVER_PUBLISH, *PUBLISH_PHASES[3:], "prepare_s")
+    for k in (*order, *PREPARE_PHASES[:1], *SERVER_PREPARE, *PREPARE_PHASES[1:], "apply_s"):
+        label = (
+            f"  server: {k.removeprefix('server_').removesuffix('_s')}"
+            if k.startswith("server_")
+            else k.removesuffix("_s")
+        )
+        lines.append(f"| {label} | {ms(r['delta'][k])} | {ms(r['keyframe'][k])} |")
     for k in ("bytes_up", "bytes_down"):
         lines.append(f"| {k} (KB) | {r['delta'][k] / 1e3:.0f} | {r['keyframe'][k] / 1e3:.0f} |")
     lines.append(f"\nkeyframe / delta end to end: **{r['ratio']:.2f}x**; ")
@@ -206,7 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     result["commit_samples"] = len(commits) or 2 * result["versions"]
     result.update(machine=machine(), when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), case=args.case)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "e2e.json").write_text(json.dumps(result, indent=1))
+    plain = dict(result)  # NaN (the server said nothing) as null
+    for kind in ("delta", "keyframe"):
+        plain[kind] = {k: None if math.isnan(v) else v for k, v in result[kind].items()}
+    (args.out / "e2e.json").write_text(json.dumps(plain, indent=1))
     md = f"Machine: {result['machine']}. Run: {result['when']}. Case {args.case}.\n\n{table(result)}\n"
     (args.out / "e2e.md").write_text(md)
     print(md)

@@ -351,3 +351,22 @@ def test_clients_load_the_certificate_store_once_per_process_and_never_for_plain
             a.close()
     finally:
         _http._tls_context.cache_clear()
+
+
+@pytest.mark.parametrize(
+    ("header", "want"),
+    [
+        ("begin;dur=5.25, store;dur=0.5, commit;dur=3", {"begin": 5.25, "store": 0.5, "commit": 3.0}),
+        ('plan;desc="the read";dur="2.5"', {"plan": 2.5}),
+        ("", {}),
+        ("cache, miss;desc=x", {}),  # no duration: nothing to time
+        (
+            "ok;dur=1, Bad;dur=2, x y;dur=3, neg;dur=-1, nan;dur=nan, word;dur=abc, long" + "x" * 40 + ";dur=1",
+            {"ok": 1.0},
+        ),
+    ],
+)
+def test_server_timing_keeps_the_phases_it_can_read(header, want) -> None:
+    """Server-Timing is informative: what parses becomes server_<name>_s seconds, the rest is left out."""
+    got = _http.server_timing(httpx.Headers({"server-timing": header} if header else {}))
+    assert got == {f"server_{k}_s": v / 1e3 for k, v in want.items()}

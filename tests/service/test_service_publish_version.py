@@ -72,6 +72,32 @@ def test_one_request_commits_a_delta_that_reads_back_byte_identical(service, mod
     unchanged(started, model, 2)
 
 
+def _phases(resp) -> dict[str, float]:
+    """The Server-Timing entries of an answer: {name: ms}."""
+    out = {}
+    for entry in resp.headers.get("server-timing", "").split(","):
+        if entry.strip():
+            name, dur = entry.strip().split(";dur=")
+            out[name] = float(dur)
+    return out
+
+
+def test_answers_say_the_phases_the_server_spent_their_time_in(service, model, versions, started):
+    """Server-Timing (W3C): publishVersion's begin, store and commit; a plan's read; none where no phase ran."""
+    fields, objects = request(model, versions[1], versions[0], 1)
+    resp = started.post(f"/v1/models/{model}/versions", content=body(fields, objects), headers=MEDIA)
+    ok(resp, 201)
+    timed = _phases(resp)
+    assert list(timed) == ["begin", "store", "commit"] and all(ms >= 0 for ms in timed.values())
+    reader = service.client("reader")
+    plan = reader.get(f"/v1/models/{model}/plan", params={"have": 1, "inline": 1 << 20})
+    assert plan.status_code == 200 and list(_phases(plan)) == ["plan"]
+    assert "server-timing" not in reader.get(f"/v1/models/{model}/versions/latest").headers
+    refused = started.post(f"/v1/models/{model}/versions", content=body(fields, objects), headers=MEDIA)
+    problem(refused, 409, "stale-parent")
+    assert list(_phases(refused)) == ["begin"]  # a refusal still says where the time went
+
+
 def test_a_model_s_first_version_goes_in_one_request(service, model):
     """No parent: the model is created and the keyframe committed, in one request."""
     tiny = [checkpoint(model_files(seed=5, n=2))]

@@ -14,6 +14,8 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
+import re
 import ssl
 import threading
 import time
@@ -61,6 +63,30 @@ def check_server_url(server: str) -> str:
         root = f"{parts.scheme}://{parts.netloc}"
         raise errors.InvalidArgument(f"not a server URL: {server!r} has a path: use the server's root, {root}")
     return f"{parts.scheme}://{parts.netloc}"
+
+
+def server_timing(headers: httpx.Headers) -> dict[str, float]:
+    """The phases of a ``Server-Timing`` header as ``{"server_<name>_s": seconds}``; entries without a
+    duration, or whose name or duration does not parse, are left out (the header is informative)."""
+    out: dict[str, float] = {}
+    for entry in headers.get("server-timing", "").split(","):
+        name, *params = (p.strip() for p in entry.split(";"))
+        if not _TIMING_NAME.fullmatch(name):
+            continue
+        for p in params:
+            key, _, value = p.partition("=")
+            if key.strip().lower() == "dur":
+                try:
+                    ms = float(value.strip().strip('"'))
+                except ValueError:
+                    break
+                if math.isfinite(ms) and ms >= 0:
+                    out[f"server_{name}_s"] = ms / 1e3
+                break
+    return out
+
+
+_TIMING_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
 
 
 class Api:
@@ -269,7 +295,14 @@ class Api:
         )
 
     def get_plan_bundle(
-        self, model: str, *, have: int | None, want: int | None = None, holder: str | None = None, inline: int
+        self,
+        model: str,
+        *,
+        have: int | None,
+        want: int | None = None,
+        holder: str | None = None,
+        inline: int,
+        timings: dict[str, float] | None = None,
     ) -> tuple[models.Plan, dict[str, memoryview]]:
         """The plan and, when its bytes are at most `inline`, its manifests and objects in the same answer.
 
@@ -277,11 +310,14 @@ class Api:
         hashed as its bytes arrived, while the rest of the body was still coming). An object whose bytes
         do not hash to its name is left out, with a warning, as is any the server did not send (a larger
         update, an older server, a relay lacking some objects): the caller fetches those as usual.
-        Bytes received are rate-limited; `on_bytes` counts the objects' bytes.
+        Bytes received are rate-limited; `on_bytes` counts the objects' bytes. `timings` gets the
+        server's phases (``server_plan_s``, from its Server-Timing header).
         """
         params = {**_plan_params(have, want, holder), "inline": inline}
 
         def consume(resp: httpx.Response) -> tuple[str, bundle.Receiver | bytearray]:
+            if timings is not None:
+                timings.update(server_timing(resp.headers))
             kind = resp.headers.get("content-type", "")
             sink: bundle.Receiver | bytearray = bundle.Receiver() if kind.startswith(bundle.MEDIA_TYPE) else bytearray()
             for chunk in resp.iter_bytes(UPLOAD_CHUNK):
@@ -454,12 +490,14 @@ class Api:
         manifest: str,
         idempotency_key: str,
         allow_removals: bool = False,
+        timings: dict[str, float] | None = None,
     ) -> models.Version | models.PublishBegin | None:
         """Publish a version in one request (publishVersion): `objects` by digest, the manifest among them
-        and last. The committed version; or the begun publish when the server wants another kind (encode
+        (sent in their order). The committed version; or the begun publish when the server wants another kind (encode
         that, then check, upload and commit as usual); or None from a server without publishVersion
         (405, :attr:`publish_version_missing` set) or whose body cap the request exceeds (413,
-        :attr:`publish_version_cap` lowered below its size)."""
+        :attr:`publish_version_cap` lowered below its size). `timings` gets the server's phases
+        (``server_begin_s``, ``server_store_s``, ``server_commit_s``, from its Server-Timing header)."""
         body = _begin_fields(parent, keyframe, step, metadata, [(d, len(b)) for d, b in objects.items()])
         body.update(manifest=manifest, idempotency_key=idempotency_key)
         if allow_removals:
@@ -491,6 +529,8 @@ class Api:
             self.publish_version_missing = True
             return None  # a server that predates publishVersion (GET /versions only)
         self.publish_version_ok = True
+        if timings is not None:
+            timings.update(server_timing(resp.headers))
         answer = _decoded(resp, "publishVersion")
         if resp.status_code == 202:
             return models.PublishBegin.from_json(answer)

@@ -145,15 +145,16 @@ def fetch_update(
     tensor's base and result instead.
 
     Returns (plan, its steps' manifests in order, the objects read from ranges, timings: plan_s
-    and download_s).
+    and download_s, and server_plan_s when the plan came with its objects from a server that says).
     """
     t0 = time.perf_counter()
     inlined: dict[str, memoryview] = {}
+    server: dict[str, float] = {}
     if select is None and inline:
-        plan, inlined = api.get_plan_bundle(model, have=have, want=want, holder=holder, inline=inline)
+        plan, inlined = api.get_plan_bundle(model, have=have, want=want, holder=holder, inline=inline, timings=server)
     else:
         plan = api.get_plan(model, have=have, want=want, holder=holder)
-    timings = {"plan_s": time.perf_counter() - t0}
+    timings = {"plan_s": time.perf_counter() - t0, **server}
     t = time.perf_counter()
     partial: list[str] = []
     if select is None:

@@ -312,6 +312,7 @@ def publish_inline(
             manifest=packed.digest,
             idempotency_key=key,
             allow_removals=allow_removals,
+            timings=timings,
         )
     finally:
         api.on_bytes = None

@@ -45,6 +45,7 @@ from weightsync.codec.manifest import MAGIC as MANIFEST_MAGIC
 from weightsync.codec.parts import merge_parts
 from weightsync.codec.validate import check_publishable
 from weightsync.common import removal_message, removed_content
+from weightsync.ops.phases import timed
 from weightsync.ops.records import record_of
 from weightsync.store import ObjectInfo as StoredObject
 from weightsync.store import ObjectStore, PresignedRequest, PutResult
@@ -242,6 +243,7 @@ class Ops:
 
     # --- publishing --------------------------------------------------------------------
 
+    @timed("begin")
     async def begin_publish(
         self,
         model: str,
@@ -418,6 +420,7 @@ class Ops:
         if info.state == "deleting":
             raise errors.StoreUnavailable(f"object {result.digest} is being garbage-collected: upload it again shortly")
 
+    @timed("commit")
     async def commit_publish(
         self,
         model: str,
@@ -588,6 +591,7 @@ class Ops:
                 await self.abort_publish(model, begun.publish_id)
             raise
 
+    @timed("store")
     async def _store_parts(
         self, parts: AsyncIterator[tuple[str, int, AsyncIterator[bytes]]], listed: dict[str, int]
     ) -> dict[str, int]:
@@ -890,6 +894,7 @@ class Ops:
     async def lineage(self, model: str, number: int) -> list[Version]:
         return await self._db(self.catalog.lineage, model, number)
 
+    @timed("plan")
     async def plan(
         self,
         model: str,

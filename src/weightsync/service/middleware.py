@@ -17,6 +17,7 @@ from starlette.datastructures import Headers
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from weightsync.ops import phases
 from weightsync.service.logs import request_id_var
 from weightsync.service.metrics import Metrics
 from weightsync.service.problems import problem_response
@@ -91,7 +92,10 @@ class EdgeMiddleware:
                 state["status"] = message["status"]
                 state["started"] = True
                 message = dict(message)
-                message["headers"] = [*message.get("headers", []), (b"x-request-id", rid.encode())]
+                extra = [(b"x-request-id", rid.encode())]
+                if timings:  # the phases done by now (a streamed answer's body comes after)
+                    extra.append((b"server-timing", phases.header(timings)))
+                message["headers"] = [*message.get("headers", []), *extra]
             elif message["type"] == "http.response.body":
                 state["out"] += len(message.get("body", b""))
             await send(message)
@@ -108,6 +112,7 @@ class EdgeMiddleware:
             )
             await response(scope, receive_counted, send_counted)
 
+        timings, timing = phases.start()
         try:
             declared = headers.get("content-length")
             if capped and declared is not None and declared.isdigit() and int(declared) > self.max_json_body:
@@ -131,6 +136,7 @@ class EdgeMiddleware:
             else:
                 state["status"] = 500
         finally:
+            phases.stop(timing)
             self._record(scope, method, state, time.perf_counter() - started)
             request_id_var.reset(token)
 
