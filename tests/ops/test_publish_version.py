@@ -138,8 +138,8 @@ async def test_a_failed_call_aborts_the_publish(ops, clock, chain, how, monkeypa
 
 @pytest.mark.parametrize("how", ["a-part-fails-to-store", "a-later-part-is-not-listed"])
 async def test_no_write_outlives_a_failed_call(ops, chain, how, monkeypatch):
-    """Parts are written while the next ones arrive; a failure, of a write or of the body, is raised only once
-    every write begun has ended, so nothing is still being stored after the answer."""
+    """A failure, of a write or of the body, is raised only once every write begun has ended (the parts are
+    written one at a time), so nothing is still being stored after the answer."""
     await publish(ops, "m", chain[0], None, None)
     digest, objects = encoded(chain[1], chain[0], 1)
     listed = [(d, len(b)) for d, b in objects.items()]
@@ -152,7 +152,7 @@ async def test_no_write_outlives_a_failed_call(ops, chain, how, monkeypatch):
 
     async def slow_put(data, **kw):
         begun.append(len(data))
-        await asyncio.sleep(0.05)  # still writing when the next part arrives
+        await asyncio.sleep(0.05)  # a slow write: the answer must wait for it
         try:
             return await put(data, **kw)
         finally:
