@@ -308,24 +308,38 @@ def check_paths(raw_files: Any) -> list[tuple[str, int, Any]]:
     return out
 
 
-def check_pieces(files: list[FileEntry], raw: Any, delta: bool | None, dtype: DType | None) -> tuple[Piece, ...]:
-    """Frame pieces `raw` ([file, segment, offset, length] each), checked against `files`.
+def check_pieces(
+    files: list[FileEntry], raw: Any, delta: bool | None, dtype: DType | None, *, like_first: bool = False
+) -> tuple[Piece, ...]:
+    """Frame pieces `raw` ([file, segment, offset, length] each), checked against `files`, in one pass.
 
-    `delta` and `dtype`, when given, are the frame's: each piece's segment must agree.
+    `delta` and `dtype`, when given, are the frame's: each piece's segment must agree. With
+    `like_first` (version 2) a piece may also be [file, segment], the whole segment, and the
+    frame's dtype and coding are its first piece's.
     """
-    pieces = []
+    pieces: list[Piece] = []
+    last_file = len(files) - 1
     for p in raw:
-        if not isinstance(p, list) or len(p) != 4:
+        if not isinstance(p, list) or len(p) not in ((2, 4) if like_first else (4,)):
             raise FormatError("frame piece is not [file, segment, offset, length]")
-        fi = check_int(p[0], "piece file", len(files) - 1)
-        si = check_int(p[1], "piece segment", len(files[fi].segments) - 1)
-        entry = files[fi].segments[si]
-        off = check_int(p[2], "piece offset", entry.segment.length)
-        ln = check_int(p[3], "piece length", entry.segment.length - off)
-        width = entry.segment.dtype.width
-        if dtype is not None and entry.segment.dtype is not dtype:
+        fi, si = p[0], p[1]
+        if type(fi) is not int or not 0 <= fi <= last_file:
+            fi = check_int(fi, "piece file", last_file)
+        segments = files[fi].segments
+        if type(si) is not int or not 0 <= si < len(segments):
+            si = check_int(si, "piece segment", len(segments) - 1)
+        entry = segments[si]
+        seg = entry.segment
+        if len(p) == 2:  # a whole segment: whole elements by construction
+            off, ln = 0, seg.length
+        else:
+            off = check_int(p[2], "piece offset", seg.length)
+            ln = check_int(p[3], "piece length", seg.length - off)
+        if like_first and not pieces:
+            dtype, delta = seg.dtype, entry.base_offset is not None
+        if dtype is not None and seg.dtype is not dtype:
             raise FormatError("frame dtype differs from a segment it decodes into")
-        if off % width or ln % width:
+        if len(p) == 4 and (off % seg.dtype.width or ln % seg.dtype.width):
             raise FormatError("piece not aligned to whole elements")
         if delta is not None and delta != (entry.base_offset is not None):
             raise FormatError(f"a {'delta' if delta else 'keyframe'} frame decodes into a segment coded otherwise")

@@ -28,7 +28,6 @@ import struct
 from typing import Any
 
 from weightsync.codec.checksum import WIDTHS, lanes_of
-from weightsync.codec.dtypes import BY_NAME as _DTYPES
 from weightsync.codec.frame import MAX_FRAME_RAW
 from weightsync.codec.manifest import (
     MAX_FRAMES,
@@ -36,13 +35,13 @@ from weightsync.codec.manifest import (
     FileEntry,
     FrameRef,
     Manifest,
-    Piece,
     SegmentEntry,
     check_coverage,
     check_dtype,
     check_hex,
     check_int,
     check_paths,
+    check_pieces,
     check_segment,
 )
 from weightsync.common import DIGEST_PATTERN
@@ -142,27 +141,19 @@ def _read_files(doc: dict[str, Any]) -> list[FileEntry]:
         segs = []
         cursor = 0
         for i in range(n):
-            dtype = _DTYPES.get(dtypes[i]) if isinstance(dtypes[i], str) else None
-            if dtype is None:
-                dtype = check_dtype(dtypes[i], path)
+            dtype = check_dtype(dtypes[i], path)
             seg = check_segment(path, kinds[i], names[i], dtype, shapes[i], cursor, size)
             cursor += seg.length
             count = _COUNT.pack(seg.length // dtype.width).hex()  # the digests' leading element count
-            match = _lanes_pattern(dtype.width).fullmatch
+            pattern = _lanes_pattern(dtype.width)
             base_lanes, lanes = bases[i], digests[i]
             if base_lanes is None:
                 if lanes is None or moved[i] is not None:
                     raise FormatError(f"{path}: segment {seg.name!r} has neither a digest nor a base")
-                if not (isinstance(lanes, str) and match(lanes)):
-                    raise FormatError("digest: not a lowercase hex digest")
-                segs.append(SegmentEntry(seg, count + lanes))
+                segs.append(SegmentEntry(seg, count + check_hex(lanes, pattern, "digest")))
                 continue
-            if not (isinstance(base_lanes, str) and match(base_lanes)):
-                raise FormatError("base: not a lowercase hex digest")
-            if lanes is not None and not (isinstance(lanes, str) and match(lanes)):
-                raise FormatError("digest: not a lowercase hex digest")
-            base = count + base_lanes
-            digest = base if lanes is None else count + lanes
+            base = count + check_hex(base_lanes, pattern, "base")
+            digest = base if lanes is None else count + check_hex(lanes, pattern, "digest")
             base_offset = seg.offset if moved[i] is None else check_int(moved[i], f"{path}: base_offset", 1 << 62)
             segs.append(SegmentEntry(seg, digest, base_offset, base, lanes is None))
         if cursor != size:
@@ -181,7 +172,8 @@ def _read_frames(cols: Any, files: list[FileEntry], objects: list[str]) -> list[
             used.add(check_int(obj, "frame object", last_object))
         if not isinstance(raw, list) or not raw:
             raise FormatError("a frame must list its pieces")
-        pieces, entry = _frame_pieces(files, raw)
+        pieces = check_pieces(files, raw, None, None, like_first=True)
+        entry = files[pieces[0].file].segments[pieces[0].seg]
         raw_len = sum(p.length for p in pieces)
         if raw_len > MAX_FRAME_RAW:
             raise LimitExceeded(f"frame pieces hold {raw_len} bytes, cap is {MAX_FRAME_RAW}")
@@ -193,39 +185,3 @@ def _read_frames(cols: Any, files: list[FileEntry], objects: list[str]) -> list[
     if len(used) != len(objects):
         raise FormatError("manifest lists an object no frame is in")
     return frames
-
-
-def _frame_pieces(files: list[FileEntry], raw: list[Any]) -> tuple[tuple[Piece, ...], SegmentEntry]:
-    """A frame's pieces (each [file, segment] for a whole segment, or [file, segment, offset, length]),
-    checked as :func:`check_pieces` checks them against the first piece's dtype and coding; and the first
-    piece's segment. One pass; a whole segment needs no bounds or alignment check of its own."""
-    pieces = []
-    dtype = None
-    delta = False
-    last_file = len(files) - 1
-    for p in raw:
-        if not isinstance(p, list) or len(p) not in (2, 4):
-            raise FormatError("frame piece is not [file, segment, offset, length]")
-        fi, si = p[0], p[1]
-        if type(fi) is not int or not 0 <= fi <= last_file:
-            fi = check_int(fi, "piece file", last_file)
-        segments = files[fi].segments
-        if type(si) is not int or not 0 <= si < len(segments):
-            si = check_int(si, "piece segment", len(segments) - 1)
-        entry = segments[si]
-        seg = entry.segment
-        if len(p) == 2:
-            off, ln = 0, seg.length
-        else:
-            off = check_int(p[2], "piece offset", seg.length)
-            ln = check_int(p[3], "piece length", seg.length - off)
-        if dtype is None:
-            first, dtype, delta = entry, seg.dtype, entry.base_offset is not None
-        elif seg.dtype is not dtype:
-            raise FormatError("frame dtype differs from a segment it decodes into")
-        if len(p) == 4 and (off % dtype.width or ln % dtype.width):
-            raise FormatError("piece not aligned to whole elements")
-        if delta != (entry.base_offset is not None):
-            raise FormatError(f"a {'delta' if delta else 'keyframe'} frame decodes into a segment coded otherwise")
-        pieces.append(Piece(fi, si, off, ln))
-    return tuple(pieces), first
