@@ -1,6 +1,6 @@
 """Phases of a request's work, timed for the service's ``Server-Timing`` answer header (docs/API.md).
 
-The service starts a collection per request (:func:`collecting`); the ops methods that make up a
+The service starts a collection per request (:func:`start`, :func:`stop`); the ops methods that make up a
 request's main phases are wrapped in :func:`timed`, which adds their wall time under a name. The
 collection lives in a context variable, so a phase run in a task or a thread the request started
 counts too; outside a collection (tests, the CLI's own calls) timing costs one lookup.
@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable
 from contextvars import ContextVar, Token
 from typing import ParamSpec, TypeVar
 
@@ -30,16 +29,6 @@ def start() -> tuple[dict[str, float], Token[dict[str, float] | None]]:
 def stop(token: Token[dict[str, float] | None]) -> None:
     """Stop the collection :func:`start` began."""
     _phases.reset(token)
-
-
-@contextmanager
-def collecting() -> Iterator[dict[str, float]]:
-    """:func:`start` … :func:`stop` around a block."""
-    found, token = start()
-    try:
-        yield found
-    finally:
-        stop(token)
 
 
 def timed(name: str) -> Callable[[Callable[P, Awaitable[T]]], Callable[P, Awaitable[T]]]:
@@ -67,4 +56,4 @@ def header(found: dict[str, float]) -> bytes:
     return ", ".join(f"{name};dur={seconds * 1e3:.2f}" for name, seconds in found.items()).encode()
 
 
-__all__ = ["collecting", "header", "start", "stop", "timed"]
+__all__ = ["header", "start", "stop", "timed"]
