@@ -13,6 +13,7 @@ import logging
 from pathlib import Path
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -156,7 +157,8 @@ def test_a_base_that_does_not_hold_the_version_costs_a_keyframe_not_a_wrong_delt
 
 def test_a_patch_that_fails_leaves_a_base_copied_afresh(server, model, tmp_path: Path, monkeypatch, caplog) -> None:
     """A patch of the next base that fails part way (its bytes unknown) is not kept: the published files are
-    copied afresh instead, so the next publish is still a delta, exact at the subscriber."""
+    copied afresh instead, so the next publish is still a delta, exact at the subscriber. (Patches are what
+    a base gets when its encode did not write the version into it: forced here.)"""
     from _client_util import TinyTrainer, tree_bytes, write_version
 
     from weightsync.client import base as base_mod
@@ -175,6 +177,7 @@ def test_a_patch_that_fails_leaves_a_base_copied_afresh(server, model, tmp_path:
             raise MemoryError("no memory for the planes")
         return real(blob, targets, **kw)
 
+    monkeypatch.setattr(base_mod.BaseKeeper, "may_keep", lambda self, checkpoint, owned: False)
     with Publisher(server.url, model) as pub:
         assert [pub.publish(p).kind for p in paths[:3]] == ["keyframe", "delta", "delta"]
         monkeypatch.setattr(base_mod, "apply_frame_pieces", flaky)
@@ -190,3 +193,46 @@ def test_a_patch_that_fails_leaves_a_base_copied_afresh(server, model, tmp_path:
         sub.pull(tmp_path / "out")
     assert tree_bytes(tmp_path / "out") == tree_bytes(paths[4])
     assert "failed" in caplog.text
+
+
+def test_an_encode_that_fails_while_writing_into_the_base_forgets_it(
+    server, model, tmp_path: Path, monkeypatch, caplog
+) -> None:
+    """An encode that writes the version into the held base (keep_base) and fails part way leaves bytes of
+    neither version there: the base is forgotten, nothing is published, and the next publish is a keyframe,
+    exact at the subscriber; the one after it keeps its base in the encode again."""
+    from _client_util import TinyTrainer, tree_bytes, write_version
+
+    from weightsync.codec import encode_jobs
+
+    trainer = TinyTrainer(seed=37)
+    paths = []
+    for i in range(5):
+        paths.append(write_version(tmp_path / f"v{i}", trainer.export()))
+        trainer.step()
+    real = encode_jobs.encode_delta_pieces
+    calls = {"n": 0, "kept": 0}
+
+    def flaky(*args, **kw):
+        calls["n"] += 1
+        calls["kept"] += bool(kw.get("keep_base"))
+        if kw.get("keep_base") and calls["n"] == 2:
+            real(*args, **kw)  # the frame's changes are written into the base, then the encode fails
+            raise MemoryError("no memory for the next frame")
+        return real(*args, **kw)
+
+    with Publisher(server.url, model) as pub:
+        assert [pub.publish(p).kind for p in paths[:3]] == ["keyframe", "delta", "delta"]
+        assert pub._base.held() is not None
+        monkeypatch.setattr(encode_jobs, "encode_delta_pieces", flaky)
+        with pytest.raises(MemoryError):
+            pub.publish(paths[3])
+        assert calls["kept"] >= 2 and pub._base.held() is None
+        assert pub.api.head(model).number == 3  # nothing was published
+        calls["n"] = -100  # no more failures
+        assert pub.publish(paths[3]).kind == "keyframe"
+        r = pub.publish(paths[4])
+        assert r.kind == "delta"
+    with Subscriber(server.url, model, name="keep-fails") as sub:
+        sub.pull(tmp_path / "out")
+    assert tree_bytes(tmp_path / "out") == tree_bytes(paths[4])

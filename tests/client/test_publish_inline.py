@@ -221,10 +221,11 @@ def test_a_lost_answer_keeps_the_base_whole_and_the_same_publish_again_replays_a
     server, model, tmp_path
 ) -> None:
     """From files (bytes not the publisher's), the next base is the held one patched by the delta's own
-    frames (after the commit, or while the one request is in flight once the server is known to take it,
-    undone if it fails): a request whose answer is lost leaves the held base whole (its version, its
-    bytes), so the same publish again is replayed (the version the lost request committed, still a
-    delta) and the chain goes on in deltas, right to the bit."""
+    frames after the commit (the first publishVersion), or, once a publish went in one request, written
+    into the held base by the encode itself (Encoder keep_base), undone if the request fails: a request
+    whose answer is lost leaves the held base whole (its version, its bytes), so the same publish again
+    is replayed (the version the lost request committed, still a delta) and the chain goes on in deltas,
+    right to the bit."""
     from weightsync.client import base as base_mod
 
     trainer, rec = TinyTrainer(seed=17), Recording()
@@ -235,25 +236,33 @@ def test_a_lost_answer_keeps_the_base_whole_and_the_same_publish_again_replays_a
     patched: list[int | None] = []
     real = base_mod.patch_jobs
 
-    early: list[int | None] = []  # patches started during the request (their undo made ready)
+    undos: list[int | None] = []  # bases made during the request (their undo made ready)
+    kept: list[int | None] = []  # bases the encode wrote
+    real_kept = base_mod.BaseKeeper.kept
 
     def spy(old, manifest, objects, *, undo=False):
-        (early if undo else patched).append(manifest.parent)
+        (undos if undo else patched).append(manifest.parent)
         return real(old, manifest, objects, undo=undo)
+
+    def spy_kept(self, checkpoint, manifest, objects):
+        kept.append(manifest.parent)
+        return real_kept(self, checkpoint, manifest, objects)
 
     with (
         pytest.MonkeyPatch.context() as mp,
         Publisher(server.url, model, transport=rec, retry=Retry(attempts=2, base=0.01)) as pub,
     ):
         mp.setattr(base_mod, "patch_jobs", spy)
+        mp.setattr(base_mod.BaseKeeper, "kept", spy_kept)
         assert [pub.publish(p).kind for p in paths[:3]] == ["keyframe", "delta", "delta"]
-        assert patched == [1, 2]  # each delta's frames made the next base
+        # v2 (the first publishVersion) was patched in after its commit; v3 went in one request as v2 did:
+        # its encode wrote it into the base
+        assert patched == [1] and kept == [2] and undos == [2], (patched, kept, undos)
         rec.lose = 2  # both attempts' answers lost: the version committed, the publisher cannot know
         with pytest.raises(errors.ServerUnavailable):
             pub.publish(paths[3])
-        # From the second publishVersion on the base is patched while the request is in flight; the failed
-        # one's patch was undone (the base's bytes below are v3's).
-        assert patched == [1, 2, 3] and early == [2, 3], (patched, early)
+        # The failed publish's encode wrote v4 into the base; that was undone (the base's bytes below are v3's).
+        assert patched == [1] and kept == [2, 3] and undos == [2, 3], (patched, kept, undos)
         held = pub._base.held()
         assert held is not None and held.state.number == 3
         assert {f.layout.path: bytes(f.data) for f in held.checkpoint.files} == tree_bytes(paths[2])

@@ -444,13 +444,15 @@ def test_bandwidth_cap_and_unknown_model(server, model, tmp_path: Path) -> None:
         sub.pull(tmp_path / "nope", version=42)
 
 
-@pytest.mark.parametrize("keep", ["patch", "copy"])
+@pytest.mark.parametrize("keep", ["encode", "patch", "copy"])
 def test_the_next_base_is_exactly_the_published_files(server, model, tmp_path: Path, monkeypatch, keep: str) -> None:
-    """A path publisher keeps its next base in the previous one's buffers: by applying each delta's own
-    frames into them ("patch", what a format 2 delta on the held base gets), or where those cannot apply
-    by copying only what changed ("copy", forced here: segments a format 2 delta states unchanged at the
-    same place are left as they are). Either way, after every publish the base holds the files byte for
-    byte, and a subscriber following the deltas stays exact."""
+    """A path publisher keeps its next base in the previous one's buffers: written by the encode itself
+    as it codes each change ("encode", Encoder keep_base: a delta in one request after one that went so),
+    by applying each delta's own frames into them ("patch", what a format 2 delta on the held base gets
+    otherwise, forced here), or where those cannot apply by copying only what changed ("copy", forced
+    here: segments a format 2 delta states unchanged at the same place are left as they are). Either
+    way, after every publish the base holds the files byte for byte, and a subscriber following the
+    deltas stays exact."""
     import numpy as np
     import safetensors.numpy as stn
 
@@ -485,6 +487,8 @@ def test_the_next_base_is_exactly_the_published_files(server, model, tmp_path: P
 
     monkeypatch.setattr(base_mod, "same_ranges", spy_ranges)
     monkeypatch.setattr(base_mod, "patch_jobs", spy_patch)
+    if keep != "encode":
+        monkeypatch.setattr(base_mod.BaseKeeper, "may_keep", lambda self, checkpoint, owned: False)
     if keep == "copy":
         monkeypatch.setattr(base_mod, "patchable", lambda old, checkpoint, manifest: False)
     buffers = None
@@ -499,6 +503,9 @@ def test_the_next_base_is_exactly_the_published_files(server, model, tmp_path: P
             assert np.shares_memory(buffers, held.checkpoint.files[0].data)  # the same buffers all along
             sub.pull(tmp_path / "follow", result.version)
             assert (tmp_path / "follow" / "model.safetensors").read_bytes() == want
+    if keep == "encode":  # v1 is a keyframe (three requests, nothing held); v2 patched in after its commit;
+        assert patched == [1] and skipped == []  # v3 and v4 followed a publish in one request: their encodes
+        return  # wrote them into the base
     if keep == "patch":  # v1 is a keyframe (nothing held); each delta's frames made the next base
         assert patched == [1, 2, 3] and skipped == []
         return

@@ -361,3 +361,69 @@ def test_an_encoder_on_a_given_pool_writes_the_same_bytes_on_that_pool(version):
     assert Counting.jobs > 0
     assert [fr.data for fr in got.frames] == [fr.data for fr in want.frames]
     assert got.manifest.encode() == want.manifest.encode()
+
+
+def _owned(ck: Checkpoint) -> Checkpoint:
+    """`ck` in writable buffers of its own (what a publisher keeps as its base)."""
+    from weightsync.codec.checkpoint import CheckpointFile
+
+    return Checkpoint([CheckpointFile(f.layout, np.array(f.data)) for f in ck.files], single_file=ck.single_file)
+
+
+@given(versions(), st.sampled_from([1024, 4096, 1 << 20]))
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_a_keeping_encode_writes_the_same_bytes_and_leaves_the_base_holding_the_new_version(pair, chunk):
+    """keep_base: the frames and manifest of an encode that leaves the base alone; where every segment is
+    delta-coded at its own offset in a file of the same size (``kept``), the base's buffers hold the new
+    version's bytes after, byte for byte; elsewhere (a tensor added, dropped or reshaped) they are untouched."""
+    base, new = pair
+    want = Encoder(threads=2, chunk_bytes=chunk).encode(new, base)
+    mine = _owned(base)
+    got = Encoder(threads=2, chunk_bytes=chunk).encode(new, mine, keep_base=True)
+    assert [fr.data for fr in got.frames] == [fr.data for fr in want.frames]
+    assert got.manifest.encode() == want.manifest.encode()
+    in_place = [f.layout == b.layout for f, b in zip(new.files, base.files, strict=True)]
+    same_layout = len(new.files) == len(base.files) and all(in_place)
+    assert got.kept == same_layout
+    held = [f.data.tobytes() for f in mine.files]
+    if got.kept:
+        assert held == [f.data.tobytes() for f in new.files]
+    else:
+        assert held == [f.data.tobytes() for f in base.files]
+
+
+def test_a_keeping_encode_keeps_nothing_in_format_1_for_a_keyframe_or_into_read_only_bytes():
+    base, new = _step(seed=5, changed=0.05)
+    for enc, kw, own in (
+        (Encoder(format_version=1), {}, True),
+        (Encoder(), {"keyframe": True}, True),
+        (Encoder(), {}, False),
+    ):
+        mine = _owned(base) if own else base
+        got = enc.encode(new, mine, keep_base=True, **kw)
+        assert not got.kept
+        assert [f.data.tobytes() for f in mine.files] == [f.data.tobytes() for f in base.files]
+
+
+@pytest.mark.parametrize("density", [1e-3, 0.3, 0.49, 1.0])
+@pytest.mark.parametrize("add", [False, True])
+def test_a_keeping_frame_is_byte_identical_whatever_its_method(density, add):
+    """Sparse, dense planes (the sparse scan ran out of room and took back what it wrote) and STORED (made
+    from the coded values, the base being the new bytes already): the same frame as without keep_base."""
+    from weightsync.codec.frame import encode_delta_pieces, parse_header
+
+    rng = np.random.default_rng(int(density * 1000) + add)
+    for width, dt in ((1, "U8"), (2, "BF16")):
+        n = 20_000
+        base = rng.integers(0, 256, n * width, dtype=np.uint8)
+        new = mutate(rng, base, width, int(n * density))
+        cuts = [0, 3_000 * width, 11_000 * width, n * width]
+        olds = [base[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
+        news = [new[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
+        want = encode_delta_pieces(olds, news, by_name(dt), add=add, version=2)
+        mine = [o.copy() for o in olds]
+        got = encode_delta_pieces(mine, news, by_name(dt), add=add, version=2, keep_base=True)
+        assert got == want, (width, parse_header(want).method)
+        assert all(np.array_equal(m, x) for m, x in zip(mine, news, strict=True))
+    with pytest.raises(ValueError):
+        encode_delta_pieces([base.copy()], [new], by_name("U8"), version=1, keep_base=True)

@@ -405,6 +405,45 @@ def test_fused_encode_codes_and_sums_like_the_reference(p, add, cap, before, aft
     assert [s.after for s in b[2]] == (_reference_sums(news, width, starts) if after else [None] * len(news))
 
 
+@SETTINGS
+@given(st.one_of(pieces(), pieces(big=True)), st.booleans(), st.integers(0, 400), st.booleans(), st.booleans())
+def test_a_keeping_encode_codes_alike_and_leaves_the_new_bytes_in_the_bases(p, add, cap, before, after):
+    """keep: the same planes and sums as without, and the bases hold the new bytes after; above `cap`
+    (None) the bases hold their bytes of before again (what the scan wrote was taken back), so the
+    dense coding that follows reads the right base."""
+    width, bases, news, starts = p
+    plain = kernels.REFERENCE.encode_sparse_sums(bases, news, starts, width, add, cap, before=before, after=after)
+    for impl in IMPLS:
+        mine = [b.copy() for b in bases]
+        got = impl.encode_sparse_sums(mine, news, starts, width, add, cap, before=before, after=after, keep=True)
+        assert (got is None) == (plain is None), impl.name
+        if got is None or plain is None:
+            assert all(np.array_equal(m, b) for m, b in zip(mine, bases, strict=True)), impl.name
+            continue
+        assert np.array_equal(got[0], plain[0]) and np.array_equal(got[1], plain[1]) and got[2] == plain[2]
+        assert all(np.array_equal(m, n) for m, n in zip(mine, news, strict=True)), impl.name
+        mine = [b.copy() for b in bases]
+        planes, sums = impl.encode_dense_sums(mine, news, starts, width, add, before=before, after=after, keep=True)
+        assert np.array_equal(
+            planes, kernels.REFERENCE.encode_dense(np.concatenate(bases), np.concatenate(news), width, add)
+        )
+        assert (
+            sums == kernels.REFERENCE.encode_dense_sums(bases, news, starts, width, add, before=before, after=after)[1]
+        )
+        assert all(np.array_equal(m, n) for m, n in zip(mine, news, strict=True)), impl.name
+
+
+def test_a_keeping_encode_needs_writable_bases():
+    nat = need_native()
+    base = np.arange(64, dtype=np.uint8)
+    base.flags.writeable = False
+    new = base.copy()
+    new[3] ^= 1
+    with pytest.raises((BufferError, ValueError, TypeError)):
+        nat.encode_sparse_sums([base], [new], [0], 1, False, 64, before=False, after=True, keep=True)
+    assert base[3] == 3
+
+
 @pytest.mark.parametrize("width", [1, 2, 4, 8])
 @pytest.mark.parametrize("fill", [0x00, 0xFF, 0x80, 0x7F, "alternating"])
 def test_fused_encode_sums_extreme_words_like_the_reference(width, fill):

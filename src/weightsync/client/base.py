@@ -340,6 +340,35 @@ class BaseKeeper:
                 jobs.append((mine.data[a:b], theirs.data[a:b]))
         return _in_buffers(old.checkpoint, checkpoint), jobs
 
+    def may_keep(self, checkpoint: Checkpoint, owned: bool) -> bool:
+        """Whether the encode of `checkpoint` on the held base may write it into the base's buffers as it codes
+        it (``Encoder.encode`` keep_base): a base held in memory as our own copy, files of the same sizes,
+        bytes not ours. The publisher then calls :meth:`kept` (or forgets the base)."""
+        self._ready()
+        old = self._base
+        return (
+            self.checkout is None
+            and not owned
+            and old is not None
+            and old.own
+            and _same_sizes(old.checkpoint, checkpoint)
+        )
+
+    def kept(self, checkpoint: Checkpoint, manifest: Manifest, objects: Mapping[str, bytes]) -> None:
+        """The encode of `manifest` (packed into `objects`) wrote `checkpoint` into the held base's buffers: hold it
+        as :meth:`overwrite_early` leaves a patch that ran, so :meth:`remember` takes it as the next base once the
+        version commits and :meth:`abandon_early` undoes it otherwise (its frames undo what they wrote)."""
+        old = self._base
+        assert old is not None, "kept() follows an encode on the held base"
+        undo = None
+        if patchable(old.checkpoint, checkpoint, manifest) and all(f.delta for f in manifest.frames):
+            undo = patch_jobs(old.checkpoint, manifest, objects, undo=True)
+        done: Future[Any] = Future()
+        done.set_result(None)
+        self._base = None
+        self._undo = (old, undo) if undo is not None else None  # without undo jobs, abandoning forgets
+        self._early = (_in_buffers(old.checkpoint, checkpoint), done)
+
     def overwrite_early(
         self, checkpoint: Checkpoint, owned: bool, manifest: Manifest, objects: Mapping[str, bytes] | None = None
     ) -> bool:

@@ -135,6 +135,7 @@ class Publisher:
             raise
         self._background: ThreadPoolExecutor | None = None
         self._formats: tuple[int, ...] | None = None  # the server's manifest formats, from its last begin
+        self._inline_last = False  # the last publish committed in one request (publishVersion)
         self._snapshots = SnapshotBuffers()  # publish_async's host buffers, reused across publishes
 
     @property
@@ -222,7 +223,7 @@ class Publisher:
             warnings: list[str] = []
             checkpoint, owned = snapshot(source, warnings=warnings)
 
-            def pack_for(base: Base | None, parent: int | None) -> upload.Packed:
+            def pack_for(base: Base | None, parent: int | None, keep: bool = False) -> upload.Packed:
                 return upload.pack_version(
                     self.encoder,
                     checkpoint,
@@ -235,16 +236,20 @@ class Publisher:
                     object_bytes=self.object_bytes,
                     forget_base=self._base.forget,
                     timings=timings,
+                    keep_base=keep and self._base.may_keep(checkpoint, owned),
                 )
 
             def inline(held: Base, packed: upload.Packed) -> upload.Committed | PublishBegin | None:
-                # The next base is made while the request is in flight (BaseKeeper.overwrite_early); unless
-                # the request commits the version, that is undone or the base forgotten (abandon_early).
-                early = False
+                # The next base is made by the encode itself (Packed.kept), or while the request is in flight
+                # (BaseKeeper.overwrite_early); unless the request commits the version, that is undone or the
+                # base forgotten (abandon_early).
+                early = packed.kept
+                if early:
+                    self._base.kept(checkpoint, packed.manifest, packed.objects)
 
                 def keep_early() -> None:
                     nonlocal early
-                    if self.api.publish_version_ok:  # not on a first try: an older server answers 405
+                    if not early and self.api.publish_version_ok:  # not on a first try: an older server answers 405
                         early = self._base.overwrite_early(checkpoint, owned, packed.manifest, packed.objects)
 
                 try:
@@ -279,7 +284,9 @@ class Publisher:
                         step=step,
                         metadata=metadata,
                         catch_up=catch_up,
-                        prepare=lambda held: pack_for(held, held.state.number),
+                        # The encode keeps the next base in place when the last publish went in one request
+                        # (so this one likely does too: keeping costs an undo when it does not).
+                        prepare=lambda held: pack_for(held, held.state.number, keep=self._inline_last),
                         part=self.part,
                         inline=inline if self.part is None and self.inline_bytes else None,
                     )
@@ -294,6 +301,7 @@ class Publisher:
             # source, base (and a catch-up) and beginPublish; an encoding made first is counted in encode_s,
             # a one-request publish (publishVersion) in upload_s
             timings["begin_s"] = time.perf_counter() - t0 - timings.get("encode_s", 0.0) - timings.get("upload_s", 0.0)
+            self._inline_last = isinstance(begun, upload.Committed) and self.part is None and bool(self.inline_bytes)
             if isinstance(begun, upload.Committed):
                 done = begun
             else:

@@ -41,6 +41,8 @@ class Packed:
     digest: str
     objects: dict[str, bytes]
     """The data objects by digest (each once)."""
+    kept: bool = False
+    """The encode wrote the version's bytes into the base's buffers (`pack_version` keep_base)."""
 
     def listed(self) -> list[tuple[str, int]]:
         """(digest, size) of every object to check, the manifest last."""
@@ -60,32 +62,44 @@ def pack_version(
     forget_base: Callable[[], None],
     timings: dict[str, float],
     version: int,
+    keep_base: bool = False,
 ) -> Packed:
     """Encode `checkpoint` in manifest format `version` (a delta on `base`, a keyframe without one), pack it.
 
     A base whose bytes are not the version it claims (the encoder hashed them), or that is
     stored in another format (a chain never mixes formats), is forgotten through
     `forget_base` and a keyframe is packed instead. Sets ``timings["encode_s"]``.
+    ``keep_base``: the encoder may write the version into the base's buffers as it codes it
+    (``Encoder.encode``); ``Packed.kept`` says whether it did, and the caller then holds the
+    base as the publish's next base, to be undone if the version is not committed. A base that
+    came out wrong, or a failure after such an encode, forgets the base.
     """
     t = time.perf_counter()
     encoder.format_version = version
     if base is not None and base.state.digest_kind != encoder.digest_kind:
         base = None  # a format change starts a new chain
-    encoded = encoder.encode(checkpoint, base.checkpoint if base else None)
-    if base is not None:
-        try:  # the encoder hashed the base bytes: they must be the version we think we hold
-            check_bases(encoded.manifest, base.state.tree(Path(".")))
-        except errors.BaseMismatch as exc:
-            log.warning("publisher base does not match v%s (%s): publishing a keyframe", base.state.number, exc)
+    keep = keep_base and base is not None
+    encoded = None
+    try:
+        encoded = encoder.encode(checkpoint, base.checkpoint if base else None, keep_base=keep)
+        if base is not None:
+            try:  # the encoder hashed the base bytes: they must be the version we think we hold
+                check_bases(encoded.manifest, base.state.tree(Path(".")))
+            except errors.BaseMismatch as exc:
+                log.warning("publisher base does not match v%s (%s): publishing a keyframe", base.state.number, exc)
+                forget_base()
+                encoded = encoder.encode(checkpoint, None, keyframe=True)
+        manifest, objects = pack(encoded, target_bytes=object_bytes)
+        manifest.model, manifest.parent, manifest.step = model, parent, step
+        manifest.metadata = dict(metadata or {})
+        manifest_bytes = manifest.encode()
+    except BaseException:
+        if keep and (encoded is None or encoded.kept):  # the base's buffers may hold neither version now
             forget_base()
-            encoded = encoder.encode(checkpoint, None, keyframe=True)
-    manifest, objects = pack(encoded, target_bytes=object_bytes)
-    manifest.model, manifest.parent, manifest.step = model, parent, step
-    manifest.metadata = dict(metadata or {})
-    manifest_bytes = manifest.encode()
+        raise
     digest = hashlib.sha256(manifest_bytes).hexdigest()
     timings["encode_s"] = time.perf_counter() - t
-    return Packed(manifest, manifest_bytes, digest, {o.digest: o.data for o in objects})
+    return Packed(manifest, manifest_bytes, digest, {o.digest: o.data for o in objects}, kept=encoded.kept)
 
 
 def begin(

@@ -279,9 +279,10 @@ fail:
     return NULL;
 }
 
-/* A frame's base and new pieces: as many of each, pairwise of the same length. */
-static int hold_pairs(Pieces *bases, Pieces *news, PyObject *obs, PyObject *ons, PyObject *ost, int w) {
-    if (hold_pieces(bases, obs, ost, 0, w) < 0 || hold_pieces(news, ons, ost, 0, w) < 0) return -1;
+/* A frame's base and new pieces: as many of each, pairwise of the same length (the bases writable
+ * with `keep`). */
+static int hold_pairs(Pieces *bases, Pieces *news, PyObject *obs, PyObject *ons, PyObject *ost, int w, int keep) {
+    if (hold_pieces(bases, obs, ost, keep, w) < 0 || hold_pieces(news, ons, ost, 0, w) < 0) return -1;
     for (Py_ssize_t i = 0; i <= news->n; i++) {
         if (bases->n != news->n || (i < news->n && bases->views[i].len != news->views[i].len)) {
             PyErr_SetString(PyExc_ValueError, "one base piece of the same length per new piece");
@@ -291,8 +292,25 @@ static int hold_pairs(Pieces *bases, Pieces *news, PyObject *obs, PyObject *ons,
     return 0;
 }
 
+/* Take back what a keeping scan (Coder.keep) wrote into the bases: each of its c->k changes put the
+ * new value where the base's was; XOR undoes XOR, SUB undoes ADD (FORMAT §4.2). */
+static void unkeep(const Pieces *bases, int w, int add, const Coder *c) {
+    Changes s;
+    for (int j = 0; j < 4; j++) s.gaps[j] = c->gaps[j];
+    for (int j = 0; j < w; j++) s.vals[j] = c->vals[j];
+    changes_start(&s, c->k);
+    const sparse_run_fn run = sparse_run_for(w, add ? OP_SUB : OP_XOR);
+    u64 e0 = 0;
+    for (Py_ssize_t i = 0; i < bases->n; i++) {
+        const u64 n = piece_elements(bases, i, w);
+        run(piece(bases, i), e0, e0 + n, &s);
+        e0 += n;
+    }
+}
+
 /* Code the pieces as their concatenation and take their checksums in the same pass, block
- * by block. Returns -1 when there are more than c->cap changes (sums are then partial).
+ * by block. Returns -1 when there are more than c->cap changes (sums are then partial; what a
+ * keeping coder wrote into the bases is taken back first, so they hold their bytes of before).
  * The base is never summed when the new bytes are: its checksum is theirs moved by the
  * changes the scan finds anyway (Coder.fix), so a pass reads each byte once and sums half
  * of them. 2-byte elements on AVX2 take the one-loop scan_sum_avx2_u16. */
@@ -310,14 +328,14 @@ static int code_pieces(const Pieces *bases, const Pieces *news, int w, int add, 
         c->woff = start - e0; /* checksum position = frame position + woff (mod 2^64) */
 #ifdef WS_X86
         if (has_avx2 && w == 2 && (want & SUM_AFTER)) {
-            if (scan_sum_avx2_u16(a, b, n, e0, add, c, start, sums[i].after) < 0) return -1;
+            if (scan_sum_avx2_u16(a, b, n, e0, add, c, start, sums[i].after) < 0) goto full;
         } else
 #endif
         for (u64 off = 0; off < n; off += per) {
             u64 m = n - off < per ? n - off : per;
             if ((want & SUM_BEFORE) && !moved) sum_range(a + off * w, m, w, start + off, sums[i].before);
             if (want & SUM_AFTER) sum_range(b + off * w, m, w, start + off, sums[i].after);
-            if (scan(a + off * w, b + off * w, m, w, e0 + off, add, c) < 0) return -1;
+            if (scan(a + off * w, b + off * w, m, w, e0 + off, add, c) < 0) goto full;
         }
         if (moved)
             for (int j = 0; j < L; j++) sums[i].before[j] = sums[i].after[j] + fix[j];
@@ -326,25 +344,31 @@ static int code_pieces(const Pieces *bases, const Pieces *news, int w, int add, 
         e0 += n;
     }
     return 0;
+full:
+    if (c->keep) unkeep(bases, w, add, c);
+    return -1;
 }
 
 /* encode_sparse_sums(bases, news, starts, width, add, cap, gap_planes, value_planes, constant,
- * want) -> (changes, sums): `encode_sparse` of the concatenated pieces plus, per piece, the
+ * want, keep) -> (changes, sums): `encode_sparse` of the concatenated pieces plus, per piece, the
  * checksum (FORMAT §10, first element at its start) of the base and/or new bytes as `want`
- * selects; (cap + 1, None) when there are more than `cap` changes. */
+ * selects; (cap + 1, None) when there are more than `cap` changes. With `keep`, the (writable)
+ * bases hold the new bytes afterwards, each change written as it is coded; unless there were
+ * more than `cap` changes: the bases are then as they were. */
 static PyObject *encode_sparse_sums(PyObject *self, PyObject *args) {
     PyObject *obs, *ons, *ost, *og, *ov;
-    int w, add, want;
+    int w, add, want, keep = 0;
     unsigned long long cap, constant;
-    if (!PyArg_ParseTuple(args, "OOOipKOOKi", &obs, &ons, &ost, &w, &add, &cap, &og, &ov, &constant, &want) ||
+    if (!PyArg_ParseTuple(args, "OOOipKOOKi|p", &obs, &ons, &ost, &w, &add, &cap, &og, &ov, &constant, &want,
+                          &keep) ||
         check_width(w) < 0 || parse_want(want) < 0)
         return NULL;
     Held h = {.n = 0};
     Pieces bases = {0}, news = {0};
     PieceSums *sums = NULL;
-    Coder c = {.cap = cap, .k = 0, .prev = (u64)-1};
+    Coder c = {.cap = cap, .k = 0, .prev = (u64)-1, .keep = keep};
     PyObject *out = NULL;
-    if (hold_pairs(&bases, &news, obs, ons, ost, w) < 0) goto done;
+    if (hold_pairs(&bases, &news, obs, ons, ost, w, keep) < 0) goto done;
     if (news.elements > 0xFFFFFFFFull) {
         PyErr_SetString(PyExc_ValueError, "a sparse frame holds fewer than 2^32 elements");
         goto done;
@@ -399,7 +423,7 @@ fail:
 
 /* Dense values of the pieces (their concatenation) with their checksums, block by block. */
 static void code_dense_pieces(const Pieces *bases, const Pieces *news, int w, int add, int want, u64 constant,
-                              u8 *const *planes, PieceSums *sums) {
+                              u8 *const *planes, PieceSums *sums, int keep) {
     const int L = w == 1 ? 1 : w / 2;
     const u64 per = SUM_BLOCK / w;
     u64 e0 = 0;
@@ -413,6 +437,7 @@ static void code_dense_pieces(const Pieces *bases, const Pieces *news, int w, in
             if (want & SUM_BEFORE) sum_range(a + off * w, m, w, start + off, sums[i].before);
             if (want & SUM_AFTER) sum_range(b + off * w, m, w, start + off, sums[i].after);
             dense_loop(a + off * w, b + off * w, m, w, add, at);
+            if (keep) memcpy((u8 *)a + off * w, b + off * w, m * w); /* the block is in cache */
         }
         sum_constant(start, n, constant, L, sums[i].before);
         sum_constant(start, n, constant, L, sums[i].after);
@@ -420,14 +445,15 @@ static void code_dense_pieces(const Pieces *bases, const Pieces *news, int w, in
     }
 }
 
-/* encode_dense_sums(bases, news, starts, width, add, value_planes, constant, want) -> per
+/* encode_dense_sums(bases, news, starts, width, add, value_planes, constant, want, keep) -> per
  * piece (before lanes or None, after lanes or None): `encode_dense` of the concatenated
- * pieces (planes of their total length) with the pieces' checksums, in one pass. */
+ * pieces (planes of their total length) with the pieces' checksums, in one pass; with `keep`,
+ * the (writable) bases hold the new bytes afterwards, each block copied while it is in cache. */
 static PyObject *encode_dense_sums(PyObject *self, PyObject *args) {
     PyObject *obs, *ons, *ost, *op;
-    int w, add, want;
+    int w, add, want, keep = 0;
     unsigned long long constant;
-    if (!PyArg_ParseTuple(args, "OOOipOKi", &obs, &ons, &ost, &w, &add, &op, &constant, &want) ||
+    if (!PyArg_ParseTuple(args, "OOOipOKi|p", &obs, &ons, &ost, &w, &add, &op, &constant, &want, &keep) ||
         check_width(w) < 0 || parse_want(want) < 0)
         return NULL;
     Held h = {.n = 0};
@@ -435,14 +461,14 @@ static PyObject *encode_dense_sums(PyObject *self, PyObject *args) {
     PieceSums *sums = NULL;
     u8 *planes[8];
     PyObject *out = NULL;
-    if (hold_pairs(&bases, &news, obs, ons, ost, w) < 0) goto done;
+    if (hold_pairs(&bases, &news, obs, ons, ost, w, keep) < 0) goto done;
     if (hold_planes(&h, op, w, (Py_ssize_t)news.elements, 1, planes) < 0) goto done;
     if ((sums = PyMem_Calloc(news.n ? (size_t)news.n : 1, sizeof(PieceSums))) == NULL) {
         PyErr_NoMemory();
         goto done;
     }
     Py_BEGIN_ALLOW_THREADS
-    code_dense_pieces(&bases, &news, w, add, want, constant, planes, sums);
+    code_dense_pieces(&bases, &news, w, add, want, constant, planes, sums, keep);
     Py_END_ALLOW_THREADS
     out = sums_list(sums, news.n, w == 1 ? 1 : w / 2, want);
 done:
@@ -825,11 +851,11 @@ static PyMethodDef methods[] = {
     {"encode_sparse", encode_sparse, METH_VARARGS,
      "encode_sparse(base, new, width, add, cap, gap_planes, value_planes) -> changes, cap + 1 if more"},
     {"encode_sparse_sums", encode_sparse_sums, METH_VARARGS,
-     "encode_sparse_sums(bases, news, starts, width, add, cap, gap_planes, value_planes, constant, want)"
+     "encode_sparse_sums(bases, news, starts, width, add, cap, gap_planes, value_planes, constant, want, keep=False)"
      " -> (changes, [(base lanes, new lanes)]), (cap + 1, None) if more"},
     {"encode_dense", encode_dense, METH_VARARGS, "encode_dense(base, new, width, add, value_planes)"},
     {"encode_dense_sums", encode_dense_sums, METH_VARARGS,
-     "encode_dense_sums(bases, news, starts, width, add, value_planes, constant, want) -> [(before, after)]"},
+     "encode_dense_sums(bases, news, starts, width, add, value_planes, constant, want, keep=False) -> [(before, after)]"},
     {"split_planes", split_planes, METH_VARARGS, "split_planes(src, width, planes)"},
     {"join_planes", join_planes, METH_VARARGS, "join_planes(planes, width, out)"},
     {"gap_cuts", gap_cuts, METH_VARARGS, "gap_cuts(count, gap_planes, bounds, cuts_out, firsts_out) -> end"},

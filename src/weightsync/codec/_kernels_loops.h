@@ -88,6 +88,10 @@ typedef struct {
      * bytes' checksum plus fix, with no pass over the base (the checksum is linear). */
     u64 *fix;
     u64 woff;
+    /* When set, every change is also written into the base (its new value), while its line is
+     * in cache: the base becomes the new bytes in the pass that codes them (a publisher keeping
+     * its next base). Undone by `unkeep` when the scan runs out of room. */
+    int keep;
 } Coder;
 
 /* The move of a checksum's lanes when an element of width w goes from y to x (one lane per
@@ -112,6 +116,7 @@ static inline ALWAYS_INLINE void fix_change(u64 *fix, u64 x, u64 y, int w, u64 w
         for (unsigned j_ = 0; j_ < sizeof(T); j_++) vals[j_][k] = (u8)(v_ >> (8 * j_)); \
         k++;                                                                 \
         if (fix) fix_change(fix, x, y, sizeof(T), 2 * ((pos) + woff) + 1);  \
+        if (keep) memcpy((u8 *)a + ((pos) - e0) * sizeof(T), &(y), sizeof(T)); \
     } while (0)
 
 /* Scan n elements at a (base) and b (new), the first at frame position e0, appending the
@@ -120,6 +125,7 @@ static inline ALWAYS_INLINE void fix_change(u64 *fix, u64 x, u64 y, int w, u64 w
 #define SCAN_LOOP(T)                                                                         \
     static int scan_##T(const u8 *a, const u8 *b, u64 n, u64 e0, int add, Coder *c) {       \
         u64 k = c->k, prev = c->prev, cap = c->cap, *fix = c->fix, woff = c->woff;           \
+        const int keep = c->keep;                                                            \
         u8 *g0 = c->gaps[0], *g1 = c->gaps[1], *g2 = c->gaps[2], *g3 = c->gaps[3];           \
         u8 **vals = c->vals;                                                                 \
         const u64 per = 32 / sizeof(T);                                                      \
@@ -163,6 +169,7 @@ HOT SCAN_LOOP(u64)
     __attribute__((target("avx2"))) static int scan_avx2_##T(const u8 *a, const u8 *b, u64 n, u64 e0,  \
                                                               int add, Coder *c) {                   \
         u64 k = c->k, prev = c->prev, cap = c->cap, i = 0, *fix = c->fix, woff = c->woff;           \
+        const int keep = c->keep;                                                                    \
         u8 *g0 = c->gaps[0], *g1 = c->gaps[1], *g2 = c->gaps[2], *g3 = c->gaps[3];                   \
         u8 **vals = c->vals;                                                                         \
         for (; i + 32 <= n; i += 32) {                                                               \
@@ -216,6 +223,7 @@ SCAN_AVX2(u16)
 __attribute__((target("avx2"))) static int scan_sum_avx2_u16(const u8 *a, const u8 *b, u64 n, u64 e0, int add,
                                                               Coder *c, u64 start, u64 *after) {
     u64 k = c->k, prev = c->prev, cap = c->cap, i = 0, *fix = c->fix, woff = c->woff;
+    const int keep = c->keep;
     u8 *g0 = c->gaps[0], *g1 = c->gaps[1], *g2 = c->gaps[2], *g3 = c->gaps[3];
     u8 **vals = c->vals;
     const u64 per = SUM_BLOCK / 2;

@@ -151,10 +151,13 @@ class Job:
         level: int,
         chunk_bytes: int,
         per_file: bool = False,
+        keep: bool = False,
     ) -> None:
         self.level = level
         self.chunk_bytes = chunk_bytes
         self.per_file = per_file
+        self.keep = keep
+        """Delta frames write each change into the base too (V2Job; `Encoder.encode` keep_base)."""
         self.entries = entries
         self.new_arrays = new
         self.base_arrays = base
@@ -295,7 +298,9 @@ class V2Job(Job):
                 wants = [self.entries[p.file][p.seg].base_digest is None for p in plan.pieces]
                 sums = PieceSums(width, starts, wants)
                 olds = [self.base_bytes(p.file, p.seg, p.offset, p.length) for p in plan.pieces]
-                blob = encode_delta_pieces(olds, news, plan.dtype, level=level, version=VERSION_2, piece_sums=sums)
+                blob = encode_delta_pieces(
+                    olds, news, plan.dtype, level=level, version=VERSION_2, piece_sums=sums, keep_base=self.keep
+                )
                 return self.frame(plan, blob), sums, changed_elements(blob) == 0
             sums = PieceSums(width, starts, [False] * len(news))
             for i, x in enumerate(news):

@@ -46,6 +46,8 @@ class Encoded:
 
     manifest: Manifest
     frames: list[EncodedFrame]
+    kept: bool = False
+    """The base's buffers hold the new version's bytes (`Encoder.encode` with keep_base, where it could)."""
 
     def with_locations(self, locate: Callable[[int, EncodedFrame], tuple[str | None, int]]) -> Manifest:
         """The manifest with each frame's (object, offset) set by `locate(index, frame)`."""
@@ -116,6 +118,7 @@ class Encoder:
         base_digests: dict[tuple[str, str, str], str] | None = None,
         base_kind: str | None = None,
         keyframe: bool = False,
+        keep_base: bool = False,
     ) -> Encoded:
         """Encode `new`, as deltas against `base` wherever a segment has a counterpart.
 
@@ -128,6 +131,13 @@ class Encoder:
         knows it, must be this encoder's: a chain never mixes formats (FORMAT §5.3), so
         a delta on a version of the other format is refused with BaseMismatch before
         any work (publish a keyframe instead).
+
+        ``keep_base`` (the base's buffers writable and nobody else's): where every segment of
+        `new` is delta-coded on a base segment at the same offset of a base file of the same
+        size (the same layout: an optimizer step), the coding pass also writes each change into
+        the base, so its buffers hold `new`'s bytes afterwards (``Encoded.kept``; FORMAT v2
+        only). A publisher keeps its next base so, with no second pass and no copy. Elsewhere
+        the base is left alone (``kept`` False). After an exception the base may hold either.
         """
         if keyframe:
             base = None
@@ -140,6 +150,7 @@ class Encoder:
         entries = self._entries(new, base_files, base_digests or {})
         new_arrays = [f.data for f in new.files]
         base_arrays = [b.data if b is not None else np.zeros(0, dtype=np.uint8) for b in base_files]
+        keep = keep_base and self.format_version == VERSION_2 and _in_place(new, base_files, entries)
         job = (V2Job if self.format_version == VERSION_2 else V1Job)(
             entries,
             new_arrays,
@@ -147,6 +158,7 @@ class Encoder:
             level=self.level,
             chunk_bytes=self.chunk_bytes,
             per_file=self.frames_per_file,
+            keep=keep,
         )
         if self.pool is not None:
             frames, digested = job.run(self.pool)
@@ -174,7 +186,7 @@ class Encoder:
             frames=[FrameRef(None, 0, len(fr.data), fr.delta, fr.dtype, fr.raw_len, fr.pieces) for fr in frames],
             version=self.format_version,
         )
-        return Encoded(manifest, frames)
+        return Encoded(manifest, frames, kept=keep)
 
     def _entries(
         self, new: Checkpoint, base_files: list[CheckpointFile | None], known: dict[tuple[str, str, str], str]
@@ -209,6 +221,20 @@ class Encoder:
             return [base.files[0]]
         by_path = base.by_path()
         return [by_path.get(f.layout.path) for f in new.files]
+
+
+def _in_place(new: Checkpoint, base_files: list[CheckpointFile | None], entries: list[list[SegmentEntry]]) -> bool:
+    """Whether coding `new` on `base_files` can leave each base file holding its new file's bytes: every new
+    file has a base file of its size (distinct ones, writable), and every segment a counterpart at its own offset
+    (the segments cover the file, FileLayout), so the frames' changes are all there is to write."""
+    seen: set[int] = set()
+    for f, b, row in zip(new.files, base_files, entries, strict=True):
+        if b is None or b.data.size != f.data.size or id(b) in seen or not b.data.flags.writeable:
+            return False
+        seen.add(id(b))
+        if any(e.base_offset != e.segment.offset for e in row):
+            return False
+    return True
 
 
 def _same_layout(seg: Segment, other: Segment) -> bool:

@@ -319,6 +319,7 @@ def encode_delta_pieces(
     piece_hashes: list[tuple[bytes, bytes]] | None = None,
     version: int = VERSION,
     piece_sums: PieceSums | None = None,
+    keep_base: bool = False,
 ) -> bytes:
     """`encode_delta` of the concatenations of `bases` and of `news` (pairwise equal lengths), without concatenating.
 
@@ -333,10 +334,16 @@ def encode_delta_pieces(
 
     A version 2 frame hashes nothing of its own; `piece_sums`, when given, is fed every
     part of every piece in the same pass instead (the manifest's checksums, FORMAT §10).
+
+    `keep_base` (version 2; the bases writable): the bases hold the new bytes when this
+    returns, each change written in the coding pass while its line is in cache (a publisher
+    keeping its next base: no second pass, no copy). On an exception they may hold either.
     """
     _check_version(version)
     if version != VERSION and piece_hashes is not None:
         raise ValueError("version 2 frames carry no xxh3: pass piece_sums for the pieces' checksums")
+    if keep_base and version == VERSION:
+        raise ValueError("keep_base is for version 2 frames")
     if len(bases) != len(news) or not news:
         raise LimitExceeded("one base piece per new piece, at least one")
     for b, nw in zip(bases, news, strict=True):
@@ -357,7 +364,7 @@ def encode_delta_pieces(
     width = dtype.width
     n = raw_len // width
     if version != VERSION:
-        return _encode_pieces_v2(k, bases, news, dtype, level, add, piece_sums)
+        return _encode_pieces_v2(k, bases, news, dtype, level, add, piece_sums, keep_base)
     hashes = _Hashes(len(news), per_piece=piece_hashes is not None, new=result_hash is None, base=base_hash is None)
     parts: list[bytes] = []
     sparse = _sparse_pieces(k, bases, news, width, add, int(SPARSE_MAX_DENSITY * n), hashes.update)
@@ -380,7 +387,11 @@ def encode_delta_pieces(
         rh = result_hash if result_hash is not None else _xxh3_128_pieces(news)
         if piece_hashes is not None:
             piece_hashes.extend((xxh3_128(nw), xxh3_128(b)) for b, nw in zip(bases, news, strict=True))
-    return _finish_delta(k, VERSION, flags, dtype, method, raw_len, parts, bases, news, add, bh, rh)
+
+    def dense() -> np.ndarray:
+        return k.join_planes(list(k.encode_dense(_concat(bases), _concat(news), width, add)), width)
+
+    return _finish_delta(VERSION, flags, dtype, method, raw_len, parts, dense, bh, rh)
 
 
 def _encode_pieces_v2(
@@ -391,9 +402,12 @@ def _encode_pieces_v2(
     level: int,
     add: bool,
     sums: PieceSums | None,
+    keep: bool = False,
 ) -> bytes:
     """A version 2 delta frame of the pieces: no hash of its own; `sums` filled by the coding pass itself
-    (the fused kernels read each byte once for the coding and both checksums)."""
+    (the fused kernels read each byte once for the coding and both checksums); with `keep`, that pass
+    also writes the new bytes into the bases (so a STORED frame is made from the coded values, never
+    from the bases again)."""
     width = dtype.width
     raw_len = sum(len(nw) for nw in news)
     flags = FLAG_DELTA | (FLAG_ADD if add else 0)
@@ -401,21 +415,31 @@ def _encode_pieces_v2(
     before, after = sums is not None and sums.wants_base, sums is not None
     parts: list[bytes] = []
     cap = int(SPARSE_MAX_DENSITY * (raw_len // width))
-    sparse = k.encode_sparse_sums(bases, news, starts, width, add, cap, before=before, after=after)
+    sparse = k.encode_sparse_sums(bases, news, starts, width, add, cap, before=before, after=after, keep=keep)
     if sparse is not None:
         gaps, values, found = sparse
-        parts.append(_COUNT.pack(gaps.shape[1]))
+        count = gaps.shape[1]
+        parts.append(_COUNT.pack(count))
         for plane in (*gaps, *values):
             parts.extend(_section(plane, level))
         method = METHOD_SPARSE
+
+        def dense() -> np.ndarray:  # the dense values: zero but where an element changed (XOR onto zeros)
+            out = np.zeros(raw_len, dtype=np.uint8)
+            k.apply_sparse(out, width, OP_XOR, count, list(gaps), list(values))
+            return out
     else:
-        planes, found = k.encode_dense_sums(bases, news, starts, width, add, before=before, after=after)
+        planes, found = k.encode_dense_sums(bases, news, starts, width, add, before=before, after=after, keep=keep)
         for plane in planes:
             parts.extend(_section(plane, level))
         method = METHOD_PLANES
+
+        def dense() -> np.ndarray:
+            return k.join_planes(list(planes), width)
+
     if sums is not None:
         sums.take([len(nw) for nw in news], found)
-    return _finish_delta(k, VERSION_2, flags, dtype, method, raw_len, parts, bases, news, add, ZERO_HASH, ZERO_HASH)
+    return _finish_delta(VERSION_2, flags, dtype, method, raw_len, parts, dense, ZERO_HASH, ZERO_HASH)
 
 
 def changed_elements(frame: bytes | memoryview | np.ndarray) -> int | None:
@@ -428,23 +452,20 @@ def changed_elements(frame: bytes | memoryview | np.ndarray) -> int | None:
 
 
 def _finish_delta(
-    k: kernels.Kernels,
     version: int,
     flags: int,
     dtype: DType,
     method: int,
     raw_len: int,
     parts: list[bytes],
-    bases: Sequence[np.ndarray],
-    news: Sequence[np.ndarray],
-    add: bool,
+    dense: Callable[[], np.ndarray],
     bh: bytes,
     rh: bytes,
 ) -> bytes:
-    """The delta frame of `parts`, or STORED when coding did not make it smaller (FORMAT §4.4)."""
+    """The delta frame of `parts`, or STORED (the dense values `dense()` gives, element by element) when
+    coding did not make it smaller (FORMAT §4.4)."""
     if sum(len(p) for p in parts) >= raw_len:
-        stored = k.join_planes(list(k.encode_dense(_concat(bases), _concat(news), dtype.width, add)), dtype.width)
-        return _finish(version, flags, dtype, METHOD_STORED, raw_len, [stored.tobytes()], bh, rh)
+        return _finish(version, flags, dtype, METHOD_STORED, raw_len, [dense().tobytes()], bh, rh)
     return _finish(version, flags, dtype, method, raw_len, parts, bh, rh)
 
 

@@ -124,6 +124,7 @@ class Kernels(Protocol):
         before: bool,
         after: bool,
         scratch: np.ndarray | None = None,
+        keep: bool = False,
     ) -> tuple[np.ndarray, np.ndarray, list[Sums]] | None:
         """`encode_sparse` of the concatenated pieces, plus each piece's checksums, in one pass.
 
@@ -134,6 +135,10 @@ class Kernels(Protocol):
         `scratch`, a C-contiguous uint8 array of at least (GAP_PLANES + width, cap), may
         hold the planes (they are then views of it, valid until its next use): a thread
         coding frame after frame reuses it instead of faulting in fresh pages each time.
+
+        `keep` (the bases writable): the bases hold the new bytes afterwards, each change
+        written in the coding pass (a publisher keeping its next base); when None is returned
+        (above `cap`), they hold their bytes of before.
         """
         ...
 
@@ -148,10 +153,12 @@ class Kernels(Protocol):
         before: bool,
         after: bool,
         scratch: np.ndarray | None = None,
+        keep: bool = False,
     ) -> tuple[np.ndarray, list[Sums]]:
         """`encode_dense` of the concatenated pieces (no copy of them), plus each piece's checksums, in one pass.
 
-        `scratch`: as for `encode_sparse_sums`, at least (width, elements).
+        `scratch`: as for `encode_sparse_sums`, at least (width, elements). `keep`: the bases
+        hold the new bytes afterwards (as for `encode_sparse_sums`).
         """
         ...
 

@@ -129,12 +129,13 @@ class NativeKernels:
         before: bool,
         after: bool,
         scratch: np.ndarray | None = None,
+        keep: bool = False,
     ) -> tuple[np.ndarray, np.ndarray, list[Sums]] | None:
         """See :class:`Kernels`."""
         planes = _planes(scratch, GAP_PLANES + width, cap)
         gaps, values = planes[:GAP_PLANES], planes[GAP_PLANES:]
         count, sums = self._ext.encode_sparse_sums(
-            bases, news, starts, width, add, cap, _rows(gaps), _rows(values), _constant(), _want(before, after)
+            bases, news, starts, width, add, cap, _rows(gaps), _rows(values), _constant(), _want(before, after), keep
         )
         if count > cap:
             return None
@@ -151,11 +152,12 @@ class NativeKernels:
         before: bool,
         after: bool,
         scratch: np.ndarray | None = None,
+        keep: bool = False,
     ) -> tuple[np.ndarray, list[Sums]]:
         """See :class:`Kernels`."""
         planes = _planes(scratch, width, sum(len(n) for n in news) // width)
         sums = self._ext.encode_dense_sums(
-            bases, news, starts, width, add, _rows(planes), _constant(), _want(before, after)
+            bases, news, starts, width, add, _rows(planes), _constant(), _want(before, after), keep
         )
         return planes, [Sums(b, a) for b, a in sums]
 

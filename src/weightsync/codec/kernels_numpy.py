@@ -106,8 +106,9 @@ class ReferenceKernels:
         before: bool,
         after: bool,
         scratch: np.ndarray | None = None,
+        keep: bool = False,
     ) -> tuple[np.ndarray, np.ndarray, list[Sums]] | None:
-        """See :class:`Kernels` (`scratch` is not used)."""
+        """See :class:`Kernels` (`scratch` is not used; `keep` copies each new piece over its base after coding)."""
         found = self.encode_sparse(_joined(bases), _joined(news), width, add, cap)
         if found is None:
             return None
@@ -115,6 +116,8 @@ class ReferenceKernels:
             Sums(_sum(b, width, s) if before else None, _sum(n, width, s) if after else None)
             for b, n, s in zip(bases, news, starts, strict=True)
         ]
+        if keep:
+            _keep(bases, news)
         return found[0], found[1], sums
 
     def encode_dense_sums(
@@ -128,13 +131,17 @@ class ReferenceKernels:
         before: bool,
         after: bool,
         scratch: np.ndarray | None = None,
+        keep: bool = False,
     ) -> tuple[np.ndarray, list[Sums]]:
-        """See :class:`Kernels` (`scratch` is not used)."""
+        """See :class:`Kernels` (`scratch` is not used; `keep` copies each new piece over its base after coding)."""
         sums = [
             Sums(_sum(b, width, s) if before else None, _sum(n, width, s) if after else None)
             for b, n, s in zip(bases, news, starts, strict=True)
         ]
-        return self.encode_dense(_joined(bases), _joined(news), width, add), sums
+        planes = self.encode_dense(_joined(bases), _joined(news), width, add)
+        if keep:
+            _keep(bases, news)
+        return planes, sums
 
     def apply_sparse_sums(
         self,
@@ -231,3 +238,9 @@ def _apply(view: np.ndarray, values: np.ndarray, op: int, positions: np.ndarray 
         np.add(view, diff, out=view)
     else:
         view[positions] += diff
+
+
+def _keep(bases: Sequence[np.ndarray], news: Sequence[np.ndarray]) -> None:
+    """Each new piece copied over its base (what `keep` asks: the bases become the new bytes)."""
+    for b, n in zip(bases, news, strict=True):
+        np.copyto(b, n)
