@@ -371,3 +371,29 @@ def test_gc_tombstones_unrecorded_objects_and_resumes_stale_ones(catalog: Catalo
     assert catalog.finish_object_deletion([orphan], stamp=cutoff) == 0  # the dead GC's stamp no longer owns it
     assert catalog.finish_object_deletion([orphan], stamp=later) == 1
     assert catalog.get_object(orphan) is None
+
+
+def test_recording_an_object_the_store_just_created_gives_what_recording_it_otherwise_gives(catalog: Catalog) -> None:
+    """record_object(new=True) (the store created the bytes: skip the read that spares known objects the write
+    lock) answers and writes exactly what the plain call does, in every state an object can be in."""
+    catalog.create_model("m")
+    fresh, live, held, gone = digest("n:fresh"), digest("n:live"), digest("n:held"), digest("n:gone")
+    man = digest("n:manifest")
+    for new in (True, False):
+        assert catalog.record_object(fresh, 7, now=T0, new=new) == catalog.get_object(fresh)  # unknown: recorded
+    catalog.record_object(live, 3, now=T0)
+    later = T0 + timedelta(minutes=3)
+    got = catalog.record_object(live, 3, now=later, new=True)  # unreferenced: its grace restarts
+    assert got.unreferenced_since == later == catalog.get_object(live).unreferenced_since
+    publish(catalog, "m", parent=None, tag="h", objects=[(held, 4)], now=T0)
+    for new in (False, True):  # referenced: unchanged
+        got = catalog.record_object(held, 4, now=later, new=new)
+        assert got.unreferenced_since is None and got == catalog.get_object(held)
+        with pytest.raises(errors.DigestMismatch):
+            catalog.record_object(held, 5, now=later, new=new)
+    catalog.record_object(gone, 2, now=T0)
+    catalog.record_object(man, 1, now=T0)
+    late = T0 + timedelta(hours=1)
+    assert gone in catalog.begin_object_deletion([(gone, 2, T0)], unreferenced_before=T0, now=late)
+    for new in (False, True):  # being deleted: returned as it is, not revived
+        assert catalog.record_object(gone, 2, now=late, new=new).state == "deleting"

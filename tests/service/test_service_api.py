@@ -539,11 +539,18 @@ def test_relay_heartbeats_replace_each_other_and_are_listed(service):
     assert c.put("/v1/relays/r", json={"models": {"m": {"version": 0}}}).status_code == 422
 
 
-def test_plan_with_inline_objects_is_one_answer_holding_the_plan_and_every_object(service, model, versions):
+@pytest.mark.parametrize("preload", [4 << 20, 3000, 0])
+def test_plan_with_inline_objects_is_one_answer_holding_the_plan_and_every_object(
+    service, model, versions, monkeypatch, preload
+):
     """getPlan?inline=N: an update of at most N bytes comes with its manifests and objects, each byte-identical
-    to what getObject serves; a larger one (or no `inline`) is the plan's JSON alone; a bad N is a 422."""
+    to what getObject serves (whether read whole before the answer, up to BUNDLE_PRELOAD bytes, or streamed
+    after it: both at once here when some fit the budget); a larger one (or no `inline`) is the plan's JSON
+    alone; a bad N is a 422."""
     from weightsync import bundle
+    from weightsync.service.routes import versions as routes
 
+    monkeypatch.setattr(routes, "BUNDLE_PRELOAD", preload)
     publish_chain(service.client("publisher"), model, versions[:3])
     reader = service.client("reader")
     plain = ok(reader.get(f"/v1/models/{model}/plan", params={"have": 1}), 200)

@@ -586,8 +586,12 @@ class Catalog:
         """Return every digest a non-deleted version (pending included) refers to, manifests included."""
         return self._tx(objects.referenced_digests)
 
-    def record_object(self, digest: str, size: int, *, now: datetime | None = None) -> ObjectInfo:
+    def record_object(self, digest: str, size: int, *, now: datetime | None = None, new: bool = False) -> ObjectInfo:
         """Record that the store holds object ``digest`` of ``size`` bytes; idempotent; return its record.
+
+        ``new``: the store has just created the object (it held no such bytes), so the catalog
+        most likely has no row for it: the read that spares known objects the write lock is skipped
+        (the outcome is the same either way).
 
         Recording an object again while it is unreferenced restarts its GC grace period, so
         a publisher that reuses an existing object is not racing GC to its commit. An object
@@ -600,9 +604,11 @@ class Catalog:
         at = checks.utc(now)
         # An object a version or a pending publish references is recorded already and out of GC's
         # reach (its grace starts when the last reference goes): a read answers, no write lock taken.
-        known = self._tx(lambda s: objects.get_many(s, [digest])).get(digest)
-        if known is not None and known.state == "live" and known.unreferenced_since is None and known.size == size:
-            return known
+        # One the store has just created (`new`) is rarely recorded yet: straight to the write.
+        if not new:
+            known = self._tx(lambda s: objects.get_many(s, [digest])).get(digest)
+            if known is not None and known.state == "live" and known.unreferenced_since is None and known.size == size:
+                return known
         return self._tx(lambda s: objects.record(s, digest, size, at), write=True)
 
     def get_object(self, digest: str) -> ObjectInfo | None:

@@ -15,7 +15,7 @@ from sqlalchemy import and_, delete, select
 from sqlalchemy.orm import Session
 
 from .records import Lease
-from .rows import ModelKey, committed_row, lease_record, model_row, rowcount
+from .rows import ModelKey, VersionFields, committed_row, lease_record, model_row, rowcount
 from .schema import LeaseRow, ModelRow, VersionRow
 
 __all__ = ["acquire", "active", "held_chains", "on_chain", "purge_expired", "release", "release_applied"]
@@ -80,7 +80,7 @@ def release(s: Session, model: str, number: int, holder: str) -> bool:
     return rowcount(res) > 0
 
 
-def release_applied(s: Session, m: ModelRow, holder: str, applied: VersionRow) -> int:
+def release_applied(s: Session, m: ModelKey, holder: str, applied: VersionFields) -> int:
     """Drop ``holder``'s leases once it applied ``applied``, but for one on the head's chain when that is ``applied``'s.
 
     It needs nothing of a chain up to the version it holds. Its lease on that chain is kept while the

@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 from datetime import datetime
+from types import SimpleNamespace
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import func, insert, select
 from sqlalchemy.orm import Session
 
 from .. import errors
 from . import leases
 from .records import Replica
-from .rows import committed_row, model_row, replica_record
+from .rows import committed_fields, model_key, model_row, replica_record
 from .schema import ENGINES, REPLICA_MODES, REPLICA_STATUSES, ReplicaRow
 
 __all__ = ["append", "check_report", "entries"]
+
+_INSERT = insert(ReplicaRow)
 
 
 def check_report(number: int | None, status: str, mode: str | None, engine: str | None) -> None:
@@ -52,15 +55,14 @@ def append(
     ``release_leases``: the version must be committed still, and the subscriber's leases go as
     :func:`leases.release_applied` says.
     """
-    m = model_row(s, model)
+    m = model_key(s, model)  # Core reads and an insert: a report comes with every update of every replica
     if number is not None:
-        applied = committed_row(s, m, number, include_deleted=not release_leases)
+        applied = committed_fields(s, m, number, include_deleted=not release_leases)
         if release_leases:
             leases.release_applied(s, m, subscriber, applied)
-    row = ReplicaRow(model_id=m.id, subscriber=subscriber, number=number, applied_at=applied_at, **fields)
-    s.add(row)
-    s.flush()
-    return replica_record(row, m.name, m.head)
+    values = {"model_id": m.id, "subscriber": subscriber, "number": number, "applied_at": applied_at, **fields}
+    s.connection().execute(_INSERT, values)
+    return replica_record(SimpleNamespace(**values), m.name, m.head)
 
 
 def entries(s: Session, model: str, subscriber: str | None, latest_only: bool) -> list[Replica]:

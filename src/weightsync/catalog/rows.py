@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 from .. import errors
 from .checks import validate_model_name
 from .records import Lease, Model, ObjectInfo, Replica, Version
-from .schema import LeaseRow, ModelRow, ObjectRow, ReplicaRow, VersionObjectRow, VersionRow
+from .schema import LeaseRow, ModelRow, ObjectRow, VersionObjectRow, VersionRow
 
 __all__ = [
     "CHUNK",
@@ -288,8 +288,9 @@ def lease_record(row: LeaseRow, model: str) -> Lease:
     return Lease(model, row.number, row.holder, row.acquired_at, row.expires_at)
 
 
-def replica_record(row: ReplicaRow, model: str, head: int | None) -> Replica:
-    """The frozen record of a ledger row of ``model``, its lag counted from ``head`` (the model's head now)."""
+def replica_record(row: Any, model: str, head: int | None) -> Replica:
+    """The frozen record of a ledger row of ``model`` (an ORM row, or the values a Core insert wrote, as
+    attributes), its lag counted from ``head`` (the model's head now)."""
     return Replica(
         model=model,
         subscriber=row.subscriber,

@@ -416,7 +416,9 @@ class Ops:
         The store may have kept the old bytes (nothing written) that GC is about to delete:
         the write counts only once GC is done and the object is written again.
         """
-        info = await self._db(self.catalog.record_object, result.digest, result.size, now=self.clock())
+        info = await self._db(
+            self.catalog.record_object, result.digest, result.size, now=self.clock(), new=result.created
+        )
         if info.state == "deleting":
             raise errors.StoreUnavailable(f"object {result.digest} is being garbage-collected: upload it again shortly")
 
@@ -969,6 +971,11 @@ class Ops:
         digests = list(objects)
         signed = await asyncio.gather(*(self.store.presign_put(d, objects[d], expires_s) for d in digests))
         return dict(zip(digests, signed, strict=True))
+
+    async def read_whole(self, digest: str) -> bytes:
+        """An object's bytes in one read (for small objects; ObjectNotFound when the store lacks it)."""
+        async with self._sem:
+            return await self.store.get(digest)
 
     def read_object(self, digest: str, *, offset: int = 0, length: int | None = None) -> AsyncIterator[bytes]:
         """Stream an object's bytes (or a range) without buffering it whole."""

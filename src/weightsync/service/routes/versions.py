@@ -174,17 +174,34 @@ async def read_plan(
     return plan_out(await ops.plan(model, have=have, want=want, holder=holder, formats=readable))
 
 
+BUNDLE_PRELOAD = 4 << 20
+"""Bytes of a plan bundle's objects read whole before its answer starts (the rest are streamed)."""
+
+
 async def plan_bundle(ops: Ops, out: PlanOut) -> Response:
     """The plan and every manifest and object of its steps in one body (weightsync/bundle.py).
 
-    Objects the store does not hold are left out (the reader fetches what it lacks the usual way);
-    each is read as getObject streams it. The length is known up front from the store's sizes.
+    Objects the store does not hold are left out (the reader fetches what it lacks the usual way).
+    The small ones (the manifests and a small update's frames: up to BUNDLE_PRELOAD bytes in all)
+    are read whole before the answer starts, one store read each, all at once; the rest are streamed
+    as getObject streams them. The length is known up front from what was read and the store's sizes.
     """
     wanted: dict[str, int] = {}
     for step in out.steps:
         wanted.setdefault(step.manifest, step.manifest_bytes)
         for o in step.objects:
             wanted.setdefault(o.digest, o.size)
+    budget, small = BUNDLE_PRELOAD, []
+    for d, n in wanted.items():
+        if n <= budget:
+            small.append(d)
+            budget -= n
+
+    async def read(digest: str) -> bytes | None:
+        try:
+            return await ops.read_whole(digest)
+        except errors.ObjectNotFound:
+            return None
 
     async def size_of(digest: str) -> int | None:
         try:
@@ -192,18 +209,26 @@ async def plan_bundle(ops: Ops, out: PlanOut) -> Response:
         except errors.ObjectNotFound:
             return None
 
-    sizes = await asyncio.gather(*(size_of(d) for d in wanted))
-    held = {d: n for d, n in zip(wanted, sizes, strict=True) if n is not None}
+    preload = set(small)
+    found = await asyncio.gather(*(read(d) if d in preload else size_of(d) for d in wanted))
+    held: dict[str, bytes | int] = {d: x for d, x in zip(wanted, found, strict=True) if x is not None}
     plan_json = out.model_dump_json().encode()
     total = len(bundle.head()) + bundle.part_overhead(bundle.PLAN) + len(plan_json)
-    total += sum(bundle.part_overhead(d) + n for d, n in held.items())
+    total += sum(bundle.part_overhead(d) + (x if isinstance(x, int) else len(x)) for d, x in held.items())
 
     async def body() -> AsyncIterator[bytes]:
-        yield bundle.head() + bundle.part_header(bundle.PLAN, len(plan_json)) + plan_json
-        for digest, size in held.items():
-            yield bundle.part_header(digest, size)
+        ready = [bundle.head() + bundle.part_header(bundle.PLAN, len(plan_json)) + plan_json]
+        for digest, x in held.items():
+            if not isinstance(x, int):  # read already: sent with the parts before it in one write
+                ready += [bundle.part_header(digest, len(x)), x]
+                continue
+            yield b"".join(ready)
+            ready = []
+            yield bundle.part_header(digest, x)
             async for chunk in ops.read_object(digest):
                 yield chunk
+        if ready:
+            yield b"".join(ready)
 
     return StreamingResponse(body(), media_type=bundle.MEDIA_TYPE, headers={"Content-Length": str(total)})
 
