@@ -427,3 +427,20 @@ def test_a_keeping_frame_is_byte_identical_whatever_its_method(density, add):
         assert all(np.array_equal(m, x) for m, x in zip(mine, news, strict=True))
     with pytest.raises(ValueError):
         encode_delta_pieces([base.copy()], [new], by_name("U8"), version=1, keep_base=True)
+
+
+@pytest.mark.parametrize("add", [False, True])
+def test_a_keeping_frame_too_small_to_code_is_stored_from_its_coded_changes(add):
+    """A frame of a few elements with one change codes sparse into more bytes than it holds (the sections'
+    headers), so it goes STORED: made from the sparse changes, the base already holding the new bytes."""
+    from weightsync.codec.frame import METHOD_STORED, encode_delta_pieces, parse_header
+
+    base = np.arange(40, dtype=np.uint8)
+    new = base.copy()
+    new[7] ^= 0x5A
+    olds, news = [base[:10], base[10:]], [new[:10], new[10:]]
+    want = encode_delta_pieces(olds, news, by_name("BF16"), add=add, version=2)
+    assert parse_header(want).method == METHOD_STORED
+    mine = [o.copy() for o in olds]
+    assert encode_delta_pieces(mine, news, by_name("BF16"), add=add, version=2, keep_base=True) == want
+    assert all(np.array_equal(m, x) for m, x in zip(mine, news, strict=True))
