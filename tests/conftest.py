@@ -5,10 +5,24 @@ Servers and free ports for any suite come from ``_serve.py`` (``spawn_serve``, `
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator
 
 import pytest
 from _seaweed import SeaweedServer, find_weed, seaweed_server
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Ctrl-C reaches the processes the suite starts, whoever started the suite.
+
+    A runner that starts it in the background of a non-interactive shell (`… &`) leaves SIGINT
+    ignored, and an ignored signal stays ignored across exec: the CLI processes that the Ctrl-C
+    tests interrupt would never see it (they ran to the end, exit 0, in such a run). A handled
+    signal is reset to the default at exec, so handling it here gives every child the default.
+    """
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
 
 #: Existing tests that ``make test-fast`` (``pytest -m "not slow"``) skips, marked here in one place
 #: (paths under tests/; a directory ends with "/"). Each takes ~10 s or more on a busy 2-core machine.
