@@ -301,7 +301,7 @@ class Publisher:
             # source, base (and a catch-up) and beginPublish; an encoding made first is counted in encode_s,
             # a one-request publish (publishVersion) in upload_s
             timings["begin_s"] = time.perf_counter() - t0 - timings.get("encode_s", 0.0) - timings.get("upload_s", 0.0)
-            self._inline_last = isinstance(begun, upload.Committed) and self.part is None and bool(self.inline_bytes)
+            self._inline_last = isinstance(begun, upload.Committed)  # only the one request commits in begin()
             if isinstance(begun, upload.Committed):
                 done = begun
             else:

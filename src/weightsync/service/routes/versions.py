@@ -183,18 +183,19 @@ async def plan_bundle(ops: Ops, out: PlanOut) -> Response:
 
     Objects the store does not hold are left out (the reader fetches what it lacks the usual way).
     The small ones (the manifests and a small update's frames: up to BUNDLE_PRELOAD bytes in all)
-    are read whole before the answer starts, one store read each, all at once; the rest are streamed
-    as getObject streams them. The length is known up front from what was read and the store's sizes.
+    are read whole before the answer starts, one store read each, all at once, and go first, in one
+    write with the plan; the rest are streamed after them as getObject streams them. The length is
+    known up front from what was read and the store's sizes.
     """
     wanted: dict[str, int] = {}
     for step in out.steps:
         wanted.setdefault(step.manifest, step.manifest_bytes)
         for o in step.objects:
             wanted.setdefault(o.digest, o.size)
-    budget, small = BUNDLE_PRELOAD, []
+    budget, preload = BUNDLE_PRELOAD, set[str]()
     for d, n in wanted.items():
         if n <= budget:
-            small.append(d)
+            preload.add(d)
             budget -= n
 
     async def read(digest: str) -> bytes | None:
@@ -209,26 +210,19 @@ async def plan_bundle(ops: Ops, out: PlanOut) -> Response:
         except errors.ObjectNotFound:
             return None
 
-    preload = set(small)
     found = await asyncio.gather(*(read(d) if d in preload else size_of(d) for d in wanted))
-    held: dict[str, bytes | int] = {d: x for d, x in zip(wanted, found, strict=True) if x is not None}
+    read_now = {d: x for d, x in zip(wanted, found, strict=True) if isinstance(x, bytes)}
+    streamed = {d: x for d, x in zip(wanted, found, strict=True) if isinstance(x, int)}
     plan_json = out.model_dump_json().encode()
-    total = len(bundle.head()) + bundle.part_overhead(bundle.PLAN) + len(plan_json)
-    total += sum(bundle.part_overhead(d) + (x if isinstance(x, int) else len(x)) for d, x in held.items())
+    first = b"".join(bundle.chunks(plan_json, read_now, first=bundle.PLAN))
+    total = len(first) + sum(bundle.part_overhead(d) + n for d, n in streamed.items())
 
     async def body() -> AsyncIterator[bytes]:
-        ready = [bundle.head() + bundle.part_header(bundle.PLAN, len(plan_json)) + plan_json]
-        for digest, x in held.items():
-            if not isinstance(x, int):  # read already: sent with the parts before it in one write
-                ready += [bundle.part_header(digest, len(x)), x]
-                continue
-            yield b"".join(ready)
-            ready = []
-            yield bundle.part_header(digest, x)
+        yield first  # the plan and the objects read already, in one write
+        for digest, size in streamed.items():
+            yield bundle.part_header(digest, size)
             async for chunk in ops.read_object(digest):
                 yield chunk
-        if ready:
-            yield b"".join(ready)
 
     return StreamingResponse(body(), media_type=bundle.MEDIA_TYPE, headers={"Content-Length": str(total)})
 
