@@ -559,6 +559,37 @@ def test_fused_apply_past_the_end_writes_nothing(impl):
     assert all(np.array_equal(t, b) for t, b in zip(targets, before, strict=True))
 
 
+@pytest.mark.parametrize("op", OPS)
+def test_sparse_apply_across_gaps_of_2_to_the_24_and_more_agrees(op):
+    # The vector loop for 2-byte elements takes eight gaps of under 2^24 at a time; a larger
+    # gap hands the run to the scalar loop mid-frame. Changes packed before, between and after
+    # two such gaps, a piece edge inside the packed run: bytes and checksums as the reference's.
+    ref, nat = kernels.REFERENCE, need_native()
+    n = (1 << 25) + 300
+    rng = np.random.default_rng(7)
+    positions = np.unique(
+        np.concatenate(
+            [np.arange(0, 40), [40 + (1 << 24)], np.arange(100 + (1 << 24), 160 + (1 << 24), 3), [n - 1]]
+        )
+    )
+    gaps_u32 = np.diff(np.concatenate([[-1], positions])) - 1
+    assert gaps_u32.max() >= 1 << 24
+    gaps = [((gaps_u32 >> (8 * j)) & 0xFF).astype(np.uint8) for j in range(4)]
+    values = [rng.integers(0, 256, len(positions), dtype=np.uint8) for _ in range(2)]
+    base = rng.integers(0, 256, 2 * n, dtype=np.uint8)
+    cut = 2 * (120 + (1 << 24))  # a piece edge among the packed changes after the first large gap
+    results = []
+    for impl in (ref, nat):
+        targets = [base[:cut].copy(), base[cut:].copy()]
+        sums = impl.apply_sparse_sums(targets, [5, 0], 2, op, len(positions), gaps, values, before=True, after=True)
+        plain = base.copy()
+        assert impl.apply_sparse(plain, 2, op, len(positions), gaps, values)
+        assert np.array_equal(np.concatenate(targets), plain)
+        results.append((plain, sums))
+    assert np.array_equal(results[0][0], results[1][0])
+    assert results[0][1] == results[1][1]
+
+
 def test_fused_kernels_reject_bad_arguments_before_touching_memory():
     ext = kernels.EXTENSION
     assert ext is not None

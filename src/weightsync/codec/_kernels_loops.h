@@ -402,9 +402,33 @@ static void dense_apply_loop(u8 *t, u64 n, int w, int op, u8 *const *planes) {
 
 /* Position of the last change (sum of gaps + count - 1), or UINT64_MAX when count is 0 or
  * the position does not fit 64 bits (crafted planes of 2^32 changes or more). */
+#ifdef WS_X86
+/* The sum of n bytes (vpsadbw: 32 bytes into four 64-bit sums per instruction). */
+__attribute__((target("avx2"))) static u64 byte_sum_avx2(const u8 *p, u64 n) {
+    const __m256i zero = _mm256_setzero_si256();
+    __m256i a = zero, b = zero;
+    u64 i = 0;
+    for (; i + 64 <= n; i += 64) {
+        a = _mm256_add_epi64(a, _mm256_sad_epu8(_mm256_loadu_si256((const __m256i *)(p + i)), zero));
+        b = _mm256_add_epi64(b, _mm256_sad_epu8(_mm256_loadu_si256((const __m256i *)(p + i + 32)), zero));
+    }
+    u64 lanes[4];
+    _mm256_storeu_si256((__m256i *)lanes, _mm256_add_epi64(a, b));
+    u64 total = lanes[0] + lanes[1] + lanes[2] + lanes[3];
+    for (; i < n; i++) total += p[i];
+    return total;
+}
+#endif
+
 HOT static u64 last_position(u8 *const *gaps, u64 count) {
     if (count == 0 || count > ((u64)1 << 32)) return UINT64_MAX;
     u64 total = 0; /* < 2^32 gaps of < 2^32 each: no overflow */
+#ifdef WS_X86
+    if (has_avx2) { /* the gaps' sum is the sum of each byte plane, shifted to its place */
+        for (int j = 0; j < 4; j++) total += byte_sum_avx2(gaps[j], count) << (8 * j);
+        return total + count - 1;
+    }
+#endif
     for (u64 k = 0; k < count; k++)
         total += (u64)gaps[0][k] | ((u64)gaps[1][k] << 8) | ((u64)gaps[2][k] << 16) | ((u64)gaps[3][k] << 24);
     return total + count - 1;
@@ -475,6 +499,93 @@ SPARSE_RUN_ALL(u32)
 SPARSE_RUN_ALL(u64)
 
 typedef u64 (*sparse_run_fn)(u8 *, u64, u64, Changes *);
+
+#ifdef WS_X86
+/* AVX2 for 2-byte elements (bf16, fp16: most of a model), eight changes at a time. The scalar
+ * loop above decodes each position from the last (a chain through every change) and joins
+ * four gap bytes and two value bytes per change; here one vector step joins eight gaps, takes
+ * their prefix sum (eight positions, relative to the group's first) and decodes eight values,
+ * and a loop with no chain between its iterations writes them and moves the checksum. A group
+ * stops at `limit` (its lanes past it are left for the next call). Groups need the gaps of the
+ * eight changes after the first, and gaps below 2^24 (so eight of them fit 32 bits); the rest,
+ * and any group with a larger gap, go to the scalar loop, which ends the run. Same results,
+ * bit for bit, as the scalar loop (tests/codec/test_kernels.py runs both). */
+#define SPARSE_AVX2_U16(NAME, SCALAR, ZIGZAG, EXPR)                                                 \
+    __attribute__((target("avx2"))) static u64 NAME(u8 *t, u64 t0, u64 limit, Changes *s) {       \
+        u64 k = s->k, pos = s->pos;                                                                 \
+        const u64 first = k, count = s->count, woff = s->woff;                                      \
+        const u8 *g0 = s->gaps[0], *g1 = s->gaps[1], *g2 = s->gaps[2], *g3 = s->gaps[3];            \
+        const u8 *v0 = s->vals[0], *v1 = s->vals[1];                                                \
+        const int fixing = s->fix != NULL;                                                          \
+        u64 moved = 0;                                                                              \
+        u32 rel[8];                                                                                 \
+        u16 val[8];                                                                                 \
+        const __m256i one = _mm256_set1_epi32(1), last = _mm256_set1_epi32(7);                      \
+        while (k + 9 <= count && pos < limit) {                                                     \
+            u64 high;                                                                               \
+            memcpy(&high, g3 + k + 1, 8);                                                           \
+            if (high) break; /* a gap of 2^24 or more: the scalar loop takes it from here */        \
+            __m256i gap = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(g0 + k + 1)));     \
+            gap = _mm256_or_si256(gap, _mm256_slli_epi32(                                          \
+                      _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(g1 + k + 1))), 8));    \
+            gap = _mm256_or_si256(gap, _mm256_slli_epi32(                                          \
+                      _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(g2 + k + 1))), 16));   \
+            /* step j: 1 + gap of change k + 1 + j; x: their running sums (in-lane, then across) */ \
+            __m256i step = _mm256_add_epi32(gap, one);                                              \
+            __m256i x = _mm256_add_epi32(step, _mm256_slli_si256(step, 4));                         \
+            x = _mm256_add_epi32(x, _mm256_slli_si256(x, 8));                                       \
+            x = _mm256_add_epi32(x, _mm256_blend_epi32(_mm256_setzero_si256(),                      \
+                                                       _mm256_permutevar8x32_epi32(x, _mm256_set1_epi32(3)), 0xF0)); \
+            /* lane j of x: change k + 1 + j's position - pos; rel[j]: change k + j's */            \
+            __m256i r = _mm256_sub_epi32(x, step);                                                  \
+            _mm256_storeu_si256((__m256i *)rel, r);                                                 \
+            const u64 room = limit - pos; /* > 0 */                                                 \
+            unsigned m = 8;                                                                         \
+            if (room <= rel[7]) { /* the group crosses limit: its first m changes lie before it */  \
+                m = 1;                                                                              \
+                while (m < 8 && rel[m] < room) m++;                                                 \
+            }                                                                                       \
+            __m128i v = _mm_or_si128(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(v0 + k))), \
+                                     _mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(v1 + k))), 8)); \
+            if (ZIGZAG) /* d = (v >> 1) ^ -(v & 1) */                                               \
+                v = _mm_xor_si128(_mm_srli_epi16(v, 1),                                             \
+                                  _mm_sub_epi16(_mm_setzero_si128(), _mm_and_si128(v, _mm_set1_epi16(1)))); \
+            _mm_storeu_si128((__m128i *)val, v);                                                    \
+            u8 *at0 = t + (pos - t0) * 2;                                                           \
+            const u64 w0 = 2 * (pos + woff) + 1;                                                    \
+            for (unsigned j = 0; j < m; j++) {                                                      \
+                u8 *at = at0 + 2 * (u64)rel[j];                                                     \
+                u16 cur, d = val[j], v_ = val[j];                                                   \
+                (void)d;                                                                            \
+                (void)v_;                                                                           \
+                memcpy(&cur, at, 2);                                                                \
+                const u16 old = cur;                                                                \
+                cur = (u16)(EXPR);                                                                  \
+                memcpy(at, &cur, 2);                                                                \
+                moved += ((u64)cur - (u64)old) * (w0 + 2 * (u64)rel[j]);                            \
+            }                                                                                       \
+            if (m < 8) { /* stopped at limit, inside the group: change k + m is next */             \
+                pos += rel[m];                                                                      \
+                k += m;                                                                             \
+                break;                                                                              \
+            }                                                                                       \
+            pos += (u32)_mm256_cvtsi256_si32(_mm256_permutevar8x32_epi32(x, last));                 \
+            k += 8;                                                                                 \
+        }                                                                                           \
+        (void)last;                                                                                 \
+        if (fixing) s->fix[0] += moved;                                                             \
+        s->k = k;                                                                                   \
+        s->pos = pos;                                                                               \
+        return (k - first) + SCALAR(t, t0, limit, s);                                               \
+    }
+SPARSE_AVX2_U16(sparse_avx2_set_u16, sparse_set_u16, 0, v_)
+SPARSE_AVX2_U16(sparse_avx2_xor_u16, sparse_xor_u16, 0, cur ^ v_)
+SPARSE_AVX2_U16(sparse_avx2_add_u16, sparse_add_u16, 1, cur + d)
+SPARSE_AVX2_U16(sparse_avx2_sub_u16, sparse_sub_u16, 1, cur - d)
+static const sparse_run_fn SPARSE_AVX2_FNS[4] = {sparse_avx2_set_u16, sparse_avx2_xor_u16, sparse_avx2_add_u16,
+                                                 sparse_avx2_sub_u16};
+#endif
+
 static const sparse_run_fn SPARSE_RUN_FNS[4][4] = {
     {sparse_set_u8, sparse_xor_u8, sparse_add_u8, sparse_sub_u8},
     {sparse_set_u16, sparse_xor_u16, sparse_add_u16, sparse_sub_u16},
@@ -483,6 +594,9 @@ static const sparse_run_fn SPARSE_RUN_FNS[4][4] = {
 };
 
 static sparse_run_fn sparse_run_for(int w, int op) {
+#ifdef WS_X86
+    if (has_avx2 && w == 2) return SPARSE_AVX2_FNS[op];
+#endif
     return SPARSE_RUN_FNS[w == 1 ? 0 : w == 2 ? 1 : w == 4 ? 2 : 3][op];
 }
 
