@@ -61,9 +61,10 @@ def test_malformed(body: bytes, why: str) -> None:
         list(bundle.parts(body))
 
 
-def _received(body: bytes, cuts: list[int]) -> tuple[bytes, dict[str, tuple[bytes, str]]]:
-    """`body` fed to a Receiver in the pieces `cuts` make, then finished."""
-    r = bundle.Receiver()
+def _received(body: bytes, cuts: list[int], size: int | None = None) -> tuple[bytes, dict[str, tuple[bytes, str]]]:
+    """`body` fed to a Receiver (of `size`, the length its header would give) in the pieces `cuts` make, then
+    finished."""
+    r = bundle.Receiver(size=size)
     at = 0
     for cut in [*sorted(cuts), len(body)]:
         r.feed(body[at:cut])
@@ -116,3 +117,31 @@ def test_a_receiver_refuses_what_parts_refuses(plan: bytes, datas: list[bytes], 
 def test_a_receiver_refuses_malformed_bodies(body: bytes, why: str) -> None:
     with pytest.raises(errors.BadResponse, match=why):
         _received(body, [1, 3])
+
+
+@given(plan=st.binary(max_size=200), datas=blobs, data=st.data(), ahead=st.sampled_from([1, 7, 64, 1 << 30]))
+def test_a_body_of_known_length_gives_the_same_parts_and_hashes(
+    plan: bytes, datas: list[bytes], data, ahead: int
+) -> None:
+    """With the body's length the bytes land in one buffer, and from HASH_AHEAD bytes on (made small here)
+    the objects are hashed on a thread of their own in steps: the same parts, the same hashes."""
+    objects = _named(datas)
+    body = bundle.encode(plan, objects)
+    cuts = data.draw(st.lists(st.integers(0, len(body)), max_size=8))
+    saved = bundle.HASH_AHEAD
+    bundle.HASH_AHEAD = ahead
+    try:
+        got_plan, got = _received(body, cuts, size=len(body))
+    finally:
+        bundle.HASH_AHEAD = saved
+    assert got_plan == plan
+    assert {n: d for n, (d, _) in got.items()} == objects
+    assert all(h == hashlib.sha256(d).hexdigest() for d, h in got.values())
+
+
+def test_a_body_longer_or_shorter_than_its_length_is_refused() -> None:
+    body = bundle.encode(b"{}", _named([b"abc", b"defgh"]))
+    with pytest.raises(errors.BadResponse, match="longer than its"):
+        _received(body, [5], size=len(body) - 1)
+    with pytest.raises(errors.BadResponse, match="truncated"):
+        _received(body[:-2], [5], size=len(body))

@@ -568,9 +568,7 @@ def test_sparse_apply_across_gaps_of_2_to_the_24_and_more_agrees(op):
     n = (1 << 25) + 300
     rng = np.random.default_rng(7)
     positions = np.unique(
-        np.concatenate(
-            [np.arange(0, 40), [40 + (1 << 24)], np.arange(100 + (1 << 24), 160 + (1 << 24), 3), [n - 1]]
-        )
+        np.concatenate([np.arange(0, 40), [40 + (1 << 24)], np.arange(100 + (1 << 24), 160 + (1 << 24), 3), [n - 1]])
     )
     gaps_u32 = np.diff(np.concatenate([[-1], positions])) - 1
     assert gaps_u32.max() >= 1 << 24

@@ -89,6 +89,16 @@ def server_timing(headers: httpx.Headers) -> dict[str, float]:
 _TIMING_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
 
 
+def _bundle_length(resp: httpx.Response, inline: int) -> int | None:
+    """A plan bundle's length from its header, when the bytes arrive as sent and the length is one a bundle
+    of at most `inline` object bytes can have (the receiver then lays them out in one buffer of that size)."""
+    length = resp.headers.get("content-length", "")
+    if resp.headers.get("content-encoding", "identity") != "identity" or not length.isdigit():
+        return None
+    n = int(length)
+    return n if n <= inline + (1 << 20) else None  # + the plan's JSON and the parts' headers
+
+
 class Api:
     """Typed calls for docs/API.md over one httpx connection pool. Thread-safe.
 
@@ -319,8 +329,10 @@ class Api:
             if timings is not None:
                 timings.update(server_timing(resp.headers))
             kind = resp.headers.get("content-type", "")
-            sink: bundle.Receiver | bytearray = bundle.Receiver() if kind.startswith(bundle.MEDIA_TYPE) else bytearray()
-            for chunk in resp.iter_bytes(UPLOAD_CHUNK):
+            sink: bundle.Receiver | bytearray = bytearray()
+            if kind.startswith(bundle.MEDIA_TYPE):
+                sink = bundle.Receiver(size=_bundle_length(resp, inline))
+            for chunk in resp.iter_bytes():
                 check_cancelled()
                 if self.limiter is not None:
                     self.limiter.acquire(len(chunk))
