@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import pytest
 
@@ -102,3 +103,78 @@ def test_the_bandwidth_cap_wait_ends_when_the_batch_stops() -> None:
 def test_outside_a_batch_nothing_is_cancelled() -> None:
     check_cancelled()
     pause(0.0)
+
+
+def test_a_helping_caller_runs_jobs_from_the_back_and_each_job_runs_once() -> None:
+    # One pool thread holds job 0 until job 19 ran: only the caller, taking jobs from the back, gets there.
+    ran: list[tuple[int, int]] = []
+    lock = threading.Lock()
+    last_ran = threading.Event()
+
+    def job(i: int) -> int:
+        if i == 0:
+            assert last_ran.wait(LONG_S)
+        if i == 19:
+            last_ran.set()
+        with lock:
+            ran.append((i, threading.get_ident()))
+        return i * 10
+
+    with ThreadPoolExecutor(1) as pool:
+        assert run_all(pool, job, range(20), caller_helps=True) == [i * 10 for i in range(20)]
+    assert sorted(i for i, _ in ran) == list(range(20))
+    assert dict(ran)[19] == threading.get_ident()
+
+
+def test_a_helping_callers_failure_stops_the_pool_jobs_in_flight() -> None:
+    stopped: list[int] = []
+    started = threading.Event()
+
+    def job(i: int) -> None:
+        if i == 0:  # the pool's thread
+            started.set()
+            try:
+                pause(LONG_S)
+            except Cancelled:
+                stopped.append(i)
+                raise
+        assert started.wait(LONG_S)
+        raise ValueError(f"job {i} failed")
+
+    with ThreadPoolExecutor(1) as pool, pytest.raises(ValueError, match="job 3 failed"):
+        run_all(pool, job, range(4), caller_helps=True)
+    assert stopped == [0]
+
+
+def test_a_pool_jobs_failure_stops_a_helping_caller() -> None:
+    class Recording(ThreadPoolExecutor):
+        def __init__(self) -> None:
+            super().__init__(1)
+            self.futures: list[Future[Any]] = []
+
+        def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Future[Any]:
+            f = super().submit(fn, *args, **kwargs)
+            self.futures.append(f)
+            return f
+
+    ran: list[int] = []
+    caller = threading.get_ident()
+    caller_in = threading.Event()
+
+    def job(i: int) -> None:
+        if i == 0:  # the pool's thread, once the caller runs a job
+            assert caller_in.wait(LONG_S)
+            raise ValueError("job 0 failed")
+        if threading.get_ident() != caller:
+            pause(LONG_S)  # the pool's thread after job 0: held until the batch stops
+        ran.append(i)
+        caller_in.set()
+        # The caller's first job returns once job 0 has failed and run_all has seen it (its own callback on the
+        # future was added before this one, and callbacks run in order).
+        seen = threading.Event()
+        pool.futures[0].add_done_callback(lambda _: seen.set())
+        assert seen.wait(LONG_S)
+
+    with Recording() as pool, pytest.raises(ValueError, match="job 0 failed"):
+        run_all(pool, job, range(50), caller_helps=True)
+    assert ran == [49]  # the caller took no job after the failure

@@ -89,7 +89,7 @@ def pause(seconds: float) -> None:
     check_cancelled()
 
 
-def run_all(pool: Executor, fn: Callable[[T], Any], items: Iterable[T]) -> list[Any]:
+def run_all(pool: Executor, fn: Callable[[T], Any], items: Iterable[T], *, caller_helps: bool = False) -> list[Any]:
     """Run `fn` on every item and return the results in order; stop everything at the first failure.
 
     On a failure (or an interrupt of the calling thread) jobs not yet started are
@@ -97,6 +97,12 @@ def run_all(pool: Executor, fn: Callable[[T], Any], items: Iterable[T]) -> list[
     returned, the first failure is raised (the interrupt, if that came first). Waiting for
     the jobs in flight matters: a job still writing a cache file or a temporary after the
     caller has given up would race with the caller's clean-up or its retry.
+
+    With `caller_helps` the calling thread runs jobs too, from the last one back, while the
+    pool's threads take them from the first (a job either of them took is not run again): the
+    batch starts at once instead of after the pool's threads wake, which on a virtual machine
+    whose cores idled costs the better part of a millisecond (docs/SCALE.md, run Q). For short
+    CPU batches a caller would wait on anyway (an update's apply).
     """
     scope = _Scope(_current())
 
@@ -109,12 +115,28 @@ def run_all(pool: Executor, fn: Callable[[T], Any], items: Iterable[T]) -> list[
         finally:
             _local.scope = outer
 
+    items = list(items)
     futures = [pool.submit(job, item) for item in items]
+    mine: dict[int, Any] = {}  # results of the jobs this thread ran
     try:
+        if caller_helps:
+            failing = threading.Event()  # a pool job failed: stop taking jobs, the wait below raises it
+
+            def watch(f: Future[Any]) -> None:
+                if not f.cancelled() and f.exception() is not None:
+                    failing.set()
+
+            for f in futures:
+                f.add_done_callback(watch)
+            for i in range(len(futures) - 1, -1, -1):
+                if failing.is_set():
+                    break
+                if futures[i].cancel():  # not started by the pool: this thread's now
+                    mine[i] = job(items[i])
         wait(futures, return_when=FIRST_EXCEPTION)
         failed = _first_failure(futures)
         if failed is None:
-            return [f.result() for f in futures]
+            return [mine[i] if i in mine else f.result() for i, f in enumerate(futures)]
         raise failed
     except BaseException:
         scope.event.set()

@@ -131,7 +131,7 @@ def apply(
     pool = cpu_pool() if threads is None else ThreadPoolExecutor(threads, thread_name_prefix="weightsync-apply")
     try:
         try:
-            run_all(pool, run, range(len(jobs)))
+            run_all(pool, run, range(len(jobs)), caller_helps=True)  # starts at once (client/_pool.py)
         except BaseException:
             _undo(pool, jobs, [bool(s) for s in sums])  # frames that failed wrote nothing (CorruptData)
             raise
