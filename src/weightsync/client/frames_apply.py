@@ -87,7 +87,7 @@ def fetch(
         head = check_frame(manifest, ref, blob)
         out[i] = Frame(ref, blob, tuple(n if n in touched else None for n in pieces), change_count(blob, head))
 
-    run_all(pool, read, range(len(manifest.frames)))
+    run_all(pool, read, range(len(manifest.frames)), caller_helps=True)
     return [f for f in out if f is not None]
 
 
