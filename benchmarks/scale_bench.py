@@ -109,7 +109,7 @@ class Weightsync:
         sync(self.device)
         t2 = time.perf_counter()
         row = {"prepare_s": t1 - t0, "apply_s": t2 - t1, "prepare_apply_s": t2 - t0, "pause_s": pause, "end": t2}
-        row |= {k: sub.timings.get(k, 0.0) for k in ("plan_s", "download_s", "decode_s")}
+        row |= {k: sub.timings.get(k, 0.0) for k in ("plan_s", "server_plan_s", "download_s", "decode_s")}
         row["bytes_down"] = float(prepared.bytes_received)
         return row
 
@@ -214,7 +214,8 @@ def table(r: dict[str, Any]) -> str:
     rows = [
         ("**weightsync** `prepare` + `apply` (verified), one subscriber alone", mb("ws_bytes_down"),
          ms("ws_prepare_apply_s"), "1.00"),
-        (f"  `prepare`: plan {ms('ws_plan_s')} / download {ms('ws_download_s')} / decode {ms('ws_decode_s')}",
+        (f"  `prepare`: plan {ms('ws_plan_s')} (server {ms('ws_server_plan_s')}) / download {ms('ws_download_s')}"
+         f" / decode {ms('ws_decode_s')}",
          "", ms("ws_prepare_s"), ""),
         (f"  `apply` call (pause {ms('ws_pause_s')})", "", ms("ws_apply_s"), ""),
         (f"weightsync `publish` of the delta (encode {ms('ws_encode_s')})", mb("ws_bytes_up"), ms("ws_publish_s"), ""),
