@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from weightsync.client._pool import Cancelled, check_cancelled, pause, run_all
+from weightsync.client._pool import Cancelled, HelpingPool, check_cancelled, pause, run_all
 from weightsync.client.wire import TokenBucket
 
 LONG_S = 60.0
@@ -178,3 +178,35 @@ def test_a_pool_jobs_failure_stops_a_helping_caller() -> None:
     with Recording() as pool, pytest.raises(ValueError, match="job 0 failed"):
         run_all(pool, job, range(50), caller_helps=True)
     assert ran == [49]  # the caller took no job after the failure
+
+
+def test_a_helping_pool_maps_in_order_with_the_caller_running_jobs() -> None:
+    # As test_a_helping_caller_runs_jobs_from_the_back...: only the caller can run job 19 while job 0 waits.
+    last_ran = threading.Event()
+    runners: dict[int, int] = {}
+
+    def job(i: int, j: int) -> int:
+        if i == 0:
+            assert last_ran.wait(LONG_S)
+        if i == 19:
+            last_ran.set()
+        runners[i] = threading.get_ident()
+        return i + j
+
+    with ThreadPoolExecutor(1) as pool:
+        helping = HelpingPool(pool)
+        assert list(helping.map(job, range(20), range(100, 125))) == [i + 100 + i for i in range(20)]
+        assert helping.submit(job, 5, 1).result() == 6
+        helping.shutdown()  # leaves the shared pool running
+        assert pool.submit(lambda: 7).result() == 7
+    assert runners[19] == threading.get_ident()
+
+
+def test_a_helping_pools_map_raises_the_failure() -> None:
+    def job(i: int) -> int:
+        if i == 3:
+            raise ValueError("job 3 failed")
+        return i
+
+    with ThreadPoolExecutor(2) as pool, pytest.raises(ValueError, match="job 3 failed"):
+        list(HelpingPool(pool).map(job, range(10)))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, Executor, Future, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
@@ -144,6 +144,29 @@ def run_all(pool: Executor, fn: Callable[[T], Any], items: Iterable[T], *, calle
             f.cancel()
         wait(futures)
         raise
+
+
+class HelpingPool(Executor):
+    """`pool` for a caller that waits on each batch anyway (the publisher's encode, whose `Encoder` only maps):
+    ``map`` is :func:`run_all` with the calling thread helping, so a batch starts without waiting for the
+    pool's threads to wake (on this project's 2-core VM, an encode after an idle spell ~2 ms sooner:
+    docs/SCALE.md, run Q). Its results come all at once, after the batch, not one by one as they finish;
+    a failure stops the batch. ``submit`` goes to `pool`; ``shutdown`` leaves the shared pool running."""
+
+    def __init__(self, pool: Executor) -> None:
+        self._pool = pool
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        return self._pool.submit(fn, *args, **kwargs)
+
+    def map(
+        self, fn: Callable[..., T], *iterables: Iterable[Any], timeout: float | None = None, chunksize: int = 1
+    ) -> Iterator[T]:
+        jobs = list(zip(*iterables, strict=False))  # as Executor.map: the shortest iterable ends it
+        return iter(run_all(self._pool, lambda args: fn(*args), jobs, caller_helps=True))
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        return None
 
 
 def _first_failure(futures: list[Future[Any]]) -> BaseException | None:

@@ -29,7 +29,7 @@ from typing import Any
 from weightsync import errors
 from weightsync.client import upload
 from weightsync.client._http import Api
-from weightsync.client._pool import cpu_pool
+from weightsync.client._pool import HelpingPool, cpu_pool
 from weightsync.client.base import Base, BaseKeeper, snapshot
 from weightsync.client.models import PublishBegin, PublishResult
 from weightsync.client.pull import Meter, Progress
@@ -108,8 +108,9 @@ class Publisher:
             threads=encoder_threads,
             chunk_bytes=chunk_bytes,
             frames_per_file=self.part is not None,
-            # The process's CPU pool unless a size is asked for: no threads started per publish.
-            pool=cpu_pool() if encoder_threads is None else None,
+            # The process's CPU pool unless a size is asked for: no threads started per publish; the publishing
+            # thread helps with each batch (client/_pool.HelpingPool).
+            pool=HelpingPool(cpu_pool()) if encoder_threads is None else None,
         )
         self.object_bytes = object_bytes
         self.progress = progress
