@@ -400,8 +400,6 @@ static void dense_apply_loop(u8 *t, u64 n, int w, int op, u8 *const *planes) {
     for (u64 i = 0; i < n; i++) store(t + i * w, w, combine(load(t + i * w, w), joined(planes, w, i), w, op));
 }
 
-/* Position of the last change (sum of gaps + count - 1), or UINT64_MAX when count is 0 or
- * the position does not fit 64 bits (crafted planes of 2^32 changes or more). */
 #ifdef WS_X86
 /* The sum of n bytes (vpsadbw: 32 bytes into four 64-bit sums per instruction). */
 __attribute__((target("avx2"))) static u64 byte_sum_avx2(const u8 *p, u64 n) {
@@ -420,6 +418,8 @@ __attribute__((target("avx2"))) static u64 byte_sum_avx2(const u8 *p, u64 n) {
 }
 #endif
 
+/* Position of the last change (sum of gaps + count - 1), or UINT64_MAX when count is 0 or
+ * the position does not fit 64 bits (crafted planes of 2^32 changes or more). */
 HOT static u64 last_position(u8 *const *gaps, u64 count) {
     if (count == 0 || count > ((u64)1 << 32)) return UINT64_MAX;
     u64 total = 0; /* < 2^32 gaps of < 2^32 each: no overflow */
@@ -517,7 +517,7 @@ typedef u64 (*sparse_run_fn)(u8 *, u64, u64, Changes *);
         const u8 *g0 = s->gaps[0], *g1 = s->gaps[1], *g2 = s->gaps[2], *g3 = s->gaps[3];            \
         const u8 *v0 = s->vals[0], *v1 = s->vals[1];                                                \
         const int fixing = s->fix != NULL;                                                          \
-        u64 moved = 0;                                                                              \
+        u64 moved[1] = {0};                                                                         \
         u32 rel[8];                                                                                 \
         u16 val[8];                                                                                 \
         const __m256i one = _mm256_set1_epi32(1), last = _mm256_set1_epi32(7);                      \
@@ -562,7 +562,7 @@ typedef u64 (*sparse_run_fn)(u8 *, u64, u64, Changes *);
                 const u16 old = cur;                                                                \
                 cur = (u16)(EXPR);                                                                  \
                 memcpy(at, &cur, 2);                                                                \
-                moved += ((u64)cur - (u64)old) * (w0 + 2 * (u64)rel[j]);                            \
+                fix_change(moved, cur, old, 2, w0 + 2 * (u64)rel[j]);                               \
             }                                                                                       \
             if (m < 8) { /* stopped at limit, inside the group: change k + m is next */             \
                 pos += rel[m];                                                                      \
@@ -572,8 +572,7 @@ typedef u64 (*sparse_run_fn)(u8 *, u64, u64, Changes *);
             pos += (u32)_mm256_cvtsi256_si32(_mm256_permutevar8x32_epi32(x, last));                 \
             k += 8;                                                                                 \
         }                                                                                           \
-        (void)last;                                                                                 \
-        if (fixing) s->fix[0] += moved;                                                             \
+        if (fixing) s->fix[0] += moved[0];                                                          \
         s->k = k;                                                                                   \
         s->pos = pos;                                                                               \
         return (k - first) + SCALAR(t, t0, limit, s);                                               \
