@@ -108,7 +108,7 @@ def apply(
     ChecksumMismatch naming the first whose result differs, after every frame was
     undone (the tensors hold their bytes of before). Pieces of tensors not in `held`
     (a caller holding part of the model) are applied to scratch and not checked. Frames
-    apply on `threads` threads (default: the process's CPU pool, ``_pool.cpu_pool``).
+    apply on `threads` threads (default: the process's CPU pool, ``_pool.cpu_pool``) and the calling thread.
     """
     from weightsync.client.tensors import raw_bytes
 
