@@ -210,3 +210,10 @@ def test_a_helping_pools_map_raises_the_failure() -> None:
 
     with ThreadPoolExecutor(2) as pool, pytest.raises(ValueError, match="job 3 failed"):
         list(HelpingPool(pool).map(job, range(10)))
+
+
+def test_a_helping_pools_map_refuses_a_timeout_and_runs_nothing() -> None:
+    ran: list[int] = []
+    with ThreadPoolExecutor(1) as pool, pytest.raises(ValueError, match="no timeout"):
+        HelpingPool(pool).map(ran.append, range(3), timeout=1.0)
+    assert ran == []

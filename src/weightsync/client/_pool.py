@@ -151,7 +151,9 @@ class HelpingPool(Executor):
     ``map`` is :func:`run_all` with the calling thread helping, so a batch starts without waiting for the
     pool's threads to wake (on this project's 2-core VM, an encode after an idle spell ~2 ms sooner:
     docs/SCALE.md, run Q). Its results come all at once, after the batch, not one by one as they finish;
-    a failure stops the batch. ``submit`` goes to `pool`; ``shutdown`` leaves the shared pool running."""
+    a failure stops the batch. ``submit`` goes to `pool`; ``shutdown`` leaves the shared pool running.
+    ``map`` takes no `timeout` (the calling thread runs jobs itself: ValueError) and, as a thread pool's,
+    ignores `chunksize`."""
 
     def __init__(self, pool: Executor) -> None:
         self._pool = pool
@@ -162,6 +164,8 @@ class HelpingPool(Executor):
     def map(
         self, fn: Callable[..., T], *iterables: Iterable[Any], timeout: float | None = None, chunksize: int = 1
     ) -> Iterator[T]:
+        if timeout is not None:
+            raise ValueError("HelpingPool.map has no timeout: the calling thread runs jobs of the batch itself")
         jobs = list(zip(*iterables, strict=False))  # as Executor.map: the shortest iterable ends it
         return iter(run_all(self._pool, lambda args: fn(*args), jobs, caller_helps=True))
 
