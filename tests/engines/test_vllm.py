@@ -10,6 +10,7 @@ mapped by hand (``_vllm.checkpoint_digests``), compared with the engine's ``/wei
 from __future__ import annotations
 
 import json
+import math
 import re
 import signal
 import subprocess
@@ -236,10 +237,17 @@ def test_requests_in_flight_behave_as_the_pause_mode_says(stack: Stack, mode: st
     """A streamed request of a few seconds is running (tokens arriving) when the switch pauses the engine.
     Whether it still runs when the pause reaches the engine depends on a busy machine's scheduling: for
     ``keep`` and ``abort`` an attempt where it did not is inconclusive and is tried again; ``wait`` holds
-    either way (the request ends complete, on the old weights only, before the reload)."""
+    either way (the request ends complete, on the old weights only, before the reload).
+
+    Conclusive: ``abort`` ending it (finish ``abort``), ``keep`` freezing it through the reload (its last
+    tokens after the resume); a mode that does the other's thing fails at once (``abort`` whose request
+    goes on after the resume, ``keep`` whose request is aborted). When every attempt's request ended
+    before the pause was answered (vLLM's API server, starved of CPU, serves the pause only once the
+    stream it is behind on is done: docs/ENGINES.md), the test is skipped, saying so."""
     client = _Observed(stack.vllm_url)
     engine = stack.adapter(f"pause-{mode}", pause=mode, client=client)
     old_text = None
+    seen: list[str] = []  # the inconclusive attempts
     for _ in range(ATTEMPTS):
         stack.bring_to(engine, "v2")
         if mode == "wait" and old_text is None:
@@ -252,7 +260,8 @@ def test_requests_in_flight_behave_as_the_pause_mode_says(stack: Stack, mode: st
         worker.start()
         _wait(lambda w=worker, o=out: len(o.get("times", [])) >= 8 or not w.is_alive(), 120, poll=0.001)  # type: ignore[arg-type]
         if not worker.is_alive() and mode != "wait":
-            continue  # finished before it was seen running
+            seen.append("finished before it was seen running")
+            continue
         engine.switch(update)
         worker.join(600)
         times: list[float] = out["times"]  # type: ignore[assignment]
@@ -262,11 +271,21 @@ def test_requests_in_flight_behave_as_the_pause_mode_says(stack: Stack, mode: st
         if mode == "wait":  # finished before the reload, on the old weights only: v2's whole answer
             assert out["finish"] == "length" and out["text"] == old_text
             return
-        if mode == "abort" and out["finish"] == "abort":
-            return  # ended by the pause
-        if mode == "keep" and out["finish"] == "length" and times[-1] > client.resumed_at + 0.1:
-            return  # frozen through the reload, then went on to finish
-    pytest.fail(f"pause mode {mode}: the request was never caught in flight in {ATTEMPTS} attempts")
+        after_resume = bool(times) and times[-1] > client.resumed_at + 0.1  # tokens the reload held back
+        if mode == "abort":
+            if out["finish"] == "abort":
+                return  # ended by the pause
+            assert not after_resume, "pause mode abort: the request went on after the resume instead of ending"
+        if mode == "keep":
+            assert out["finish"] != "abort", "pause mode keep: the request was aborted"
+            if out["finish"] == "length" and after_resume:
+                return  # frozen through the reload, then went on to finish
+        last = times[-1] - client.paused_at if times else math.nan
+        seen.append(f"finish {out['finish']}, {len(times)} chunks, the last {last:+.3f} s from the pause answer")
+    pytest.skip(
+        f"pause mode {mode}: the request was never caught in flight in {ATTEMPTS} attempts ({'; '.join(seen)}):"
+        " the pause reached vLLM after the request ended (a CPU-starved API server)"
+    )
 
 
 def test_follow_keeps_the_engine_on_the_head_and_reports_what_it_holds(stack: Stack) -> None:
