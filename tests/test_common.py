@@ -99,3 +99,57 @@ def test_human_bytes(n: int, text: str) -> None:
 
 def test_the_version_has_one_source() -> None:
     assert __version__ == VERSION
+
+
+def test_gc_paused_holds_the_collector_off_and_restores_it() -> None:
+    import gc
+
+    from weightsync.common import gc_paused
+
+    assert gc.isenabled()
+    with gc_paused():
+        assert not gc.isenabled()
+        with gc_paused():  # nested: still off, and the inner exit does not turn it back on
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), gc_paused():
+        raise RuntimeError("boom")
+    assert gc.isenabled()  # an exception in the block restores it too
+
+
+def test_gc_paused_leaves_a_collector_the_caller_turned_off_off() -> None:
+    import gc
+
+    from weightsync.common import gc_paused
+
+    gc.disable()
+    try:
+        with gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_gc_paused_comes_back_only_when_the_last_thread_leaves() -> None:
+    import gc
+    import threading
+
+    from weightsync.common import gc_paused
+
+    inside, leave = threading.Event(), threading.Event()
+
+    def other() -> None:
+        with gc_paused():
+            inside.set()
+            leave.wait(10)
+
+    t = threading.Thread(target=other)
+    with gc_paused():
+        t.start()
+        assert inside.wait(10)
+    assert not gc.isenabled()  # this block ended, the other thread's has not
+    leave.set()
+    t.join(10)
+    assert gc.isenabled()

@@ -6,9 +6,13 @@ weightsync but the errors, so codec, store, catalog, ops, service and client may
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 import re
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from weightsync import errors
@@ -21,6 +25,7 @@ __all__ = [
     "Backoff",
     "check_digest",
     "check_model_name",
+    "gc_paused",
     "human_bytes",
     "is_digest",
     "model_path_name",
@@ -182,3 +187,34 @@ def removal_message(parent: int | None, dropped: list[str]) -> str:
         f"version {parent} has {len(dropped)} file(s) or tensor(s) this version drops ({', '.join(dropped[:3])}{more}):"
         " publish with allow_removals (CLI --allow-removals) if that is intended"
     )
+
+
+_gc_lock = threading.Lock()
+_gc_depth = 0
+_gc_restore = False
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Hold Python's cyclic garbage collector off for the block (reference counting still frees everything else).
+
+    A model of tens of thousands of tensors makes tens of thousands of small objects per
+    publish, prepare and apply (manifest entries, views, checksums); each allocation burst
+    set off full collections that walk the whole process heap, about half of those calls'
+    time at 20,000 tensors (docs/SCALE.md "Many tensors"). Cycles made inside the block are
+    collected after it. Re-entrant and thread-safe: the collector comes back when the last
+    block open in the process ends, and only if it was on when the first one began.
+    """
+    global _gc_depth, _gc_restore
+    with _gc_lock:
+        if _gc_depth == 0:
+            _gc_restore = gc.isenabled()
+            gc.disable()
+        _gc_depth += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_depth -= 1
+            if _gc_depth == 0 and _gc_restore:
+                gc.enable()

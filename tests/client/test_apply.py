@@ -418,3 +418,35 @@ def test_a_plan_across_formats_applies_and_verifies_each_step_with_its_own_kind(
     applied.check()
     assert applied.verified_by == ("cpu",)
     _assert_identical(tensors, published[1])
+
+
+class _Watching(dict):
+    """Tensors whose lookups record whether Python's cyclic collector was on (apply looks every tensor up)."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.gc_states: set[bool] = set()
+
+    def get(self, key, default=None):
+        import gc
+
+        self.gc_states.add(gc.isenabled())
+        return super().get(key, default)
+
+
+def test_prepare_and_apply_hold_the_collector_off_and_give_it_back(server, model, tmp_path: Path) -> None:
+    import gc
+
+    published = _publish(server.url, model, 2)
+    seen: list[bool] = []
+    with Subscriber(server.url, model, name="gc", progress=lambda *_: seen.append(gc.isenabled())) as sub:
+        sub.pull(tmp_path / "boot", version=1)
+        live = _Watching({k: v.clone() for k, v in st.load_file(str(tmp_path / "boot" / "model.safetensors")).items()})
+        seen.clear()  # the pull's (a pull does not hold it off)
+        prepared = sub.prepare(2)
+        assert gc.isenabled()
+        sub.apply(live, prepared)
+        assert gc.isenabled()
+    assert live.gc_states == {False}  # every lookup of the apply ran with the collector off
+    assert seen and not any(seen)  # so did prepare's download
+    _assert_identical(dict(live), published[1])

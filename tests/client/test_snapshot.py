@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -157,3 +158,50 @@ def test_publish_async_publishes_the_weights_as_of_the_call(server, model, tmp_p
         for v in (1, 3, 4, 7):
             sub.pull(tmp_path / f"v{v}", version=v)
             assert (tmp_path / f"v{v}" / "model.safetensors").read_bytes() == expected[v - 1]
+
+
+def test_publish_holds_the_collector_off_and_publish_async_does_not(server, model) -> None:
+    seen: list[bool] = []
+    sd = {"w": torch.randn(64, 300)}
+    with Publisher(server.url, model, progress=lambda *_: seen.append(gc.isenabled()), **SMALL) as pub:
+        pub.publish(sd, step=1)
+        assert seen and not any(seen), "a publish the caller waits for runs with the collector off"
+        assert gc.isenabled()
+        seen.clear()
+        with torch.no_grad():
+            sd["w"][0].add_(1)
+        pub.publish_async(sd, step=2).result(timeout=60)
+        assert seen and all(seen), "one behind publish_async leaves it to the trainer that keeps running"
+    assert gc.isenabled()
+
+
+@pytest.mark.parametrize(
+    "t",
+    [
+        torch.arange(12, dtype=torch.float32).reshape(3, 4),
+        torch.randn(5, 7).to(torch.bfloat16),
+        torch.tensor(3.5, dtype=torch.float16),  # 0-dim
+        torch.zeros(0, 4, dtype=torch.int64),  # no elements
+        torch.arange(40, dtype=torch.int8)[8:24],  # a view into a larger storage, at an offset
+    ],
+)
+def test_host_bytes_is_a_live_view_of_the_tensors_bytes(t) -> None:
+    view = tensors.host_bytes(t)
+    assert view.dtype == np.uint8 and view.ndim == 1
+    assert view.tobytes() == tensors.raw_bytes(t).tobytes()
+    if t.numel():
+        view[0] ^= 0xFF  # writes land in the tensor
+        assert tensors.raw_bytes(t)[0] == view[0]
+
+
+def test_host_bytes_keeps_its_tensor_alive_and_refuses_what_it_cannot_view() -> None:
+    t = torch.arange(1000, dtype=torch.int32)
+    want = t.numpy().tobytes()
+    view = tensors.host_bytes(t)
+    del t
+    gc.collect()
+    junk = [torch.full((1000,), 7, dtype=torch.int32) for _ in range(50)]  # would reuse freed memory
+    assert view.tobytes() == want
+    del junk
+    with pytest.raises(ValueError, match="contiguous CPU tensor"):
+        tensors.host_bytes(torch.arange(12).reshape(3, 4).t())

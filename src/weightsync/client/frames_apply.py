@@ -17,6 +17,7 @@ does not match, every frame is undone (XOR and ADD invert exactly:
 from __future__ import annotations
 
 import struct
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -100,7 +101,7 @@ def apply(
     target: int,
     verify: bool,
     threads: int | None = None,
-) -> None:
+) -> float:
     """Patch the host tensors `held` (name → contiguous CPU torch tensor) with `frames`, checked in the same pass.
 
     `digests` maps each touched tensor to (base digest, result digest), of the FORMAT v2
@@ -109,10 +110,13 @@ def apply(
     undone (the tensors hold their bytes of before). Pieces of tensors not in `held`
     (a caller holding part of the model) are applied to scratch and not checked. Frames
     apply on `threads` threads (default: the process's CPU pool, ``_pool.cpu_pool``) and the calling thread.
-    """
-    from weightsync.client.tensors import raw_bytes
 
-    views = {name: raw_bytes(t) for name, t in held.items()}
+    Returns the pause: seconds from the first write until the result check passed (the
+    views and the pieces' targets are made before it).
+    """
+    from weightsync.client.tensors import host_bytes
+
+    views = {name: host_bytes(t) for name, t in held.items()}
     jobs = []
     for fr in frames:
         targets, starts = [], []
@@ -129,6 +133,7 @@ def apply(
         sums[i] = apply_frame_sums(fr.blob, targets, starts, before=verify)[1]
 
     pool = cpu_pool() if threads is None else ThreadPoolExecutor(threads, thread_name_prefix="weightsync-apply")
+    t0 = time.perf_counter()
     try:
         try:
             run_all(pool, run, range(len(jobs)), caller_helps=True)  # starts at once (client/_pool.py)
@@ -136,20 +141,10 @@ def apply(
             _undo(pool, jobs, [bool(s) for s in sums])  # frames that failed wrote nothing (CorruptData)
             raise
         if not verify:
-            return
-        before: dict[str, TensorSum] = {}
-        after: dict[str, TensorSum] = {}
-        for (fr, _, _), found in zip(jobs, sums, strict=True):
-            for name, s in zip(fr.names, found, strict=True):
-                if name is None or name not in views:
-                    continue
-                assert s.before is not None, "asked for"
-                before[name] = before[name] + s.before if name in before else s.before
-                after[name] = after[name] + s.after if name in after else s.after
-        bad_base = next((n for n in digests if n in before and before[n].hex() != digests[n][0]), None)
-        bad_result = next((n for n in digests if n in after and after[n].hex() != digests[n][1]), None)
+            return time.perf_counter() - t0
+        bad_base, bad_result = _check(jobs, sums, views, digests)
         if bad_base is None and bad_result is None:
-            return
+            return time.perf_counter() - t0
         _undo(pool, jobs, [True] * len(jobs))
     finally:
         if threads is not None:
@@ -160,6 +155,44 @@ def apply(
         f"tensor {bad_result!r} does not match v{target} after the update; every change was undone: "
         f"the tensors hold v{base} again"
     )
+
+
+def _check(
+    jobs: list[tuple[Frame, list[np.ndarray], list[int]]],
+    sums: list[list[Any]],
+    views: Mapping[str, np.ndarray],
+    digests: Mapping[str, tuple[str | None, str]],
+) -> tuple[str | None, str | None]:
+    """The first tensor (in `digests`' order) whose base differs and the first whose result does (None: none).
+
+    Each tensor's checksums are its pieces' added up (FORMAT §10.2); most tensors are one piece,
+    whose sums are compared as they came. Digests are compared as bytes.
+    """
+    before: dict[str, TensorSum] = {}
+    after: dict[str, TensorSum] = {}
+    for (fr, _, _), found in zip(jobs, sums, strict=True):
+        for name, s in zip(fr.names, found, strict=True):
+            if name is None or name not in views:
+                continue
+            assert s.before is not None, "asked for"
+            if name in before:
+                before[name] = before[name] + s.before
+                after[name] = after[name] + s.after
+            else:
+                before[name] = s.before
+                after[name] = s.after
+    bad_base = bad_result = None
+    for name, (want_base, want_result) in digests.items():
+        b = before.get(name)
+        if b is None:
+            continue
+        if bad_base is None and b.digest() != bytes.fromhex(want_base or ""):
+            bad_base = name
+        if bad_result is None and after[name].digest() != bytes.fromhex(want_result):
+            bad_result = name
+        if bad_base is not None and bad_result is not None:
+            break
+    return bad_base, bad_result
 
 
 def _undo(pool: ThreadPoolExecutor, jobs: list[tuple[Frame, list[np.ndarray], list[int]]], applied: list[bool]) -> None:
@@ -175,7 +208,7 @@ def _width(fr: Frame) -> int:
 
 def on_host(tensors: Mapping[str, Any]) -> bool:
     """Whether every tensor lies in host memory (what :func:`apply` patches)."""
-    return all(t.device.type == "cpu" for t in tensors.values())
+    return all(t.is_cpu for t in tensors.values())
 
 
 __all__ = ["FUSED", "Frame", "apply", "eligible", "fetch", "on_host"]

@@ -362,6 +362,7 @@ def _held(tensors: Mapping[str, Any], prepared: Prepared, strict: bool) -> dict[
     from weightsync.client.tensors import torch_dtype
 
     held: dict[str, Any] = {}
+    dtypes: dict[str, Any] = {}  # torch dtype by name, looked up once per dtype (models hold ~10^4-10^5 tensors)
     for name, (dtype, shape, _) in prepared.specs.items():
         t = tensors.get(name)
         if t is None:
@@ -370,7 +371,10 @@ def _held(tensors: Mapping[str, Any], prepared: Prepared, strict: bool) -> dict[
                     f"v{prepared.target} has tensor {name!r}, which the caller does not hold: load the version afresh"
                 )
             continue
-        if t.dtype != torch_dtype(dtype.name) or tuple(t.shape) != tuple(shape):
+        want = dtypes.get(dtype.name)
+        if want is None:
+            want = dtypes[dtype.name] = torch_dtype(dtype.name)
+        if t.dtype != want or t.shape != tuple(shape):  # torch.Size is a tuple
             raise errors.ReloadRequired(
                 f"tensor {name!r} is {t.dtype}{list(t.shape)} here but "
                 f"{dtype.name}{list(shape)} in v{prepared.target}: load the version afresh"
@@ -511,9 +515,9 @@ def _apply_frames(prepared: Prepared, touched: dict[str, Any], verify: bool) -> 
     """`apply` of a prepared that kept its frames, into host tensors: one pass, base and result checked in it."""
     assert prepared.frames is not None
     digests_of = {n: (u.base_digest, u.result_digest) for n, u in prepared.updates.items() if n in touched}
-    t0 = time.perf_counter()
-    frames_apply.apply(prepared.frames, touched, digests_of, base=prepared.base, target=prepared.target, verify=verify)
-    pause = time.perf_counter() - t0
+    pause = frames_apply.apply(
+        prepared.frames, touched, digests_of, base=prepared.base, target=prepared.target, verify=verify
+    )
     work = [(prepared.updates[n], t) for n, t in touched.items()]
     return Applied(
         prepared.target,

@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -40,10 +41,12 @@ from weightsync.codec.encoder import DEFAULT_CHUNK, Encoder
 from weightsync.codec.manifest import DIGEST_KINDS
 from weightsync.codec.manifest import VERSION as MANIFEST_V1
 from weightsync.codec.pack import DEFAULT_OBJECT_BYTES
-from weightsync.common import model_path_name
+from weightsync.common import gc_paused, model_path_name
 
 log = logging.getLogger("weightsync.client")
 KIND_FORMAT = {kind: version for version, kind in DIGEST_KINDS.items()}
+_BACKGROUND = "weightsync-publish"
+"""Name prefix of the thread publish_async's publishes run on."""
 DEFAULT_PUBLISH_INLINE = 8 << 20
 """Versions up to this many bytes go in one request: well below the service's 16 MiB default cap on
 non-object bodies (max_json_body), and small enough that one stream loses nothing to parallel uploads."""
@@ -182,7 +185,7 @@ class Publisher:
         if isinstance(source, Mapping):
             source = snapshot_state_dict(source, buffers=self._snapshots)
         if self._background is None:
-            self._background = ThreadPoolExecutor(1, thread_name_prefix="weightsync-publish")
+            self._background = ThreadPoolExecutor(1, thread_name_prefix=_BACKGROUND)
         return self._background.submit(
             self.publish, source, step=step, metadata=metadata, keyframe=keyframe, allow_removals=allow_removals
         )
@@ -217,7 +220,10 @@ class Publisher:
         """
         if self.part is not None and step is None:
             raise ValueError("a part publisher needs the step: ranks join the version by (parent, step)")
-        with self._lock:
+        # The cyclic collector waits for a publish the caller waits for; one behind publish_async does not
+        # hold it off (the trainer keeps running and making garbage, CUDA tensors in cycles among it).
+        paused = nullcontext() if threading.current_thread().name.startswith(_BACKGROUND) else gc_paused()
+        with self._lock, paused:
             t0 = time.perf_counter()
             timings: dict[str, float] = {}
             meter, catch_up = Meter(self.progress), Meter(None)

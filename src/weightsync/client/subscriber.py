@@ -31,6 +31,7 @@ from weightsync.client.pull import DEFAULT_INLINE_BYTES, FetchOptions, Meter, Pr
 from weightsync.client.selection import Selection, selector
 from weightsync.client.watch import WATCH_RECONNECT, follow
 from weightsync.client.wire import Retry, TokenBucket
+from weightsync.common import gc_paused
 
 log = logging.getLogger("weightsync.client")
 
@@ -199,7 +200,7 @@ class Subscriber:
         only those tensors.
         """
         select = self.select if tensors is None else selector(tensors)
-        with self._lock:
+        with self._lock, gc_paused():
             meter = Meter(self.progress)
             self.api.on_bytes = meter
             try:
@@ -237,7 +238,7 @@ class Subscriber:
         The returned pause runs from the first write until the result check passed.
         Tensors must be contiguous.
         """
-        with self._lock:
+        with self._lock, gc_paused():
             t0 = time.perf_counter()
             try:
                 applied = inplace.apply(

@@ -9,6 +9,7 @@ exactly); only the small (positions, operands) arrays cross to the device.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 import weakref
@@ -86,6 +87,23 @@ def raw_bytes(t: torch.Tensor) -> np.ndarray:
     if t.numel() == 0:
         return np.zeros(0, dtype=np.uint8)
     return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def host_bytes(t: torch.Tensor) -> np.ndarray:
+    """A writable 1-D uint8 view of a contiguous CPU tensor's bytes, which keeps the tensor alive.
+
+    What :func:`raw_bytes` gives for such a tensor, without torch's dispatcher: built from the
+    tensor's address and size (~1.3 µs against ~5.5, which counts at tens of thousands of tensors
+    per apply). The caller checks `t` is a contiguous CPU tensor (ValueError otherwise).
+    """
+    if not (t.is_cpu and t.is_contiguous()):
+        raise ValueError("host_bytes needs a contiguous CPU tensor")
+    n = t.nbytes
+    if n == 0:
+        return np.zeros(0, dtype=np.uint8)
+    buf = (ctypes.c_uint8 * n).from_address(t.data_ptr())
+    buf._tensor = t  # type: ignore[attr-defined]  # the view's buffer owns a reference: the bytes outlive no one
+    return np.frombuffer(memoryview(buf), dtype=np.uint8)
 
 
 def tensor_xxh3(t: torch.Tensor) -> str:

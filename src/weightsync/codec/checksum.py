@@ -45,6 +45,10 @@ def lanes_of(width: int) -> int:
     return max(1, width // 2)
 
 
+_WIRE = {n: struct.Struct(f"<Q{n}Q") for n in {lanes_of(w) for w in WIDTHS}}
+"""The wire form of a checksum (FORMAT §10.1) by its number of lanes."""
+
+
 @dataclass(frozen=True)
 class TensorSum:
     """The checksum of `count` elements of `width` bytes: `lanes` are unsigned 64-bit ints.
@@ -69,7 +73,7 @@ class TensorSum:
 
     def digest(self) -> bytes:
         """The wire form (FORMAT §10.1): u64 count, then the lanes, all little-endian."""
-        return struct.pack(f"<Q{len(self.lanes)}Q", self.count, *self.lanes)
+        return _WIRE[len(self.lanes)].pack(self.count, *self.lanes)
 
     def hex(self) -> str:
         """`digest()` as lowercase hex."""

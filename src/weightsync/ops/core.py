@@ -44,7 +44,7 @@ from weightsync.codec.manifest import DIGEST_KINDS
 from weightsync.codec.manifest import MAGIC as MANIFEST_MAGIC
 from weightsync.codec.parts import merge_parts
 from weightsync.codec.validate import check_publishable
-from weightsync.common import removal_message, removed_content
+from weightsync.common import gc_paused, removal_message, removed_content
 from weightsync.ops.phases import timed
 from weightsync.ops.records import record_of
 from weightsync.store import ObjectInfo as StoredObject
@@ -397,7 +397,7 @@ class Ops:
             return
 
         async def parse() -> tuple[Manifest, int]:
-            entry = (await asyncio.to_thread(Manifest.decode, data), len(data))
+            entry = (await asyncio.to_thread(_decode_manifest, data), len(data))
             self._cache_manifest(digest, entry)
             return entry
 
@@ -846,7 +846,7 @@ class Ops:
             with contextlib.suppress(Exception):  # did not parse: read it from the store, to refuse it as readers do
                 return await asyncio.shield(warming)
         data = await self.read_manifest_bytes(digest, missing=missing)
-        entry = (await asyncio.to_thread(Manifest.decode, data), len(data))
+        entry = (await asyncio.to_thread(_decode_manifest, data), len(data))
         self._cache_manifest(digest, entry)
         return entry
 
@@ -1148,3 +1148,10 @@ class Ops:
                 return None
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(event.wait(), min(poll, max(0.0, deadline - loop.time())))
+
+
+def _decode_manifest(data: bytes) -> Manifest:
+    """Parse a manifest with the cyclic collector held off: one of tens of thousands of tensors is as many
+    small objects, and the collections their allocation sets off walk the whole heap (common.gc_paused)."""
+    with gc_paused():
+        return Manifest.decode(data)
