@@ -545,6 +545,13 @@ def test_frames_apply_with_base_sums_and_undo_alike_through_both_paths(p, add, b
             assert [t.tobytes() for t in targets] == [b.tobytes() for b in bases], impl.name
             assert undone is not None and [s.lanes for s in undone] == expect_before, impl.name
             assert fr.undo_frame(blob, [n.copy() for n in news]) is None
+            targets = [b.copy() for b in bases]
+            _, lanes = fr.apply_frame_lanes(blob, targets, starts, before=before)  # the same pass, bare lanes
+            assert [t.tobytes() for t in targets] == [n.tobytes() for n in news], impl.name
+            assert [tuple(a) for _, a in lanes] == expect_after, impl.name
+            assert [tuple(b) if b is not None else None for b, _ in lanes] == [
+                s.before.lanes if s.before else None for s in sums
+            ], impl.name
             found.append(sums)
     assert found[0] == found[-1]
 

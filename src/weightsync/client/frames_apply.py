@@ -27,9 +27,9 @@ import numpy as np
 
 from weightsync import errors
 from weightsync.client._pool import cpu_pool, run_all
-from weightsync.codec.checksum import TensorSum
+from weightsync.codec.checksum import MASK, wire_form
 from weightsync.codec.decoder import check_frame
-from weightsync.codec.frame import HEADER_SIZE, METHOD_SPARSE, FrameHeader, apply_frame_sums, undo_frame
+from weightsync.codec.frame import HEADER_SIZE, METHOD_SPARSE, FrameHeader, apply_frame_lanes, undo_frame
 from weightsync.codec.manifest import VERSION_2, FrameRef, Manifest
 
 FUSED = "fused-frames"
@@ -130,7 +130,7 @@ def apply(
 
     def run(i: int) -> None:
         fr, targets, starts = jobs[i]
-        sums[i] = apply_frame_sums(fr.blob, targets, starts, before=verify)[1]
+        sums[i] = apply_frame_lanes(fr.blob, targets, starts, before=verify)[1]
 
     pool = cpu_pool() if threads is None else ThreadPoolExecutor(threads, thread_name_prefix="weightsync-apply")
     t0 = time.perf_counter()
@@ -165,30 +165,32 @@ def _check(
 ) -> tuple[str | None, str | None]:
     """The first tensor (in `digests`' order) whose base differs and the first whose result does (None: none).
 
-    Each tensor's checksums are its pieces' added up (FORMAT §10.2); most tensors are one piece,
-    whose sums are compared as they came. Digests are compared as bytes.
+    Each tensor's checksums are its pieces' added up (FORMAT §10.2), as bare lanes: most tensors are
+    one piece, whose lanes are compared as they came. Digests are compared in their wire form.
     """
-    before: dict[str, TensorSum] = {}
-    after: dict[str, TensorSum] = {}
-    for (fr, _, _), found in zip(jobs, sums, strict=True):
-        for name, s in zip(fr.names, found, strict=True):
+    totals: dict[str, list[Any]] = {}  # name -> [elements, before lanes, after lanes]
+    for (fr, targets, _), found in zip(jobs, sums, strict=True):
+        width = _width(fr)
+        for name, t, (b, a) in zip(fr.names, targets, found, strict=True):
             if name is None or name not in views:
                 continue
-            assert s.before is not None, "asked for"
-            if name in before:
-                before[name] = before[name] + s.before
-                after[name] = after[name] + s.after
+            assert b is not None, "asked for"
+            acc = totals.get(name)
+            if acc is None:
+                totals[name] = [len(t) // width, b, a]
             else:
-                before[name] = s.before
-                after[name] = s.after
+                acc[0] += len(t) // width
+                acc[1] = [(x + y) & MASK for x, y in zip(acc[1], b, strict=True)]
+                acc[2] = [(x + y) & MASK for x, y in zip(acc[2], a, strict=True)]
     bad_base = bad_result = None
     for name, (want_base, want_result) in digests.items():
-        b = before.get(name)
-        if b is None:
+        acc = totals.get(name)
+        if acc is None:
             continue
-        if bad_base is None and b.digest() != bytes.fromhex(want_base or ""):
+        count, b, a = acc
+        if bad_base is None and wire_form(count, b) != bytes.fromhex(want_base or ""):
             bad_base = name
-        if bad_result is None and after[name].digest() != bytes.fromhex(want_result):
+        if bad_result is None and wire_form(count, a) != bytes.fromhex(want_result):
             bad_result = name
         if bad_base is not None and bad_result is not None:
             break

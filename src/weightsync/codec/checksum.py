@@ -49,6 +49,11 @@ _WIRE = {n: struct.Struct(f"<Q{n}Q") for n in {lanes_of(w) for w in WIDTHS}}
 """The wire form of a checksum (FORMAT §10.1) by its number of lanes."""
 
 
+def wire_form(count: int, lanes: Sequence[int]) -> bytes:
+    """A checksum's wire form (FORMAT §10.1) from its element count and lanes: :meth:`TensorSum.digest`."""
+    return _WIRE[len(lanes)].pack(count, *lanes)
+
+
 @dataclass(frozen=True)
 class TensorSum:
     """The checksum of `count` elements of `width` bytes: `lanes` are unsigned 64-bit ints.
@@ -73,7 +78,7 @@ class TensorSum:
 
     def digest(self) -> bytes:
         """The wire form (FORMAT §10.1): u64 count, then the lanes, all little-endian."""
-        return _WIRE[len(self.lanes)].pack(self.count, *self.lanes)
+        return wire_form(self.count, self.lanes)
 
     def hex(self) -> str:
         """`digest()` as lowercase hex."""

@@ -776,6 +776,28 @@ def apply_frame_sums(
     manifest's digests (FORMAT §5.3) and, on a mismatch, may `undo_frame`. Same target
     rules as `apply_frame_pieces`; CorruptData, nothing written, on a change past the end.
     """
+    head, found = apply_frame_lanes(frame, targets, starts, before=before)
+    width = head.dtype.width
+    sums = []
+    for t, (b, a) in zip(targets, found, strict=True):
+        n = len(t) // width
+        sums.append(TargetSums(None if b is None else TensorSum(width, n, tuple(b)), TensorSum(width, n, tuple(a))))
+    return head, sums
+
+
+def apply_frame_lanes(
+    frame: bytes | memoryview | np.ndarray,
+    targets: Sequence[np.ndarray],
+    starts: Sequence[int],
+    *,
+    before: bool = False,
+) -> tuple[FrameHeader, list[tuple[Sequence[int] | None, Sequence[int]]]]:
+    """:func:`apply_frame_sums`, each target's checksums as their bare lanes: (before or None, after).
+
+    For callers that add up and compare tens of thousands of pieces' checksums (a model of that
+    many tensors), where an object per checksum costs more than the pass: each target's element
+    count is its length over the frame's element width.
+    """
     head = parse_header(frame)
     if head.checked:
         raise UnsupportedVersion("apply_frame_sums applies version 2 frames (version 1 frames check themselves)")
@@ -785,13 +807,11 @@ def apply_frame_sums(
     payload = _read_payload(frame, head)
     op = (OP_ADD if head.add else OP_XOR) if head.delta else OP_SET
     found = _apply_summing(targets, starts, head, payload, op, before=before, after=True)
-    width = head.dtype.width
-    sums = []
-    for t, (b, a) in zip(targets, found, strict=True):
+    out: list[tuple[Sequence[int] | None, Sequence[int]]] = []
+    for b, a in found:
         assert a is not None, "asked for"
-        n = len(t) // width
-        sums.append(TargetSums(None if b is None else TensorSum(width, n, tuple(b)), TensorSum(width, n, tuple(a))))
-    return head, sums
+        out.append((b, a))
+    return head, out
 
 
 def undo_frame(
