@@ -174,7 +174,7 @@ def _check(
         for name, t, (b, a) in zip(fr.names, targets, found, strict=True):
             if name is None or name not in views:
                 continue
-            assert b is not None, "asked for"
+            assert b is not None and a is not None, "asked for"
             acc = totals.get(name)
             if acc is None:
                 totals[name] = [len(t) // width, b, a]

@@ -780,6 +780,7 @@ def apply_frame_sums(
     width = head.dtype.width
     sums = []
     for t, (b, a) in zip(targets, found, strict=True):
+        assert a is not None, "asked for"
         n = len(t) // width
         sums.append(TargetSums(None if b is None else TensorSum(width, n, tuple(b)), TensorSum(width, n, tuple(a))))
     return head, sums
@@ -791,7 +792,7 @@ def apply_frame_lanes(
     starts: Sequence[int],
     *,
     before: bool = False,
-) -> tuple[FrameHeader, list[tuple[Sequence[int] | None, Sequence[int]]]]:
+) -> tuple[FrameHeader, list[Sums]]:
     """:func:`apply_frame_sums`, each target's checksums as their bare lanes: (before or None, after).
 
     For callers that add up and compare tens of thousands of pieces' checksums (a model of that
@@ -806,12 +807,7 @@ def apply_frame_lanes(
         raise LimitExceeded("one start per target")
     payload = _read_payload(frame, head)
     op = (OP_ADD if head.add else OP_XOR) if head.delta else OP_SET
-    found = _apply_summing(targets, starts, head, payload, op, before=before, after=True)
-    out: list[tuple[Sequence[int] | None, Sequence[int]]] = []
-    for b, a in found:
-        assert a is not None, "asked for"
-        out.append((b, a))
-    return head, out
+    return head, _apply_summing(targets, starts, head, payload, op, before=before, after=True)
 
 
 def undo_frame(
