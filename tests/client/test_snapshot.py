@@ -186,12 +186,15 @@ def test_publish_holds_the_collector_off_and_publish_async_does_not(server, mode
     ],
 )
 def test_host_bytes_is_a_live_view_of_the_tensors_bytes(t) -> None:
+    def through_torch() -> bytes:  # the bytes by torch's own views, not through host_bytes (raw_bytes uses it)
+        return bytes(t.flatten().view(torch.uint8).tolist())
+
     view = tensors.host_bytes(t)
     assert view.dtype == np.uint8 and view.ndim == 1
-    assert view.tobytes() == tensors.raw_bytes(t).tobytes()
+    assert view.tobytes() == through_torch() == tensors.raw_bytes(t).tobytes()
     if t.numel():
         view[0] ^= 0xFF  # writes land in the tensor
-        assert tensors.raw_bytes(t)[0] == view[0]
+        assert through_torch()[0] == view[0]
 
 
 def test_host_bytes_keeps_its_tensor_alive_and_refuses_what_it_cannot_view() -> None:

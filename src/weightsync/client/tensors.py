@@ -79,6 +79,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def raw_bytes(t: torch.Tensor) -> np.ndarray:
     """A tensor's bytes as a 1-D uint8 numpy array (a view for contiguous CPU tensors, else a host copy)."""
+    if t.is_cpu and t.is_contiguous():
+        return host_bytes(t)
     torch = torch_module()
     t = t.detach()
     if t.device.type != "cpu":
@@ -92,8 +94,8 @@ def raw_bytes(t: torch.Tensor) -> np.ndarray:
 def host_bytes(t: torch.Tensor) -> np.ndarray:
     """A writable 1-D uint8 view of a contiguous CPU tensor's bytes, which keeps the tensor alive.
 
-    What :func:`raw_bytes` gives for such a tensor, without torch's dispatcher: built from the
-    tensor's address and size (~1.3 µs against ~5.5, which counts at tens of thousands of tensors
+    :func:`raw_bytes` of such a tensor, without torch's dispatcher: built from the tensor's address
+    and size (~1.3 µs against ~5.5 through torch's views, which counts at tens of thousands of tensors
     per apply). The caller checks `t` is a contiguous CPU tensor (ValueError otherwise).
     """
     if not (t.is_cpu and t.is_contiguous()):
