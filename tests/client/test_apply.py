@@ -341,6 +341,53 @@ def test_a_failed_whole_replacement_asks_for_a_reload() -> None:
         inplace.apply(_snapshot(published[0]), prepared, model="local", version=1, verify=True, strict=True)
 
 
+def test_whole_replacements_of_host_tensors_are_copied_in_pieces_without_torch(monkeypatch) -> None:
+    """A keyframe step into host tensors lands bit for bit, in place, in pieces spread over the CPU pool, and never
+    through torch's copy_ (whose OpenMP worker keeps spinning on a core after the apply returns)."""
+    from weightsync.client import inplace
+
+    published = _trained(3, seed=11)
+    prepared = _local_update(published, 1, 3, keyframe=True)
+    assert all(u.replace is not None for u in prepared.updates.values())
+    tensors = _snapshot(published[0])
+    addresses = {k: t.data_ptr() for k, t in tensors.items()}
+    monkeypatch.setattr(inplace, "_REPLACE_PIECE", 1000)  # the larger tensors go in many pieces, some ragged
+    assert max(t.nbytes for t in tensors.values()) > 3 * 1000
+    calls = []
+    real = torch.Tensor.copy_
+
+    def watched(self, *args, **kw):
+        calls.append(self.device.type)
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", watched)
+    applied = inplace.apply(tensors, prepared, model="local", version=1, verify=True, strict=True)
+    assert calls == []
+    _assert_identical(tensors, published[2])
+    assert {k: t.data_ptr() for k, t in tensors.items()} == addresses
+    applied.check()
+
+
+def test_copy_pieces_copies_every_pair_exactly() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from weightsync.client.tensors import copy_pieces
+
+    rng = np.random.default_rng(5)
+    sizes = [0, 1, 999, 1000, 1001, 5000, 12345]
+    srcs = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    for pool in (None, ThreadPoolExecutor(2)):
+        dsts = [np.zeros(n, dtype=np.uint8) for n in sizes]
+        copy_pieces(list(zip(dsts, srcs, strict=True)), pool, piece=1000)
+        for d, s in zip(dsts, srcs, strict=True):
+            assert d.tobytes() == s.tobytes()
+        copy_pieces([], pool)
+        with pytest.raises(ValueError):
+            copy_pieces([(np.zeros(10, dtype=np.uint8), srcs[4])], pool, piece=1000)  # lengths differ
+        with pytest.raises(ValueError):
+            copy_pieces([(np.zeros(5001, dtype=np.uint8), srcs[4])], pool, piece=1000)
+
+
 def test_staged_changes_are_compact_and_apply_exactly() -> None:
     """Staging (client/tensors.py): block-coded positions where that is smaller; the same bytes as the host apply."""
     from weightsync.client.tensors import BLOCK_BITS, apply_staged, stage_change

@@ -37,6 +37,9 @@ from weightsync.codec.dtypes import DType, by_name
 from weightsync.codec.manifest import DIGEST_SUM, DIGEST_XXH3, FrameRef, Manifest
 from weightsync.codec.values import Change, apply_values, compose, decode_values, keyframe_bytes
 
+_REPLACE_PIECE = 8 << 20
+"""Whole replacements of host tensors are copied in pieces of this many bytes, spread over the CPU pool."""
+
 
 @dataclass
 class TensorUpdate:
@@ -417,7 +420,7 @@ def apply(
     new chain): then they hold neither version and must be loaded afresh (the message
     says which). The pause runs from the first write until the result check passed.
     """
-    from weightsync.client.tensors import byte_view, torch_module
+    from weightsync.client.tensors import byte_view, copy_pieces, host_bytes, torch_module
 
     torch = torch_module()
     if prepared.model != model:
@@ -455,10 +458,15 @@ def apply(
     t0 = time.perf_counter()
     moved: dict[str, list[Any]] = {}
     with torch.no_grad():
+        # Whole replacements of host tensors: numpy copies on the CPU pool (tensors.copy_pieces: no OpenMP
+        # worker left spinning on a core after the apply, as torch's copy_ leaves one).
+        host = [(host_bytes(t), u.replace) for u, t in work if u.replace is not None and t.device.type == "cpu"]
+        copy_pieces(host, cpu_pool(), piece=_REPLACE_PIECE)
         for u, t in work:
             if u.replace is not None:
-                src = u.staged_replace if u.staged_replace is not None else torch.from_numpy(u.replace)
-                byte_view(t).copy_(src, non_blocking=True)
+                if t.device.type != "cpu":
+                    src = u.staged_replace if u.staged_replace is not None else torch.from_numpy(u.replace)
+                    byte_view(t).copy_(src, non_blocking=True)
                 continue
             tracked = track and u.name in bases
             for i in range(len(u.ops)):

@@ -14,7 +14,7 @@ import os
 import threading
 import weakref
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -279,25 +279,37 @@ _PIECE = 64 << 20
 """CPU tensors are copied in pieces of at most this many bytes, so one large tensor spreads over threads."""
 
 
-def _copy_host(out: np.ndarray, items: list[tuple[Any, int]], threads: int | None) -> None:
-    """Copy CPU tensors' bytes into `out` at their offsets, on `threads` threads.
+def copy_pieces(pairs: list[tuple[np.ndarray, np.ndarray]], pool: Executor | None, *, piece: int = _PIECE) -> None:
+    """Copy each (destination, source) pair of equal-length byte arrays (ValueError if not), in pieces of at most
+    `piece` bytes.
 
-    numpy's copy releases the GIL and, unlike torch's ``copy_``, starts no
-    intra-op threads of its own (those oversubscribe the cores this pool uses).
+    On `pool`, the calling thread helping (None: on the calling thread). numpy's copy
+    releases the GIL and, unlike torch's ``copy_``, starts no intra-op threads of its own:
+    those oversubscribe the cores this pool uses, and after each copy OpenMP's worker spins
+    on a core for milliseconds (GOMP_SPINCOUNT: ~18 ms on a Xeon whose ``pause`` takes ~140
+    cycles), taking it from whatever runs next (docs/SCALE.md, run T).
     """
-    pieces: list[tuple[np.ndarray, int]] = []
-    for t, at in items:
-        src = raw_bytes(t)
-        pieces.extend((src[k : k + _PIECE], at + k) for k in range(0, len(src), _PIECE))
-    if not pieces:
+    from weightsync.client._pool import run_all
+
+    if any(len(dst) != len(src) for dst, src in pairs):
+        raise ValueError("copy_pieces: a destination and its source differ in length")
+    pieces = [(dst[k : k + piece], src[k : k + piece]) for dst, src in pairs for k in range(0, len(src), piece)]
+    if pool is None or len(pieces) < 2:
+        for dst, src in pieces:
+            np.copyto(dst, src)
         return
-    workers = min(len(pieces), threads or os.cpu_count() or 1)
-    if workers == 1:
-        for src, at in pieces:
-            out[at : at + len(src)] = src
+    run_all(pool, lambda p: np.copyto(p[0], p[1]), pieces, caller_helps=True)
+
+
+def _copy_host(out: np.ndarray, items: list[tuple[Any, int]], threads: int | None) -> None:
+    """Copy CPU tensors' bytes into `out` at their offsets, on `threads` threads (default: all cores)."""
+    pairs = [(out[at : at + t.nbytes], raw_bytes(t)) for t, at in items]
+    workers = min(sum(-(-len(src) // _PIECE) for _, src in pairs), threads or os.cpu_count() or 1)
+    if workers <= 1:
+        copy_pieces(pairs, None)
         return
-    with ThreadPoolExecutor(workers, thread_name_prefix="weightsync-snapshot") as pool:
-        list(pool.map(lambda p: np.copyto(out[p[1] : p[1] + len(p[0])], p[0]), pieces))
+    with ThreadPoolExecutor(workers - 1, thread_name_prefix="weightsync-snapshot") as pool:  # the caller helps
+        copy_pieces(pairs, pool)
 
 
 def load(path: str | os.PathLike, *, device: str | None = None) -> dict[str, torch.Tensor]:
