@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from weightsync.codec import decode_frame, kernels
 from weightsync.codec import frame as fr
 from weightsync.codec.dtypes import UINT, by_name
-from weightsync.errors import ChecksumMismatch, CorruptData
+from weightsync.errors import ChecksumMismatch, CorruptData, LimitExceeded
 
 GOLDEN = Path(__file__).resolve().parent.parent / "golden"
 NATIVE = kernels.NATIVE
@@ -657,3 +657,43 @@ def test_the_portable_loops_pass_the_differential_tests():
         cwd=Path(__file__).resolve().parents[2],
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("impl", IMPLS, ids=lambda k: k.name)
+def test_memory_views_are_the_spans_own_bytes_and_take_a_sums_apply(impl):
+    """Views by address are the memory itself (writes land, reads see it), in any length including none, and
+    serve as the targets of a checked apply exactly as numpy arrays of the same bytes do."""
+    from weightsync.codec.frame import apply_frame_lanes, encode_delta_pieces
+
+    rng = np.random.default_rng(7)
+    mem = rng.integers(0, 256, 4096, dtype=np.uint8)
+    base = mem.ctypes.data
+    spans = [(0, 1000), (1000, 0), (1000, 3096)]
+    views = impl.memory_views([base + a for a, _ in spans], [n for _, n in spans])
+    assert [len(v) for v in views] == [1000, 0, 3096]
+    assert bytes(views[0]) == mem[:1000].tobytes() and bytes(views[2]) == mem[1000:].tobytes()
+    np.frombuffer(views[2], dtype=np.uint8)[:2] = (1, 2)
+    assert mem[1000:1002].tolist() == [1, 2]
+    new = mem.copy()
+    new[::97] ^= 0x55
+    old = mem.copy()
+    frame = encode_delta_pieces([old[:1000], old[1000:]], [new[:1000], new[1000:]], by_name("BF16"), version=2)
+    with kernels.using(impl):
+        views = impl.memory_views([base, base + 1000], [1000, 3096])
+        copies = [old[:1000].copy(), old[1000:].copy()]
+        _, by_address = apply_frame_lanes(frame, views, [0, 500], before=True)
+        _, by_array = apply_frame_lanes(frame, copies, [0, 500], before=True)
+    assert mem.tobytes() == new.tobytes() == b"".join(c.tobytes() for c in copies)
+    assert [tuple(map(tuple, s)) for s in by_address] == [tuple(map(tuple, s)) for s in by_array]
+    with pytest.raises(LimitExceeded, match="targets"):  # a view of 2-byte items is not a byte buffer
+        apply_frame_lanes(frame, [memoryview(np.zeros(500, np.uint16)), views[1]], [0, 500])
+
+
+@pytest.mark.parametrize("impl", IMPLS, ids=lambda k: k.name)
+def test_memory_views_refuse_spans_that_are_not_memory(impl):
+    with pytest.raises(ValueError, match="length"):
+        impl.memory_views([1, 2], [3])
+    with pytest.raises(ValueError, match="span 0"):
+        impl.memory_views([0], [16])
+    with pytest.raises((ValueError, OverflowError)):
+        impl.memory_views([4096], [-1])

@@ -27,7 +27,8 @@ import numpy as np
 
 from weightsync import errors
 from weightsync.client._pool import cpu_pool, run_all
-from weightsync.codec.checksum import MASK, wire_form
+from weightsync.codec import kernels
+from weightsync.codec.checksum import MASK, lanes_of, wire_form
 from weightsync.codec.decoder import check_frame
 from weightsync.codec.frame import HEADER_SIZE, METHOD_SPARSE, FrameHeader, apply_frame_lanes, undo_frame
 from weightsync.codec.manifest import VERSION_2, FrameRef, Manifest
@@ -112,21 +113,31 @@ def apply(
     apply on `threads` threads (default: the process's CPU pool, ``_pool.cpu_pool``) and the calling thread.
 
     Returns the pause: seconds from the first write until the result check passed (the
-    views and the pieces' targets are made before it).
+    pieces' targets, views of the tensors' memory by address, and what the check compares
+    against are made before it).
     """
-    from weightsync.client.tensors import host_bytes
-
-    views = {name: host_bytes(t) for name, t in held.items()}
+    k = kernels.active()
+    addresses = {name: t.data_ptr() for name, t in held.items()}  # contiguous CPU tensors (inplace._held)
     jobs = []
     for fr in frames:
-        targets, starts = [], []
         width = _width(fr)
-        for p, name in zip(fr.ref.pieces, fr.names, strict=True):
-            view = views.get(name) if name is not None else None
-            targets.append(view[p.offset : p.offset + p.length] if view is not None else np.zeros(p.length, np.uint8))
+        targets: list[Any] = []
+        starts, mine, at, lengths = [], [], [], []
+        for i, (p, name) in enumerate(zip(fr.ref.pieces, fr.names, strict=True)):
+            address = addresses.get(name) if name is not None else None
+            if address is None:
+                targets.append(np.zeros(p.length, np.uint8))  # scratch: a piece of a tensor not held
+            else:
+                targets.append(None)
+                mine.append(i)
+                at.append(address + p.offset)
+                lengths.append(p.length)
             starts.append(p.offset // width)
+        for i, view in zip(mine, k.memory_views(at, lengths), strict=True):  # the held tensors' own bytes
+            targets[i] = view
         jobs.append((fr, targets, starts))
     sums: list[list[Any]] = [[] for _ in jobs]
+    layout = _Layout.of(jobs, held, digests) if verify else None
 
     def run(i: int) -> None:
         fr, targets, starts = jobs[i]
@@ -142,7 +153,7 @@ def apply(
             raise
         if not verify:
             return time.perf_counter() - t0
-        bad_base, bad_result = _check(jobs, sums, views, digests)
+        bad_base, bad_result = layout.check(sums) if layout is not None else _check(jobs, sums, held, digests)
         if bad_base is None and bad_result is None:
             return time.perf_counter() - t0
         _undo(pool, jobs, [True] * len(jobs))
@@ -157,10 +168,101 @@ def apply(
     )
 
 
+class _Layout:
+    """Where each piece's checksum lanes go when a tensor's pieces are added up, and what they must add up to.
+
+    Built before the first write, so the check inside the pause is a few numpy operations over
+    every tensor at once rather than Python per tensor (at tens of thousands of tensors that
+    loop was most of the pause). The checksums of all checked tensors sit end to end in one
+    u64 array in wire form (count, then lanes: FORMAT §10.1), in `digests`' order; the expected
+    ones are the manifest's digests decoded in one go. A piece's lanes are added at its tensor's
+    place mod 2^64 (u64 arithmetic wraps), counts come from the pieces' lengths. The result is
+    the same as :func:`_check`'s (the reference), which runs when some digest is not the wire
+    form's length (never, for a manifest that parsed: its digests are checked).
+    """
+
+    def __init__(
+        self,
+        names: list[str],
+        at: np.ndarray,
+        keep: list[list[int]],
+        lanes_at: np.ndarray,
+        counts: np.ndarray,
+        want_base: np.ndarray,
+        want_result: np.ndarray,
+    ) -> None:
+        self.names, self.at, self.keep, self.lanes_at = names, at, keep, lanes_at
+        self.counts, self.want_base, self.want_result = counts, want_base, want_result
+
+    @classmethod
+    def of(
+        cls,
+        jobs: list[tuple[Frame, list[Any], list[int]]],
+        held: Mapping[str, Any],
+        digests: Mapping[str, tuple[str | None, str]],
+    ) -> _Layout | None:
+        widths: dict[str, int] = {}  # checked tensor → its element width
+        owner: list[str] = []  # per kept piece, in the order `check` flattens them: its tensor
+        counts_of: list[int] = []  # per kept piece: its elements
+        keep: list[list[int]] = []  # per frame: its pieces that are checked
+        for fr, targets, _ in jobs:
+            width = _width(fr)
+            kept = []
+            for k, (name, t) in enumerate(zip(fr.names, targets, strict=True)):
+                if name is None or name not in held or name not in digests:
+                    continue
+                kept.append(k)
+                widths[name] = width
+                owner.append(name)
+                counts_of.append(len(t) // width)
+            keep.append(kept)
+        names = [n for n in digests if n in widths]
+        index = {n: i for i, n in enumerate(names)}
+        lanes = [lanes_of(widths[n]) for n in names]
+        hex_base, hex_result = [], []
+        for n, count in zip(names, lanes, strict=True):
+            base, result = digests[n]
+            if base is None or len(base) != 16 * (count + 1) or len(result) != 16 * (count + 1):
+                return None  # not a wire form: the reference check says which tensor
+            hex_base.append(base)
+            hex_result.append(result)
+        try:
+            want_base = np.frombuffer(bytes.fromhex("".join(hex_base)), dtype="<u8").astype(np.uint64)
+            want_result = np.frombuffer(bytes.fromhex("".join(hex_result)), dtype="<u8").astype(np.uint64)
+        except ValueError:
+            return None
+        per = np.array(lanes, dtype=np.int64)
+        at = np.zeros(len(names) + 1, dtype=np.int64)  # where each tensor's wire form starts
+        np.cumsum(per + 1, out=at[1:])
+        tidx = np.array([index[n] for n in owner], dtype=np.int64)
+        counts = np.zeros(int(at[-1]), dtype=np.uint64)
+        np.add.at(counts, at[tidx], np.array(counts_of, dtype=np.uint64))
+        lp = per[tidx]  # lanes of each kept piece, flattened one after another by `check`
+        starts = np.repeat(at[tidx] + 1, lp)
+        within = np.arange(int(lp.sum()), dtype=np.int64) - np.repeat(np.cumsum(lp) - lp, lp)
+        return cls(names, at, keep, starts + within, counts, want_base, want_result)
+
+    def check(self, sums: list[list[Any]]) -> tuple[str | None, str | None]:
+        """The first tensor whose base differs and the first whose result does (None: none), from the pieces'
+        lanes as the kernels gave them (`sums[i][k]`: piece k of frame i, (before, after))."""
+        pieces = [found[k] for found, kept in zip(sums, self.keep, strict=True) for k in kept]
+        before = [x for b, _ in pieces for x in b]
+        after = [x for _, a in pieces for x in a]
+        return self._first(before, self.want_base), self._first(after, self.want_result)
+
+    def _first(self, lanes: list[int], want: np.ndarray) -> str | None:
+        got = self.counts.copy()
+        np.add.at(got, self.lanes_at, np.array(lanes, dtype=np.uint64))
+        bad = np.flatnonzero(got != want)
+        if not len(bad):
+            return None
+        return self.names[int(np.searchsorted(self.at, bad[0], side="right")) - 1]
+
+
 def _check(
-    jobs: list[tuple[Frame, list[np.ndarray], list[int]]],
+    jobs: list[tuple[Frame, list[Any], list[int]]],
     sums: list[list[Any]],
-    views: Mapping[str, np.ndarray],
+    held: Mapping[str, Any],
     digests: Mapping[str, tuple[str | None, str]],
 ) -> tuple[str | None, str | None]:
     """The first tensor (in `digests`' order) whose base differs and the first whose result does (None: none).
@@ -172,7 +274,7 @@ def _check(
     for (fr, targets, _), found in zip(jobs, sums, strict=True):
         width = _width(fr)
         for name, t, (b, a) in zip(fr.names, targets, found, strict=True):
-            if name is None or name not in views:
+            if name is None or name not in held:
                 continue
             assert b is not None and a is not None, "asked for"
             acc = totals.get(name)
@@ -197,7 +299,7 @@ def _check(
     return bad_base, bad_result
 
 
-def _undo(pool: ThreadPoolExecutor, jobs: list[tuple[Frame, list[np.ndarray], list[int]]], applied: list[bool]) -> None:
+def _undo(pool: ThreadPoolExecutor, jobs: list[tuple[Frame, list[Any], list[int]]], applied: list[bool]) -> None:
     """Undo the frames of `jobs` marked applied, in parallel."""
     run_all(pool, lambda i: undo_frame(jobs[i][0].blob, jobs[i][1]), [i for i, a in enumerate(applied) if a])
 

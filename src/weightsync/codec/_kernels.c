@@ -846,6 +846,50 @@ static PyObject *checksum(PyObject *self, PyObject *args) {
 
 /* ---- module -------------------------------------------------------------------------- */
 
+/* memory_views(addresses, lengths) -> [memoryview]: a writable byte view of each span of raw memory,
+ * which the caller keeps alive while the views are used (the views own nothing). Targets for the
+ * *_sums applies made from tensors' addresses: ~0.1 us a span, against ~2 us for a numpy view
+ * that keeps its tensor alive. */
+static PyObject *memory_views(PyObject *self, PyObject *args) {
+    PyObject *oa, *ol;
+    if (!PyArg_ParseTuple(args, "OO", &oa, &ol)) return NULL;
+    if (!PySequence_Check(oa) || !PySequence_Check(ol)) {
+        PyErr_SetString(PyExc_ValueError, "addresses and lengths must be sequences");
+        return NULL;
+    }
+    const Py_ssize_t n = PySequence_Size(oa);
+    if (n < 0) return NULL;
+    if (PySequence_Size(ol) != n) {
+        PyErr_SetString(PyExc_ValueError, "one length per address");
+        return NULL;
+    }
+    PyObject *out = PyList_New(n);
+    if (out == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *a = PySequence_GetItem(oa, i), *l = a == NULL ? NULL : PySequence_GetItem(ol, i);
+        if (l == NULL) {
+            Py_XDECREF(a);
+            goto fail;
+        }
+        unsigned long long address = PyLong_AsUnsignedLongLong(a);
+        Py_ssize_t length = PyLong_AsSsize_t(l);
+        Py_DECREF(a);
+        Py_DECREF(l);
+        if (PyErr_Occurred()) goto fail;
+        if (length < 0 || (address == 0 && length > 0)) {
+            PyErr_Format(PyExc_ValueError, "span %zd: no memory of %zd bytes at address %llu", i, length, address);
+            goto fail;
+        }
+        static char empty[1];
+        PyObject *view = PyMemoryView_FromMemory(length ? (char *)(uintptr_t)address : empty, length, PyBUF_WRITE);
+        if (view == NULL || PyList_SetItem(out, i, view) < 0) goto fail;
+    }
+    return out;
+fail:
+    Py_DECREF(out);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"count_changed", count_changed, METH_VARARGS, "count_changed(base, new, width) -> changed elements"},
     {"encode_sparse", encode_sparse, METH_VARARGS,
@@ -869,6 +913,7 @@ static PyMethodDef methods[] = {
      " -> [(before, after)], None if out of range"},
     {"gap_positions", gap_positions, METH_VARARGS, "gap_positions(count, gap_planes, out_int64) -> end"},
     {"checksum", checksum, METH_VARARGS, "checksum(data, width, start, constant, threads) -> lanes"},
+    {"memory_views", memory_views, METH_VARARGS, "memory_views(addresses, lengths) -> [writable memoryview]"},
     {NULL, NULL, 0, NULL},
 };
 

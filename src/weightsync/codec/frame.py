@@ -870,10 +870,10 @@ def _apply_summing(
     return found
 
 
-def _check_targets(targets: Sequence[np.ndarray], head: FrameHeader) -> None:
-    if not targets or any(
-        t.dtype != np.uint8 or t.ndim != 1 or not t.flags.c_contiguous or len(t) % head.dtype.width for t in targets
-    ):
+def _check_targets(targets: Sequence[np.ndarray | memoryview], head: FrameHeader) -> None:
+    """Targets are contiguous 1-D uint8 arrays, or byte memoryviews (the active kernels' ``memory_views``), of whole
+    elements, holding the frame's raw length between them."""
+    if not targets or any(not _byte_buffer(t) or len(t) % head.dtype.width for t in targets):
         raise LimitExceeded("frame targets must be contiguous 1-D uint8 arrays of whole elements")
     if sum(len(t) for t in targets) != head.raw_len:
         raise LimitExceeded(f"frame decodes to {head.raw_len} bytes, targets hold {sum(len(t) for t in targets)}")
@@ -912,3 +912,9 @@ def decode_frame(frame: bytes | memoryview | np.ndarray, base: np.ndarray | None
         out = np.empty(head.raw_len, dtype=np.uint8)
     apply_frame(frame, out)
     return out
+
+
+def _byte_buffer(t: np.ndarray | memoryview) -> bool:
+    if isinstance(t, memoryview):
+        return t.format == "B" and t.ndim == 1 and t.c_contiguous
+    return t.dtype == np.uint8 and t.ndim == 1 and t.flags.c_contiguous

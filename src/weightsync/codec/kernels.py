@@ -31,7 +31,7 @@ import logging
 import os
 from collections.abc import Iterator, Sequence
 from types import ModuleType
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -100,6 +100,12 @@ class Kernels(Protocol):
 
     def gap_positions(self, count: int, gaps: Sequence[np.ndarray]) -> np.ndarray:
         """Element positions (int64, ascending) of `count` gap-coded changes (unchecked against a length)."""
+        ...
+
+    def memory_views(self, addresses: Sequence[int], lengths: Sequence[int]) -> list[Any]:
+        """Writable 1-D byte buffers over raw memory, one per (address, length), usable as targets of the
+        ``*_sums`` applies. They own nothing: the caller keeps the memory alive while they are used.
+        ValueError for a negative length, or a null address with bytes."""
         ...
 
     def gap_cuts(

@@ -108,6 +108,10 @@ class NativeKernels:
         self._ext.gap_positions(count, gaps, out)
         return out
 
+    def memory_views(self, addresses: Sequence[int], lengths: Sequence[int]) -> list[memoryview]:
+        """See :class:`Kernels`."""
+        return list(self._ext.memory_views(addresses, lengths))
+
     def gap_cuts(
         self, count: int, gaps: Sequence[np.ndarray], bounds: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray, int]:

@@ -6,6 +6,7 @@ compute is the definition. Pure and thread-safe; writes go only to the target a 
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 
 import numpy as np
@@ -75,6 +76,20 @@ class ReferenceKernels:
             return False
         _apply(target.view(UINT[width]), self.join_planes(values, width).view(UINT[width]), op, positions)
         return True
+
+    def memory_views(self, addresses: Sequence[int], lengths: Sequence[int]) -> list[np.ndarray]:
+        """See :class:`Kernels`."""
+        if len(addresses) != len(lengths):
+            raise ValueError("one length per address")
+        out = []
+        for i, (address, length) in enumerate(zip(addresses, lengths, strict=True)):
+            if length < 0 or (address == 0 and length > 0):
+                raise ValueError(f"span {i}: no memory of {length} bytes at address {address}")
+            if not length:
+                out.append(np.zeros(0, dtype=np.uint8))
+                continue
+            out.append(np.frombuffer(memoryview((ctypes.c_uint8 * length).from_address(address)), dtype=np.uint8))
+        return out
 
     def gap_positions(self, count: int, gaps: Sequence[np.ndarray]) -> np.ndarray:
         """See :class:`Kernels`."""
