@@ -309,6 +309,24 @@ def test_the_frames_pass_undoes_everything_when_a_check_fails(where: str) -> Non
     _assert_identical(tensors, before)
 
 
+def test_the_frames_pass_never_writes_past_a_tensors_end() -> None:
+    """The pass writes through views made from the tensors' addresses: a tensor shorter than the update's pieces
+    (a caller going around `apply`'s shape checks) is refused before any write."""
+    from weightsync.client import frames_apply
+
+    published = _trained(2, seed=13)
+    prepared = _local_update(published, 1, 2)
+    assert prepared.frames
+    tensors = _snapshot(published[0])
+    name = max(prepared.updates, key=lambda n: tensors[n].nbytes)
+    tensors[name] = tensors[name].reshape(-1)[: tensors[name].numel() // 2].clone()
+    before = _snapshot(tensors)
+    digests = {n: (u.base_digest, u.result_digest) for n, u in prepared.updates.items()}
+    with pytest.raises(errors.ReloadRequired, match=repr(name)):
+        frames_apply.apply(prepared.frames, tensors, digests, base=1, target=2, verify=True)
+    _assert_identical(tensors, before)
+
+
 def test_result_mismatch_through_the_subscriber(server, model, tmp_path: Path) -> None:
     _publish(server.url, model, 2, seed=6)
     with Subscriber(server.url, model, version=1) as sub:

@@ -117,17 +117,22 @@ def apply(
     against are made before it).
     """
     k = kernels.active()
-    addresses = {name: t.data_ptr() for name, t in held.items()}  # contiguous CPU tensors (inplace._held)
+    spans = {name: (t.data_ptr(), t.nbytes) for name, t in held.items()}  # contiguous CPU tensors (inplace._held)
     jobs = []
     for fr in frames:
         width = _width(fr)
         targets: list[Any] = []
         starts, mine, at, lengths = [], [], [], []
         for i, (p, name) in enumerate(zip(fr.ref.pieces, fr.names, strict=True)):
-            address = addresses.get(name) if name is not None else None
-            if address is None:
+            span = spans.get(name) if name is not None else None
+            if span is None:
                 targets.append(np.zeros(p.length, np.uint8))  # scratch: a piece of a tensor not held
             else:
+                address, size = span
+                if p.offset + p.length > size:  # the views are raw memory: never past a tensor's end
+                    raise errors.ReloadRequired(
+                        f"tensor {name!r} holds {size} bytes; the update writes up to byte {p.offset + p.length}"
+                    )
                 targets.append(None)
                 mine.append(i)
                 at.append(address + p.offset)
