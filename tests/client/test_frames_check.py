@@ -10,7 +10,6 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weightsync.client import frames_apply
 from weightsync.client.frames_apply import Frame, _check, _Layout
 from weightsync.codec.checksum import MASK, lanes_of
 
@@ -107,4 +106,4 @@ def test_every_tensor_right_and_one_wrong_result_is_named() -> None:
     layout = _Layout.of(jobs, views, digests)
     assert layout is not None
     assert layout.check(sums) == (None, "t2") == _check(jobs, sums, views, digests)
-    assert frames_apply._Layout.of(jobs, views, {**digests, "t1": (None, digests["t1"][1])}) is None
+    assert _Layout.of(jobs, views, {**digests, "t1": (None, digests["t1"][1])}) is None

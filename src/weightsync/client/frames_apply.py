@@ -173,6 +173,7 @@ def apply(
     )
 
 
+@dataclass(frozen=True)
 class _Layout:
     """Where each piece's checksum lanes go when a tensor's pieces are added up, and what they must add up to.
 
@@ -186,18 +187,18 @@ class _Layout:
     form's length (never, for a manifest that parsed: its digests are checked).
     """
 
-    def __init__(
-        self,
-        names: list[str],
-        at: np.ndarray,
-        keep: list[list[int]],
-        lanes_at: np.ndarray,
-        counts: np.ndarray,
-        want_base: np.ndarray,
-        want_result: np.ndarray,
-    ) -> None:
-        self.names, self.at, self.keep, self.lanes_at = names, at, keep, lanes_at
-        self.counts, self.want_base, self.want_result = counts, want_base, want_result
+    names: list[str]
+    """The checked tensors, in `digests`' order."""
+    at: np.ndarray
+    """Where each tensor's wire form starts in the arrays (one more entry: their length)."""
+    keep: list[list[int]]
+    """Per frame, the pieces that are checked."""
+    lanes_at: np.ndarray
+    """Where each checked piece's lanes are added, in the order `check` flattens them."""
+    counts: np.ndarray
+    """The wire forms with only their element counts filled in."""
+    want_base: np.ndarray
+    want_result: np.ndarray
 
     @classmethod
     def of(
