@@ -25,8 +25,12 @@ from __future__ import annotations
 
 import re
 import struct
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
+from weightsync.codec.checkpoint import Segment
 from weightsync.codec.checksum import WIDTHS, lanes_of
 from weightsync.codec.frame import MAX_FRAME_RAW
 from weightsync.codec.manifest import (
@@ -135,31 +139,149 @@ def _read_files(doc: dict[str, Any]) -> list[FileEntry]:
         total += n
         if total > MAX_SEGMENTS:
             raise LimitExceeded("too many segments")
-        moved = cols.get("base_offset", [None] * n)
-        kinds, names, dtypes, shapes = cols["kind"], cols["name"], cols["dtype"], cols["shape"]
-        bases, digests = cols["base"], cols["digest"]
-        segs = []
-        cursor = 0
-        for i in range(n):
-            dtype = check_dtype(dtypes[i], path)
-            seg = check_segment(path, kinds[i], names[i], dtype, shapes[i], cursor, size)
-            cursor += seg.length
-            count = _COUNT.pack(seg.length // dtype.width).hex()  # the digests' leading element count
-            pattern = _lanes_pattern(dtype.width)
-            base_lanes, lanes = bases[i], digests[i]
-            if base_lanes is None:
-                if lanes is None or moved[i] is not None:
-                    raise FormatError(f"{path}: segment {seg.name!r} has neither a digest nor a base")
-                segs.append(SegmentEntry(seg, count + check_hex(lanes, pattern, "digest")))
-                continue
-            base = count + check_hex(base_lanes, pattern, "base")
-            digest = base if lanes is None else count + check_hex(lanes, pattern, "digest")
-            base_offset = seg.offset if moved[i] is None else check_int(moved[i], f"{path}: base_offset", 1 << 62)
-            segs.append(SegmentEntry(seg, digest, base_offset, base, lanes is None))
-        if cursor != size:
-            raise FormatError(f"{path}: segments cover {cursor} of {size} bytes")
-        files.append(FileEntry(path, size, tuple(segs)))
+        known = _known_structure(path, size, cols)
+        entries = None if known is None else _entries(known, cols)
+        if entries is None:  # a new structure, or something to name: the reference reader below
+            entries = _read_segments(path, size, cols, n)
+            if known is None:
+                _remember_structure(path, size, cols, entries)
+        files.append(FileEntry(path, size, entries))
     return files
+
+
+# --- structures seen before ---------------------------------------------------------------------
+#
+# A model's versions repeat each file's structure (the kind, name, dtype, shape and base_offset
+# columns: tensors, their order and their coding), and what the reference reader checks per
+# segment follows from the structure and the file's size alone: the segments themselves, their
+# lengths and offsets, the digests' element counts and lane widths. A structure the reference
+# reader accepted is kept (by path and size, the last _MAX_STRUCTURES); a later document whose
+# columns equal it, with integers as strictly typed as the reference asks, reuses its segments, and
+# only the digest columns are read per row. Anything else, and any row that does not pass, goes to
+# the reference reader, which names the defect (tests/codec/test_manifest_structures.py holds the
+# two readers to the same answers).
+
+_MAX_STRUCTURES = 16
+_STRUCTURE_COLUMNS = ("kind", "name", "dtype", "shape")
+
+
+@dataclass(frozen=True)
+class _Structure:
+    """A file's structure columns as first read, and what the reference reader made of them."""
+
+    columns: tuple[list[Any] | None, ...]
+    """kind, name, dtype, shape, then base_offset (None when the column was absent)."""
+    segments: tuple[Segment, ...]
+    counts: tuple[str, ...]
+    """Each segment's element count as the hex its digests start with."""
+    lanes: tuple[int, ...]
+    """Each segment's digest lanes as hex characters (16 a lane)."""
+
+
+_structures: OrderedDict[tuple[str, int], _Structure] = OrderedDict()
+_structures_lock = threading.Lock()
+_HEX = re.compile("[0-9a-f]*")
+
+
+def _known_structure(path: str, size: int, cols: dict[str, Any]) -> _Structure | None:
+    """The structure kept for (path, size) when `cols` repeats it exactly (ints strictly typed), else None."""
+    with _structures_lock:
+        known = _structures.get((path, size))
+    if known is None:
+        return None
+    kinds, names, dtypes, shapes, moved = known.columns
+    if not (
+        cols["kind"] == kinds
+        and cols["name"] == names
+        and cols["dtype"] == dtypes
+        and cols["shape"] == shapes
+        and cols.get("base_offset") == moved
+    ):
+        return None
+    # Equal lists can still differ in type (1 == 1.0 == True): the reference takes ints only.
+    if not all(type(d) is int for shape in cols["shape"] for d in shape):
+        return None
+    offsets = cols.get("base_offset")
+    if offsets is not None and not all(o is None or type(o) is int for o in offsets):
+        return None
+    return known
+
+
+def _remember_structure(path: str, size: int, cols: dict[str, Any], entries: tuple[SegmentEntry, ...]) -> None:
+    moved = cols.get("base_offset")
+    columns: tuple[list[Any] | None, ...] = (
+        *(list(cols[c]) for c in _STRUCTURE_COLUMNS[:3]),
+        [list(shape) for shape in cols["shape"]],
+        None if moved is None else list(moved),
+    )
+    segments = tuple(e.segment for e in entries)
+    counts = tuple(_COUNT.pack(s.length // s.dtype.width).hex() for s in segments)
+    lanes = tuple(16 * lanes_of(s.dtype.width) for s in segments)
+    with _structures_lock:
+        _structures[path, size] = _Structure(columns, segments, counts, lanes)
+        _structures.move_to_end((path, size))
+        while len(_structures) > _MAX_STRUCTURES:
+            _structures.popitem(last=False)
+
+
+def _entries(known: _Structure, cols: dict[str, Any]) -> tuple[SegmentEntry, ...] | None:
+    """The segment entries of a known structure from the digest columns; None at the first row that
+    is not plainly valid (the reference reader then names what is wrong)."""
+    bases, digests = cols["base"], cols["digest"]
+    given = [x for x in bases if x is not None]
+    given += [x for x in digests if x is not None]
+    try:
+        if not _HEX.fullmatch("".join(given)):
+            return None
+    except TypeError:  # not every digest is a string
+        return None
+    moved = cols.get("base_offset")
+    out = []
+    for i, (seg, count, width, base_lanes, lanes) in enumerate(
+        zip(known.segments, known.counts, known.lanes, bases, digests, strict=True)
+    ):
+        if base_lanes is None:
+            if lanes is None or len(lanes) != width or (moved is not None and moved[i] is not None):
+                return None
+            out.append(SegmentEntry(seg, count + lanes))
+            continue
+        if len(base_lanes) != width or (lanes is not None and len(lanes) != width):
+            return None
+        base = count + base_lanes
+        digest = base if lanes is None else count + lanes
+        at = None if moved is None else moved[i]
+        if at is not None and not 0 <= at <= 1 << 62:
+            return None
+        out.append(SegmentEntry(seg, digest, seg.offset if at is None else at, base, lanes is None))
+    return tuple(out)
+
+
+def _read_segments(path: str, size: int, cols: dict[str, Any], n: int) -> tuple[SegmentEntry, ...]:
+    """The reference reader of one file's segment columns: every rule checked row by row, defects named."""
+    moved = cols.get("base_offset", [None] * n)
+    kinds, names, dtypes, shapes = cols["kind"], cols["name"], cols["dtype"], cols["shape"]
+    bases, digests = cols["base"], cols["digest"]
+    segs = []
+    cursor = 0
+    for i in range(n):
+        dtype = check_dtype(dtypes[i], path)
+        seg = check_segment(path, kinds[i], names[i], dtype, shapes[i], cursor, size)
+        cursor += seg.length
+        count = _COUNT.pack(seg.length // dtype.width).hex()  # the digests' leading element count
+        pattern = _lanes_pattern(dtype.width)
+        base_lanes, lanes = bases[i], digests[i]
+        if base_lanes is None:
+            if lanes is None or moved[i] is not None:
+                raise FormatError(f"{path}: segment {seg.name!r} has neither a digest nor a base")
+            segs.append(SegmentEntry(seg, count + check_hex(lanes, pattern, "digest")))
+            continue
+        base = count + check_hex(base_lanes, pattern, "base")
+        digest = base if lanes is None else count + check_hex(lanes, pattern, "digest")
+        base_offset = seg.offset if moved[i] is None else check_int(moved[i], f"{path}: base_offset", 1 << 62)
+        segs.append(SegmentEntry(seg, digest, base_offset, base, lanes is None))
+    if cursor != size:
+        raise FormatError(f"{path}: segments cover {cursor} of {size} bytes")
+    return tuple(segs)
 
 
 def _read_frames(cols: Any, files: list[FileEntry], objects: list[str]) -> list[FrameRef]:
