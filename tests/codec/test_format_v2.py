@@ -444,3 +444,30 @@ def test_a_keeping_frame_too_small_to_code_is_stored_from_its_coded_changes(add)
     mine = [o.copy() for o in olds]
     assert encode_delta_pieces(mine, news, by_name("BF16"), add=add, version=2, keep_base=True) == want
     assert all(np.array_equal(m, x) for m, x in zip(mine, news, strict=True))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(versions(), st.booleans())
+def test_small_segments_compared_by_address_encode_as_compared_one_by_one(pair, known):
+    """The encoder's native compare of small segments (Job._same) changes no byte of the output: the
+    same frames and manifest as comparing each segment with the fused coder, base checksums known or not."""
+    from weightsync.codec import encode_jobs
+
+    base, new = pair
+    digests = None
+    if known:
+        first = Encoder(format_version=2).encode(base).manifest
+        digests = {(f.path, e.segment.kind, e.segment.name): e.digest for f in first.files for e in f.segments}
+
+    def encode():
+        out = Encoder(chunk_bytes=4096, format_version=2).encode(new, base, base_digests=digests)
+        return out.manifest.to_json(), [fr.data for fr in out.frames]
+
+    fast = encode()
+    real = encode_jobs.Job._same
+    encode_jobs.Job._same = lambda self, items, pool: ([], list(items))
+    try:
+        one_by_one = encode()
+    finally:
+        encode_jobs.Job._same = real
+    assert fast == one_by_one

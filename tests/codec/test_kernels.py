@@ -697,3 +697,29 @@ def test_memory_views_refuse_spans_that_are_not_memory(impl):
         impl.memory_views([0], [16])
     with pytest.raises((ValueError, OverflowError)):
         impl.memory_views([4096], [-1])
+
+
+@pytest.mark.parametrize("impl", IMPLS, ids=lambda k: k.name)
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_same_spans_says_which_spans_hold_equal_bytes(impl, data):
+    """Each span pair is equal exactly when its bytes are, whatever the lengths (none included) and
+    wherever a difference lies, its first or last byte among them."""
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    a = rng.integers(0, 256, 3000, dtype=np.uint8)
+    b = a.copy()
+    spans = data.draw(
+        st.lists(st.tuples(st.integers(0, 1500), st.integers(0, 1500), st.integers(0, 1500)), max_size=12)
+    )
+    for at in data.draw(st.lists(st.integers(0, 2999), max_size=4)):
+        b[at] ^= 0x80
+    want = [bytes(a[x : x + n]) == bytes(b[y : y + n]) for x, y, n in spans]
+    table = np.array([(a.ctypes.data + x, b.ctypes.data + y, n) for x, y, n in spans], np.uint64).reshape(-1, 3)
+    got = impl.same_spans(table[:, 0], table[:, 1], table[:, 2])
+    assert got.dtype == np.bool_ and got.tolist() == want
+
+
+@pytest.mark.parametrize("impl", IMPLS, ids=lambda k: k.name)
+def test_same_spans_refuses_columns_of_different_lengths(impl):
+    with pytest.raises(ValueError, match="one length"):
+        impl.same_spans(np.zeros(2, np.uint64), np.zeros(2, np.uint64), np.zeros(1, np.uint64))

@@ -890,6 +890,37 @@ fail:
     return NULL;
 }
 
+/* same_spans(a, b, lengths) -> bytes: byte i is 1 when the lengths[i] bytes at address a[i] equal
+ * those at address b[i] (memcmp: it stops at the first difference), else 0. Each argument is a
+ * buffer of native u64 (numpy uint64 arrays); the caller keeps the memory alive and in bounds. The
+ * encoder's compare of many small segments with their bases in one call (~10 us of Python a
+ * segment before), with the GIL released. */
+static PyObject *same_spans(PyObject *self, PyObject *args) {
+    Py_buffer a, b, l;
+    if (!PyArg_ParseTuple(args, "y*y*y*", &a, &b, &l)) return NULL;
+    PyObject *out = NULL;
+    if (a.len != b.len || a.len != l.len || a.len % 8) {
+        PyErr_SetString(PyExc_ValueError, "same_spans: three u64 buffers of one length");
+        goto done;
+    }
+    const Py_ssize_t n = a.len / 8;
+    out = PyBytes_FromStringAndSize(NULL, n);
+    if (out == NULL) goto done;
+    {
+        char *o = PyBytes_AsString(out);
+        const u64 *pa = a.buf, *pb = b.buf, *pl = l.buf;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < n; i++)
+            o[i] = pl[i] == 0 || memcmp((const void *)(uintptr_t)pa[i], (const void *)(uintptr_t)pb[i], pl[i]) == 0;
+        Py_END_ALLOW_THREADS
+    }
+done:
+    PyBuffer_Release(&a);
+    PyBuffer_Release(&b);
+    PyBuffer_Release(&l);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"count_changed", count_changed, METH_VARARGS, "count_changed(base, new, width) -> changed elements"},
     {"encode_sparse", encode_sparse, METH_VARARGS,
@@ -914,6 +945,7 @@ static PyMethodDef methods[] = {
     {"gap_positions", gap_positions, METH_VARARGS, "gap_positions(count, gap_planes, out_int64) -> end"},
     {"checksum", checksum, METH_VARARGS, "checksum(data, width, start, constant, threads) -> lanes"},
     {"memory_views", memory_views, METH_VARARGS, "memory_views(addresses, lengths) -> [writable memoryview]"},
+    {"same_spans", same_spans, METH_VARARGS, "same_spans(a_addresses, b_addresses, lengths) -> bytes of 0/1"},
     {NULL, NULL, 0, NULL},
 };
 

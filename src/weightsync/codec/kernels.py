@@ -108,6 +108,12 @@ class Kernels(Protocol):
         ValueError for a negative length, or a null address with bytes."""
         ...
 
+    def same_spans(self, a: np.ndarray, b: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """For each i, whether the `lengths[i]` bytes at raw address `a[i]` equal those at `b[i]` (a bool
+        array). The three are uint64 arrays of one length; the caller keeps every span alive and in
+        bounds. ValueError for arrays of different lengths."""
+        ...
+
     def gap_cuts(
         self, count: int, gaps: Sequence[np.ndarray], bounds: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray, int]:

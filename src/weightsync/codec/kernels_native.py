@@ -112,6 +112,11 @@ class NativeKernels:
         """See :class:`Kernels`."""
         return list(self._ext.memory_views(addresses, lengths))
 
+    def same_spans(self, a: np.ndarray, b: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """See :class:`Kernels`."""
+        cols = [np.ascontiguousarray(x, dtype=np.uint64) for x in (a, b, lengths)]
+        return np.frombuffer(self._ext.same_spans(*cols), dtype=np.bool_)
+
     def gap_cuts(
         self, count: int, gaps: Sequence[np.ndarray], bounds: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray, int]:

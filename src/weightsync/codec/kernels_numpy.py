@@ -91,6 +91,15 @@ class ReferenceKernels:
             out.append(np.frombuffer(memoryview((ctypes.c_uint8 * length).from_address(address)), dtype=np.uint8))
         return out
 
+    def same_spans(self, a: np.ndarray, b: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """See :class:`Kernels`."""
+        if not len(a) == len(b) == len(lengths):
+            raise ValueError("same_spans: three u64 buffers of one length")
+        spans = zip(a.tolist(), b.tolist(), lengths.tolist(), strict=True)
+        return np.array(
+            [not n or ctypes.string_at(x, n) == ctypes.string_at(y, n) for x, y, n in spans], dtype=np.bool_
+        )
+
     def gap_positions(self, count: int, gaps: Sequence[np.ndarray]) -> np.ndarray:
         """See :class:`Kernels`."""
         g = self.join_planes(gaps, GAP_PLANES).view("<u4")
