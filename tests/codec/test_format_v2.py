@@ -471,3 +471,28 @@ def test_small_segments_compared_by_address_encode_as_compared_one_by_one(pair, 
     finally:
         encode_jobs.Job._same = real
     assert fast == one_by_one
+
+
+def test_the_compare_by_address_leaves_segments_of_arrays_it_cannot_address_to_the_coder():
+    """Spans are addresses into plain contiguous byte arrays: a base held any other way, or a span past
+    its array's end, is left to the per-segment compare, which slices safely."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from weightsync.codec.checkpoint import Segment
+    from weightsync.codec.encode_jobs import Job
+    from weightsync.codec.manifest import SegmentEntry
+
+    bf16 = by_name("BF16")
+    new = np.arange(64, dtype=np.uint8)
+    rows = [[SegmentEntry(Segment("tensor", f"t{i}", bf16, (8,), 16 * i, 16), "", 16 * i) for i in range(4)]]
+    items = [(0, i, e) for i, e in enumerate(rows[0])]
+    with ThreadPoolExecutor(2) as pool:
+        equal, left = Job(rows, [new], [new.copy()], level=1, chunk_bytes=4096)._same(items, pool)
+        assert [e.segment.name for _, _, e in equal] == ["t0", "t1", "t2", "t3"] and left == []
+        strided = np.zeros(128, dtype=np.uint8)[::2]
+        strided[:] = new
+        equal, left = Job(rows, [new], [strided], level=1, chunk_bytes=4096)._same(items, pool)
+        assert equal == [] and left == items
+        short = new[:40].copy()  # t2 and t3 reach past the base's end
+        equal, left = Job(rows, [new], [short], level=1, chunk_bytes=4096)._same(items, pool)
+        assert [e.segment.name for _, _, e in equal] == ["t0", "t1"] and left == items[2:]

@@ -153,3 +153,34 @@ def test_structures_are_kept_for_a_bounded_number_of_files():
 def _forget_structures():
     yield
     manifest_v2._structures.clear()
+
+
+def test_structures_are_kept_for_a_bounded_number_of_rows(monkeypatch):
+    """A server reads manifests from any publisher: however large their structures, the rows kept are bounded."""
+    monkeypatch.setattr(manifest_v2, "_MAX_STRUCTURE_ROWS", 5)
+    lanes = "0" * 16
+
+    def doc(path: str, n: int) -> dict:
+        segments = {"kind": ["blob"] * n, "name": [""] * n, "dtype": ["U8"] * n, "shape": [[0]] * n}
+        segments.update(digest=[lanes] * n, base=[None] * n)
+        return {
+            "format": "weightsync.manifest",
+            "version": 2,
+            "kind": "keyframe",
+            "model": "m",
+            "number": None,
+            "parent": None,
+            "step": None,
+            "metadata": {},
+            "single_file": False,
+            "objects": [],
+            "files": [{"path": path, "size": 0, "segments": segments}],
+            "frames": {"object": [], "offset": [], "length": [], "pieces": []},
+        }
+
+    manifest_v2._structures.clear()
+    assert isinstance(_read(doc("big.bin", 6)), Manifest)
+    assert not manifest_v2._structures  # over the bound by itself: not kept
+    for name in ("a.bin", "b.bin", "c.bin"):
+        assert isinstance(_read(doc(name, 2)), Manifest)
+    assert [key[0] for key in manifest_v2._structures] == ["b.bin", "c.bin"]  # 4 rows kept, the oldest out

@@ -180,8 +180,9 @@ class Job:
         """Which delta-coded segments of `items` equal their base, compared by address in a few native
         calls on `pool`; and the items whose spans do not lie within their files' arrays (left for the
         caller's per-segment compare, which never reads out of bounds)."""
-        new_at = [(int(a.ctypes.data), len(a)) for a in self.new_arrays]
-        base_at = [(int(a.ctypes.data), len(a)) for a in self.base_arrays]
+        # Addresses are only meaningful for plain byte arrays; a file held otherwise gets no span (length -1).
+        new_at = [_span_of(a) for a in self.new_arrays]
+        base_at = [_span_of(a) for a in self.base_arrays]
         spans: list[tuple[int, int, int]] = []
         inside: list[tuple[int, int, SegmentEntry]] = []
         left: list[tuple[int, int, SegmentEntry]] = []
@@ -390,6 +391,13 @@ class V2Job(Job):
                 else:
                     out.base[key] = (base_total if base_total is not None else TensorSum.empty(total.width)).hex()
         return frames, out
+
+
+def _span_of(a: np.ndarray) -> tuple[int, int]:
+    """(address, length) of a 1-D contiguous byte array; (0, -1) for any other (no span lies within it)."""
+    if a.ndim != 1 or a.dtype != np.uint8 or not a.flags.c_contiguous:
+        return 0, -1
+    return int(a.ctypes.data), len(a)
 
 
 def _split(n: int, parts: int) -> list[slice]:

@@ -155,13 +155,17 @@ def _read_files(doc: dict[str, Any]) -> list[FileEntry]:
 # columns: tensors, their order and their coding), and what the reference reader checks per
 # segment follows from the structure and the file's size alone: the segments themselves, their
 # lengths and offsets, the digests' element counts and lane widths. A structure the reference
-# reader accepted is kept (by path and size, the last _MAX_STRUCTURES); a later document whose
+# reader accepted is kept (by path and size, the last _MAX_STRUCTURES, _MAX_STRUCTURE_ROWS rows in
+# all); a later document whose
 # columns equal it, with integers as strictly typed as the reference asks, reuses its segments, and
 # only the digest columns are read per row. Anything else, and any row that does not pass, goes to
 # the reference reader, which names the defect (tests/codec/test_manifest_structures.py holds the
 # two readers to the same answers).
 
 _MAX_STRUCTURES = 16
+_MAX_STRUCTURE_ROWS = 1 << 20
+"""Rows kept across all structures: a server reads manifests from any publisher, whose structures
+(up to MAX_SEGMENTS rows each) must not pin unbounded memory."""
 _STRUCTURE_COLUMNS = ("kind", "name", "dtype", "shape")
 
 
@@ -208,6 +212,8 @@ def _known_structure(path: str, size: int, cols: dict[str, Any]) -> _Structure |
 
 
 def _remember_structure(path: str, size: int, cols: dict[str, Any], entries: tuple[SegmentEntry, ...]) -> None:
+    if len(entries) > _MAX_STRUCTURE_ROWS:
+        return
     moved = cols.get("base_offset")
     columns: tuple[list[Any] | None, ...] = (
         *(list(cols[c]) for c in _STRUCTURE_COLUMNS[:3]),
@@ -220,8 +226,10 @@ def _remember_structure(path: str, size: int, cols: dict[str, Any], entries: tup
     with _structures_lock:
         _structures[path, size] = _Structure(columns, segments, counts, lanes)
         _structures.move_to_end((path, size))
-        while len(_structures) > _MAX_STRUCTURES:
-            _structures.popitem(last=False)
+        rows = sum(len(st.segments) for st in _structures.values())
+        while len(_structures) > _MAX_STRUCTURES or rows > _MAX_STRUCTURE_ROWS:
+            _, dropped = _structures.popitem(last=False)
+            rows -= len(dropped.segments)
 
 
 def _entries(known: _Structure, cols: dict[str, Any]) -> tuple[SegmentEntry, ...] | None:
