@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
-from sqlalchemy import and_, delete, select
+from sqlalchemy import and_, bindparam, delete, select
 from sqlalchemy.orm import Session
 
 from .records import Lease
@@ -80,6 +80,21 @@ def release(s: Session, model: str, number: int, holder: str) -> bool:
     return rowcount(res) > 0
 
 
+# release_applied's statements, built once and run as Core (a replica report of every update of every
+# subscriber runs them; through the ORM Session a bulk delete cost more Python than the report's insert).
+_HEAD_BASE = select(VersionRow.chain_base).where(
+    VersionRow.model_id == bindparam("model_id"), VersionRow.number == bindparam("number")
+)
+_RELEASE = delete(LeaseRow).where(LeaseRow.model_id == bindparam("model_id"), LeaseRow.holder == bindparam("holder"))
+_RELEASE_OFF_CHAIN = _RELEASE.where(
+    LeaseRow.number.not_in(
+        select(VersionRow.number).where(
+            VersionRow.model_id == bindparam("model_id"), VersionRow.chain_base == bindparam("chain_base")
+        )
+    )
+)
+
+
 def release_applied(s: Session, m: ModelKey, holder: str, applied: VersionFields) -> int:
     """Drop ``holder``'s leases once it applied ``applied``, but for one on the head's chain when that is ``applied``'s.
 
@@ -88,16 +103,12 @@ def release_applied(s: Session, m: ModelKey, holder: str, applied: VersionFields
     chain anyway, so the lease holds nothing more until a new keyframe starts another chain (it then
     protects the deltas being fetched). Returns how many leases went.
     """
-    stmt = delete(LeaseRow).where(LeaseRow.model_id == m.id, LeaseRow.holder == holder)
-    head_base = (
-        None
-        if m.head is None
-        else s.scalar(select(VersionRow.chain_base).where(VersionRow.model_id == m.id, VersionRow.number == m.head))
-    )
+    conn = s.connection()
+    head_base = None if m.head is None else conn.execute(_HEAD_BASE, {"model_id": m.id, "number": m.head}).scalar()
     if head_base is not None and head_base == applied.chain_base:
-        on_head_chain = select(VersionRow.number).where(VersionRow.model_id == m.id, VersionRow.chain_base == head_base)
-        stmt = stmt.where(LeaseRow.number.not_in(on_head_chain))
-    return rowcount(s.execute(stmt.execution_options(synchronize_session=False)))
+        params = {"model_id": m.id, "holder": holder, "chain_base": head_base}
+        return rowcount(conn.execute(_RELEASE_OFF_CHAIN, params))
+    return rowcount(conn.execute(_RELEASE, {"model_id": m.id, "holder": holder}))
 
 
 def active(s: Session, model: str | None, now: datetime) -> list[Lease]:
