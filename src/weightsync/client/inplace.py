@@ -56,9 +56,11 @@ class TensorUpdate:
     """Digest the tensor must have after, of the kind of `Prepared.digest_kind`."""
     replace: np.ndarray | None = None
     staged_replace: Any = None
-    ops: list[Change] = field(default_factory=list)
-    """Changes to apply in order (one per run of a kind: in practice one)."""
-    staged: list[StagedChange] = field(default_factory=list)
+    ops: Sequence[Change] = ()
+    """Changes to apply in order (one per run of a kind: in practice one). Replaced, never appended to:
+    an empty tuple by default, so the tens of thousands of updates of a large MoE's `prepare` make no
+    list each for the garbage collector to walk."""
+    staged: Sequence[StagedChange] = ()
     """`ops` on the staging device, compact (client/tensors.py)."""
 
     @property
