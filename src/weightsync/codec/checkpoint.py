@@ -121,8 +121,8 @@ def layout_of(path: str, data: np.ndarray) -> FileLayout:
                 if hit is not None:
                     _layouts.move_to_end(key)
                     return hit
-        try:
-            parsed = safetensors.parse_file(data)
+        try:  # the header bytes read for the key (none: its length prefix does not fit the file)
+            parsed = None if head is None else safetensors.parse(head, size)
         except SafetensorsError:
             parsed = None  # not a valid safetensors file: still carried exactly, as a blob
         if parsed is not None:
