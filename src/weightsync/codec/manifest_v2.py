@@ -166,7 +166,6 @@ _MAX_STRUCTURES = 16
 _MAX_STRUCTURE_ROWS = 1 << 20
 """Rows kept across all structures: a server reads manifests from any publisher, whose structures
 (up to MAX_SEGMENTS rows each) must not pin unbounded memory."""
-_STRUCTURE_COLUMNS = ("kind", "name", "dtype", "shape")
 
 
 @dataclass(frozen=True)
@@ -216,7 +215,9 @@ def _remember_structure(path: str, size: int, cols: dict[str, Any], entries: tup
         return
     moved = cols.get("base_offset")
     columns: tuple[list[Any] | None, ...] = (
-        *(list(cols[c]) for c in _STRUCTURE_COLUMNS[:3]),
+        list(cols["kind"]),
+        list(cols["name"]),
+        list(cols["dtype"]),
         [list(shape) for shape in cols["shape"]],
         None if moved is None else list(moved),
     )
@@ -257,9 +258,8 @@ def _entries(known: _Structure, cols: dict[str, Any]) -> tuple[SegmentEntry, ...
             return None
         base = count + base_lanes
         digest = base if lanes is None else count + lanes
+        # base_offset is a structure column: equal to the accepted one, so in range where it is set.
         at = None if moved is None else moved[i]
-        if at is not None and not 0 <= at <= 1 << 62:
-            return None
         out.append(SegmentEntry(seg, digest, seg.offset if at is None else at, base, lanes is None))
     return tuple(out)
 
