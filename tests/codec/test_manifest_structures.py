@@ -111,39 +111,32 @@ def test_a_repeated_structure_is_read_without_its_segments_checks(pair):
     assert again == first
 
 
+def _blob_doc(path: str, n: int, lanes: str) -> dict:
+    """A keyframe manifest document of one empty file of `n` empty blob segments, each digest `lanes`."""
+    segments = {"kind": ["blob"] * n, "name": [""] * n, "dtype": ["U8"] * n, "shape": [[0]] * n}
+    segments.update(digest=[lanes] * n, base=[None] * n)
+    return {
+        "format": "weightsync.manifest",
+        "version": 2,
+        "kind": "keyframe",
+        "model": "m",
+        "number": None,
+        "parent": None,
+        "step": None,
+        "metadata": {},
+        "single_file": False,
+        "objects": [],
+        "files": [{"path": path, "size": 0, "segments": segments}],
+        "frames": {"object": [], "offset": [], "length": [], "pieces": []},
+    }
+
+
 def test_structures_are_kept_for_a_bounded_number_of_files():
     manifest_v2._structures.clear()
     rng = np.random.default_rng(0)
     for i in range(manifest_v2._MAX_STRUCTURES + 5):
         lanes = rng.integers(0, 2**63, 1).astype("<u8").tobytes().hex()
-        doc = {
-            "format": "weightsync.manifest",
-            "version": 2,
-            "kind": "keyframe",
-            "model": "m",
-            "number": None,
-            "parent": None,
-            "step": None,
-            "metadata": {},
-            "single_file": False,
-            "objects": [],
-            "files": [
-                {
-                    "path": f"f{i}.bin",
-                    "size": 0,
-                    "segments": {
-                        "kind": ["blob"],
-                        "name": [""],
-                        "dtype": ["U8"],
-                        "shape": [[0]],
-                        "digest": [lanes],
-                        "base": [None],
-                    },
-                }
-            ],
-            "frames": {"object": [], "offset": [], "length": [], "pieces": []},
-        }
-        got = _read(doc)
+        got = _read(_blob_doc(f"f{i}.bin", 1, lanes))
         assert isinstance(got, Manifest), got
     assert len(manifest_v2._structures) == manifest_v2._MAX_STRUCTURES
     assert ("f0.bin", 0) not in manifest_v2._structures
@@ -159,28 +152,9 @@ def test_structures_are_kept_for_a_bounded_number_of_rows(monkeypatch):
     """A server reads manifests from any publisher: however large their structures, the rows kept are bounded."""
     monkeypatch.setattr(manifest_v2, "_MAX_STRUCTURE_ROWS", 5)
     lanes = "0" * 16
-
-    def doc(path: str, n: int) -> dict:
-        segments = {"kind": ["blob"] * n, "name": [""] * n, "dtype": ["U8"] * n, "shape": [[0]] * n}
-        segments.update(digest=[lanes] * n, base=[None] * n)
-        return {
-            "format": "weightsync.manifest",
-            "version": 2,
-            "kind": "keyframe",
-            "model": "m",
-            "number": None,
-            "parent": None,
-            "step": None,
-            "metadata": {},
-            "single_file": False,
-            "objects": [],
-            "files": [{"path": path, "size": 0, "segments": segments}],
-            "frames": {"object": [], "offset": [], "length": [], "pieces": []},
-        }
-
     manifest_v2._structures.clear()
-    assert isinstance(_read(doc("big.bin", 6)), Manifest)
+    assert isinstance(_read(_blob_doc("big.bin", 6, lanes)), Manifest)
     assert not manifest_v2._structures  # over the bound by itself: not kept
     for name in ("a.bin", "b.bin", "c.bin"):
-        assert isinstance(_read(doc(name, 2)), Manifest)
+        assert isinstance(_read(_blob_doc(name, 2, lanes)), Manifest)
     assert [key[0] for key in manifest_v2._structures] == ["b.bin", "c.bin"]  # 4 rows kept, the oldest out
