@@ -35,22 +35,27 @@ def held_chains(s: Session, m: ModelRow, now: datetime) -> set[int]:
     return {b for b in s.scalars(stmt) if b is not None}
 
 
+# on_chain's read, built once and run as Core: every plan a follower asks for (Ops.plan) runs it, and the
+# ORM's per-statement work (entity rows, identity map) cost about as much as the rest of the plan's read.
+_ON_CHAIN = (
+    select(LeaseRow.number, LeaseRow.holder, LeaseRow.acquired_at, LeaseRow.expires_at)
+    .join(VersionRow, _LEASED_VERSION)
+    .where(
+        LeaseRow.model_id == bindparam("model_id"),
+        LeaseRow.holder == bindparam("holder"),
+        LeaseRow.expires_at > bindparam("now"),
+        VersionRow.chain_base == bindparam("chain_base"),
+    )
+    .order_by(LeaseRow.expires_at.desc())
+    .limit(1)
+)
+
+
 def on_chain(s: Session, m: ModelKey, holder: str, chain_base: int, now: datetime) -> Lease | None:
     """``holder``'s unexpired lease on the chain based at ``chain_base`` (the one expiring last), or None."""
-    stmt = (
-        select(LeaseRow)
-        .join(VersionRow, _LEASED_VERSION)
-        .where(
-            LeaseRow.model_id == m.id,
-            LeaseRow.holder == holder,
-            LeaseRow.expires_at > now,
-            VersionRow.chain_base == chain_base,
-        )
-        .order_by(LeaseRow.expires_at.desc())
-        .limit(1)
-    )
-    row = s.scalars(stmt).first()
-    return None if row is None else lease_record(row, m.name)
+    params = {"model_id": m.id, "holder": holder, "now": now, "chain_base": chain_base}
+    row = s.connection().execute(_ON_CHAIN, params).first()
+    return None if row is None else Lease(m.name, row.number, row.holder, row.acquired_at, row.expires_at)
 
 
 def acquire(s: Session, model: str, number: int, holder: str, ttl: timedelta, now: datetime) -> Lease:
