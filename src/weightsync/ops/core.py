@@ -20,7 +20,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, NamedTuple, ParamSpec, TypeVar
 
 import numpy as np
 
@@ -204,10 +204,10 @@ class Ops:
         self.settings = settings or OpsSettings()
         self.clock = clock
         self._sem = asyncio.Semaphore(self.settings.store_concurrency)
-        # Parsed manifests and their stored sizes: immutable, so cached by digest.
-        self._manifests: OrderedDict[str, tuple[Manifest, int]] = OrderedDict()
+        # Parsed manifests with what a plan step needs of them: immutable, so cached by digest.
+        self._manifests: OrderedDict[str, _Parsed] = OrderedDict()
         # Manifests being parsed as they are uploaded (_warm_manifest), by digest.
-        self._manifest_loads: dict[str, asyncio.Future[tuple[Manifest, int]]] = {}
+        self._manifest_loads: dict[str, asyncio.Future[_Parsed]] = {}
         # Committed versions' manifest digests by (model, number): a number is never given twice in a
         # model (deleted versions and deleted models keep theirs), so an entry never changes.
         self._version_manifests: OrderedDict[tuple[str, int], str] = OrderedDict()
@@ -396,12 +396,12 @@ class Ops:
         if digest in self._manifests or digest in self._manifest_loads:
             return
 
-        async def parse() -> tuple[Manifest, int]:
-            entry = (await asyncio.to_thread(_decode_manifest, data), len(data))
+        async def parse() -> _Parsed:
+            entry = await asyncio.to_thread(_parse_manifest, data)
             self._cache_manifest(digest, entry)
             return entry
 
-        def done(task: asyncio.Future[tuple[Manifest, int]]) -> None:
+        def done(task: asyncio.Future[_Parsed]) -> None:
             self._manifest_loads.pop(digest, None)
             if not task.cancelled():
                 task.exception()  # retrieved: a manifest that does not parse is the commit's to report
@@ -831,12 +831,13 @@ class Ops:
         self, digest: str, *, missing: type[errors.WeightsyncError] = errors.ObjectNotFound
     ) -> Manifest:
         """Fetch, hash-check and parse a manifest object (cached: manifests are immutable)."""
-        return (await self._manifest_and_size(digest, missing=missing))[0]
+        return (await self._parsed_manifest(digest, missing=missing)).manifest
 
-    async def _manifest_and_size(
+    async def _parsed_manifest(
         self, digest: str, *, missing: type[errors.WeightsyncError] = errors.ObjectNotFound
-    ) -> tuple[Manifest, int]:
-        """A manifest and its stored size in bytes (cached together: a plan needs both, no store round trip)."""
+    ) -> _Parsed:
+        """A manifest with its stored size and what a plan step lists of it (cached together: every plan of
+        every follower needs them, without a store round trip or a walk over the manifest's frames)."""
         cached = self._manifests.get(digest)
         if cached is not None:
             self._manifests.move_to_end(digest)
@@ -846,11 +847,11 @@ class Ops:
             with contextlib.suppress(Exception):  # did not parse: read it from the store, to refuse it as readers do
                 return await asyncio.shield(warming)
         data = await self.read_manifest_bytes(digest, missing=missing)
-        entry = (await asyncio.to_thread(_decode_manifest, data), len(data))
+        entry = await asyncio.to_thread(_parse_manifest, data)
         self._cache_manifest(digest, entry)
         return entry
 
-    def _cache_manifest(self, digest: str, entry: tuple[Manifest, int]) -> None:
+    def _cache_manifest(self, digest: str, entry: _Parsed) -> None:
         self._manifests[digest] = entry
         self._manifests.move_to_end(digest)
         while len(self._manifests) > self.settings.manifest_cache:
@@ -942,8 +943,8 @@ class Ops:
 
     async def _step(self, v: Version) -> PlanStep:
         number, digest = committed(v)
-        manifest, size = await self._manifest_and_size(digest)
-        return PlanStep(number, v.kind, digest, size, manifest.objects(), manifest.stored_bytes)
+        parsed = await self._parsed_manifest(digest)
+        return PlanStep(number, v.kind, digest, parsed.size, parsed.objects, parsed.stored_bytes)
 
     async def stat_object(self, digest: str) -> StoredObject:
         """The stored object's size and mtime; ObjectNotFound."""
@@ -1150,8 +1151,20 @@ class Ops:
                 await asyncio.wait_for(event.wait(), min(poll, max(0.0, deadline - loop.time())))
 
 
-def _decode_manifest(data: bytes) -> Manifest:
+class _Parsed(NamedTuple):
+    """A manifest as the service keeps it: parsed, with its stored size and its plan step's figures."""
+
+    manifest: Manifest
+    size: int
+    """Bytes of the manifest object."""
+    objects: dict[str, int]
+    """``manifest.objects()``, shared by every plan that lists the version: never mutated."""
+    stored_bytes: int
+
+
+def _parse_manifest(data: bytes) -> _Parsed:
     """Parse a manifest with the cyclic collector held off: one of tens of thousands of tensors is as many
     small objects, and the collections their allocation sets off walk the whole heap (common.gc_paused)."""
     with gc_paused():
-        return Manifest.decode(data)
+        manifest = Manifest.decode(data)
+        return _Parsed(manifest, len(data), manifest.objects(), manifest.stored_bytes)
