@@ -42,6 +42,15 @@ def serve(
     workdir: Path, *, args: Sequence[str] = (), env: dict[str, str] | None = None, timeout: float = 60.0
 ) -> Iterator[str]:
     """Run the server with data under `workdir/data` until /healthz answers; yield its URL; stop it after."""
+    with serve_process(workdir, args=args, env=env, timeout=timeout) as server:
+        yield server.url
+
+
+@contextmanager
+def serve_process(
+    workdir: Path, *, args: Sequence[str] = (), env: dict[str, str] | None = None, timeout: float = 60.0
+) -> Iterator[_serve.ServeProcess]:
+    """:func:`serve`, yielding the running server (its ``url``, and ``proc`` for its pid)."""
     with _serve.serving(
         ["--data", str(workdir / "data"), *args],
         log_path=workdir / "server.log",
@@ -49,4 +58,4 @@ def serve(
         timeout=timeout,
         stop_timeout=10,
     ) as server:
-        yield server.url
+        yield server

@@ -1,0 +1,149 @@
+"""The server's CPU per request on a version's path: what one ``weightsync serve`` process spends per answer.
+
+    python -m benchmarks.server_cpu [--case bf16-lr1e-6] [--requests 400] [--publishes 40] [--rounds 3]
+
+A fleet's followers each ask for every version's plan, so the server's CPU per plan request sets how
+many followers one process brings to a version in a given time (the rest goes to relays). This probe
+starts an embedded server (SQLite + filesystem, fsync'd commits) on loopback and reads the server
+process's CPU time (``/proc/<pid>/stat``, user + system, all its threads) around:
+
+* ``GET /healthz``: the HTTP stack and middleware alone;
+* a follower's plan: ``GET /plan`` from one version to the next with its holder name and ``inline``
+  (the plan and its objects in one answer, as ``Subscriber.prepare`` asks), the holder's lease held
+  already (a follower's steady state: the plan writes nothing);
+* a delta publish in one request (publishVersion, as ``Publisher.publish`` sends a small one), the
+  versions of the corpus case alternating, with 50 ms idle after each so the commit record written
+  off the answer is counted too.
+
+Rounds repeat the three so that machine noise hits them alike; the figures are medians over rounds
+of the mean per request. Linux only (``/proc``). Writes ``server_cpu.json`` and ``.md`` under ``--out``.
+Nothing is asserted: it measures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def process_cpu(pid: int) -> float:
+    """Seconds of CPU (user + system, every thread) process `pid` has used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def per_request(pid: int, n: int, call: Any, idle_s: float = 0.0) -> tuple[float, float]:
+    """(server CPU seconds per call, median wall seconds of a call) over `n` calls of `call`."""
+    walls = []
+    cpu0 = process_cpu(pid)
+    for _ in range(n):
+        t = time.perf_counter()
+        call()
+        walls.append(time.perf_counter() - t)
+        if idle_s:
+            time.sleep(idle_s)
+    return (process_cpu(pid) - cpu0) / n, statistics.median(walls)
+
+
+def run(versions: list[Path], requests: int, publishes: int, rounds: int) -> dict[str, Any]:
+    """Per round, each request kind's server CPU and wall per request; medians over rounds."""
+    import httpx
+
+    from benchmarks._serve import serve_process
+    from weightsync.client import Publisher
+
+    rows: dict[str, list[tuple[float, float]]] = {"healthz": [], "plan": [], "publish": []}
+    with (
+        tempfile.TemporaryDirectory(prefix="weightsync-server-cpu-") as tmp,
+        serve_process(Path(tmp)) as server,
+        httpx.Client(base_url=server.url) as http,
+        Publisher(server.url, "cpu-publish") as publisher,
+        Publisher(server.url, "cpu-plan") as seeder,
+    ):
+        pid = server.proc.pid
+        seeded = [seeder.publish(versions[i % 2]).version for i in range(3)]
+        plan = {"have": seeded[1], "want": seeded[2], "holder": "follower", "inline": 1 << 26}
+        http.get("/v1/models/cpu-plan/plan", params=plan).raise_for_status()  # takes the lease
+        publisher.publish(versions[0])  # the keyframe; every later one is a delta
+        turn = 1
+
+        def one_publish() -> None:
+            nonlocal turn
+            result = publisher.publish(versions[turn % 2])
+            turn += 1
+            if result.kind != "delta" or "upload_s" not in result.timings or "commit_s" in result.timings:
+                raise AssertionError(f"wanted a delta in one request, got {result.kind}: {result.timings}")
+
+        def one_plan() -> None:
+            r = http.get("/v1/models/cpu-plan/plan", params=plan)
+            r.raise_for_status()
+
+        for _ in range(rounds):
+            rows["healthz"].append(per_request(pid, requests, lambda: http.get("/healthz").raise_for_status()))
+            rows["plan"].append(per_request(pid, requests, one_plan))
+            rows["publish"].append(per_request(pid, publishes, one_publish, idle_s=0.05))
+    return {
+        kind: {
+            "server_cpu_ms": statistics.median(c for c, _ in rs) * 1e3,
+            "wall_ms": statistics.median(w for _, w in rs) * 1e3,
+            "rounds_cpu_ms": [c * 1e3 for c, _ in rs],
+        }
+        for kind, rs in rows.items()
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.server_cpu", description=__doc__.splitlines()[0])
+    ap.add_argument("--case", default="bf16-lr1e-6", help="corpus case (benchmarks/corpus.py)")
+    ap.add_argument("--requests", type=int, default=400, help="healthz and plan requests per round")
+    ap.add_argument("--publishes", type=int, default=40, help="delta publishes per round")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args(argv)
+    if min(args.requests, args.publishes, args.rounds) < 1:
+        ap.error("--requests, --publishes and --rounds must be at least 1")
+    if not Path("/proc/self/stat").exists():
+        ap.error("reads the server's CPU time from /proc: Linux only")
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.codec_bench import machine
+    from benchmarks.corpus import ensure_case
+
+    versions = ensure_case(args.case, 2)[:2]
+    result: dict[str, Any] = {"figures": run(versions, args.requests, args.publishes, args.rounds)}
+    result.update(
+        machine=machine(), when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), case=args.case, rounds=args.rounds
+    )
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "server_cpu.json").write_text(json.dumps(result, indent=1))
+    lines = [
+        f"Machine: {result['machine']}. Run: {result['when']}. Case {args.case}; medians of {args.rounds} rounds.",
+        "",
+        "| request | server CPU per request (ms) | wall, client round trip (ms) | rounds (CPU ms) |",
+        "|---|---:|---:|---|",
+    ]
+    labels = {
+        "healthz": "`GET /healthz`",
+        "plan": "a follower's plan + objects (holder, `inline`)",
+        "publish": "a delta publish in one request (publishVersion), commit record included",
+    }
+    for kind, f in result["figures"].items():
+        rounds = ", ".join(f"{c:.2f}" for c in f["rounds_cpu_ms"])
+        lines.append(f"| {labels[kind]} | {f['server_cpu_ms']:.2f} | {f['wall_ms']:.2f} | {rounds} |")
+    md = "\n".join(lines) + "\n"
+    (args.out / "server_cpu.md").write_text(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
