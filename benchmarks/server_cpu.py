@@ -13,7 +13,8 @@ process's CPU time (``/proc/<pid>/stat``, user + system, all its threads) around
   already (a follower's steady state: the plan writes nothing);
 * a delta publish in one request (publishVersion, as ``Publisher.publish`` sends a small one), the
   versions of the corpus case alternating, with 50 ms idle after each so the commit record written
-  off the answer is counted too.
+  off the answer is counted too (18 deltas a model after an uncounted keyframe: the default keyframe
+  policy makes the 20th version of a chain a keyframe).
 
 Rounds repeat the three so that machine noise hits them alike; the figures are medians over rounds
 of the mean per request. Linux only (``/proc``). Writes ``server_cpu.json`` and ``.md`` under ``--out``.
@@ -55,6 +56,10 @@ def per_request(pid: int, n: int, call: Any, idle_s: float = 0.0) -> tuple[float
     return (process_cpu(pid) - cpu0) / n, statistics.median(walls)
 
 
+CHAIN = 18
+"""Delta publishes per model: the default keyframe policy (a chain of 20 versions) makes the next one a keyframe."""
+
+
 def run(versions: list[Path], requests: int, publishes: int, rounds: int) -> dict[str, Any]:
     """Per round, each request kind's server CPU and wall per request; medians over rounds."""
     import httpx
@@ -67,31 +72,34 @@ def run(versions: list[Path], requests: int, publishes: int, rounds: int) -> dic
         tempfile.TemporaryDirectory(prefix="weightsync-server-cpu-") as tmp,
         serve_process(Path(tmp)) as server,
         httpx.Client(base_url=server.url) as http,
-        Publisher(server.url, "cpu-publish") as publisher,
         Publisher(server.url, "cpu-plan") as seeder,
     ):
         pid = server.proc.pid
         seeded = [seeder.publish(versions[i % 2]).version for i in range(3)]
         plan = {"have": seeded[1], "want": seeded[2], "holder": "follower", "inline": 1 << 26}
         http.get("/v1/models/cpu-plan/plan", params=plan).raise_for_status()  # takes the lease
-        publisher.publish(versions[0])  # the keyframe; every later one is a delta
-        turn = 1
-
-        def one_publish() -> None:
-            nonlocal turn
-            result = publisher.publish(versions[turn % 2])
-            turn += 1
-            if result.kind != "delta" or "upload_s" not in result.timings or "commit_s" in result.timings:
-                raise AssertionError(f"wanted a delta in one request, got {result.kind}: {result.timings}")
+        chains = 0
 
         def one_plan() -> None:
-            r = http.get("/v1/models/cpu-plan/plan", params=plan)
-            r.raise_for_status()
+            http.get("/v1/models/cpu-plan/plan", params=plan).raise_for_status()
+
+        def deltas(n: int) -> tuple[float, float]:
+            """Server CPU per delta publish and the median wall, over `n` on fresh models (CHAIN a model)."""
+            nonlocal chains
+            cpu, walls = 0.0, []
+            for first in range(0, n, CHAIN):
+                chains += 1
+                k = min(CHAIN, n - first)
+                with Publisher(server.url, f"cpu-publish-{chains}") as publisher:
+                    c, w = _delta_chain(pid, publisher, versions, k)
+                cpu += c * k
+                walls.append(w)
+            return cpu / n, statistics.median(walls)
 
         for _ in range(rounds):
             rows["healthz"].append(per_request(pid, requests, lambda: http.get("/healthz").raise_for_status()))
             rows["plan"].append(per_request(pid, requests, one_plan))
-            rows["publish"].append(per_request(pid, publishes, one_publish, idle_s=0.05))
+            rows["publish"].append(deltas(publishes))
     return {
         kind: {
             "server_cpu_ms": statistics.median(c for c, _ in rs) * 1e3,
@@ -100,6 +108,19 @@ def run(versions: list[Path], requests: int, publishes: int, rounds: int) -> dic
         }
         for kind, rs in rows.items()
     }
+
+
+def _delta_chain(pid: int, publisher: Any, versions: list[Path], n: int) -> tuple[float, float]:
+    """`per_request` over `n` delta publishes of alternating versions after an uncounted keyframe."""
+    publisher.publish(versions[0])
+    turn = iter(range(1, n + 1))
+
+    def one_publish() -> None:
+        result = publisher.publish(versions[next(turn) % 2])
+        if result.kind != "delta" or "upload_s" not in result.timings or "commit_s" in result.timings:
+            raise AssertionError(f"wanted a delta in one request, got {result.kind}")
+
+    return per_request(pid, n, one_publish, idle_s=0.05)
 
 
 def main(argv: list[str] | None = None) -> int:
