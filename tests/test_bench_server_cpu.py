@@ -1,0 +1,70 @@
+"""`benchmarks/server_cpu.py`: the server's CPU per request kind, read from /proc, over a real server."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from _ckpt import safetensors_file
+from _versions import model_files, next_step
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the benchmarks package lives at the repo root
+
+from benchmarks import server_cpu  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads CPU time from /proc")
+
+
+def _versions(root: Path) -> list[Path]:
+    tensors = model_files(seed=3)
+    out = []
+    for i in range(2):
+        d = root / f"v{i}"
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(safetensors_file(tensors))
+        out.append(d)
+        tensors = next_step(tensors, seed=i)
+    return out
+
+
+def test_process_cpu_counts_the_cpu_a_process_burns() -> None:
+    before = server_cpu.process_cpu(os.getpid())
+    end = time.process_time() + 0.3
+    while time.process_time() < end:
+        pass
+    assert server_cpu.process_cpu(os.getpid()) - before >= 0.2  # clock ticks of 10 ms: a margin
+    with pytest.raises(FileNotFoundError):
+        server_cpu.process_cpu(2**22 + 1)  # above the kernel's pid_max default: no such process
+
+
+def test_every_request_kind_is_measured_on_a_real_server(tmp_path: Path) -> None:
+    got = server_cpu.run(_versions(tmp_path), requests=4, publishes=3, rounds=2)
+    assert list(got) == ["healthz", "plan", "publish"]
+    for kind, f in got.items():
+        assert len(f["rounds_cpu_ms"]) == 2, kind
+        assert f["wall_ms"] > 0 and all(c >= 0 for c in f["rounds_cpu_ms"]), kind
+    # A publish does work on the server (hashing, fsync'd writes, three transactions): some CPU shows.
+    assert max(got["publish"]["rounds_cpu_ms"]) > 0
+
+
+def test_a_publish_that_is_not_a_delta_in_one_request_fails_the_probe(tmp_path: Path, monkeypatch) -> None:
+    """The probe checks what it measures: a publisher that sends keyframes is refused, not timed."""
+    from weightsync.client import Publisher
+
+    real = Publisher.publish
+
+    def keyframes(self, source, **kw):
+        return real(self, source, **{**kw, "keyframe": True})
+
+    monkeypatch.setattr(Publisher, "publish", keyframes)
+    with pytest.raises(AssertionError, match="wanted a delta in one request"):
+        server_cpu.run(_versions(tmp_path), requests=1, publishes=1, rounds=1)
+
+
+def test_counts_below_one_are_refused() -> None:
+    with pytest.raises(SystemExit) as exc:
+        server_cpu.main(["--rounds", "0"])
+    assert exc.value.code == 2
