@@ -55,7 +55,7 @@ def on_chain(s: Session, m: ModelKey, holder: str, chain_base: int, now: datetim
     """``holder``'s unexpired lease on the chain based at ``chain_base`` (the one expiring last), or None."""
     params = {"model_id": m.id, "holder": holder, "now": now, "chain_base": chain_base}
     row = s.connection().execute(_ON_CHAIN, params).first()
-    return None if row is None else Lease(m.name, row.number, row.holder, row.acquired_at, row.expires_at)
+    return None if row is None else lease_record(row, m.name)
 
 
 def acquire(s: Session, model: str, number: int, holder: str, ttl: timedelta, now: datetime) -> Lease:

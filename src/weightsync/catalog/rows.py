@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 from .. import errors
 from .checks import validate_model_name
 from .records import Lease, Model, ObjectInfo, Replica, Version
-from .schema import LeaseRow, ModelRow, ObjectRow, VersionObjectRow, VersionRow
+from .schema import ModelRow, ObjectRow, VersionObjectRow, VersionRow
 
 __all__ = [
     "CHUNK",
@@ -283,8 +283,8 @@ def object_record(row: ObjectRow) -> ObjectInfo:
     )
 
 
-def lease_record(row: LeaseRow, model: str) -> Lease:
-    """The frozen record of a lease row of ``model``."""
+def lease_record(row: Any, model: str) -> Lease:
+    """The frozen record of a lease row of ``model`` (an ORM row, or a Core row of its columns)."""
     return Lease(model, row.number, row.holder, row.acquired_at, row.expires_at)
 
 
