@@ -723,3 +723,71 @@ def test_same_spans_says_which_spans_hold_equal_bytes(impl, data):
 def test_same_spans_refuses_columns_of_different_lengths(impl):
     with pytest.raises(ValueError, match="one length"):
         impl.same_spans(np.zeros(2, np.uint64), np.zeros(2, np.uint64), np.zeros(1, np.uint64))
+
+
+@st.composite
+def mixed_blocks(draw):
+    """(base, new) bf16 words over several 4 KiB checksum blocks, each block changed at its own density:
+    the 2-byte coder lists the changes of sparse blocks and codes dense ones row by row after a
+    dense block, so runs of dense blocks, sparse ones after them, empty ones and rows of more than
+    four changes all occur."""
+    per = 4096 // 2
+    densities = draw(st.lists(st.sampled_from([0.0, 0.0005, 0.015, 0.1, 0.12, 0.3, 1.0]), min_size=2, max_size=7))
+    tail = draw(st.integers(0, per - 1))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    n = per * len(densities) + tail
+    base = rng.integers(0, 1 << 16, n, dtype=np.uint16)
+    new = base.copy()
+    for b, d in enumerate([*densities, draw(st.sampled_from([0.0, 0.3]))]):
+        lo, hi = b * per, min(n, (b + 1) * per)
+        idx = lo + np.flatnonzero(rng.random(hi - lo) < d)
+        new[idx] += rng.integers(1, 1 << 16, len(idx)).astype(np.uint16)
+    return base.view(np.uint8), new.view(np.uint8)
+
+
+@SETTINGS
+@given(mixed_blocks(), st.booleans(), st.integers(0, 6000), st.booleans())
+def test_the_2_byte_coder_codes_blocks_of_any_density_like_the_reference(p, add, cap, keep):
+    """Sparse blocks go to the listing coder and blocks after a dense one to the row by row coder: the same
+    planes and checksums as the reference whatever the mix, a cap that falls inside either kind of block
+    gives None, and a keeping coder leaves the new bytes in the base (or, past the cap, the old ones)."""
+    base, new = p
+    start = 12345
+    want = kernels.REFERENCE.encode_sparse_sums([base], [new], [start], 2, add, cap, before=True, after=True)
+    mine = base.copy()
+    got = need_native().encode_sparse_sums([mine], [new], [start], 2, add, cap, before=True, after=True, keep=keep)
+    assert (got is None) == (want is None)
+    if got is None or want is None:
+        assert np.array_equal(mine, base)
+        return
+    assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]) and got[2] == want[2]
+    assert np.array_equal(mine, new if keep else base)
+
+
+def test_a_thread_coding_frame_after_frame_reuses_its_planes_without_mixing_them():
+    """The frame coder keeps its sparse planes in a per-thread buffer: a frame coded after smaller and
+    larger ones on the same thread is byte-identical to the same frame coded on a fresh thread, and
+    decodes to its new bytes (nothing of an earlier frame's planes leaks into a later one)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = np.random.default_rng(7)
+    dtype = by_name("BF16")
+
+    def case(n: int, density: float) -> tuple[np.ndarray, np.ndarray]:
+        base = rng.integers(0, 1 << 16, n, dtype=np.uint16)
+        new = base.copy()
+        idx = np.flatnonzero(rng.random(n) < density)
+        new[idx] ^= rng.integers(1, 1 << 16, len(idx)).astype(np.uint16)
+        return base.view(np.uint8), new.view(np.uint8)
+
+    cases = [case(5_000, 0.01), case(300_000, 0.2), case(80_000, 0.05), case(300_000, 0.002)]  # grows, then reuses
+
+    def code(pair: tuple[np.ndarray, np.ndarray]) -> bytes:
+        return fr.encode_delta_pieces([pair[0]], [pair[1]], dtype, add=True, version=2)
+
+    with ThreadPoolExecutor(1) as one:
+        in_turn = list(one.map(code, cases))
+    for pair, blob in zip(cases, in_turn, strict=True):
+        with ThreadPoolExecutor(1) as fresh:
+            assert fresh.submit(code, pair).result() == blob
+        assert decode_frame(blob, pair[0]).tobytes() == pair[1].tobytes()

@@ -127,6 +127,22 @@ def _compressor(level: int) -> zstandard.ZstdCompressor:
     return cctx
 
 
+def _scratch(rows: int, columns: int) -> np.ndarray:
+    """This thread's room for `rows` byte planes of `columns` bytes, reused frame after frame.
+
+    The sparse coder writes only the first of its `cap` columns of each plane; planes allocated
+    afresh for each frame (several MB, for which numpy asks for huge pages) had the kernel zero a
+    2 MiB page at each plane's first write: ~12 MB for a 4 MiB frame of 2-byte elements. What a
+    frame's coding takes from it is consumed before the thread codes another frame (its sections
+    are compressed copies)."""
+    buf = getattr(_local, "scratch", None)
+    if buf is None or buf.shape[0] < rows or buf.shape[1] < columns:
+        rows = max(rows, buf.shape[0] if buf is not None else 0)
+        columns = max(columns, buf.shape[1] if buf is not None else 0)
+        buf = _local.scratch = np.empty((rows, columns), dtype=np.uint8)
+    return buf
+
+
 def _decompressor() -> zstandard.ZstdDecompressor:
     dctx = getattr(_local, "dctx", None)
     if dctx is None:
@@ -415,7 +431,18 @@ def _encode_pieces_v2(
     before, after = sums is not None and sums.wants_base, sums is not None
     parts: list[bytes] = []
     cap = int(SPARSE_MAX_DENSITY * (raw_len // width))
-    sparse = k.encode_sparse_sums(bases, news, starts, width, add, cap, before=before, after=after, keep=keep)
+    sparse = k.encode_sparse_sums(
+        bases,
+        news,
+        starts,
+        width,
+        add,
+        cap,
+        before=before,
+        after=after,
+        keep=keep,
+        scratch=_scratch(kernels.GAP_PLANES + width, cap),
+    )
     if sparse is not None:
         gaps, values, found = sparse
         count = gaps.shape[1]
