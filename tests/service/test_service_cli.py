@@ -6,8 +6,10 @@ import json
 import sqlite3
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
+import pytest
 import typer
 from _service_util import run_cli, spawn_service
 from typer.testing import CliRunner
@@ -111,3 +113,17 @@ def test_anonymous_mode_serves_on_loopback_and_says_so(tmp_path):
         s.stop()
     assert (tmp_path / "data" / "catalog.db").is_file() and (tmp_path / "data" / "store").is_dir()
     assert "anonymous development mode" in s.log()
+
+
+def test_serve_runs_on_uvloop_and_parses_http_with_h11(tmp_path):
+    """The server extra brings uvloop, which `serve` runs on; HTTP stays h11 even where httptools is installed
+    (its header limit is what tests/reliability's oversized-header test relies on)."""
+    pytest.importorskip("uvloop")
+    s = spawn_service(["--data", str(tmp_path / "data")], tmp_path / "serve.log")
+    try:
+        assert httpx.get(s.url + "/healthz").status_code == 200
+        maps = Path(f"/proc/{s.proc.pid}/maps").read_text()
+    finally:
+        s.stop()
+    assert "uvloop/loop." in maps
+    assert "httptools" not in maps

@@ -238,6 +238,10 @@ def run_server(settings, overrides: dict[str, Any], factory: str) -> None:
             log_config=log_config,
             access_log=False,
             lifespan="on",
+            # uvloop when installed (the server extra has it); HTTP always h11: httptools, which uvicorn would
+            # otherwise pick when present, accepts request headers far past h11's limit (tests/reliability).
+            loop="auto",
+            http="h11",
             server_header=False,
             timeout_graceful_shutdown=settings.shutdown_grace_s,
         )
