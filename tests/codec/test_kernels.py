@@ -727,35 +727,40 @@ def test_same_spans_refuses_columns_of_different_lengths(impl):
 
 @st.composite
 def mixed_blocks(draw):
-    """(base, new) bf16 words over several 4 KiB checksum blocks, each block changed at its own density:
-    the 2-byte coder lists the changes of sparse blocks and codes dense ones row by row after a
-    dense block, so runs of dense blocks, sparse ones after them, empty ones and rows of more than
-    four changes all occur."""
-    per = 4096 // 2
+    """(width, base, new): 1- or 2-byte words over several blocks of 2048 elements, each block changed at
+    its own density. The 2-byte coder lists the changes of a sparse block and visits rows one by one
+    after a dense block (4 KiB blocks), so runs of dense blocks, sparse ones after them, empty ones and
+    rows of more than four changes all occur; the 1-byte coder sees the same mixes."""
+    width = draw(st.sampled_from([1, 2]))
+    per = 2048
     densities = draw(st.lists(st.sampled_from([0.0, 0.0005, 0.015, 0.1, 0.12, 0.3, 1.0]), min_size=2, max_size=7))
     tail = draw(st.integers(0, per - 1))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     n = per * len(densities) + tail
-    base = rng.integers(0, 1 << 16, n, dtype=np.uint16)
+    kind = UINT[width]
+    base = rng.integers(0, 1 << (8 * width), n, dtype=kind)
     new = base.copy()
     for b, d in enumerate([*densities, draw(st.sampled_from([0.0, 0.3]))]):
         lo, hi = b * per, min(n, (b + 1) * per)
         idx = lo + np.flatnonzero(rng.random(hi - lo) < d)
-        new[idx] += rng.integers(1, 1 << 16, len(idx)).astype(np.uint16)
-    return base.view(np.uint8), new.view(np.uint8)
+        new[idx] += rng.integers(1, 1 << (8 * width), len(idx)).astype(kind)
+    return width, base.view(np.uint8), new.view(np.uint8)
 
 
 @SETTINGS
-@given(mixed_blocks(), st.booleans(), st.integers(0, 6000), st.booleans())
-def test_the_2_byte_coder_codes_blocks_of_any_density_like_the_reference(p, add, cap, keep):
-    """Sparse blocks go to the listing coder and blocks after a dense one to the row by row coder: the same
-    planes and checksums as the reference whatever the mix, a cap that falls inside either kind of block
-    gives None, and a keeping coder leaves the new bytes in the base (or, past the cap, the old ones)."""
-    base, new = p
+@given(mixed_blocks(), st.booleans(), st.integers(0, 6000), st.booleans(), st.booleans())
+def test_the_sparse_coders_code_blocks_of_any_density_like_the_reference(p, add, cap, keep, before):
+    """Whatever the mix of block densities (the 2-byte coder lists sparse blocks and codes rows one by one
+    after a dense block): the same planes and checksums as the reference, a cap that falls inside either
+    kind of block gives None, and a keeping coder leaves the new bytes in the base (past the cap, the old
+    ones)."""
+    width, base, new = p
     start = 12345
-    want = kernels.REFERENCE.encode_sparse_sums([base], [new], [start], 2, add, cap, before=True, after=True)
+    want = kernels.REFERENCE.encode_sparse_sums([base], [new], [start], width, add, cap, before=before, after=True)
     mine = base.copy()
-    got = need_native().encode_sparse_sums([mine], [new], [start], 2, add, cap, before=True, after=True, keep=keep)
+    got = need_native().encode_sparse_sums(
+        [mine], [new], [start], width, add, cap, before=before, after=True, keep=keep
+    )
     assert (got is None) == (want is None)
     if got is None or want is None:
         assert np.array_equal(mine, base)

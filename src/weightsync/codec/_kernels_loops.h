@@ -259,61 +259,39 @@ full:
     return -1;
 }
 
-/* One block of scan_sum_avx2_u16 in three steps, so that no branch depends on where the changes
- * are but once per row that holds one: (1) the vector pass compares and sums the block's rows and
- * keeps each row's mask of changed elements, and a bit per row that has any; (2) the rows with a
- * change are visited through that bit set, and each one's first four changes are listed without
- * a branch (a fifth and more take a loop); (3) the listed changes are coded in a loop whose only
- * branch is its end. Where they would pass c->cap they are coded one by one with the check
- * (EMIT), so what is written up to the cap, and c->k, are what scan_block_rows writes. Returns
- * the changes found, or -1 past c->cap. */
-__attribute__((target("avx2"), noinline)) static int64_t scan_block_listed(const u8 *a, const u8 *b, u64 i, u64 e0,
-                                                                           int add, Coder *c, PairSums *out) {
-    u64 k = c->k, prev = c->prev, cap = c->cap, *fix = c->fix, woff = c->woff;
-    const int keep = c->keep;
-    u8 *g0 = c->gaps[0], *g1 = c->gaps[1], *g2 = c->gaps[2], *g3 = c->gaps[3];
-    u8 **vals = c->vals;
-    u8 *v0 = vals[0], *v1 = vals[1];
-    u32 masks[SCAN_ROWS];
-    u16 list[32 * SCAN_ROWS + 8];
-    u64 rows = 0, listed = 0;
-    PairSums sums = *out;
-    for (u64 r = 0; r < SCAN_ROWS; r++) {
-        const u8 *pa = a + 2 * (i + 32 * r), *pb = b + 2 * (i + 32 * r);
-        __m256i x0 = _mm256_loadu_si256((const __m256i *)pa), x1 = _mm256_loadu_si256((const __m256i *)(pa + 32));
-        __m256i y0 = _mm256_loadu_si256((const __m256i *)pb), y1 = _mm256_loadu_si256((const __m256i *)(pb + 32));
-        pairs_row(&sums, y0, y1);
-        /* packs interleaves 128-bit lanes; the permute restores element order */
-        __m256i eq = _mm256_permute4x64_epi64(
-            _mm256_packs_epi16(_mm256_cmpeq_epi16(x0, y0), _mm256_cmpeq_epi16(x1, y1)), 0xD8);
-        const u32 m = ~(u32)_mm256_movemask_epi8(eq);
-        masks[r] = m;
-        rows |= (u64)(m != 0) << r;
-    }
-    *out = sums;
+/* The rows of a block with a change (bit r of `rows`: masks[r] is not 0), their changes' element
+ * indices within the block listed in order into `list` (room for SCAN_ROWS * 32 + 4): each row's
+ * first four with no branch (a slot past the list takes 31 when a row has fewer), a fifth and more
+ * in a loop. Returns how many. */
+static inline ALWAYS_INLINE u64 list_rows(const u32 *masks, u64 rows, u16 *list) {
+    u64 listed = 0;
     while (rows) {
         const u32 r = (u32)__builtin_ctzll(rows);
         rows &= rows - 1;
         u32 m = masks[r];
         const u16 at = (u16)(32 * r);
-        list[listed] = (u16)(at + __builtin_ctz(m | ROW_BIT31));
-        listed += m != 0;
-        m &= m - 1;
-        list[listed] = (u16)(at + __builtin_ctz(m | ROW_BIT31));
-        listed += m != 0;
-        m &= m - 1;
-        list[listed] = (u16)(at + __builtin_ctz(m | ROW_BIT31));
-        listed += m != 0;
-        m &= m - 1;
-        list[listed] = (u16)(at + __builtin_ctz(m | ROW_BIT31));
-        listed += m != 0;
-        m &= m - 1;
-        while (m) {
-            list[listed++] = (u16)(at + __builtin_ctz(m));
+        for (int j = 0; j < 4; j++) {
+            list[listed] = (u16)(at + __builtin_ctz(m | ROW_BIT31));
+            listed += m != 0;
             m &= m - 1;
         }
+        for (; m; m &= m - 1) list[listed++] = (u16)(at + __builtin_ctz(m));
     }
-    if (k + listed > cap) { /* the cap falls in this block: one by one, checked */
+    return listed;
+}
+
+/* Code the `listed` changes of the block at element i (their indices in `list`), as EMIT would one by
+ * one: where they would pass c->cap, one by one with its check, so what is written up to the cap,
+ * and c->k, are the same; else in a loop whose only branch is its end. Returns `listed`, or -1 past
+ * c->cap. */
+static inline ALWAYS_INLINE int64_t emit_list_u16(const u8 *a, const u8 *b, u64 i, u64 e0, int add, Coder *c,
+                                                  const u16 *list, u64 listed) {
+    u64 k = c->k, prev = c->prev, cap = c->cap, *fix = c->fix, woff = c->woff;
+    const int keep = c->keep;
+    u8 *g0 = c->gaps[0], *g1 = c->gaps[1], *g2 = c->gaps[2], *g3 = c->gaps[3];
+    u8 **vals = c->vals;
+    u8 *v0 = vals[0], *v1 = vals[1];
+    if (k + listed > cap) {
         for (u64 t = 0; t < listed; t++) {
             const u64 e = i + list[t];
             u16 x, y;
@@ -346,6 +324,32 @@ __attribute__((target("avx2"), noinline)) static int64_t scan_block_listed(const
 full:
     c->k = k;
     return -1;
+}
+
+/* One block of scan_sum_avx2_u16 in three steps, so that no branch depends on where the changes
+ * are but once per row that holds one: (1) the vector pass compares and sums the block's rows and
+ * keeps each row's mask of changed elements, and a bit per row that has any; (2) list_rows; (3)
+ * emit_list. Returns the changes found, or -1 past c->cap. */
+__attribute__((target("avx2"), noinline)) static int64_t scan_block_listed(const u8 *a, const u8 *b, u64 i, u64 e0,
+                                                                           int add, Coder *c, PairSums *out) {
+    u32 masks[SCAN_ROWS];
+    u16 list[32 * SCAN_ROWS + 4];
+    u64 rows = 0;
+    PairSums sums = *out;
+    for (u64 r = 0; r < SCAN_ROWS; r++) {
+        const u8 *pa = a + 2 * (i + 32 * r), *pb = b + 2 * (i + 32 * r);
+        __m256i x0 = _mm256_loadu_si256((const __m256i *)pa), x1 = _mm256_loadu_si256((const __m256i *)(pa + 32));
+        __m256i y0 = _mm256_loadu_si256((const __m256i *)pb), y1 = _mm256_loadu_si256((const __m256i *)(pb + 32));
+        pairs_row(&sums, y0, y1);
+        /* packs interleaves 128-bit lanes; the permute restores element order */
+        __m256i eq = _mm256_permute4x64_epi64(
+            _mm256_packs_epi16(_mm256_cmpeq_epi16(x0, y0), _mm256_cmpeq_epi16(x1, y1)), 0xD8);
+        const u32 m = ~(u32)_mm256_movemask_epi8(eq);
+        masks[r] = m;
+        rows |= (u64)(m != 0) << r;
+    }
+    *out = sums;
+    return emit_list_u16(a, b, i, e0, add, c, list, list_rows(masks, rows, list));
 }
 
 /* The encode's one pass for 2-byte elements (bf16, fp16: most of a model): the change scan
