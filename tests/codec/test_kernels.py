@@ -769,10 +769,11 @@ def test_the_sparse_coders_code_blocks_of_any_density_like_the_reference(p, add,
     assert np.array_equal(mine, new if keep else base)
 
 
-def test_a_thread_coding_frame_after_frame_reuses_its_planes_without_mixing_them():
+def test_a_thread_coding_frame_after_frame_reuses_its_planes_without_mixing_them(monkeypatch):
     """The frame coder keeps its sparse planes in a per-thread buffer: a frame coded after smaller and
     larger ones on the same thread is byte-identical to the same frame coded on a fresh thread, and
-    decodes to its new bytes (nothing of an earlier frame's planes leaks into a later one)."""
+    decodes to its new bytes (nothing of an earlier frame's planes leaks into a later one); the buffer a
+    thread keeps is bounded, and a frame that needs more is coded alike on planes of its own."""
     from concurrent.futures import ThreadPoolExecutor
 
     rng = np.random.default_rng(7)
@@ -792,7 +793,14 @@ def test_a_thread_coding_frame_after_frame_reuses_its_planes_without_mixing_them
 
     with ThreadPoolExecutor(1) as one:
         in_turn = list(one.map(code, cases))
+        kept = one.submit(lambda: fr._local.scratch.nbytes).result()
+    assert 0 < kept <= fr._SCRATCH_MAX
     for pair, blob in zip(cases, in_turn, strict=True):
         with ThreadPoolExecutor(1) as fresh:
             assert fresh.submit(code, pair).result() == blob
         assert decode_frame(blob, pair[0]).tobytes() == pair[1].tobytes()
+    # A frame whose planes would pass the bound gets planes of its own: the same bytes, the kept buffer bounded.
+    monkeypatch.setattr(fr, "_SCRATCH_MAX", 512 << 10)
+    with ThreadPoolExecutor(1) as bounded:
+        assert list(bounded.map(code, cases)) == in_turn
+        assert bounded.submit(lambda: fr._local.scratch.nbytes).result() <= 512 << 10

@@ -127,6 +127,10 @@ def _compressor(level: int) -> zstandard.ZstdCompressor:
     return cctx
 
 
+_SCRATCH_MAX = 32 << 20
+"""Bytes of planes a thread keeps between frames (~6-10 MB for the default 4 MiB frames); larger ones are not kept."""
+
+
 def _scratch(rows: int, columns: int) -> np.ndarray:
     """This thread's room for `rows` byte planes of `columns` bytes, reused frame after frame.
 
@@ -134,7 +138,10 @@ def _scratch(rows: int, columns: int) -> np.ndarray:
     afresh for each frame (several MB, for which numpy asks for huge pages) had the kernel zero a
     2 MiB page at each plane's first write: ~12 MB for a 4 MiB frame of 2-byte elements. What a
     frame's coding takes from it is consumed before the thread codes another frame (its sections
-    are compressed copies)."""
+    are compressed copies). Each coding thread keeps up to _SCRATCH_MAX bytes; a frame that needs
+    more (a larger ``chunk_bytes``) gets planes of its own."""
+    if rows * columns > _SCRATCH_MAX:
+        return np.empty((rows, columns), dtype=np.uint8)
     buf = getattr(_local, "scratch", None)
     if buf is None or buf.shape[0] < rows or buf.shape[1] < columns:
         rows = max(rows, buf.shape[0] if buf is not None else 0)
