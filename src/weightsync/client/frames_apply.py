@@ -70,6 +70,10 @@ def eligible(manifests: list[Manifest]) -> bool:
     )
 
 
+INLINE_FETCH_BYTES = 8 << 20
+"""Frames of at most this many bytes in all are read and checked by the calling thread, not on the pool."""
+
+
 def fetch(
     manifest: Manifest,
     names: dict[tuple[int, int], str],
@@ -77,19 +81,29 @@ def fetch(
     read_frame: Callable[[FrameRef], Any],
     pool: ThreadPoolExecutor,
 ) -> list[Frame]:
-    """Every frame that changes a touched tensor, read and its header checked against the manifest."""
+    """Every frame that changes a touched tensor, read and its header checked against the manifest.
+
+    Up to INLINE_FETCH_BYTES of frames in all, the calling thread does it: a frame costs a read (from
+    memory or the page cache) and a header check, microseconds, less than handing jobs to the pool's
+    threads (on the 2-core VM the 45 MB update's 12 frames: 0.2 ms so, 0.5 on the pool).
+    """
     out: list[Frame | None] = [None] * len(manifest.frames)
+    wanted = [
+        i for i, ref in enumerate(manifest.frames) if any(names.get((p.file, p.seg)) in touched for p in ref.pieces)
+    ]
 
     def read(i: int) -> None:
         ref = manifest.frames[i]
         pieces = tuple(names.get((p.file, p.seg)) for p in ref.pieces)
-        if not any(n in touched for n in pieces):
-            return
         blob = read_frame(ref)
         head = check_frame(manifest, ref, blob)
         out[i] = Frame(ref, blob, tuple(n if n in touched else None for n in pieces), change_count(blob, head))
 
-    run_all(pool, read, range(len(manifest.frames)), caller_helps=True)
+    if sum(manifest.frames[i].length for i in wanted) <= INLINE_FETCH_BYTES:
+        for i in wanted:
+            read(i)
+    else:
+        run_all(pool, read, wanted, caller_helps=True)
     return [f for f in out if f is not None]
 
 
