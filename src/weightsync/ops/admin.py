@@ -53,5 +53,5 @@ async def delete_model(ops: Ops, name: str) -> DeletedModel:
     gone = await asyncio.to_thread(ops.catalog.delete_model, name, now=ops.clock())
     await ops.drain()  # a record still being written for a commit just before would outlive the deletion
     for v in gone.versions:
-        await ops.store.delete(record_of(v).digest)
+        await ops.delete_object(record_of(v).digest)
     return gone

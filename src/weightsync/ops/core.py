@@ -45,6 +45,7 @@ from weightsync.codec.manifest import MAGIC as MANIFEST_MAGIC
 from weightsync.codec.parts import merge_parts
 from weightsync.codec.validate import check_publishable
 from weightsync.common import gc_paused, removal_message, removed_content
+from weightsync.ops.hot import HotObjects
 from weightsync.ops.phases import timed
 from weightsync.ops.records import record_of
 from weightsync.store import ObjectInfo as StoredObject
@@ -66,6 +67,8 @@ WHOLE_PART_BYTES = 4 << 20
 larger ones are streamed to the store as they arrive."""
 _HASH_INLINE_BYTES = 1 << 20
 """A manifest up to this size is hashed on the event loop (~0.5 ms) so that it parses while it is written."""
+HOT_OBJECT_BYTES = 4 << 20
+"""The largest object the server keeps in memory once written or read whole (a plan bundle's preload)."""
 _REPLAY_WINDOW = 1000
 """Versions after its parent that a retried publishVersion looks through for its own commit."""
 
@@ -80,6 +83,8 @@ class OpsSettings:
     max_object_bytes: int = MAX_OBJECT_BYTES
     store_concurrency: int = 16
     manifest_cache: int = 256
+    hot_object_bytes: int = 64 << 20
+    """Bytes of small objects (up to HOT_OBJECT_BYTES each) kept in memory for the plans that name them (ops/hot.py)."""
 
 
 @dataclass(frozen=True)
@@ -206,6 +211,8 @@ class Ops:
         self._sem = asyncio.Semaphore(self.settings.store_concurrency)
         # Parsed manifests with what a plan step needs of them: immutable, so cached by digest.
         self._manifests: OrderedDict[str, _Parsed] = OrderedDict()
+        # Small objects' bytes as written or read whole, for the plans that follow (ops/hot.py).
+        self._hot = HotObjects(self.settings.hot_object_bytes, HOT_OBJECT_BYTES)
         # Manifests being parsed as they are uploaded (_warm_manifest), by digest.
         self._manifest_loads: dict[str, asyncio.Future[_Parsed]] = {}
         # Committed versions' manifest digests by (model, number): a number is never given twice in a
@@ -344,25 +351,32 @@ class Ops:
     ) -> PutResult:
         """:meth:`put_object` without the catalog's record (a manifest among the bytes is parsed as it arrives)."""
         limit = min(max_size or self.settings.max_object_bytes, self.settings.max_object_bytes)
-        kept: list[bytes] = []  # the bytes of what may be a manifest, for _warm_manifest
+        kept: list[bytes] = []  # the bytes of a small object, or of what may be a manifest, for _warm_manifest
+        manifest: bool | None = None  # decided by the first bytes
+        keep_up_to = max(self._hot.largest, MAX_WARM_MANIFEST_BYTES)
 
         async def teed() -> AsyncIterator[bytes]:
-            keep: bool | None = None  # decided by the first bytes
+            nonlocal manifest, keep_up_to
             size = 0
             async for chunk in chunks:
                 size += len(chunk)
-                if keep is None and chunk:
-                    keep = chunk[: len(MANIFEST_MAGIC)] == MANIFEST_MAGIC
-                if keep and size > MAX_WARM_MANIFEST_BYTES:
-                    keep = False
+                if manifest is None and chunk:
+                    manifest = chunk[: len(MANIFEST_MAGIC)] == MANIFEST_MAGIC
+                    if not manifest:
+                        keep_up_to = self._hot.largest
+                if size > keep_up_to:
+                    keep_up_to = -1
                     kept.clear()
-                if keep:
+                elif chunk:
                     kept.append(chunk)
                 yield chunk
 
         result = await self.store.put_stream(teed(), expected_digest=expected_digest, max_size=limit)
-        if kept:
-            self._warm_manifest(result.digest, b"".join(kept))
+        if kept or result.size == 0:
+            data = b"".join(kept)
+            self._hot.put(result.digest, data)
+            if manifest and len(data) <= MAX_WARM_MANIFEST_BYTES:
+                self._warm_manifest(result.digest, data)
         return result
 
     async def put_bytes(self, data: bytes, *, expected_digest: str | None = None) -> PutResult:
@@ -382,6 +396,7 @@ class Ops:
             self._warm_manifest(hashlib.sha256(data).hexdigest(), data)
             manifest = False
         result = await self.store.put(data, expected_digest=expected_digest)
+        self._hot.put(result.digest, data)
         if manifest:
             self._warm_manifest(result.digest, data)
         return result
@@ -974,9 +989,22 @@ class Ops:
         return dict(zip(digests, signed, strict=True))
 
     async def read_whole(self, digest: str) -> bytes:
-        """An object's bytes in one read (for small objects; ObjectNotFound when the store lacks it)."""
+        """An object's bytes in one read (for small objects; ObjectNotFound when the store lacks it).
+
+        A small object written or read whole lately comes from memory (ops/hot.py), not the store.
+        """
+        data = self._hot.get(digest)
+        if data is not None:
+            return data
         async with self._sem:
-            return await self.store.get(digest)
+            data = await self.store.get(digest)
+        self._hot.put(digest, data)
+        return data
+
+    async def delete_object(self, digest: str) -> None:
+        """Delete an object's bytes from the store (idempotent), and from the memory of small objects first."""
+        self._hot.drop(digest)
+        await self.store.delete(digest)
 
     def read_object(self, digest: str, *, offset: int = 0, length: int | None = None) -> AsyncIterator[bytes]:
         """Stream an object's bytes (or a range) without buffering it whole."""

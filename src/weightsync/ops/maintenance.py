@@ -91,7 +91,7 @@ async def _live(ops: Ops) -> tuple[set[str], set[str]]:
 async def _delete_tombstoned(ops: Ops, digests: list[str], stamp: datetime) -> None:
     """GC phases 2 and 3: delete the bytes of objects tombstoned with `stamp`, then forget them."""
     for digest in digests:
-        await ops.store.delete(digest)
+        await ops.delete_object(digest)
     await ops.finish_object_deletion(digests, stamp=stamp)
 
 
@@ -289,7 +289,7 @@ async def gc(ops: Ops, *, grace: timedelta | None = None, dry_run: bool = False)
         if deleted:
             report.versions_deleted[m.name] = deleted
         for n in deleted:  # a rebuilt catalog must not resurrect them
-            await ops.store.delete(record_of(before[n]).digest)
+            await ops.delete_object(record_of(before[n]).digest)
     found = await sweep(ops, grace=grace, dry_run=dry_run)
     report.objects_deleted = len(found.deleted)
     report.bytes_deleted = sum(o.size for o in found.deleted)

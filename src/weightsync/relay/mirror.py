@@ -410,7 +410,7 @@ class Mirror:
                 size = (await self.ops.store.stat(digest)).size
             except errors.ObjectNotFound:
                 continue
-            await self.ops.store.delete(digest)
+            await self.ops.delete_object(digest)
             evicted += size
         if evicted:
             self.metrics.evicted_bytes.inc(evicted)

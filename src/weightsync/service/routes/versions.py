@@ -215,6 +215,8 @@ async def plan_bundle(ops: Ops, out: PlanOut) -> Response:
     streamed = {d: x for d, x in zip(wanted, found, strict=True) if isinstance(x, int)}
     plan_json = out.model_dump_json().encode()
     first = b"".join(bundle.chunks(plan_json, read_now, first=bundle.PLAN))
+    if not streamed:  # all of it in hand: one body, no streaming machinery (its task group costs the small answer)
+        return Response(first, media_type=bundle.MEDIA_TYPE)
     total = len(first) + sum(bundle.part_overhead(d) + n for d, n in streamed.items())
 
     async def body() -> AsyncIterator[bytes]:

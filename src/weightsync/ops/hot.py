@@ -1,0 +1,57 @@
+"""The bytes of recently written or read small objects, kept by the server for the plans that follow.
+
+Every follower asks for the newest version right after its commit, and a small update comes in
+the plan's own answer (docs/API.md "One request per update"): the same few objects (the manifest,
+a packed object of frames) are read from the store once per follower. The server has those bytes
+in hand when the publish uploads them; keeping them saves each plan its store reads (a worker
+thread each, on the filesystem; a round trip each, on S3).
+
+Objects are immutable (named by their SHA-256), so an entry is never stale; an object the
+server deletes (GC) is dropped first. Only the event loop's thread touches the cache.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class HotObjects:
+    """Objects' bytes by digest, the least recently used dropped beyond `budget` bytes in all.
+
+    Objects larger than `largest` bytes are not kept (large updates are streamed from the store);
+    a budget of 0 keeps nothing.
+    """
+
+    def __init__(self, budget: int, largest: int) -> None:
+        self.budget = max(0, budget)
+        self.largest = min(largest, self.budget)
+        self._entries: OrderedDict[str, bytes] = OrderedDict()
+        self._bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def held_bytes(self) -> int:
+        return self._bytes
+
+    def get(self, digest: str) -> bytes | None:
+        data = self._entries.get(digest)
+        if data is not None:
+            self._entries.move_to_end(digest)
+        return data
+
+    def put(self, digest: str, data: bytes) -> None:
+        """Keep `data`, which the caller checked hashes to `digest` (the store computed it, or named it)."""
+        if len(data) > self.largest or digest in self._entries:
+            return
+        self._entries[digest] = bytes(data)  # bytes are immutable: no copy when they are bytes already
+        self._bytes += len(data)
+        while self._bytes > self.budget:
+            _, gone = self._entries.popitem(last=False)
+            self._bytes -= len(gone)
+
+    def drop(self, digest: str) -> None:
+        gone = self._entries.pop(digest, None)
+        if gone is not None:
+            self._bytes -= len(gone)

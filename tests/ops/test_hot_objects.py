@@ -1,0 +1,114 @@
+"""The server's memory of small objects (ops/hot.py): what a plan bundle reads comes from it once the
+object was written or read whole; an object the server deletes is gone from it too; larger objects
+always come from the store. "Behind its back" below is the store deleting an object Ops did not
+delete (another replica's GC): the bytes Ops still hands out are the object's own (named by them)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import AsyncIterator
+from datetime import timedelta
+
+import pytest
+
+from weightsync import errors
+from weightsync.catalog import Catalog
+from weightsync.ops import Ops, OpsSettings, gc
+from weightsync.ops.core import HOT_OBJECT_BYTES
+from weightsync.ops.hot import HotObjects
+
+pytestmark = pytest.mark.anyio
+
+
+async def chunks(data: bytes, size: int = 1000) -> AsyncIterator[bytes]:
+    for at in range(0, len(data), size):
+        yield data[at : at + size]
+
+
+@pytest.fixture
+async def small_ops(backends, clock):
+    """Ops keeping at most 3000 bytes of objects, 3000 at most each."""
+    url, make = backends
+    catalog = Catalog.open(url)
+    store = make()
+    o = Ops(catalog, store, OpsSettings(gc_grace=timedelta(minutes=5), hot_object_bytes=3000), clock=clock)
+    try:
+        yield o
+    finally:
+        await store.close()
+        catalog.close()
+
+
+async def test_an_object_written_whole_or_streamed_is_read_from_memory(ops):
+    whole, streamed = b"w" * 5000, bytes(range(256)) * 40
+    d1 = (await ops.put_bytes(whole)).digest
+    d2 = (await ops.put_object(chunks(streamed))).digest
+    for d in (d1, d2):
+        await ops.store.delete(d)  # behind its back
+        with pytest.raises(errors.ObjectNotFound):
+            await ops.store.get(d)
+    assert await ops.read_whole(d1) == whole
+    assert await ops.read_whole(d2) == streamed
+
+
+async def test_an_object_read_whole_once_is_read_from_memory_after(ops):
+    data = b"read once" * 100
+    digest = (await ops.store.put(data)).digest  # written by another replica: not in this one's memory
+    assert await ops.read_whole(digest) == data
+    await ops.store.delete(digest)
+    assert await ops.read_whole(digest) == data
+
+
+async def test_an_object_the_server_deletes_is_not_read_from_memory(ops, clock):
+    data = b"doomed" * 100
+    digest = (await ops.put_bytes(data)).digest
+    assert await ops.read_whole(digest) == data
+    await ops.delete_object(digest)
+    with pytest.raises(errors.ObjectNotFound):
+        await ops.read_whole(digest)
+    # And through GC: an upload no version references, once its grace is over.
+    digest = (await ops.put_bytes(b"unreferenced" * 50)).digest
+    clock.advance(minutes=6)
+    report = await gc(ops)
+    assert report.objects_deleted == 1
+    with pytest.raises(errors.ObjectNotFound):
+        await ops.read_whole(digest)
+
+
+async def test_large_objects_and_those_past_the_budget_come_from_the_store(small_ops):
+    big = b"b" * 3001  # over the 3000 bytes a single object may take
+    d_big = (await small_ops.put_bytes(big)).digest
+    d_streamed = (await small_ops.put_object(chunks(big))).digest
+    assert d_streamed == d_big
+    first, second = b"1" * 2000, b"2" * 2000  # together over the budget: the first is dropped
+    d1 = (await small_ops.put_bytes(first)).digest
+    d2 = (await small_ops.put_bytes(second)).digest
+    for d in (d_big, d1, d2):
+        await small_ops.store.delete(d)
+    for d in (d_big, d1):
+        with pytest.raises(errors.ObjectNotFound):
+            await small_ops.read_whole(d)
+    assert await small_ops.read_whole(d2) == second
+
+
+def test_the_least_recently_used_go_first_within_the_budget():
+    hot = HotObjects(budget=10, largest=HOT_OBJECT_BYTES)
+    assert hot.largest == 10
+    for name in "abc":
+        hot.put(name, name.encode() * 3)
+    assert hot.held_bytes == 9 and len(hot) == 3
+    assert hot.get("a") == b"aaa"  # now the most recently used
+    hot.put("d", b"dd")  # 11 bytes: "b" goes
+    assert hot.get("b") is None and hot.get("a") == b"aaa" and hot.get("c") == b"ccc"
+    assert hot.held_bytes == 8
+    hot.put("e", b"e" * 11)  # larger than the budget: not kept, nothing dropped
+    assert hot.get("e") is None and len(hot) == 3
+    hot.drop("a")
+    hot.drop("a")  # twice: nothing more
+    assert hot.get("a") is None and hot.held_bytes == 5
+
+
+def test_a_zero_budget_keeps_nothing():
+    hot = HotObjects(budget=0, largest=HOT_OBJECT_BYTES)
+    hot.put(hashlib.sha256(b"x").hexdigest(), b"x")
+    assert len(hot) == 0 and hot.held_bytes == 0
