@@ -118,7 +118,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     root = tmp_path_factory.mktemp("vllm-inproc")
     dirs = make_versions(python, root / "trainer", 4)
     trainer = {f"v{i}": d for i, d in enumerate(dirs, 1)}
-    with serving(["--data", str(root / "ws")], log_path=root / "ws.log") as ws:
+    # No memory of small objects in this server: a test flips stored bytes on disk and wants them served.
+    env = clean_env({"WEIGHTSYNC_OBJECT_MEMORY": "0"})
+    with serving(["--data", str(root / "ws")], log_path=root / "ws.log", env=env) as ws:
         s = Stack(ws.url, "", root, trainer, {})
         for step, tag in enumerate(["v1", "v2", "v3", "v4"], 1):
             s.numbers[tag] = s.publish(tag, step)

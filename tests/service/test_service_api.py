@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from _service_http import files_of, ok, problem, publish, publish_chain, pull
-from _service_util import JSON_CAP, ServerThread
+from _service_util import JSON_CAP, ServerThread, running
 
 from weightsync import errors
 from weightsync.client._http import Api, Retry
@@ -575,3 +575,29 @@ def test_plan_with_inline_objects_is_one_answer_holding_the_plan_and_every_objec
     for bad in (-1, bundle.MAX_INLINE + 1, "x"):
         problem(reader.get(f"/v1/models/{model}/plan", params={"inline": bad}), 422, "validation")
     problem(reader.get(f"/v1/models/{model}/plan", params={"want": 99, "inline": 10}), 404, "not-found")
+
+
+@pytest.mark.parametrize("memory", [64 << 20, 0])
+def test_a_plan_carries_small_objects_from_the_servers_memory_unless_it_keeps_none(tmp_path, versions, memory):
+    """Objects the server stored come with later plans from its memory (WEIGHTSYNC_OBJECT_MEMORY), so bytes
+    flipped on disk behind its back (bit rot, which fsck finds) do not reach a follower; with 0 the plan
+    reads the store each time and carries the damaged bytes, which the follower's check refuses."""
+    from weightsync import bundle
+
+    settings = Settings(data=tmp_path / "data", object_memory=memory)
+    with running(settings) as url, httpx.Client(base_url=url) as c:
+        first, second = publish_chain(c, "m", versions[:2])
+        manifest = second.manifest
+        for path in (tmp_path / "data" / "store" / "objects").rglob("*"):
+            if path.is_file() and path.name in second.uploaded and path.name != manifest:
+                path.chmod(0o644)
+                data = bytearray(path.read_bytes())
+                data[len(data) // 2] ^= 0x40
+                path.write_bytes(bytes(data))
+        r = c.get("/v1/models/m/plan", params={"have": first.version["number"], "inline": 1 << 20})
+        assert r.headers["content-type"].startswith(bundle.MEDIA_TYPE)
+        objects = {name: bytes(data) for name, data in list(bundle.parts(r.content))[1:]}
+    frames = [d for d in objects if d != manifest]
+    assert frames and set(frames) <= set(second.uploaded)
+    intact = [hashlib.sha256(objects[d]).hexdigest() == d for d in frames]
+    assert all(intact) if memory else not any(intact)

@@ -48,6 +48,9 @@ class Settings(BaseSettings):
     max_object_size: int = Field(4 << 30, gt=0, description="Largest object accepted (bytes).")
     max_upload_body: int = Field(4 << 30, gt=0, description="Largest PUT body the service proxies (bytes).")
     max_json_body: int = Field(16 << 20, gt=0, description="Largest JSON request body (bytes).")
+    object_memory: int = Field(
+        64 << 20, ge=0, description="Bytes of small objects a process keeps in memory for the plans (0: none)."
+    )
     workers: int = Field(1, ge=1, le=64)
     threads: int = Field(32, ge=4, le=512, description="Worker threads per process (catalog calls, hashing).")
     db_pool_size: int = Field(10, ge=1, le=200)
@@ -86,6 +89,7 @@ class Settings(BaseSettings):
             gc_grace=timedelta(seconds=self.gc_grace_s),
             lease_ttl=timedelta(seconds=self.lease_ttl_s),
             max_object_bytes=self.max_object_size,
+            hot_object_bytes=self.object_memory,
         )
 
     def upload_cap(self) -> int:
