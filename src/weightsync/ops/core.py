@@ -374,9 +374,10 @@ class Ops:
         result = await self.store.put_stream(teed(), expected_digest=expected_digest, max_size=limit)
         if kept or result.size == 0:
             data = b"".join(kept)
-            self._hot.put(result.digest, data)
-            if manifest and len(data) <= MAX_WARM_MANIFEST_BYTES:
-                self._warm_manifest(result.digest, data)
+            if len(data) == result.size:  # every byte the store named is in hand: keep them
+                self._hot.put(result.digest, data)
+                if manifest and len(data) <= MAX_WARM_MANIFEST_BYTES:
+                    self._warm_manifest(result.digest, data)
         return result
 
     async def put_bytes(self, data: bytes, *, expected_digest: str | None = None) -> PutResult:
