@@ -351,33 +351,31 @@ class Ops:
     ) -> PutResult:
         """:meth:`put_object` without the catalog's record (a manifest among the bytes is parsed as it arrives)."""
         limit = min(max_size or self.settings.max_object_bytes, self.settings.max_object_bytes)
-        kept: list[bytes] = []  # the bytes of a small object, or of what may be a manifest, for _warm_manifest
-        manifest: bool | None = None  # decided by the first bytes
-        keep_up_to = max(self._hot.largest, MAX_WARM_MANIFEST_BYTES)
+        # The bytes of a small object (for the memory of objects), or of what may be a manifest (for
+        # _warm_manifest, up to its own cap); None once the object is larger than either keeps.
+        kept: list[bytes] | None = []
+        manifest = False  # decided by the first bytes
 
         async def teed() -> AsyncIterator[bytes]:
-            nonlocal manifest, keep_up_to
+            nonlocal kept, manifest
             size = 0
             async for chunk in chunks:
-                size += len(chunk)
-                if manifest is None and chunk:
+                if size == 0 and chunk:
                     manifest = chunk[: len(MANIFEST_MAGIC)] == MANIFEST_MAGIC
-                    if not manifest:
-                        keep_up_to = self._hot.largest
-                if size > keep_up_to:
-                    keep_up_to = -1
-                    kept.clear()
-                elif chunk:
-                    kept.append(chunk)
+                size += len(chunk)
+                if kept is not None:
+                    if size > max(self._hot.largest, MAX_WARM_MANIFEST_BYTES if manifest else 0):
+                        kept = None
+                    elif chunk:
+                        kept.append(chunk)
                 yield chunk
 
         result = await self.store.put_stream(teed(), expected_digest=expected_digest, max_size=limit)
-        if kept or result.size == 0:
-            data = b"".join(kept)
-            if len(data) == result.size:  # every byte the store named is in hand: keep them
-                self._hot.put(result.digest, data)
-                if manifest and len(data) <= MAX_WARM_MANIFEST_BYTES:
-                    self._warm_manifest(result.digest, data)
+        data = None if kept is None else b"".join(kept)
+        if data is not None and len(data) == result.size:  # every byte the store named is in hand
+            self._hot.put(result.digest, data)
+            if manifest:
+                self._warm_manifest(result.digest, data)
         return result
 
     async def put_bytes(self, data: bytes, *, expected_digest: str | None = None) -> PutResult:
