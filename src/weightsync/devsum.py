@@ -11,12 +11,16 @@ mod 2^64. Words go to int32 in blocks of ROWS elements; within a block u·r < 2^
 int32, so the block's Σ u·r is one int32 product and an int64 sum, and its offset adds
 (block start)·Σ u. About 30 bytes of memory traffic per 16-bit word, a few kernels per
 chunk; the host finishes each lane with Python integers (one synchronisation per call).
+On CUDA, where Triton runs and agrees with this path, one kernel per tensor computes the
+same moments reading each word once (devsum_triton.py).
 
-torch is imported here only: the codec never imports torch.
+torch is imported here and in devsum_triton.py only: the codec never imports torch.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -26,6 +30,8 @@ from weightsync.errors import InvalidArgument
 
 DEFAULT_CHUNK = 1 << 22
 """Elements summed per step: scratch is about 8 bytes per word (~64 MB for 4 M 2-byte elements)."""
+log = logging.getLogger(__name__)
+
 ROWS = 1 << 14
 """Elements per block: a word (< 2^16) times its row (< 2^14) fits an int32."""
 
@@ -97,12 +103,67 @@ def lanes_to_ints(lanes: torch.Tensor) -> tuple[int, ...]:
 
 
 def _moments(t: torch.Tensor, chunk: int) -> torch.Tensor | None:
-    """(lanes, 2) int64 on the tensor's device: Σ u and Σ u·i of each lane's words (mod 2^64); None if empty."""
+    """(lanes, 2) int64 on the tensor's device: Σ u and Σ u·i of each lane's words (mod 2^64); None if empty.
+
+    CUDA tensors go through one Triton kernel (devsum_triton.py) where it runs and agrees with
+    the torch path below (checked once per device: :func:`_triton_agrees`); else the torch path.
+    """
+    if t.numel() == 0:
+        return None
+    if t.is_cuda and _triton_agrees(t.device, t.element_size()):
+        from weightsync import devsum_triton
+
+        return devsum_triton.moments(t, lanes_of(t.element_size()))
+    return _torch_moments(t, chunk)
+
+
+_agreed: dict[tuple[str, int], bool] = {}
+_agree_lock = threading.Lock()
+
+
+def _triton_agrees(device: torch.device, width: int) -> bool:
+    """Whether the Triton kernel runs on `device` and gives the torch path's moments for `width`-byte elements
+    on test tensors (a partial last block, words with the high bit set). Decided the first time a width is
+    met on a device (each width is its own compiled kernel); a failure is logged and the torch path kept."""
+    d = torch.device(device)
+    key = (str(torch.device("cuda", torch.cuda.current_device()) if d.type == "cuda" and d.index is None else d), width)
+    with _agree_lock:
+        if key not in _agreed:
+            _agreed[key] = _check_triton(device, width)
+        return _agreed[key]
+
+
+def warm(device: torch.device | str, width: int) -> None:
+    """Compile and check the checksum's kernel for `width`-byte elements on CUDA `device` now (not mid-apply)."""
+    if torch.device(device).type == "cuda":
+        _triton_agrees(torch.device(device), width)
+
+
+def _check_triton(device: torch.device, width: int) -> bool:
+    from weightsync import devsum_triton
+
+    if not devsum_triton.available():
+        return False
+    dtype = {1: torch.uint8, 2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[width]
+    gen = torch.Generator(device="cpu").manual_seed(11)
+    try:
+        for n in (1, devsum_triton.BLOCK + 3, 3 * devsum_triton.BLOCK):
+            raw = torch.randint(0, 256, (n * width,), generator=gen, dtype=torch.uint8)
+            t = raw.view(dtype).to(device)
+            if not torch.equal(devsum_triton.moments(t, lanes_of(width)), _torch_moments(t, DEFAULT_CHUNK)):
+                log.warning("the Triton checksum kernel disagrees with torch on %s: using torch", device)
+                return False
+    except Exception as exc:  # noqa: BLE001 - a kernel that cannot compile or launch here: torch serves
+        log.warning("the Triton checksum kernel does not run on %s (%s): using torch", device, exc)
+        return False
+    return True
+
+
+def _torch_moments(t: torch.Tensor, chunk: int) -> torch.Tensor:
+    """:func:`_moments` with torch ops, chunk by chunk (the reference for the Triton kernel)."""
     width = t.element_size()
     lanes_n = lanes_of(width)
     n = t.numel()
-    if n == 0:
-        return None
     raw = t.contiguous().reshape(-1).view(torch.uint8)
     words = (raw if width == 1 else raw.view(torch.int16)).view(n, lanes_n)
     device = t.device

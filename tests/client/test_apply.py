@@ -431,6 +431,42 @@ def test_staged_changes_are_compact_and_apply_exactly() -> None:
             assert staged.nbytes <= 6 * len(positions)  # int32 positions
 
 
+def test_changes_staged_together_share_one_buffer_and_each_applies_exactly() -> None:
+    """stage_changes: block-coded, int32-coded and empty changes (bf16, int8 and fp32 tensors) moved in one
+    copy; each is a view of that copy and applies exactly as its host change does."""
+    from weightsync.client.tensors import BLOCK_BITS, apply_staged, stage_changes
+    from weightsync.codec.values import Change
+
+    rng = np.random.default_rng(1)
+    cases = []
+    for n, density, dtype in [
+        (5 * (1 << BLOCK_BITS) + 3, 0.03, np.int16),  # block-coded
+        (8 << BLOCK_BITS, 2e-5, np.int8),  # int32 positions: about one change per block
+        (1000, 0.0, np.int16),  # empty
+        (2 * (1 << BLOCK_BITS) + 9, 0.2, np.int32),  # block-coded, 4-byte operands
+    ]:
+        positions = np.flatnonzero(rng.random(n) < density).astype(np.int64)
+        info = np.iinfo(dtype)
+        operands = rng.integers(info.min, info.max, len(positions), dtype=dtype)
+        operands[operands == 0] = 1
+        cases.append((Change(bool(n % 2), positions, operands), n, rng.integers(info.min, info.max, n, dtype=dtype)))
+    staged = stage_changes([(c, n) for c, n, _ in cases], "cpu")
+    assert [s.positions is None for s in staged] == [True, False, False, True]
+    storages = {
+        p.untyped_storage().data_ptr()
+        for s in staged
+        for p in (s.operands, s.low, s.positions)
+        if p is not None and p.numel()
+    }
+    assert len(storages) == 1  # one buffer
+    for (change, n, base), s in zip(cases, staged, strict=True):
+        want = base.copy()
+        change.apply(want)
+        t = torch.from_numpy(base.copy())
+        apply_staged(t, s)
+        assert np.array_equal(t.numpy(), want), n
+
+
 def test_prepare_stages_few_bytes_per_changed_element() -> None:
     published = _trained(3, seed=7)
     prepared = _local_update(published, 1, 3, device="cpu")
@@ -515,3 +551,65 @@ def test_prepare_and_apply_hold_the_collector_off_and_give_it_back(server, model
     assert live.gc_states == {False}  # every lookup of the apply ran with the collector off
     assert seen and not any(seen)  # so did prepare's download
     _assert_identical(dict(live), published[1])
+
+
+_TRITON_APPLY = """
+import itertools, sys, torch
+from weightsync import devsum_triton
+from weightsync.client import tensors
+devsum_triton.available = lambda: True  # the interpreter runs the kernel on CPU tensors
+kinds = [k for k in itertools.product((1, 2, 4, 8), (True, False), (True, False), (False, True), (True, False))
+         if k[2] or not k[3]]  # (width, block-coded, add, inverse, track): inverse only undoes an add
+bad = [k for k in kinds if not tensors._check_triton_apply(torch.device("cpu"), *k)]
+print("agree" if not bad else f"disagree {bad}")
+"""
+
+
+def test_the_triton_apply_kernel_does_what_the_torch_path_does() -> None:
+    """client/staged_triton.py against the torch path (the reference): same bytes and checksum moves for every
+    element width, coding (block-coded, int32 positions), operation (add, its inverse, xor), with and without
+    tracking; through Triton's interpreter on the CPU, as tensors.py checks it on a GPU before using it."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-c", _TRITON_APPLY], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip() == "agree", (out.stdout, out.stderr[-2000:])
+
+
+def test_a_triton_apply_that_disagrees_or_cannot_run_leaves_the_torch_path(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from weightsync import devsum_triton
+    from weightsync.client import staged_triton, tensors
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(devsum_triton, "available", lambda: True)
+
+    def same(view: torch.Tensor, staged: object, *, track: bool, inverse: bool, block_bits: int, lanes: int):
+        return tensors._apply_staged_torch(view, staged, track=track, inverse=inverse)
+
+    monkeypatch.setattr(staged_triton, "apply", same)
+    assert tensors._check_triton_apply(cpu, 2, True, True, False, True) is True
+
+    def off_by_one(view: torch.Tensor, staged: object, *, track: bool, inverse: bool, block_bits: int, lanes: int):
+        moved = tensors._apply_staged_torch(view, staged, track=track, inverse=inverse)
+        view.view(-1)[0] += 1
+        return moved
+
+    monkeypatch.setattr(staged_triton, "apply", off_by_one)
+    with caplog.at_level("WARNING", logger="weightsync.client.tensors"):
+        assert tensors._check_triton_apply(cpu, 2, False, False, False, False) is False
+    assert "disagrees" in caplog.text
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("no GPU here")
+
+    monkeypatch.setattr(staged_triton, "apply", broken)
+    assert tensors._check_triton_apply(cpu, 4, True, True, True, True) is False
+    monkeypatch.setattr(devsum_triton, "available", lambda: False)
+    assert tensors._check_triton_apply(cpu, 2, True, True, False, True) is False
+    tensors.warm_device_kernels("cpu", {(2, True, True)}, widths={2})  # nothing to compile off a GPU
+    assert tensors.device_key("cpu") == "cpu"

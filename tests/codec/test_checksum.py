@@ -208,3 +208,60 @@ def test_bad_arguments_are_named_errors():
         TensorSum.empty(2) + TensorSum.empty(4)
     with pytest.raises(InvalidArgument):
         combine([])
+
+
+_TRITON_DIFFERENTIAL = """
+import sys, torch
+from weightsync import devsum, devsum_triton
+from weightsync.codec.checksum import lanes_of, tensor_sum
+gen = torch.Generator().manual_seed(int(sys.argv[1]))
+B = devsum_triton.BLOCK
+for dtype in (torch.uint8, torch.bfloat16, torch.int16, torch.float32, torch.float64):
+    width = torch.tensor([], dtype=dtype).element_size()
+    for n in (1, 7, B - 1, B, B + 1, 3 * B + 77):
+        t = torch.randint(0, 256, (n * width,), generator=gen, dtype=torch.uint8).view(dtype)
+        got = devsum_triton.moments(t, lanes_of(width))
+        want = devsum._torch_moments(t, devsum.DEFAULT_CHUNK)
+        assert torch.equal(got, want), (dtype, n, got.tolist(), want.tolist())
+print("agree")
+"""
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_triton_kernel_gives_the_torch_paths_moments(seed: int) -> None:
+    """devsum_triton.py against the torch path (the reference), through Triton's interpreter on the CPU (a GPU
+    box runs the same kernel compiled: benchmarks/device_probe.py checks it against the CPU kernels there)."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run(
+        [sys.executable, "-c", _TRITON_DIFFERENTIAL, str(seed)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "agree", out.stderr[-2000:]
+
+
+def test_a_triton_kernel_that_disagrees_or_cannot_run_leaves_the_torch_path(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """devsum._check_triton: the kernel is used only where it gives the torch path's moments."""
+    from weightsync import devsum_triton
+
+    monkeypatch.setattr(devsum_triton, "available", lambda: True)
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(devsum_triton, "moments", lambda t, lanes: devsum._torch_moments(t, devsum.DEFAULT_CHUNK))
+    assert devsum._check_triton(cpu, 2) is True
+    monkeypatch.setattr(devsum_triton, "moments", lambda t, lanes: devsum._torch_moments(t, devsum.DEFAULT_CHUNK) + 1)
+    with caplog.at_level("WARNING", logger="weightsync.devsum"):
+        assert devsum._check_triton(cpu, 2) is False
+    assert "disagrees" in caplog.text
+
+    def broken(t: torch.Tensor, lanes: int) -> torch.Tensor:
+        raise RuntimeError("no GPU here")
+
+    monkeypatch.setattr(devsum_triton, "moments", broken)
+    assert devsum._check_triton(cpu, 2) is False
+    monkeypatch.setattr(devsum_triton, "available", lambda: False)
+    assert devsum._check_triton(cpu, 2) is False

@@ -109,6 +109,18 @@ def test_apply_kernels_agree(p, add, op):
         assert np.array_equal(outs[1], new)  # the delta applied to base gives new
 
 
+@settings(max_examples=60, deadline=None)
+@given(width=st.sampled_from([1, 2, 4, 8]), raw=st.binary(max_size=4096), step=st.sampled_from([1, 2, 3]))
+def test_unzigzag_kernels_agree_and_invert_zigzag(width, raw, step):
+    """The subscriber's decode turns every added frame's values into addends with this (FORMAT §4.2)."""
+    nat = need_native()
+    z = np.frombuffer(raw[: len(raw) // width * width], dtype=UINT[width])[::step]  # strided: copied first
+    got = nat.unzigzag(z)
+    assert got.dtype == z.dtype and np.array_equal(got, kernels.REFERENCE.unzigzag(z))
+    assert np.array_equal(kernels.zigzag(got), z)
+    assert np.array_equal(kernels.unzigzag(z), got)  # the module function: the active kernels
+
+
 @pytest.mark.parametrize("impl", IMPLS, ids=lambda k: k.name)
 def test_sparse_position_past_the_end_writes_nothing(impl):
     target = np.arange(16, dtype=np.uint8)

@@ -37,6 +37,12 @@ from weightsync.codec.dtypes import DType, by_name
 from weightsync.codec.manifest import DIGEST_SUM, DIGEST_XXH3, FrameRef, Manifest
 from weightsync.codec.values import Change, apply_values, compose, decode_values, keyframe_bytes
 
+DEVICE_DECODE_THREADS = 2
+"""Threads that decode frames into changes for tensors off the host (`prepare` with a device, when not told).
+That decode holds the GIL for most of each frame's work: on the H100 box's 16 cores a 5.7 GB model's
+update (19.8 M changes, 1468 frames) decoded and staged in 0.59 / 0.50 / 0.56 / 0.75 / 0.84 s on
+1 / 2 / 4 / 8 / 16 threads (docs/SCALE.md, run Y)."""
+
 _REPLACE_PIECE = 8 << 20
 """Whole replacements of host tensors are copied in pieces of this many bytes, spread over the CPU pool."""
 
@@ -253,15 +259,27 @@ def frames_needed(manifests: Sequence[Manifest], select: Callable[[str], bool]) 
 def stage(prepared: Prepared, device: Any) -> None:
     """Copy `prepared`'s changes to `device` ahead of `apply`, so the apply moves nothing (compactly:
     `Prepared.staged_bytes` tells what they hold there)."""
-    from weightsync.client.tensors import stage_change, torch_module
+    from weightsync.client.tensors import stage_changes, torch_module, warm_device_kernels
 
     torch = torch_module()
+    changes: list[tuple[Change, int]] = []
     for u in prepared.updates.values():
         if u.replace is not None:
             u.staged_replace = torch.from_numpy(u.replace).to(device)
         elements = int(np.prod(u.shape, dtype=np.int64))
-        u.staged = [stage_change(op, device, elements=elements) for op in u.ops]
+        changes.extend((op, elements) for op in u.ops)
+    staged = stage_changes(changes, device)  # one copy to the device for all of them
+    ordered = iter(staged)
+    for u in prepared.updates.values():
+        u.staged = [next(ordered) for _ in u.ops]
     prepared.device = device
+    # The device's kernels for these changes and for the checksum compile now, not in the pause.
+    updates = prepared.updates.values()
+    warm_device_kernels(
+        device,
+        {(u.dtype.width, s.positions is None, s.add) for u in updates for s in u.staged},
+        widths={u.dtype.width for u in updates},
+    )
 
 
 def prepare(
@@ -283,8 +301,8 @@ def prepare(
 
     The lowest door to in-place updates, with no server: `read_frame` returns
     each frame's bytes (already verified by whoever fetched them). Frames decode
-    on `threads` threads (default ``os.cpu_count()``); with `device`, the changes
-    are staged there too (:func:`stage`). ``seconds`` counts decode and staging.
+    on `threads` threads (default ``os.cpu_count()``, or :data:`DEVICE_DECODE_THREADS` with
+    `device`); with `device`, the changes are staged there too (:func:`stage`). ``seconds`` counts decode and staging.
 
     Without `device`, a one-step FORMAT v2 delta is kept as its frames (read and
     their headers checked, not decoded): `apply` patches host tensors from them in
@@ -295,6 +313,8 @@ def prepare(
     updates: dict[str, TensorUpdate] = {}
     specs: dict[str, tuple[DType, tuple[int, ...], str]] = {}
     frames: list[frames_apply.Frame] | None = [] if device is None and frames_apply.eligible(list(manifests)) else None
+    if device is not None and threads is None:
+        threads = DEVICE_DECODE_THREADS
     if manifests:
         with _threads(threads) as pool:
             updates, specs = decode_updates(list(manifests), read_frame, pool, frames=frames, select=select)

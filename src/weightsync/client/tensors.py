@@ -10,10 +10,11 @@ exactly); only the small (positions, operands) arrays cross to the device.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,8 @@ from weightsync.codec.frame import xxh3_128
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
+
+log = logging.getLogger(__name__)
 
 # safetensors dtype name -> torch attribute name (sub-byte packed dtypes are not tensors of their own).
 _TORCH_NAMES = {
@@ -382,19 +385,56 @@ class StagedChange:
 
 def stage_change(change: Any, device: Any, *, elements: int) -> StagedChange:
     """`change` (a codec Change of a tensor of `elements` elements) moved to `device`, compactly."""
+    return stage_changes([(change, elements)], device)[0]
+
+
+def stage_changes(changes: Sequence[tuple[Any, int]], device: Any) -> list[StagedChange]:
+    """Each (codec Change, its tensor's elements) coded compactly (:func:`code_change`) and moved to `device`
+    in one host-to-device copy: the staged arrays are views of one buffer there."""
     torch = torch_module()
+    coded = [code_change(change, elements) for change, elements in changes]
+    fields = ("operands", "positions", "low", "blocks", "counts")
+    arrays = [getattr(c, f) for c in coded for f in fields if getattr(c, f) is not None]
+    offsets, total = [], 0
+    for a in arrays:
+        offsets.append(total)
+        total += -(-a.nbytes // 8) * 8  # 8-byte aligned: every view below is of an aligned address
+    host = np.empty(total, dtype=np.uint8)
+    for a, off in zip(arrays, offsets, strict=True):
+        host[off : off + a.nbytes] = a.reshape(-1).view(np.uint8)
+    moved = torch.from_numpy(host).to(device)
+
+    def view(a: np.ndarray, off: int) -> Any:
+        dtype = torch.from_numpy(a[:0]).dtype
+        if not a.nbytes:  # an empty slice has no stride to view through
+            return torch.empty(0, dtype=dtype, device=moved.device)
+        return moved[off : off + a.nbytes].view(dtype)
+
+    views = iter(view(a, off) for a, off in zip(arrays, offsets, strict=True))
+    for c in coded:
+        for f in fields:
+            if getattr(c, f) is not None:
+                setattr(c, f, next(views))
+    return coded
+
+
+def code_change(change: Any, elements: int) -> StagedChange:
+    """`change` as a :class:`StagedChange` of host (numpy) arrays: block-coded positions where that is smaller."""
     pos: np.ndarray = change.positions
-    operands = torch.from_numpy(np.ascontiguousarray(change.operands)).to(device)
-    wide = elements >= 1 << 31
-    index = np.int64 if wide else np.int32
+    operands = np.ascontiguousarray(change.operands)
+    index = np.int64 if elements >= 1 << 31 else np.int32
     if len(pos) == 0:
-        return StagedChange(change.add, operands, positions=torch.from_numpy(pos.astype(index)).to(device))
-    block = pos >> BLOCK_BITS
-    starts = np.flatnonzero(np.diff(block, prepend=-1))  # first change of each block that has one
-    if 8 * len(starts) >= 2 * len(pos):  # int32 positions are smaller: few changes per block
-        return StagedChange(change.add, operands, positions=torch.from_numpy(pos.astype(index)).to(device))
-    counts = np.diff(np.append(starts, len(pos)))
-    low = (pos & ((1 << BLOCK_BITS) - 1)).astype(np.uint16).view(np.int16)
+        return StagedChange(change.add, operands, positions=pos.astype(index))
+    # Positions ascend: each block's first change is found by a binary search per block in the
+    # range, not by passes over the positions (a tensor has at most ~elements / 2^16 blocks).
+    first, last = int(pos[0]) >> BLOCK_BITS, int(pos[-1]) >> BLOCK_BITS
+    bounds = np.searchsorted(pos, np.arange(first, last + 2, dtype=np.int64) << BLOCK_BITS)
+    has = np.flatnonzero(bounds[1:] != bounds[:-1])
+    if 8 * len(has) >= 2 * len(pos):  # int32 positions are smaller: few changes per block
+        return StagedChange(change.add, operands, positions=pos.astype(index))
+    starts = bounds[has]
+    counts = bounds[has + 1] - starts
+    low = pos.astype(np.uint16).view(np.int16)  # the low BLOCK_BITS (= 16) bits: the cast keeps them
     spans = []
     b = 0
     while b < len(starts):  # whole blocks per step, about APPLY_CHUNK changes each (one block may exceed it)
@@ -405,9 +445,9 @@ def stage_change(change: Any, device: Any, *, elements: int) -> StagedChange:
     return StagedChange(
         change.add,
         operands,
-        low=torch.from_numpy(low).to(device),
-        blocks=torch.from_numpy(block[starts].astype(index)).to(device),
-        counts=torch.from_numpy(counts.astype(np.int64)).to(device),
+        low=low,
+        blocks=(has + first).astype(index),
+        counts=counts.astype(np.int64),
         spans=spans,
     )
 
@@ -447,6 +487,93 @@ def apply_staged(t: torch.Tensor, staged: StagedChange, *, track: bool = False, 
     undoes `staged`. `apply` changes host tensors with :func:`apply_change_host` instead
     (numpy on the calling thread: torch's index ops stall on a busy host).
     """
+    if t.is_cuda and _triton_applies(t.device, t.element_size(), staged.positions is None, staged.add, inverse, track):
+        from weightsync.client import staged_triton
+        from weightsync.codec.checksum import lanes_of
+
+        lanes = lanes_of(t.element_size())
+        return staged_triton.apply(
+            int_view(t), staged, track=track, inverse=inverse, block_bits=BLOCK_BITS, lanes=lanes
+        )
+    return _apply_staged_torch(t, staged, track=track, inverse=inverse)
+
+
+_triton_checked: dict[tuple[Any, ...], bool] = {}
+_triton_lock = threading.Lock()
+
+
+def _triton_applies(device: Any, width: int, blocked: bool, add: bool, inverse: bool, track: bool) -> bool:
+    """Whether client/staged_triton.py's kernel runs on `device` and does what the torch path does (same
+    bytes, same checksum moves) for changes of this kind: checked on a test change the first time a kind
+    is met on a device (each kind is its own compiled kernel); a failure is logged and torch kept."""
+    key = (device_key(device), width, blocked, add, add and inverse, track)
+    with _triton_lock:
+        if key not in _triton_checked:
+            _triton_checked[key] = _check_triton_apply(device, *key[1:])
+        return _triton_checked[key]
+
+
+def device_key(device: Any) -> str:
+    """`device` named with its index ("cuda" → "cuda:0" while 0 is the current device): one name per device."""
+    torch = torch_module()
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None:
+        d = torch.device("cuda", torch.cuda.current_device())
+    return str(d)
+
+
+def warm_device_kernels(device: Any, kinds: Iterable[tuple[int, bool, bool]], *, widths: Iterable[int] = ()) -> None:
+    """Compile and check, before any pause, the kernels `apply` runs on a CUDA `device` for changes of these
+    kinds (element width, block-coded, add), with and without tracking (client/staged_triton.py), and the
+    checksum's for tensors of these element widths (devsum_triton.py). A first compile takes seconds (5.8 s
+    for a bf16 model on the H100 box): `prepare` calls this, off the pause. Nothing on other devices."""
+    from weightsync import devsum
+
+    torch = torch_module()
+    if torch.device(device).type != "cuda":
+        return
+    for width, blocked, add in set(kinds):
+        for track in (True, False):
+            _triton_applies(device, width, blocked, add, False, track)
+    for width in set(widths):
+        devsum.warm(device, width)
+
+
+def _check_triton_apply(device: Any, width: int, blocked: bool, add: bool, inverse: bool, track: bool) -> bool:
+    from weightsync import devsum_triton
+    from weightsync.client import staged_triton
+    from weightsync.codec.checksum import lanes_of
+    from weightsync.codec.values import Change
+
+    if not devsum_triton.available():
+        return False
+    torch = torch_module()
+    rng = np.random.default_rng(5)
+    signed = np.dtype(f"<i{width}")
+    # Several changes per block (block-coded) over a partial last block, or a few over many blocks (int32).
+    n, density = (3 * (1 << BLOCK_BITS) + 5, 0.05) if blocked else (8 << BLOCK_BITS, 2e-5)
+    positions = np.flatnonzero(rng.random(n) < density).astype(np.int64)
+    operands = rng.integers(-(1 << (8 * width - 1)), 1 << (8 * width - 1), len(positions), dtype=signed)
+    base = torch.from_numpy(rng.integers(0, 256, n * width, dtype=np.uint8).view(signed)).to(device)
+    try:
+        staged = stage_change(Change(add, positions, operands), device, elements=n)
+        if (staged.positions is None) != blocked:
+            raise AssertionError("the test change is not of the kind checked")  # a staging rule changed
+        a, b = base.clone(), base.clone()
+        want = _apply_staged_torch(a, staged, track=track, inverse=inverse)
+        got = staged_triton.apply(b, staged, track=track, inverse=inverse, block_bits=BLOCK_BITS, lanes=lanes_of(width))
+        same_lanes = not track or torch.equal(want, got)
+        if not torch.equal(a, b) or not same_lanes:
+            log.warning("the Triton apply kernel disagrees with torch on %s: using torch", device)
+            return False
+    except Exception as exc:  # noqa: BLE001 - a kernel that cannot compile or launch here: torch serves
+        log.warning("the Triton apply kernel does not run on %s (%s): using torch", device, exc)
+        return False
+    return True
+
+
+def _apply_staged_torch(t: torch.Tensor, staged: StagedChange, *, track: bool, inverse: bool) -> Any:
+    """:func:`apply_staged` with torch index ops (the reference for client/staged_triton.py)."""
     torch = torch_module()
     view = int_view(t)
     moved: list[Any] = []

@@ -759,6 +759,29 @@ fail:
     return NULL;
 }
 
+/* unzigzag(src, width, out): out = the wrapping differences the zigzag values of src code. */
+static PyObject *unzigzag_values(PyObject *self, PyObject *args) {
+    PyObject *os, *oo;
+    int w;
+    if (!PyArg_ParseTuple(args, "OiO", &os, &w, &oo) || check_width(w) < 0) return NULL;
+    Held h = {.n = 0};
+    Py_ssize_t ls, lo;
+    u8 *src = hold(&h, os, 0, &ls), *out = src ? hold(&h, oo, 1, &lo) : NULL;
+    if (out == NULL) goto fail;
+    if (ls != lo || ls % w) {
+        PyErr_SetString(PyExc_ValueError, "src and out must hold the same whole number of elements");
+        goto fail;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    unzigzag_loop(src, (u64)ls / w, w, out);
+    Py_END_ALLOW_THREADS
+    release_all(&h);
+    Py_RETURN_NONE;
+fail:
+    release_all(&h);
+    return NULL;
+}
+
 static PyObject *join_planes(PyObject *self, PyObject *args) {
     PyObject *op, *oo;
     int w;
@@ -933,6 +956,7 @@ static PyMethodDef methods[] = {
      "encode_dense_sums(bases, news, starts, width, add, value_planes, constant, want, keep=False) -> [(before, after)]"},
     {"split_planes", split_planes, METH_VARARGS, "split_planes(src, width, planes)"},
     {"join_planes", join_planes, METH_VARARGS, "join_planes(planes, width, out)"},
+    {"unzigzag", unzigzag_values, METH_VARARGS, "unzigzag(src, width, out)"},
     {"gap_cuts", gap_cuts, METH_VARARGS, "gap_cuts(count, gap_planes, bounds, cuts_out, firsts_out) -> end"},
     {"apply_dense", apply_dense, METH_VARARGS, "apply_dense(target, width, op, value_planes)"},
     {"apply_dense_sums", apply_dense_sums, METH_VARARGS,

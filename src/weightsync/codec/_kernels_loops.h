@@ -457,6 +457,22 @@ HOT static void split_loop(const u8 *src, u64 n, int w, u8 **planes) {
 }
 
 /* Join byte planes into elements (values of a decoded frame). */
+/* out[i] = the wrapping difference that zigzag value src[i] codes (w-byte elements). */
+HOT static void unzigzag_loop(const u8 *src, u64 n, int w, u8 *out) {
+    if (w == 2) {
+        const uint16_t *z = (const uint16_t *)src;
+        uint16_t *o = (uint16_t *)out;
+        for (u64 i = 0; i < n; i++) o[i] = (uint16_t)((z[i] >> 1) ^ (uint16_t)(0u - (z[i] & 1u)));
+        return;
+    }
+    for (u64 i = 0; i < n; i++) {
+        u64 z = 0;
+        memcpy(&z, src + i * w, (size_t)w);
+        u64 v = unzigzag(z, w);
+        memcpy(out + i * w, &v, (size_t)w);
+    }
+}
+
 HOT static void join_loop(u8 *const *planes, u64 n, int w, u8 *out) {
     if (w == 2) {
         const u8 *p0 = planes[0], *p1 = planes[1];

@@ -44,7 +44,6 @@ from weightsync.codec.kernel_ops import Lanes as Lanes
 from weightsync.codec.kernel_ops import Sums as Sums
 from weightsync.codec.kernels_native import NativeKernels
 from weightsync.codec.kernels_numpy import ReferenceKernels
-from weightsync.codec.kernels_numpy import unzigzag as unzigzag
 from weightsync.codec.kernels_numpy import zigzag as zigzag
 
 log = logging.getLogger(__name__)
@@ -80,6 +79,10 @@ class Kernels(Protocol):
 
     def join_planes(self, planes: Sequence[np.ndarray], width: int) -> np.ndarray:
         """The raw element bytes (1-D uint8) whose byte planes are `planes`."""
+        ...
+
+    def unzigzag(self, z: np.ndarray) -> np.ndarray:
+        """The wrapping differences (a new unsigned array of `z`'s dtype) that zigzag values `z` code."""
         ...
 
     def apply_dense(self, target: np.ndarray, width: int, op: int, planes: Sequence[np.ndarray]) -> None:
@@ -240,6 +243,12 @@ elif NATIVE is None:
     _active = REFERENCE
 else:
     _active = NATIVE
+
+
+def unzigzag(z: np.ndarray) -> np.ndarray:
+    """Inverse of `zigzag` (wrapping unsigned differences), by the active kernels (one pass, GIL released
+    when native: the subscriber's decode runs it on every added frame)."""
+    return _active.unzigzag(z)
 
 
 def active() -> Kernels:

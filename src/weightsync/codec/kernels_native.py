@@ -86,6 +86,13 @@ class NativeKernels:
         self._ext.join_planes(planes, width, out)
         return out
 
+    def unzigzag(self, z: np.ndarray) -> np.ndarray:
+        """See :class:`Kernels`."""
+        z = np.ascontiguousarray(z)
+        out = np.empty_like(z)
+        self._ext.unzigzag(z, z.itemsize, out)
+        return out
+
     def apply_dense(self, target: np.ndarray, width: int, op: int, planes: Sequence[np.ndarray]) -> None:
         """See :class:`Kernels`."""
         self._ext.apply_dense(target, width, op, planes)

@@ -20,6 +20,10 @@ class ReferenceKernels:
 
     name = "reference"
 
+    def unzigzag(self, z: np.ndarray) -> np.ndarray:
+        """See :class:`Kernels`."""
+        return unzigzag(z)
+
     def count_changed(self, base: np.ndarray, new: np.ndarray, width: int) -> int:
         """See :class:`Kernels`."""
         return int(np.count_nonzero(base.view(UINT[width]) != new.view(UINT[width])))
@@ -234,7 +238,7 @@ def zigzag(d: np.ndarray) -> np.ndarray:
 
 def unzigzag(z: np.ndarray) -> np.ndarray:
     """Inverse of `zigzag`, as wrapping unsigned differences."""
-    out: np.ndarray = (z >> 1) ^ (np.zeros_like(z) - (z & 1))
+    out: np.ndarray = (z >> 1) ^ -(z & 1)  # unsigned negation wraps: 0 or all ones
     return out
 
 

@@ -101,7 +101,7 @@ class DeltaValues:
     def change(self, *, start: int = 0, count: int | None = None, offset: int = 0) -> Change:
         """The change to frame elements [start, start+count), placed at element `offset` of a target."""
         where, values = self.sparse(start, count)
-        return Change(self.header.add, where.astype(np.int64) + offset, self._operands(values))
+        return Change(self.header.add, np.add(where, offset, dtype=np.int64), self._operands(values))
 
 
 def decode_values(frame: bytes | memoryview | np.ndarray) -> DeltaValues:
