@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import statistics
@@ -83,25 +84,39 @@ def generated_source(nbytes: int, versions: int, device: str, cache: Path) -> tu
 class Weightsync:
     """One publisher and three subscribers of one model; subscribers 0 and 1 run the end to end, 2 alone."""
 
-    def __init__(self, url: str, first: Path, device: str) -> None:
+    def __init__(self, url: str, first: Path, device: str, *, keyframes: bool = True) -> None:
         from weightsync.client import Publisher, Subscriber
 
         self.device = device
+        self.keyframes, self.keyframe_count = keyframes, 0
         self.stage = device if device.startswith("cuda") else None  # prepare stages on the GPU there
+        self.url = url
         self.pub = Publisher(url, "scale")
         version = self.pub.publish(first).version
+        # publish_async from the trainer's tensors on the device, to its own model (its first call warms
+        # the pinned snapshot buffers and publishes the keyframe its deltas build on).
+        self.async_pub = Publisher(url, "scale-async")
+        self.async_pub.publish_async(load_live(first, device)).result()
         # No replica reports: on this one box the server's ledger writes would land in other paths' timings.
         self.subs = [Subscriber(url, "scale", name=f"scale-{i}", version=version, report=False) for i in range(3)]
         self.live = [load_live(first, device) for _ in self.subs]
 
     def close(self) -> None:
         self.pub.close()
+        self.async_pub.close()
         for s in self.subs:
             s.close()
 
     def _update(self, i: int, version: int) -> dict[str, float]:
         """Subscriber `i` prepares and applies `version` into its tensors; its phase times."""
         sub = self.subs[i]
+        import torch
+
+        cuda = self.device.startswith("cuda") and i == 2  # staging memory: the lone subscriber's
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
         t0 = time.perf_counter()
         prepared = sub.prepare(version, device=self.stage)
         t1 = time.perf_counter()
@@ -109,12 +124,21 @@ class Weightsync:
         sync(self.device)
         t2 = time.perf_counter()
         row = {"prepare_s": t1 - t0, "apply_s": t2 - t1, "prepare_apply_s": t2 - t0, "pause_s": pause, "end": t2}
+        if cuda:
+            # Peak GPU memory allocated by prepare + apply beyond what the process held before (the model's
+            # live tensors and the other paths' included there): the staged update and any scratch.
+            row["staging_bytes"] = float(torch.cuda.max_memory_allocated() - before)
         row |= {k: sub.timings.get(k, 0.0) for k in ("plan_s", "server_plan_s", "download_s", "decode_s")}
         row["bytes_down"] = float(prepared.bytes_received)
+        del prepared  # its staging goes back before the next path runs
         return row
 
-    def version(self, vdir: Path) -> dict[str, float]:
-        """Publish `vdir`, bring every subscriber to it; the times and bytes of this version."""
+    def version(self, vdir: Path, timed: bool = True) -> dict[str, float]:
+        """Publish `vdir`, bring every subscriber to it; the times and bytes of this version.
+
+        Also ``publish_async`` of the version's tensors on the device (its own model) and, on timed
+        versions, the version as a keyframe by a fresh publisher (each keyframe stays stored: disk).
+        """
         t0 = time.perf_counter()
         result = self.pub.publish(vdir)
         publish_s = time.perf_counter() - t0
@@ -131,7 +155,41 @@ class Weightsync:
         }
         alone = self._update(2, result.version)
         row |= {f"ws_{k}": v for k, v in alone.items() if k != "end"}
+        row |= self._publish_async(vdir)
+        if self.keyframes and timed:
+            row |= self._keyframe(vdir)
         return row
+
+    def _publish_async(self, vdir: Path) -> dict[str, float]:
+        """``publish_async`` of the version's tensors held on the device: time to return, time to committed."""
+        state = load_live(vdir, self.device)  # the trainer's weights
+        sync(self.device)
+        t0 = time.perf_counter()
+        future = self.async_pub.publish_async(state)
+        t1 = time.perf_counter()
+        result = future.result()
+        t2 = time.perf_counter()
+        if result.kind != "delta":
+            raise AssertionError(f"publish_async published a {result.kind}, wanted a delta")
+        return {"ws_async_return_s": t1 - t0, "ws_async_publish_s": t2 - t0}
+
+    def _keyframe(self, vdir: Path) -> dict[str, float]:
+        """The version published as a keyframe by a new publisher of a new model (a fresh trainer run)."""
+        from weightsync.client import Publisher
+
+        self.keyframe_count += 1
+        with Publisher(self.url, f"scale-key-{self.keyframe_count}") as pub:
+            t0 = time.perf_counter()
+            result = pub.publish(vdir, keyframe=True)
+            elapsed = time.perf_counter() - t0
+        if result.kind != "keyframe":
+            raise AssertionError(f"published a {result.kind}, wanted a keyframe")
+        return {
+            "ws_keyframe_publish_s": elapsed,
+            "ws_keyframe_bytes_up": float(result.bytes_sent),
+            "ws_keyframe_encode_s": result.timings.get("encode_s", 0.0),
+            "ws_keyframe_upload_s": result.timings.get("upload_s", 0.0),
+        }
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -151,7 +209,7 @@ def check(live_sets: dict[str, dict[str, Any]], vdir: Path, device: str) -> None
                 raise AssertionError(f"{path}: {name} is not bit-identical to {vdir}")
 
 
-def run(versions: list[Path], device: str, threads: int, log: Any = print) -> dict[str, Any]:
+def run(versions: list[Path], device: str, threads: int, log: Any = print, *, keyframes: bool = True) -> dict[str, Any]:
     """Every path on every version (v0 seeds, v1 warms up); per-version rows and the page-cache check.
 
     The paths take turns going first (weightsync on odd versions, the alternatives on even ones), so
@@ -161,11 +219,12 @@ def run(versions: list[Path], device: str, threads: int, log: Any = print) -> di
 
     rows: list[dict[str, float]] = []
     with tempfile.TemporaryDirectory(prefix="weightsync-scale-bench-") as tmp, serve(Path(tmp)) as url:
-        ws, others = Weightsync(url, versions[0], device), Alternatives(versions[0], device, threads)
+        ws = Weightsync(url, versions[0], device, keyframes=keyframes)
+        others = Alternatives(versions[0], device, threads)
         try:
             page_cache = page_cache_check(files(versions[0])[0])
             for i, vdir in enumerate(versions[1:], 1):
-                steps = [partial(ws.version, vdir), partial(others.version, versions[i - 1], vdir)]
+                steps = [partial(ws.version, vdir, i > 1), partial(others.version, versions[i - 1], vdir)]
                 row: dict[str, float] = {}
                 for step in steps if i % 2 else steps[::-1]:
                     row |= step()
@@ -175,7 +234,14 @@ def run(versions: list[Path], device: str, threads: int, log: Any = print) -> di
                     f"v{i}{' (warm-up)' if i == 1 else ''}: weightsync prepare+apply {row['ws_prepare_apply_s']:.3f} s"
                     f" (publish {row['ws_publish_s']:.3f}, e2e {row['ws_e2e_s']:.3f})  reload warm"
                     f" {row['reload_warm_s']:.3f} cold {row['reload_cold_s']:.3f}  xor-zstd apply"
-                    f" {row['xor_apply_s']:.3f} encode {row['xor_encode_s']:.3f}  bit-identical"
+                    f" {row['xor_apply_s']:.3f} encode {row['xor_encode_s']:.3f}  publish_async returned"
+                    f" {row['ws_async_return_s']:.3f}"
+                    + (
+                        f"  keyframe publish {row['ws_keyframe_publish_s']:.3f}"
+                        if "ws_keyframe_publish_s" in row
+                        else ""
+                    )
+                    + "  bit-identical"
                 )
                 if i > 1:
                     rows.append(row)
@@ -219,6 +285,8 @@ def table(r: dict[str, Any]) -> str:
          "", ms("ws_prepare_s"), ""),
         (f"  `apply` call (pause {ms('ws_pause_s')})", "", ms("ws_apply_s"), ""),
         (f"weightsync `publish` of the delta (encode {ms('ws_encode_s')})", mb("ws_bytes_up"), ms("ws_publish_s"), ""),
+        (f"weightsync `publish_async` of the device's tensors: returns in {ms('ws_async_return_s')}, committed",
+         "", ms("ws_async_publish_s"), ""),
         ("weightsync end to end: publish → 2 subscribers applied (at once, same box)",
          f"{(m['ws_bytes_up'] + 2 * m['ws_bytes_down']) / 1e6:.2f} MB", ms("ws_e2e_s"), ""),
         ("full reload (`load_file` + `copy_`), warm page cache", mb("reload_bytes"), ms("reload_warm_s"),
@@ -229,11 +297,22 @@ def table(r: dict[str, Any]) -> str:
          f"**{ratio['weightsync_over_xor_zstd']:.2f}**"),
         (f"XOR + zstd-1: encode ({n} threads)", mb("xor_bytes"), ms("xor_encode_s"), ""),
     ]  # fmt: skip
+    if "ws_keyframe_publish_s" in m:
+        rows.append(
+            (f"weightsync `publish` of the version as a keyframe, fresh publisher (encode {ms('ws_keyframe_encode_s')},"
+             f" upload {ms('ws_keyframe_upload_s')})", mb("ws_keyframe_bytes_up"), ms("ws_keyframe_publish_s"), "")
+        )  # fmt: skip
     lines = [
         "| path (median of the versions) | bytes moved | ms | weightsync prepare+apply ÷ this |",
         "|---|---:|---:|---:|",
     ]
     lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
+    if "ws_staging_bytes" in m:
+        per = m["ws_staging_bytes"] / r["changed_elements"] if r.get("changed_elements") else float("nan")
+        lines.append(
+            f"\nGPU staging (peak memory allocated by one subscriber's `prepare` + `apply` beyond what it held"
+            f" before): {m['ws_staging_bytes'] / 1e6:.1f} MB, {per:.2f} bytes per changed element."
+        )
     pc = r["page_cache"]
     lines.append(
         f"\nPage cache: after `posix_fadvise(DONTNEED)` {100 * pc['resident_after_evict']:.0f} % of the file stayed"
@@ -281,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="auto", help="where the live tensors are: auto (cuda if any), cpu, cuda")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="XOR + zstd-1 threads (all cores)")
     ap.add_argument("--torch-threads", type=int, help="torch's intra-op threads for the whole run (default: torch's)")
+    ap.add_argument("--no-keyframes", action="store_true", help="skip the keyframe publishes (each stays stored)")
     ap.add_argument("--label", help="output name scale_<label>.{json,md} (default: the model and the device)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--cache", type=Path, default=ROOT / "benchmarks" / ".cache", help="generated models")
@@ -304,12 +384,17 @@ def main(argv: list[str] | None = None) -> int:
     else:
         name = args.case or "bf16-lr1e-6"
         dirs, info = corpus_source(name, count)
-    result = run(dirs, device, args.threads)
+    result = run(dirs, device, args.threads, keyframes=not args.no_keyframes)
     rows = result["rows"]
     result |= summarize(rows) | info
+    headers = [read_safetensors_header(f)[0] for f in files(dirs[0])]
+    tensors = [t for h in headers for k, t in h.items() if k != "__metadata__"]
+    elements = sum(math.prod(t["shape"]) for t in tensors)
     result |= {
         "model_bytes": sum(f.stat().st_size for f in files(dirs[0])),
-        "tensors": sum(len(read_safetensors_header(f)[0]) - 1 for f in files(dirs[0])),
+        "tensors": len(tensors),
+        "elements": elements,
+        "changed_elements": statistics.median(info["changed_fraction"][1:] or [float("nan")]) * elements,
         "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
         "threads": args.threads,
         "torch_threads": torch.get_num_threads(),

@@ -1,0 +1,118 @@
+"""The subscriber's in-process `prepare` + verified `apply` into live CUDA tensors, phase by phase (no server).
+
+A quick look on the lent GPU machine (about a minute after the model's steps), for tuning between
+full runs of ``benchmarks.scale_bench``: a Llama-style model of ``SIZE`` (benchmarks/_llama.py, real
+AdamW steps on the GPU), the v1 → v2 delta encoded in memory, then rounds of prepare (decode + stage
+on the GPU) and apply (base check, writes, result check) into tensors reset to v1, each timed, with
+the GPU memory the update took beyond the live model; the result is checked bit for bit. Then one
+round under cProfile (the top of each phase) and the checksum of every tensor on the GPU.
+
+    PYTHONPATH=src:. python3 -m benchmarks.gpu_profile 5.63G [--threads N] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from benchmarks._llama import LlamaShape, trajectory
+from benchmarks.device_probe import _safetensors_bytes
+from benchmarks.scale_bench import parse_bytes
+from weightsync import devsum
+from weightsync.client import inplace
+from weightsync.codec.checkpoint import Checkpoint
+from weightsync.codec.encoder import Encoder
+from weightsync.codec.manifest import FrameRef
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("size", type=parse_bytes, nargs="?", default=parse_bytes("5.63G"))
+    ap.add_argument("--rounds", type=int, default=4, help="rounds (the first is a warm-up)")
+    ap.add_argument("--threads", type=int, help="decode threads (default: prepare's)")
+    ap.add_argument("--profile", action="store_true", help="one more round under cProfile")
+    args = ap.parse_args()
+    dev = "cuda"
+    t0 = time.perf_counter()
+    steps = trajectory(LlamaShape.for_bytes(args.size), 2, device=dev)
+    next(steps)  # Adam's first step moves nearly every weight: the versions after it are steady-state steps
+    v1, v2 = ({k: v.view(torch.int16).numpy().view(np.uint8).reshape(-1) for k, v in next(steps).items()} for _ in "ab")
+    del steps
+    torch.cuda.empty_cache()
+    base_ck = Checkpoint.from_bytes({"model.safetensors": _safetensors_bytes(v1)})
+    new_ck = Checkpoint.from_bytes({"model.safetensors": _safetensors_bytes(v2)})
+    encoded = Encoder().encode(new_ck, base_ck)
+    offsets = np.cumsum([0] + [len(fr.data) for fr in encoded.frames])
+    manifest = encoded.with_locations(lambda i, fr: (None, int(offsets[i])))
+    area = b"".join(fr.data for fr in encoded.frames)
+    del base_ck, new_ck, encoded
+    print(f"model {sum(a.size for a in v1.values()) / 1e9:.2f} GB, delta {len(area) / 1e6:.1f} MB,"
+          f" {time.perf_counter() - t0:.0f} s", flush=True)  # fmt: skip
+
+    def read(ref: FrameRef) -> memoryview:
+        return memoryview(area)[ref.offset : ref.offset + ref.length]
+
+    live = {k: torch.from_numpy(a).view(torch.bfloat16).to(dev) for k, a in v1.items()}
+    keep = {k: v.clone() for k, v in live.items()}
+
+    def one_round() -> dict[str, float]:
+        for k, v in live.items():
+            v.copy_(keep[k])
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        held = torch.cuda.memory_allocated()
+        t = time.perf_counter()
+        p = inplace.prepare([manifest], read, model="m", base=1, target=2, device=dev, threads=args.threads)
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        a = inplace.apply(live, p, model="m", version=1, verify=True, strict=True)
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        staging = torch.cuda.max_memory_allocated() - held
+        return {
+            "prepare_s": t1 - t,
+            "apply_s": t2 - t1,
+            "pause_s": a.pause,
+            "base_check_s": a.base_check_s,
+            "result_check_s": a.result_check_s,
+            "changed": p.changed_elements,
+            "staging_bytes_per_changed": staging / max(p.changed_elements, 1),
+        }
+
+    rows = []
+    for _ in range(args.rounds):
+        rows.append(one_round())
+        print({k: round(v, 4) for k, v in rows[-1].items()}, flush=True)
+    for k, v in live.items():
+        if not torch.equal(v.view(torch.int16).cpu(), torch.from_numpy(v2[k]).view(torch.int16)):
+            raise AssertionError(f"{k} is not bit-identical")
+    print("bit-identical; medians after the warm-up:", {k: round(statistics.median(r[k] for r in rows[1:]), 4)
+                                                         for k in rows[0]})  # fmt: skip
+    tensors = list(live.values())
+    for _ in range(2):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        devsum.tensor_sums(tensors)
+        torch.cuda.synchronize()
+        took = time.perf_counter() - t
+        rate = sum(x.numel() * x.element_size() for x in tensors) / took / 1e9
+        print(f"checksum of every tensor on the GPU: {took * 1e3:.1f} ms ({rate:.0f} GB/s)")
+    if args.profile:
+        prof = cProfile.Profile()
+        prof.enable()
+        one_round()
+        prof.disable()
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(20)
+        print(out.getvalue())
+
+
+if __name__ == "__main__":
+    main()
