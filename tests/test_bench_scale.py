@@ -27,6 +27,9 @@ PATHS = (
     "reload_cold_s",
     "xor_apply_s",
     "xor_encode_s",
+    "ws_async_return_s",
+    "ws_async_publish_s",
+    "ws_keyframe_publish_s",
 )
 
 
@@ -51,6 +54,10 @@ def test_bench_scale_runs_every_path_on_a_generated_model(tmp_path: Path) -> Non
     # Bytes moved: the deltas are smaller than the file a reload reads.
     m = report["medians"]
     assert 0 < m["ws_bytes_down"] < m["reload_bytes"] and 0 < m["xor_bytes"] < m["reload_bytes"]
+    # A keyframe carries the whole model (compressed), a delta far less; publish_async returns before committing.
+    assert m["ws_bytes_up"] < m["ws_keyframe_bytes_up"] <= m["reload_bytes"]
+    assert all(r["ws_async_return_s"] <= r["ws_async_publish_s"] for r in report["rows"])
+    assert report["elements"] > 0 and 0 < report["changed_elements"] < report["elements"]
     assert "eviction_took_effect" in report["page_cache"]
     assert "weightsync" in (tmp_path / "out" / "scale_tiny.md").read_text()
 
