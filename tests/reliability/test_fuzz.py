@@ -374,8 +374,15 @@ def test_atheris_coverage_guided(tmp_path: Path, long_run: bool):
         cwd=HERE,
     )
     budget = ["-max_total_time=600"] if long_run else ["-runs=30000"]
+    # Through a shell that forks it: a process started straight from pytest inherits pytest's peak RSS as
+    # its own (Linux keeps the high-water mark across fork and exec), and libFuzzer's -rss_limit_mb reads
+    # that peak: a test run whose pytest had grown past 1 GiB failed here with no input using the memory.
     out = subprocess.run(
         [
+            "sh",
+            "-c",
+            '"$@"; exit $?',
+            "sh",
             sys.executable,
             str(HERE / "_sec_atheris.py"),
             *budget,

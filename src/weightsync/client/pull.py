@@ -92,6 +92,7 @@ class FetchOptions:
     deep_verify: bool = True
     range_bytes: int = DEFAULT_RANGE_BYTES
     decode_threads: int | None = None
+    """Threads that decode frames (None: the CPU pool; with a staging device, `inplace.DEVICE_DECODE_THREADS`)."""
     inline_bytes: int = DEFAULT_INLINE_BYTES
     """`prepare`: an update of at most this many bytes comes with its plan, in one request (0: never)."""
 
