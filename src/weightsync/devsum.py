@@ -20,7 +20,6 @@ torch is imported here and in devsum_triton.py only: the codec never imports tor
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Sequence
 
 import torch
@@ -117,20 +116,14 @@ def _moments(t: torch.Tensor, chunk: int) -> torch.Tensor | None:
     return _torch_moments(t, chunk)
 
 
-_agreed: dict[tuple[str, int], bool] = {}
-_agree_lock = threading.Lock()
-
-
 def _triton_agrees(device: torch.device, width: int) -> bool:
     """Whether the Triton kernel runs on `device` and gives the torch path's moments for `width`-byte elements
     on test tensors (a partial last block, words with the high bit set). Decided the first time a width is
     met on a device (each width is its own compiled kernel); a failure is logged and the torch path kept."""
-    d = torch.device(device)
-    key = (str(torch.device("cuda", torch.cuda.current_device()) if d.type == "cuda" and d.index is None else d), width)
-    with _agree_lock:
-        if key not in _agreed:
-            _agreed[key] = _check_triton(device, width)
-        return _agreed[key]
+    from weightsync import devsum_triton
+
+    key = ("checksum", devsum_triton.device_key(device), width)
+    return devsum_triton.checked_once(key, lambda: _check_triton(device, width))
 
 
 def warm(device: torch.device | str, width: int) -> None:

@@ -9,13 +9,16 @@ defined mod 2^64, FORMAT §10). devsum.py checks this kernel against its torch p
 first use and keeps the torch path if they differ.
 
 Triton is optional (the GPU image has it; CPU installs need not): :func:`available` says
-whether it imports. ``TRITON_INTERPRET=1`` runs the kernel on CPU tensors through Triton's
+whether it imports; :func:`checked_once` remembers, per kernel kind and device, whether a kernel
+(this one, client/staged_triton.py's) agreed with its torch path. ``TRITON_INTERPRET=1`` runs the kernel on CPU tensors through Triton's
 interpreter (the tests do, in a subprocess).
 """
 
 from __future__ import annotations
 
 import functools
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,6 +36,31 @@ def available() -> bool:
     except Exception:  # noqa: BLE001 - an import of a GPU toolkit can fail in many ways: all mean "not here"
         return False
     return True
+
+
+_checked: dict[tuple[Any, ...], bool] = {}
+_checked_lock = threading.Lock()
+
+
+def checked_once(key: tuple[Any, ...], check: Callable[[], bool]) -> bool:
+    """`check()`'s answer for `key` (a kernel's kind on a device: :func:`device_key` in it), computed the first
+    time the key is asked for and remembered. The checks run one at a time (each may compile a kernel);
+    a known answer is read without the lock (the apply asks once per touched tensor, inside the pause)."""
+    known = _checked.get(key)
+    if known is not None:
+        return known
+    with _checked_lock:
+        if key not in _checked:
+            _checked[key] = check()
+        return _checked[key]
+
+
+def device_key(device: Any) -> str:
+    """`device` named with its index ("cuda" → "cuda:0" while 0 is the current device): one name per device."""
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None:
+        d = torch.device("cuda", torch.cuda.current_device())
+    return str(d)
 
 
 @functools.cache

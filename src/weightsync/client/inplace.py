@@ -268,8 +268,7 @@ def stage(prepared: Prepared, device: Any) -> None:
             u.staged_replace = torch.from_numpy(u.replace).to(device)
         elements = int(np.prod(u.shape, dtype=np.int64))
         changes.extend((op, elements) for op in u.ops)
-    staged = stage_changes(changes, device)  # one copy to the device for all of them
-    ordered = iter(staged)
+    ordered = iter(stage_changes(changes, device))  # one copy to the device for all of them
     for u in prepared.updates.values():
         u.staged = [next(ordered) for _ in u.ops]
     prepared.device = device

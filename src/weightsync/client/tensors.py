@@ -498,28 +498,15 @@ def apply_staged(t: torch.Tensor, staged: StagedChange, *, track: bool = False, 
     return _apply_staged_torch(t, staged, track=track, inverse=inverse)
 
 
-_triton_checked: dict[tuple[Any, ...], bool] = {}
-_triton_lock = threading.Lock()
-
-
 def _triton_applies(device: Any, width: int, blocked: bool, add: bool, inverse: bool, track: bool) -> bool:
     """Whether client/staged_triton.py's kernel runs on `device` and does what the torch path does (same
     bytes, same checksum moves) for changes of this kind: checked on a test change the first time a kind
     is met on a device (each kind is its own compiled kernel); a failure is logged and torch kept."""
-    key = (device_key(device), width, blocked, add, add and inverse, track)
-    with _triton_lock:
-        if key not in _triton_checked:
-            _triton_checked[key] = _check_triton_apply(device, *key[1:])
-        return _triton_checked[key]
+    from weightsync import devsum_triton
 
-
-def device_key(device: Any) -> str:
-    """`device` named with its index ("cuda" → "cuda:0" while 0 is the current device): one name per device."""
-    torch = torch_module()
-    d = torch.device(device)
-    if d.type == "cuda" and d.index is None:
-        d = torch.device("cuda", torch.cuda.current_device())
-    return str(d)
+    kind = (width, blocked, add, add and inverse, track)
+    key = ("apply", devsum_triton.device_key(device), *kind)
+    return devsum_triton.checked_once(key, lambda: _check_triton_apply(device, *kind))
 
 
 def warm_device_kernels(device: Any, kinds: Iterable[tuple[int, bool, bool]], *, widths: Iterable[int] = ()) -> None:
