@@ -10,8 +10,8 @@ first use and keeps the torch path if they differ.
 
 Triton is optional (the GPU image has it; CPU installs need not): :func:`available` says
 whether it imports; :func:`checked_once` remembers, per kernel kind and device, whether a kernel
-(this one, client/staged_triton.py's) agreed with its torch path. ``TRITON_INTERPRET=1`` runs the kernel on CPU tensors through Triton's
-interpreter (the tests do, in a subprocess).
+(this one, client/staged_triton.py's) agreed with its torch path. ``TRITON_INTERPRET=1`` runs
+the kernel on CPU tensors through Triton's interpreter (the tests do, in a subprocess).
 """
 
 from __future__ import annotations
