@@ -456,7 +456,6 @@ HOT static void split_loop(const u8 *src, u64 n, int w, u8 **planes) {
         for (int j = 0; j < w; j++) planes[j][i] = src[i * w + j];
 }
 
-/* Join byte planes into elements (values of a decoded frame). */
 /* out[i] = the wrapping difference that zigzag value src[i] codes (w-byte elements). */
 HOT static void unzigzag_loop(const u8 *src, u64 n, int w, u8 *out) {
     if (w == 2) {
@@ -473,6 +472,7 @@ HOT static void unzigzag_loop(const u8 *src, u64 n, int w, u8 *out) {
     }
 }
 
+/* Join byte planes into elements (values of a decoded frame). */
 HOT static void join_loop(u8 *const *planes, u64 n, int w, u8 *out) {
     if (w == 2) {
         const u8 *p0 = planes[0], *p1 = planes[1];
