@@ -66,6 +66,8 @@ class LlamaShape:
         want = nbytes // 2
         best: LlamaShape | None = None
         for hidden in range(64, 16385, 64):
+            if hidden >= 1024 and hidden % 128:
+                continue  # 128-wide heads (cls.of): a width they do not divide has no attention shape
             vocab = max(256, min(MAX_VOCAB, want // (4 * hidden) // 64 * 64))
             shape = cls.of(hidden, max(1, round(hidden / 118)), vocab)
             if best is None or abs(shape.params - want) < abs(best.params - want):

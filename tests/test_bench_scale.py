@@ -75,3 +75,15 @@ def test_bad_model_sizes_are_refused(text: str) -> None:
 
     with pytest.raises(argparse.ArgumentTypeError):
         parse_bytes(text)
+
+
+@pytest.mark.parametrize("text", ["30M", "300M", "1G", "1.2G", "5.63G", "22.5G"])
+def test_generated_model_shapes_have_whole_attention_heads(text: str) -> None:
+    """The attention's view (hidden split into heads of 64 or 128) needs a width the heads divide: 1 GB
+    chose hidden 1600, which 12 heads of 128 do not make, and the model's first step failed."""
+    from benchmarks._llama import LlamaShape
+
+    shape = LlamaShape.for_bytes(parse_bytes(text))
+    assert shape.hidden % shape.heads == 0
+    assert shape.hidden // shape.heads in (64, 128)
+    assert abs(2 * shape.params - parse_bytes(text)) < 0.1 * parse_bytes(text)
