@@ -370,3 +370,20 @@ def test_server_timing_keeps_the_phases_it_can_read(header, want) -> None:
     """Server-Timing is informative: what parses becomes server_<name>_s seconds, the rest is left out."""
     got = _http.server_timing(httpx.Headers({"server-timing": header} if header else {}))
     assert got == {f"server_{k}_s": v / 1e3 for k, v in want.items()}
+
+
+def test_answers_are_read_a_mebibyte_at_a_time_and_a_larger_setting_is_kept() -> None:
+    """httpcore reads 64 KiB per receive unless told otherwise (a class constant): an Api raises it to
+    READ_BYTES for the process, and never lowers what someone else set higher."""
+    code = (
+        "from httpcore._sync.http11 import HTTP11Connection as C\n"
+        "before = C.READ_NUM_BYTES\n"
+        "from weightsync.client._http import Api, READ_BYTES\n"
+        "Api('http://127.0.0.1:9').close()\n"
+        "assert before == 64 << 10 and C.READ_NUM_BYTES == READ_BYTES == 1 << 20, (before, C.READ_NUM_BYTES)\n"
+        "C.READ_NUM_BYTES = 8 << 20\n"
+        "Api('http://127.0.0.1:9').close()\n"
+        "assert C.READ_NUM_BYTES == 8 << 20\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr

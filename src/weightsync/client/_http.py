@@ -38,6 +38,24 @@ READ_FORMATS = ",".join(str(v) for v in sorted(DIGEST_KINDS))
 DEFAULT_SERVER = "http://127.0.0.1:8400"
 _RETRY_STATUS = {429, 500, 502, 503, 504}
 UPLOAD_CHUNK = 256 << 10
+READ_BYTES = 1 << 20
+"""Bytes asked of the socket per read of an answer's body (httpcore's own is 64 KiB)."""
+
+
+def _read_size(size: int) -> None:
+    """Have httpcore read answers `size` bytes per receive call (never fewer than its own default).
+
+    httpcore fixes its read size in a class constant (``HTTP11Connection.READ_NUM_BYTES``, 64 KiB,
+    chosen for answers of about 1 MB: encode/httpcore#135) with no per-client setting. Our answers
+    are objects and plan bundles of megabytes, and the Python around each read (h11's parser,
+    httpcore, httpx, our hashing) costs more than the bytes: on the 2-core box a 13.8 MB plan
+    bundle took 30-39 ms at 64 KiB a read and 18-22 ms at 1 MiB (the server's own limit, per curl,
+    16-20 ms). A read returns what has arrived, up to `size`, so small answers are unchanged.
+    The constant is process-wide: other httpcore users in the process read larger pieces too.
+    """
+    from httpcore._sync import http11
+
+    http11.HTTP11Connection.READ_NUM_BYTES = max(http11.HTTP11Connection.READ_NUM_BYTES, size)
 
 
 def check_server_url(server: str) -> str:
@@ -123,6 +141,7 @@ class Api:
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         self.server = check_server_url(server)
+        _read_size(READ_BYTES)
         self.retry = retry or Retry()
         self.limiter = limiter
         self.on_bytes: Callable[[int], None] | None = None
