@@ -145,9 +145,20 @@ def test_keyframe_replaces_and_new_tensors_need_reload(server, model, tmp_path: 
 # --- in process, no server: inplace.prepare from a manifest and its frames ----------------------------
 
 
-def _local_update(published: list[dict], base: int, target: int, *, version: int = 2, keyframe: bool = False, **kw):
+def _local_update(
+    published: list[dict],
+    base: int,
+    target: int,
+    *,
+    version: int = 2,
+    keyframe: bool = False,
+    chunk_bytes: int = 16 << 10,
+    damage: int | None = None,
+    **kw,
+):
     """inplace.prepare of the delta (or with `keyframe` the keyframe) published[base-1] → published[target-1],
-    encoded in process (no server), in FORMAT `version`."""
+    encoded in process (no server), in FORMAT `version`, frames of `chunk_bytes`; with `damage`, that
+    frame's last byte flipped as it is read."""
     from weightsync.client import inplace
     from weightsync.client.tensors import serialize_state_dict
     from weightsync.codec.checkpoint import Checkpoint
@@ -156,7 +167,7 @@ def _local_update(published: list[dict], base: int, target: int, *, version: int
     def ck(sd: dict) -> Checkpoint:
         return Checkpoint.from_bytes({"model.safetensors": serialize_state_dict(sd).tobytes()})
 
-    encoded = Encoder(chunk_bytes=16 << 10, format_version=version).encode(
+    encoded = Encoder(chunk_bytes=chunk_bytes, format_version=version).encode(
         ck(published[target - 1]), ck(published[base - 1]), keyframe=keyframe
     )
     area = b"".join(fr.data for fr in encoded.frames)
@@ -164,6 +175,9 @@ def _local_update(published: list[dict], base: int, target: int, *, version: int
     for fr in encoded.frames:
         starts.append(starts[-1] + len(fr.data))
     manifest = encoded.with_locations(lambda i, fr: (None, starts[i]))
+    if damage is not None:
+        at = starts[damage + 1] - 1
+        area = area[:at] + bytes([area[at] ^ 0xFF]) + area[at + 1 :]
     return inplace.prepare(
         [manifest],
         lambda ref: memoryview(area)[ref.offset : ref.offset + ref.length],
@@ -615,3 +629,19 @@ def test_a_triton_apply_that_disagrees_or_cannot_run_leaves_the_torch_path(
     assert tensors._check_triton_apply(cpu, 2, True, True, False, True) is False
     tensors.warm_device_kernels("cpu", {(2, True, True)}, widths={2})  # nothing to compile off a GPU
     assert devsum_triton.device_key("cpu") == "cpu"
+
+
+def test_a_delta_of_many_frames_decodes_in_batches_to_the_same_tensors() -> None:
+    """Hundreds of frames are decoded several to a pool job (inplace._frames_per_job); the tensors end
+    bit-identical, and a damaged frame inside a batch still fails the prepare with a named error."""
+    from weightsync.client import inplace
+
+    published = _trained(2)
+    prepared = _local_update(published, 1, 2, device="cpu", chunk_bytes=1024)
+    frames = len(prepared.manifests[0].frames)
+    assert inplace._frames_per_job(frames) > 1, f"{frames} frames: one per job, the batching is not exercised"
+    tensors = _snapshot(published[0])
+    inplace.apply(tensors, prepared, model="local", version=1, verify=True, strict=True)
+    _assert_identical(tensors, published[1])
+    with pytest.raises(errors.FormatError):
+        _local_update(published, 1, 2, device="cpu", chunk_bytes=1024, damage=frames // 2)

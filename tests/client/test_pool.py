@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from weightsync.client._pool import Cancelled, HelpingPool, check_cancelled, pause, run_all
+from weightsync.client._pool import Cancelled, HelpingPool, check_cancelled, cpu_pool, pause, pool_of, run_all
 from weightsync.client.wire import TokenBucket
 
 LONG_S = 60.0
@@ -217,3 +217,18 @@ def test_a_helping_pools_map_refuses_a_timeout_and_runs_nothing() -> None:
     with ThreadPoolExecutor(1) as pool, pytest.raises(ValueError, match="no timeout"):
         HelpingPool(pool).map(ran.append, range(3), timeout=1.0)
     assert ran == []
+
+
+def test_a_pool_of_a_size_is_started_once_and_shared() -> None:
+    """pool_of(n) is one pool per size for the process (a decode asked for n threads does not start n
+    threads per call); the CPU pool is the one of the core count."""
+    import os
+
+    three = pool_of(3)
+    assert pool_of(3) is three and pool_of(2) is not three
+    assert pool_of(0) is pool_of(1)
+    assert cpu_pool() is pool_of(os.cpu_count() or 1)
+    for _ in range(3):
+        assert run_all(three, lambda _: threading.current_thread().name, range(12))
+    started = [t for t in threading.enumerate() if t.name.startswith("weightsync-3t")]
+    assert 1 <= len(started) <= 3

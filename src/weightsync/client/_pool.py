@@ -23,8 +23,8 @@ _SLICE = 0.05
 """How often a paused job looks at the scopes around its own (a nested batch's parent)."""
 
 _local = threading.local()
-_cpu: ThreadPoolExecutor | None = None
-_cpu_lock = threading.Lock()
+_pools: dict[int, ThreadPoolExecutor] = {}
+_pools_lock = threading.Lock()
 
 
 def cpu_pool() -> ThreadPoolExecutor:
@@ -35,11 +35,24 @@ def cpu_pool() -> ThreadPoolExecutor:
     more than the work of a small update. Submit only from outside it: a job of this
     pool must never wait on another job of it.
     """
-    global _cpu
-    with _cpu_lock:
-        if _cpu is None:
-            _cpu = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="weightsync-cpu")
-        return _cpu
+    return pool_of(os.cpu_count() or 1)
+
+
+def pool_of(threads: int) -> ThreadPoolExecutor:
+    """The process's pool of `threads` threads (at least one), started on first use and shared from then on.
+
+    For work asked to run on a given number of threads (a subscriber's ``decode_threads``, the
+    decode for a GPU): a pool made per call started its threads each time and threw away what
+    they keep between frames (a zstd context and scratch planes per thread). `cpu_pool`'s rule
+    holds: a job of a pool never waits on another job of the same pool.
+    """
+    n = max(1, threads)
+    with _pools_lock:
+        pool = _pools.get(n)
+        if pool is None:
+            name = "weightsync-cpu" if n == (os.cpu_count() or 1) else f"weightsync-{n}t"
+            pool = _pools[n] = ThreadPoolExecutor(n, thread_name_prefix=name)
+        return pool
 
 
 class Cancelled(Exception):  # noqa: N818 - a signal between threads, not an error a caller sees

@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +27,7 @@ import numpy as np
 
 from weightsync import errors
 from weightsync.client import frames_apply
-from weightsync.client._pool import cpu_pool, run_all
+from weightsync.client._pool import cpu_pool, pool_of, run_all
 from weightsync.client.tensors import StagedChange
 from weightsync.client.verify import HostHasher, digests
 from weightsync.codec.checksum import MASK, TensorSum
@@ -107,8 +106,8 @@ class Prepared:
         if self.frames is None:
             return
         blobs = {f.ref: f.blob for f in self.frames}
-        with _threads(threads) as pool:
-            self.updates, _ = decode_updates(self.manifests, lambda ref: blobs[ref], pool, select=self.select)
+        pool = _threads(threads)
+        self.updates, _ = decode_updates(self.manifests, lambda ref: blobs[ref], pool, select=self.select)
         self.frames = None
 
     @property
@@ -123,14 +122,26 @@ class Prepared:
         return sum(s.nbytes for u in self.updates.values() for s in u.staged)
 
 
-@contextmanager
-def _threads(threads: int | None) -> Iterator[ThreadPoolExecutor]:
-    """A pool of `threads` threads for this call, or by default the process's CPU pool (threads started once)."""
-    if threads is None:
-        yield cpu_pool()
-        return
-    with ThreadPoolExecutor(threads) as pool:
-        yield pool
+def _threads(threads: int | None) -> ThreadPoolExecutor:
+    """The process's pool of `threads` threads, or by default its CPU pool (either started once: _pool.pool_of)."""
+    return cpu_pool() if threads is None else pool_of(threads)
+
+
+_JOBS_PER_BATCH = 64
+"""A step's frames are decoded in about this many pool jobs (at least one frame each)."""
+_FRAMES_PER_JOB = 8
+"""At most this many frames per decode job."""
+
+
+def _frames_per_job(frames: int) -> int:
+    """Frames each decode job takes: one each for a small update, up to _FRAMES_PER_JOB for a large one.
+
+    A job per frame cost the pool's hand-over (submit, wake a thread, a future, its result) per
+    frame; a GPU's update holds thousands of ~4 MiB frames of ~10^4 changes each, where that
+    is a fair share of the frame's own work (docs/SCALE.md). About _JOBS_PER_BATCH jobs still
+    keep every thread busy to the end.
+    """
+    return max(1, min(_FRAMES_PER_JOB, frames // _JOBS_PER_BATCH))
 
 
 def _touched(
@@ -224,7 +235,16 @@ def decode_updates(
                     with lock:
                         pieces.setdefault(name, []).append(piece)
 
-        run_all(pool, run, manifest.frames)
+        refs = manifest.frames
+        per = _frames_per_job(len(refs))
+
+        def run_some(
+            i: int, refs: list[FrameRef] = refs, per: int = per, run: Callable[[FrameRef], None] = run
+        ) -> None:
+            for ref in refs[i : i + per]:
+                run(ref)
+
+        run_all(pool, run_some, range(0, len(refs), per))
         for name, parts in pieces.items():
             # Pieces of one step are disjoint: composing them with earlier steps is one pass.
             updates[name].ops = compose([*updates[name].ops, *parts])
@@ -315,8 +335,7 @@ def prepare(
     if device is not None and threads is None:
         threads = DEVICE_DECODE_THREADS
     if manifests:
-        with _threads(threads) as pool:
-            updates, specs = decode_updates(list(manifests), read_frame, pool, frames=frames, select=select)
+        updates, specs = decode_updates(list(manifests), read_frame, _threads(threads), frames=frames, select=select)
     prepared = Prepared(
         model=model,
         base=base,
