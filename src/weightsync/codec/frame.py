@@ -142,8 +142,9 @@ def _compressor(level: int) -> zstandard.ZstdCompressor:
     return cctx
 
 
-_SCRATCH_MAX = 32 << 20
-"""Bytes of planes a thread keeps between frames (~6-10 MB for the default 4 MiB frames); larger ones are not kept."""
+_SCRATCH_MAX = 64 << 20
+"""Bytes of planes a thread keeps between frames (24-40 MiB for the default 16 MiB frames, of which only the
+columns a frame's changes fill are ever touched, so resident); larger ones are not kept."""
 
 
 def _scratch(rows: int, columns: int) -> np.ndarray:
