@@ -496,3 +496,37 @@ def test_the_compare_by_address_leaves_segments_of_arrays_it_cannot_address_to_t
         short = new[:40].copy()  # t2 and t3 reach past the base's end
         equal, left = Job(rows, [new], [short], level=1, chunk_bytes=4096)._same(items, pool)
         assert [e.segment.name for _, _, e in equal] == ["t0", "t1"] and left == items[2:]
+
+
+def test_large_tensors_are_cut_at_chunk_bytes_and_small_ones_grouped_up_to_group_bytes():
+    """FORMAT §4.5 as the encoder does it by default: a tensor of chunk_bytes (16 MiB) or more in frames of
+    chunk_bytes, small ones sharing frames of at most GROUP_BYTES (a rank reading some of them fetches
+    less), one between the two alone; with a chunk below GROUP_BYTES, groups of at most the chunk. The
+    step decodes back exactly."""
+    from weightsync.codec.encode_jobs import GROUP_BYTES
+    from weightsync.codec.encoder import DEFAULT_CHUNK
+
+    rng = np.random.default_rng(7)
+    mib = 1 << 20
+    assert 16 * mib == DEFAULT_CHUNK and 4 * mib == GROUP_BYTES
+    sizes = {"big": 20 * mib, "middle": 6 * mib, **{f"small{i}": mib for i in range(8)}}
+    base = {k: ("BF16", (n // 2,), rng.integers(0, 256, n, dtype=np.uint8)) for k, n in sizes.items()}
+    new = {k: (d, s, mutate(rng, v, 2, 50)) for k, (d, s, v) in base.items()}
+    base_ck = Checkpoint.from_bytes({"m.safetensors": safetensors_file(base)})
+    new_ck = Checkpoint.from_bytes({"m.safetensors": safetensors_file(new)})
+
+    def frames_of(enc: Encoder) -> tuple[Manifest, list[tuple[list[str], int]], object]:
+        manifest, read = _located(enc, new_ck, base_ck)
+        names = {(0, si): e.segment.name for si, e in enumerate(manifest.files[0].segments)}
+        return manifest, [([names[p.file, p.seg] for p in r.pieces], r.raw_len) for r in manifest.frames], read
+
+    manifest, frames, read = frames_of(Encoder())
+    assert sorted(n for f, n in frames if f == ["big"]) == [4 * mib, 16 * mib]
+    assert (["middle"], 6 * mib) in frames
+    grouped = [(f, n) for f, n in frames if f[0].startswith("small")]
+    assert sum(len(f) for f, _ in grouped) == 8 and all(n <= GROUP_BYTES for _, n in grouped)
+    assert len(frames) == 2 + 1 + 2
+    out = _decode(manifest, read, base_ck)
+    assert [o.tobytes() for o in out] == [f.data.tobytes() for f in new_ck.files]
+    _, small, _ = frames_of(Encoder(chunk_bytes=2 * mib))
+    assert max(n for _, n in small) <= 2 * mib and sum(len(f) for f, _ in small if f[0].startswith("small")) == 8
