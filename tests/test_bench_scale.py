@@ -87,3 +87,24 @@ def test_generated_model_shapes_have_whole_attention_heads(text: str) -> None:
     assert shape.hidden % shape.heads == 0
     assert shape.hidden // shape.heads in (64, 128)
     assert abs(2 * shape.params - parse_bytes(text)) < 0.1 * parse_bytes(text)
+
+
+def test_chunk_probe_measures_each_chunk_size_on_the_same_step(tmp_path: Path) -> None:
+    """benchmarks/chunk_probe.py on a tiny generated model: every size timed, prepares checked against the
+    step's change count (it raises otherwise), larger chunks never make more frames."""
+    from benchmarks import chunk_probe
+
+    out = tmp_path / "probe.json"
+    assert (
+        chunk_probe.main(
+            ["8M", "--chunks", "1M,4M", "--rounds", "1", "--threads", "2", "--device", "cpu", "--out", str(out)]
+        )
+        == 0
+    )
+    report = json.loads(out.read_text())
+    rows = report["chunks"]
+    assert set(rows) == {str(1 << 20), str(4 << 20)} and report["changed_elements"] > 0
+    for row in rows.values():
+        assert all(row[k] > 0 for k in ("encode_s_1", "encode_s_2", "prepare_s_1", "prepare_s_2", "delta_bytes"))
+    assert rows[str(4 << 20)]["frames"] <= rows[str(1 << 20)]["frames"]
+    assert "| 4 MiB |" in out.with_suffix(".md").read_text()
