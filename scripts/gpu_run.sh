@@ -2,13 +2,15 @@
 # Issue 11's GPU run, one command on the lent GPU machine (docs/SCALE.md): wheels the image lacks from
 # .whl (benchmarks/README.md says how to fetch them), then the scale bench on the issue's 5.63 GB
 # Llama recipe (publish, prepare + apply into live CUDA tensors, end to end, publish_async, keyframe
-# publish, GPU staging; full reload warm/cold; XOR + zstd-1) and the probe's thread scaling.
-# Writes what it measured under $OUT (or ./gpu-out). Usage: scripts/gpu_run.sh [MODEL_BYTES] [PROBE]
+# publish, GPU staging; full reload warm/cold; XOR + zstd-1), the probe's thread scaling and, with
+# CHUNKS=yes, encode and prepare at 4 and 16 MiB frames on all cores (benchmarks/chunk_probe.py).
+# Writes what it measured under $OUT (or ./gpu-out). Usage: scripts/gpu_run.sh [MODEL_BYTES] [PROBE] [CHUNKS]
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 SIZE=${1:-5.63G}
 PROBE=${2:-yes}
+CHUNKS=${3:-no}
 export PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -26,4 +28,8 @@ timeout 360 python3 -m benchmarks.scale_bench --model-bytes "$SIZE" --versions 3
 rm -rf /tmp/ws-cache  # the versions: disk for the probe
 if [ "$PROBE" = yes ]; then
     timeout 240 python3 benchmarks/device_probe.py --hidden 3072 --layers 26 --parts checksum,stream,codec 2>&1 | tail -60
+fi
+if [ "$CHUNKS" = yes ]; then
+    timeout 200 python3 -m benchmarks.chunk_probe "$SIZE" --chunks 4M,16M --rounds 3 --out "$OUT/chunk_probe.json" 2>&1 \
+        | tail -6
 fi
