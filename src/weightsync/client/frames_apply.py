@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from weightsync import errors
-from weightsync.client._pool import cpu_pool, run_all
+from weightsync.client._pool import cpu_pool, pool_of, run_all
 from weightsync.codec import kernels
 from weightsync.codec.checksum import MASK, lanes_of, wire_form
 from weightsync.codec.decoder import check_frame
@@ -155,23 +155,19 @@ def apply(
         fr, targets, starts = jobs[i]
         sums[i] = apply_frame_lanes(fr.blob, targets, starts, before=verify)[1]
 
-    pool = cpu_pool() if threads is None else ThreadPoolExecutor(threads, thread_name_prefix="weightsync-apply")
+    pool = cpu_pool() if threads is None else pool_of(threads)  # started once (client/_pool.py)
     t0 = time.perf_counter()
     try:
-        try:
-            run_all(pool, run, range(len(jobs)), caller_helps=True)  # starts at once (client/_pool.py)
-        except BaseException:
-            _undo(pool, jobs, [bool(s) for s in sums])  # frames that failed wrote nothing (CorruptData)
-            raise
-        if not verify:
-            return time.perf_counter() - t0
-        bad_base, bad_result = layout.check(sums) if layout is not None else _check(jobs, sums, held, digests)
-        if bad_base is None and bad_result is None:
-            return time.perf_counter() - t0
-        _undo(pool, jobs, [True] * len(jobs))
-    finally:
-        if threads is not None:
-            pool.shutdown()
+        run_all(pool, run, range(len(jobs)), caller_helps=True)  # starts at once (client/_pool.py)
+    except BaseException:
+        _undo(pool, jobs, [bool(s) for s in sums])  # frames that failed wrote nothing (CorruptData)
+        raise
+    if not verify:
+        return time.perf_counter() - t0
+    bad_base, bad_result = layout.check(sums) if layout is not None else _check(jobs, sums, held, digests)
+    if bad_base is None and bad_result is None:
+        return time.perf_counter() - t0
+    _undo(pool, jobs, [True] * len(jobs))
     if bad_base is not None:
         raise errors.BaseMismatch(f"tensor {bad_base!r} does not hold v{base}'s bytes; nothing was changed")
     raise errors.ChecksumMismatch(
