@@ -38,10 +38,10 @@ from weightsync.errors import BaseMismatch, InvalidArgument
 DEFAULT_CHUNK = 16 << 20
 """Frame size target (FORMAT §4.5). Each frame costs Python around its kernels (its sections, its
 checksums, a pool job) in the encode and the decode, which holds the GIL; on a 1 GB Llama step
-(286 frames at 4 MiB, 82 at 16 MiB) the encode took 20-30 % and `prepare` for a device 30-40 %
-less time at 16 MiB, frames and manifest came out smaller, and the 45 MB and 436 MB corpus
-models encoded and applied as fast (docs/SCALE.md). A frame is also the unit a reader fetches
-for a slice of a tensor: a larger one reads more around the slice."""
+(286 frames at 4 MiB, 110 at 16 MiB with small tensors grouped to 4 MiB) the encode took 20-35 %
+and `prepare` for a device 30-38 % less time at 16 MiB, frames and manifest came out smaller, and
+the 45 MB and 436 MB corpus models encoded and applied as fast (docs/SCALE.md, run Z). A frame is
+also the unit a reader fetches for a slice of a tensor: a larger one reads more around the slice."""
 DEFAULT_FORMAT = LATEST
 """Encoders write FORMAT v2 unless told otherwise (v1 stays readable; a chain never mixes them)."""
 
