@@ -227,7 +227,7 @@ def test_a_pool_of_a_size_is_started_once_and_shared() -> None:
     three = pool_of(3)
     assert pool_of(3) is three and pool_of(2) is not three
     assert pool_of(0) is pool_of(1)
-    assert cpu_pool() is pool_of(os.cpu_count() or 1)
+    assert cpu_pool() is pool_of(os.cpu_count() or 1) is pool_of(None)
     for _ in range(3):
         assert run_all(three, lambda _: threading.current_thread().name, range(12))
     started = [t for t in threading.enumerate() if t.name.startswith("weightsync-3t")]

@@ -35,18 +35,19 @@ def cpu_pool() -> ThreadPoolExecutor:
     more than the work of a small update. Submit only from outside it: a job of this
     pool must never wait on another job of it.
     """
-    return pool_of(os.cpu_count() or 1)
+    return pool_of(None)
 
 
-def pool_of(threads: int) -> ThreadPoolExecutor:
-    """The process's pool of `threads` threads (at least one), started on first use and shared from then on.
+def pool_of(threads: int | None) -> ThreadPoolExecutor:
+    """The process's pool of `threads` threads (at least one; None: one per core, :func:`cpu_pool`), started
+    on first use and shared from then on.
 
     For work asked to run on a given number of threads (a subscriber's ``decode_threads``, the
     decode for a GPU): a pool made per call started its threads each time and threw away what
     they keep between frames (a zstd context and scratch planes per thread). `cpu_pool`'s rule
     holds: a job of a pool never waits on another job of the same pool.
     """
-    n = max(1, threads)
+    n = max(1, threads if threads is not None else os.cpu_count() or 1)
     with _pools_lock:
         pool = _pools.get(n)
         if pool is None:

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from weightsync import errors
-from weightsync.client._pool import cpu_pool, pool_of, run_all
+from weightsync.client._pool import pool_of, run_all
 from weightsync.codec import kernels
 from weightsync.codec.checksum import MASK, lanes_of, wire_form
 from weightsync.codec.decoder import check_frame
@@ -155,7 +155,7 @@ def apply(
         fr, targets, starts = jobs[i]
         sums[i] = apply_frame_lanes(fr.blob, targets, starts, before=verify)[1]
 
-    pool = cpu_pool() if threads is None else pool_of(threads)  # started once (client/_pool.py)
+    pool = pool_of(threads)  # started once (client/_pool.py)
     t0 = time.perf_counter()
     try:
         run_all(pool, run, range(len(jobs)), caller_helps=True)  # starts at once (client/_pool.py)

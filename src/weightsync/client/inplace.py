@@ -106,8 +106,7 @@ class Prepared:
         if self.frames is None:
             return
         blobs = {f.ref: f.blob for f in self.frames}
-        pool = _threads(threads)
-        self.updates, _ = decode_updates(self.manifests, lambda ref: blobs[ref], pool, select=self.select)
+        self.updates, _ = decode_updates(self.manifests, lambda ref: blobs[ref], pool_of(threads), select=self.select)
         self.frames = None
 
     @property
@@ -122,11 +121,6 @@ class Prepared:
         return sum(s.nbytes for u in self.updates.values() for s in u.staged)
 
 
-def _threads(threads: int | None) -> ThreadPoolExecutor:
-    """The process's pool of `threads` threads, or by default its CPU pool (either started once: _pool.pool_of)."""
-    return cpu_pool() if threads is None else pool_of(threads)
-
-
 _JOBS_PER_BATCH = 64
 """A step's frames are decoded in about this many pool jobs (at least one frame each)."""
 _FRAMES_PER_JOB = 8
@@ -137,7 +131,7 @@ def _frames_per_job(frames: int) -> int:
     """Frames each decode job takes: one each for a small update, up to _FRAMES_PER_JOB for a large one.
 
     A job per frame cost the pool's hand-over (submit, wake a thread, a future, its result) per
-    frame; a GPU's update holds thousands of ~4 MiB frames of ~10^4 changes each, where that
+    frame; a GPU's update holds hundreds to thousands of frames of ~10^4-10^5 changes each, where that
     is a fair share of the frame's own work (docs/SCALE.md). About _JOBS_PER_BATCH jobs still
     keep every thread busy to the end.
     """
@@ -335,7 +329,7 @@ def prepare(
     if device is not None and threads is None:
         threads = DEVICE_DECODE_THREADS
     if manifests:
-        updates, specs = decode_updates(list(manifests), read_frame, _threads(threads), frames=frames, select=select)
+        updates, specs = decode_updates(list(manifests), read_frame, pool_of(threads), frames=frames, select=select)
     prepared = Prepared(
         model=model,
         base=base,
