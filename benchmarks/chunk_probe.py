@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from benchmarks._frames import in_memory
 from benchmarks._llama import LlamaShape, trajectory
 from benchmarks.codec_bench import machine
 from benchmarks.device_probe import _safetensors_bytes
@@ -37,7 +38,6 @@ from benchmarks.scale_bench import parse_bytes
 from weightsync.client import inplace
 from weightsync.codec.checkpoint import Checkpoint
 from weightsync.codec.encoder import Encoder
-from weightsync.codec.manifest import FrameRef
 
 
 def _bytes(t: torch.Tensor) -> np.ndarray:
@@ -63,26 +63,25 @@ def run(size: int, chunks: list[int], threads: int, device: str, rounds: int) ->
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     cases: dict[int, tuple] = {}
     for chunk in chunks:
-        encoded = Encoder(chunk_bytes=chunk).encode(new, base)
-        offsets = np.cumsum([0] + [len(fr.data) for fr in encoded.frames])
-        manifest = encoded.with_locations(lambda i, fr, offsets=offsets: (None, int(offsets[i])))
-        area = b"".join(fr.data for fr in encoded.frames)
-        sizes = {"frames": len(encoded.frames), "delta_bytes": len(area), "manifest_bytes": len(manifest.encode())}
+        frames = in_memory(Encoder(chunk_bytes=chunk).encode(new, base))
+        sizes = {
+            "frames": len(frames.manifest.frames),
+            "delta_bytes": len(frames.area),
+            "manifest_bytes": len(frames.manifest.encode()),
+        }
         encoders = {t: Encoder(chunk_bytes=chunk, threads=t) for t in {1, threads}}
-        cases[chunk] = (manifest, area, sizes, encoders)
+        cases[chunk] = (frames, sizes, encoders)
     times: dict[tuple[int, str], list[float]] = {}
     for r in range(1 + rounds):  # the first round warms up (pools, scratch, kernels)
-        for chunk, (manifest, area, _, encoders) in cases.items():
-
-            def read(ref: FrameRef, area: bytes = area) -> memoryview:
-                return memoryview(area)[ref.offset : ref.offset + ref.length]
-
+        for chunk, (frames, _, encoders) in cases.items():
             for t in sorted({1, threads}):
                 t0 = time.perf_counter()
                 encoders[t].encode(new, base)
                 encode_s = time.perf_counter() - t0
                 t0 = time.perf_counter()
-                prepared = inplace.prepare([manifest], read, model="probe", base=1, target=2, threads=t, device=device)
+                prepared = inplace.prepare(
+                    [frames.manifest], frames.read, model="probe", base=1, target=2, threads=t, device=device
+                )
                 sync()
                 prepare_s = time.perf_counter() - t0
                 if prepared.changed_elements != changed:
@@ -101,7 +100,7 @@ def run(size: int, chunks: list[int], threads: int, device: str, rounds: int) ->
         "rounds": rounds,
         "chunks": {},
     }
-    for chunk, (_, _, sizes, _) in cases.items():
+    for chunk, (_, sizes, _) in cases.items():
         row = dict(sizes)
         row.update({k: statistics.median(v) for (c, k), v in times.items() if c == chunk})
         out["chunks"][str(chunk)] = row

@@ -34,8 +34,9 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import baselines
+from benchmarks._frames import in_memory
 from benchmarks.corpus import ensure_case
-from weightsync.codec import Checkpoint, Decoder, Encoder, FrameRef, kernels
+from weightsync.codec import Checkpoint, Decoder, Encoder, kernels
 from weightsync.codec.checksum import tensor_sum
 from weightsync.codec.encoder import Encoded
 from weightsync.codec.frame import xxh3_128, zigzag
@@ -105,17 +106,10 @@ def _file_sizes(base: Checkpoint, new: Checkpoint, version: int) -> dict:
 def _ours_delta(base: Checkpoint, new: Checkpoint, threads: int, repeats: int) -> dict:
     enc = Encoder(threads=threads)
     encoded, t_enc = _best(lambda: enc.encode(new, base), repeats)
-    frames = [fr.data for fr in encoded.frames]
-    offsets = np.cumsum([0] + [len(f) for f in frames])
-    manifest = encoded.with_locations(lambda i, fr: (None, int(offsets[i])))
-    area = b"".join(frames)
+    frames = in_memory(encoded)
     dec = Decoder(threads=threads)
     outputs = [np.empty(f.layout.size, dtype=np.uint8) for f in new.files]
-
-    def read(ref: FrameRef) -> memoryview:
-        return memoryview(area)[ref.offset : ref.offset + ref.length]
-
-    _, t_dec = _best(lambda: dec.decode(manifest, read, outputs, base), repeats)
+    _, t_dec = _best(lambda: dec.decode(frames.manifest, frames.read, outputs, base), repeats)
     for out, f in zip(outputs, new.files, strict=True):
         if not np.array_equal(out, f.data):
             raise AssertionError("our round trip is not exact")
@@ -124,7 +118,7 @@ def _ours_delta(base: Checkpoint, new: Checkpoint, threads: int, repeats: int) -
         return Checkpoint([type(f)(f.layout, f.data.copy()) for f in base.files])
 
     def in_place(ck: Checkpoint) -> Checkpoint:
-        dec.decode(manifest, read, [f.data for f in ck.files], ck)
+        dec.decode(frames.manifest, frames.read, [f.data for f in ck.files], ck)
         return ck
 
     applied, t_apply = _best(in_place, repeats, setup=fresh_base)
@@ -151,12 +145,7 @@ def _per_core(base_ck: Checkpoint, new_ck: Checkpoint, base_t: dict, new_t: dict
     """
     encoders = {v: Encoder(threads=1, format_version=v) for v in (1, 2)}
     dec = Decoder(threads=1)
-    located = {}
-    for v, enc in encoders.items():
-        encoded = enc.encode(new_ck, base_ck)
-        offsets = np.cumsum([0] + [len(fr.data) for fr in encoded.frames])
-        area = b"".join(fr.data for fr in encoded.frames)
-        located[v] = (encoded.with_locations(lambda i, fr, o=offsets: (None, int(o[i]))), area)
+    located = {v: in_memory(enc.encode(new_ck, base_ck)) for v, enc in encoders.items()}
     peer = baselines.xor_zstd1_encode(base_t, new_t, 1, checksum=True)
     best = dict.fromkeys(["v1_enc", "v2_enc", "base_enc", "v1_apply", "v2_apply", "base_dec"], float("inf"))
     for _ in range(repeats):
@@ -167,14 +156,10 @@ def _per_core(base_ck: Checkpoint, new_ck: Checkpoint, base_t: dict, new_t: dict
         t0 = time.perf_counter()
         baselines.xor_zstd1_encode(base_t, new_t, 1)  # the peers' encode, without even a checksum
         best["base_enc"] = min(best["base_enc"], time.perf_counter() - t0)
-        for v, (manifest, area) in located.items():
+        for v, frames in located.items():
             target = Checkpoint([type(f)(f.layout, f.data.copy()) for f in base_ck.files])  # untimed
-
-            def read(ref: FrameRef, area: bytes = area) -> memoryview:
-                return memoryview(area)[ref.offset : ref.offset + ref.length]
-
             t0 = time.perf_counter()
-            dec.decode(manifest, read, [f.data for f in target.files], target)  # base and result verified
+            dec.decode(frames.manifest, frames.read, [f.data for f in target.files], target)  # verified
             best[f"v{v}_apply"] = min(best[f"v{v}_apply"], time.perf_counter() - t0)
             if target.files[0].data.tobytes() != new_ck.files[0].data.tobytes():
                 raise AssertionError(f"our verified v{v} apply is not exact")
@@ -194,12 +179,8 @@ def _staging(base: Checkpoint, new: Checkpoint) -> dict | None:
         return None
     from weightsync.client.inplace import prepare
 
-    encoded = Encoder().encode(new, base)
-    offsets = np.cumsum([0] + [len(fr.data) for fr in encoded.frames])
-    manifest = encoded.with_locations(lambda i, fr: (None, int(offsets[i])))
-    area = b"".join(fr.data for fr in encoded.frames)
-    read = lambda ref: memoryview(area)[ref.offset : ref.offset + ref.length]  # noqa: E731
-    prepared = prepare([manifest], read, model="bench", base=1, target=2, device="cpu")
+    frames = in_memory(Encoder().encode(new, base))
+    prepared = prepare([frames.manifest], frames.read, model="bench", base=1, target=2, device="cpu")
     changed = sum(u.changed_elements for u in prepared.updates.values() if u.ops)
     by_width: dict[int, int] = {}
     for u in prepared.updates.values():

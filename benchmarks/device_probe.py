@@ -19,7 +19,7 @@ step of a Llama-style model (random init, fused AdamW, lr 1e-6, random tokens):
   (pinned on CUDA) buffers as a Publisher keeps them, against the old pageable serialization; the
   bytes are checked equal to a plain safetensors serialization of the same tensors.
 
-    PYTHONPATH=src python3 benchmarks/device_probe.py --hidden 3072 --layers 26
+    PYTHONPATH=src:. python3 benchmarks/device_probe.py --hidden 3072 --layers 26
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ import torch
 import xxhash
 import zstandard
 
+from benchmarks._frames import in_memory
 from weightsync.client import inplace
 from weightsync.client.verify import HostHasher
 from weightsync.codec import kernels
@@ -47,7 +48,6 @@ from weightsync.codec.checkpoint import Checkpoint
 from weightsync.codec.checksum import tensor_sum as host_sum
 from weightsync.codec.encoder import Decoder, Encoder
 from weightsync.codec.frame import xxh3_128
-from weightsync.codec.manifest import FrameRef
 from weightsync.devsum import tensor_sum as device_sum
 
 
@@ -164,16 +164,10 @@ def codec_scaling(base: dict[str, np.ndarray], new: dict[str, np.ndarray], threa
         enc = Encoder(threads=t)
         encoded = enc.encode(new_ck, base_ck)
         out[f"encode_s_{t}"] = _timed(lambda enc=enc: enc.encode(new_ck, base_ck), 2)
-        frames = [fr.data for fr in encoded.frames]
-        offsets = np.cumsum([0] + [len(f) for f in frames])
-        manifest = encoded.with_locations(lambda i, fr, offsets=offsets: (None, int(offsets[i])))
-        area = b"".join(frames)
-        out["delta_bytes"] = len(area)
-        out["manifest_bytes"] = len(manifest.encode())
+        frames = in_memory(encoded)
+        out["delta_bytes"] = len(frames.area)
+        out["manifest_bytes"] = len(frames.manifest.encode())
         dec = Decoder(threads=t)
-
-        def read(ref: FrameRef, area: bytes = area) -> memoryview:
-            return memoryview(area)[ref.offset : ref.offset + ref.length]
 
         live = Checkpoint([type(f)(f.layout, f.data.copy()) for f in base_ck.files])
         times = []
@@ -181,7 +175,7 @@ def codec_scaling(base: dict[str, np.ndarray], new: dict[str, np.ndarray], threa
             for f, b in zip(live.files, base_ck.files, strict=True):
                 f.data[:] = b.data
             t0 = time.perf_counter()
-            dec.decode(manifest, read, [f.data for f in live.files], live)  # base and result verified
+            dec.decode(frames.manifest, frames.read, [f.data for f in live.files], live)  # base and result verified
             times.append(time.perf_counter() - t0)
         out[f"apply_s_{t}"] = statistics.median(times)
         for f, n in zip(live.files, new_ck.files, strict=True):
@@ -216,14 +210,8 @@ def subscriber_apply(
     cuda = device == "cuda"
     base_ck = Checkpoint.from_bytes({"model.safetensors": _safetensors_bytes(base)})
     new_ck = Checkpoint.from_bytes({"model.safetensors": _safetensors_bytes(new)})
-    encoded = Encoder(threads=threads).encode(new_ck, base_ck)
-    offsets = np.cumsum([0] + [len(fr.data) for fr in encoded.frames])
-    manifest = encoded.with_locations(lambda i, fr: (None, int(offsets[i])))
-    area = b"".join(fr.data for fr in encoded.frames)
-    del base_ck, new_ck, encoded
-
-    def read(ref: FrameRef) -> memoryview:
-        return memoryview(area)[ref.offset : ref.offset + ref.length]
+    frames = in_memory(Encoder(threads=threads).encode(new_ck, base_ck))
+    del base_ck, new_ck
 
     live = {k: torch.from_numpy(a).view(torch.bfloat16).to(device) for k, a in base.items()}
     keep = {k: v.clone() for k, v in live.items()}  # v1 again before each version: not timed
@@ -249,7 +237,9 @@ def subscriber_apply(
             v.copy_(keep[k])
         sync()
         t0 = time.perf_counter()
-        prepared = inplace.prepare([manifest], read, model="probe", base=1, target=2, threads=threads, device=device)
+        prepared = inplace.prepare(
+            [frames.manifest], frames.read, model="probe", base=1, target=2, threads=threads, device=device
+        )
         sync()
         prepare_s = time.perf_counter() - t0
         t0 = time.perf_counter()

@@ -22,6 +22,7 @@ import time
 import numpy as np
 import torch
 
+from benchmarks._frames import in_memory
 from benchmarks._llama import LlamaShape, trajectory
 from benchmarks.device_probe import _safetensors_bytes
 from benchmarks.scale_bench import parse_bytes
@@ -29,7 +30,6 @@ from weightsync import devsum
 from weightsync.client import inplace
 from weightsync.codec.checkpoint import Checkpoint
 from weightsync.codec.encoder import Encoder
-from weightsync.codec.manifest import FrameRef
 
 
 def main() -> None:
@@ -48,16 +48,10 @@ def main() -> None:
     torch.cuda.empty_cache()
     base_ck = Checkpoint.from_bytes({"model.safetensors": _safetensors_bytes(v1)})
     new_ck = Checkpoint.from_bytes({"model.safetensors": _safetensors_bytes(v2)})
-    encoded = Encoder().encode(new_ck, base_ck)
-    offsets = np.cumsum([0] + [len(fr.data) for fr in encoded.frames])
-    manifest = encoded.with_locations(lambda i, fr: (None, int(offsets[i])))
-    area = b"".join(fr.data for fr in encoded.frames)
-    del base_ck, new_ck, encoded
-    print(f"model {sum(a.size for a in v1.values()) / 1e9:.2f} GB, delta {len(area) / 1e6:.1f} MB,"
+    frames = in_memory(Encoder().encode(new_ck, base_ck))
+    del base_ck, new_ck
+    print(f"model {sum(a.size for a in v1.values()) / 1e9:.2f} GB, delta {len(frames.area) / 1e6:.1f} MB,"
           f" {time.perf_counter() - t0:.0f} s", flush=True)  # fmt: skip
-
-    def read(ref: FrameRef) -> memoryview:
-        return memoryview(area)[ref.offset : ref.offset + ref.length]
 
     live = {k: torch.from_numpy(a).view(torch.bfloat16).to(dev) for k, a in v1.items()}
     keep = {k: v.clone() for k, v in live.items()}
@@ -69,7 +63,9 @@ def main() -> None:
         torch.cuda.reset_peak_memory_stats()
         held = torch.cuda.memory_allocated()
         t = time.perf_counter()
-        p = inplace.prepare([manifest], read, model="m", base=1, target=2, device=dev, threads=args.threads)
+        p = inplace.prepare(
+            [frames.manifest], frames.read, model="m", base=1, target=2, device=dev, threads=args.threads
+        )
         torch.cuda.synchronize()
         t1 = time.perf_counter()
         a = inplace.apply(live, p, model="m", version=1, verify=True, strict=True)
