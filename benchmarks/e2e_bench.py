@@ -12,7 +12,12 @@ times, interleaved so machine noise hits both alike:
 * keyframe: the same version published as a keyframe to a second model →
   prepare → apply (whole-tensor replacements).
 
-The first version is a warm-up and is not counted; the figures are medians.
+The first version is a warm-up and is not counted; the figures are medians. Each version starts
+once both subscribers' replica reports of the versions before are sent (``Subscriber.wait_reported``):
+a report is sent in the background after an apply, and one still in flight competes with the next
+version's encode for the cores (on a 2-core box, 3-7 ms of a delta's encode); a version is timed from
+a machine where the one before has finished, as versions minutes apart are. ``--back-to-back`` times
+them without that wait.
 The split comes from the publisher's ``PublishResult.timings`` (begin, encode,
 upload, commit, cache) and the subscriber's ``timings`` (plan, download,
 decode, apply). A delta small enough for one request (publishVersion, docs/API.md
@@ -91,8 +96,10 @@ def _check(tensors: dict, path: Path) -> None:
             raise AssertionError(f"{name} differs from {path}")
 
 
-def run(versions: list[Path], url: str) -> dict[str, Any]:
-    """Time every version after the first two (v0 seeds both models, v1 warms up); medians per kind."""
+def run(versions: list[Path], url: str, *, settle: bool = True) -> dict[str, Any]:
+    """Time every version after the first two (v0 seeds both models, v1 warms up); medians per kind.
+
+    `settle`: each version starts once every subscriber's replica reports are sent."""
     from safetensors.torch import load_file
 
     from weightsync.client import Publisher, Subscriber
@@ -109,6 +116,9 @@ def run(versions: list[Path], url: str) -> dict[str, Any]:
             subs[kind].version = first.version
         for i, path in enumerate(versions[1:]):
             for kind in rows:  # interleaved: both kinds see the same machine state
+                if settle:
+                    for s in subs.values():
+                        s.wait_reported(timeout=60)
                 row = _version(pubs[kind], subs[kind], tensors[kind], path, keyframe=kind == "keyframe")
                 if i:
                     rows[kind].append(row)
@@ -206,6 +216,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--case", default="bf16-lr1e-6", help="corpus case (benchmarks/corpus.py)")
     ap.add_argument("--versions", type=int, default=4, help="timed versions (one more is the warm-up)")
     ap.add_argument("--commits", type=int, default=20, help="extra publishes timed for commit latency")
+    ap.add_argument(
+        "--back-to-back",
+        action="store_true",
+        help="start each version as soon as the one before is applied (its replica reports may be in flight)",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     if args.versions < 3:
@@ -217,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
 
     versions = ensure_case(args.case, args.versions + 1)[: args.versions + 2]
     with tempfile.TemporaryDirectory(prefix="weightsync-e2e-bench-") as tmp, serve(Path(tmp)) as url:
-        result = run(versions, url)
+        result = run(versions, url, settle=not args.back_to_back)
         commits, plans, whole = commit_latency(url, versions, args.commits) if args.commits else ([], [], [])
     if commits:
         result["commit_p50_ms"] = _pct(commits, 50) * 1e3
@@ -228,13 +243,19 @@ def main(argv: list[str] | None = None) -> int:
         result["publish_version_p50_ms"] = _pct(whole, 50) * 1e3
         result["publish_version_p90_ms"] = _pct(whole, 90) * 1e3
     result["commit_samples"] = len(commits) or 2 * result["versions"]
-    result.update(machine=machine(), when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), case=args.case)
+    result.update(
+        machine=machine(),
+        when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        case=args.case,
+        settled=not args.back_to_back,
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     plain = dict(result)  # NaN (the server said nothing) as null
     for kind in ("delta", "keyframe"):
         plain[kind] = {k: None if math.isnan(v) else v for k, v in result[kind].items()}
     (args.out / "e2e.json").write_text(json.dumps(plain, indent=1))
-    md = f"Machine: {result['machine']}. Run: {result['when']}. Case {args.case}.\n\n{table(result)}\n"
+    how = "back to back" if args.back_to_back else "each after the replica reports before it were sent"
+    md = f"Machine: {result['machine']}. Run: {result['when']}. Case {args.case}; versions {how}.\n\n{table(result)}\n"
     (args.out / "e2e.md").write_text(md)
     print(md)
     return 0

@@ -104,6 +104,32 @@ def test_an_unhealthy_replica_holds_no_version(server: Server, tmp_path: Path) -
         assert (back.version, back.lag) == (2, 0) and holders(api.list_replicas(model)) == {2: 1}
 
 
+def test_wait_reported_returns_once_the_apply_report_is_in_the_ledger(server: Server, tmp_path: Path) -> None:
+    """`apply` queues its report and returns; `wait_reported` waits for it (and times out while it is held)."""
+    model = "health-wait-reported"
+    states = _states(2)
+    _publish(server, model, states, tmp_path)
+    tensors = {k: v.clone() for k, v in states[0].items()}
+    gate = threading.Event()
+    with Subscriber(server.url, model, name="waiter") as sub, Api(server.url) as api:
+        sub.version = 1
+        send = sub.api.report_replica
+
+        def held(*args: Any, **kwargs: Any) -> Any:
+            gate.wait(30)
+            return send(*args, **kwargs)
+
+        sub.api.report_replica = held  # type: ignore[method-assign]
+        sub.apply(tensors, sub.prepare(2))
+        with pytest.raises(TimeoutError):
+            sub.wait_reported(timeout=0.2)  # the report is queued, not sent
+        assert api.list_replicas(model, subscriber="waiter") == []
+        gate.set()
+        sub.wait_reported(timeout=30)
+        (entry,) = api.list_replicas(model, subscriber="waiter")
+        assert (entry.version, entry.status, entry.mode) == (2, "applied", "in-place")
+
+
 @pytest.mark.parametrize(
     ("fields", "named"),
     [

@@ -89,6 +89,12 @@ class LedgerReporter:
             held = "unhealthy" if version is None else f"v{version}"
             log.warning("replica report for %s (%s) failed: %s", self.model, held, exc)
 
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every report queued before this call has been sent (or failed, which is logged).
+
+        TimeoutError when `timeout` seconds pass first; the reports stay queued."""
+        self._pool.submit(lambda: None).result(timeout)
+
     def close(self) -> None:
         """Send what is queued, then stop."""
         self._pool.shutdown(wait=True)

@@ -125,6 +125,12 @@ class Subscriber:
     def engine(self, kind: str | None) -> None:
         self._ledger.engine = kind
 
+    def wait_reported(self, timeout: float | None = None) -> None:
+        """Wait until the replica reports made so far are sent: `apply` queues its report and returns
+        before it is (the caller serves meanwhile). A report that fails is logged, not raised
+        (the ledger is informative). TimeoutError when `timeout` seconds pass first."""
+        self._ledger.flush(timeout)
+
     def close(self) -> None:
         self._ledger.close()
         self._pool.shutdown(wait=True)
