@@ -8,9 +8,11 @@ For every version after the first, on the same bytes (weightsync and the two oth
 going first from one version to the next):
 
 * weightsync, against an embedded ``weightsync serve`` on loopback: ``Publisher.publish`` of the
-  delta, then two subscribers ``prepare`` + ``apply`` (verification on) at once in two threads
-  (end to end = publish call → the last subscriber applied); then a third subscriber alone
-  (prepare + apply: the figure compared with the other paths);
+  delta, then two subscribers ``prepare`` + ``apply`` (verification on) at once, each in a process
+  of its own as inference engines are (one per GPU or tensor-parallel group; two subscribers in one
+  Python process would share its GIL) (end to end = publish call → the last subscriber applied);
+  then a third subscriber alone, in this process (prepare + apply: the figure compared with the
+  other paths);
 * a full reload from local disk: ``safetensors.torch.load_file(device=...)`` + ``copy_`` into live
   tensors, first with a cold page cache (``posix_fadvise(DONTNEED)`` on every file; residency
   checked with ``mincore``), then warm;
@@ -27,13 +29,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing
 import os
 import re
 import statistics
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -81,8 +83,88 @@ def generated_source(nbytes: int, versions: int, device: str, cache: Path) -> tu
 # weightsync
 
 
+def _subscriber_process(conn: Any, url: str, model: str, name: str, version: int, first: str, device: str) -> None:
+    """A subscriber in a process of its own, holding its live tensors on `device`: what the end to end's
+    subscribers run. Requests on `conn`: ("update", N) → prepare + apply to version N, answered with the
+    phase times and ``end`` (``time.monotonic()``, one clock for every process on the box); ("check",
+    dir) → None once the tensors hold that version bit for bit, else the AssertionError's text;
+    ("close", None) → exit."""
+    from weightsync.client import Subscriber
+
+    stage = device if device.startswith("cuda") else None
+    live = load_live(Path(first), device)
+    with Subscriber(url, model, name=name, version=version, report=False) as sub:
+        conn.send("ready")
+        while True:
+            what, arg = conn.recv()
+            if what == "close":
+                return
+            if what == "check":
+                try:
+                    check({name: live}, Path(arg), device)
+                    conn.send(None)
+                except AssertionError as exc:
+                    conn.send(str(exc))
+                continue
+            t0 = time.monotonic()
+            prepared = sub.prepare(arg, device=stage)
+            t1 = time.monotonic()
+            sub.apply(live, prepared)
+            sync(device)
+            t2 = time.monotonic()
+            del prepared
+            conn.send({"prepare_s": t1 - t0, "apply_s": t2 - t1, "prepare_apply_s": t2 - t0, "end": t2})
+
+
+class SubscriberProcess:
+    """Handle on a :func:`_subscriber_process` (started with ``spawn``: CUDA does not survive a fork)."""
+
+    def __init__(self, url: str, model: str, name: str, version: int, first: Path, device: str) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.name = name
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(
+            target=_subscriber_process, args=(child, url, model, name, version, str(first), device), daemon=True
+        )
+        self.proc.start()
+        child.close()
+        self._answer(600)  # "ready": loaded, connected
+
+    def _answer(self, timeout: float) -> Any:
+        if not self.conn.poll(timeout):
+            raise RuntimeError(f"subscriber process {self.name} did not answer in {timeout:.0f} s")
+        try:
+            return self.conn.recv()
+        except EOFError:
+            raise RuntimeError(f"subscriber process {self.name} exited ({self.proc.exitcode})") from None
+
+    def start_update(self, version: int) -> None:
+        self.conn.send(("update", version))
+
+    def result(self) -> dict[str, float]:
+        return self._answer(600)
+
+    def check(self, vdir: Path) -> None:
+        self.conn.send(("check", str(vdir)))
+        failed = self._answer(600)
+        if failed is not None:
+            raise AssertionError(failed)
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.conn.send(("close", None))
+            except OSError:
+                pass
+            self.proc.join(30)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+
+
 class Weightsync:
-    """One publisher and three subscribers of one model; subscribers 0 and 1 run the end to end, 2 alone."""
+    """One publisher and three subscribers of one model: two in processes of their own run the end to end,
+    the third, in this process, alone."""
 
     def __init__(self, url: str, first: Path, device: str, *, keyframes: bool = True) -> None:
         from weightsync.client import Publisher, Subscriber
@@ -98,21 +180,31 @@ class Weightsync:
         self.async_pub = Publisher(url, "scale-async")
         self.async_pub.publish_async(load_live(first, device)).result()
         # No replica reports: on this one box the server's ledger writes would land in other paths' timings.
-        self.subs = [Subscriber(url, "scale", name=f"scale-{i}", version=version, report=False) for i in range(3)]
-        self.live = [load_live(first, device) for _ in self.subs]
+        self.sub = Subscriber(url, "scale", name="scale-alone", version=version, report=False)
+        self.live = load_live(first, device)
+        self.e2e: list[SubscriberProcess] = []
+        for i in range(2):
+            self.e2e.append(SubscriberProcess(url, "scale", f"scale-e2e-{i}", version, first, device))
 
     def close(self) -> None:
         self.pub.close()
         self.async_pub.close()
-        for s in self.subs:
-            s.close()
+        self.sub.close()
+        for p in self.e2e:
+            p.close()
 
-    def _update(self, i: int, version: int) -> dict[str, float]:
-        """Subscriber `i` prepares and applies `version` into its tensors; its phase times."""
-        sub = self.subs[i]
+    def check(self, vdir: Path) -> None:
+        """Every subscriber's tensors hold the version in `vdir` bit for bit (AssertionError if not)."""
+        check({"weightsync subscriber alone": self.live}, vdir, self.device)
+        for p in self.e2e:
+            p.check(vdir)
+
+    def _update(self, version: int) -> dict[str, float]:
+        """The lone subscriber prepares and applies `version` into its tensors; its phase times."""
+        sub = self.sub
         import torch
 
-        cuda = self.device.startswith("cuda") and i == 2  # staging memory: the lone subscriber's
+        cuda = self.device.startswith("cuda")
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -120,10 +212,10 @@ class Weightsync:
         t0 = time.perf_counter()
         prepared = sub.prepare(version, device=self.stage)
         t1 = time.perf_counter()
-        pause = sub.apply(self.live[i], prepared)
+        pause = sub.apply(self.live, prepared)
         sync(self.device)
         t2 = time.perf_counter()
-        row = {"prepare_s": t1 - t0, "apply_s": t2 - t1, "prepare_apply_s": t2 - t0, "pause_s": pause, "end": t2}
+        row = {"prepare_s": t1 - t0, "apply_s": t2 - t1, "prepare_apply_s": t2 - t0, "pause_s": pause}
         if cuda:
             # Peak GPU memory allocated by prepare + apply beyond what the process held before (the model's
             # live tensors and the other paths' included there): the staged update and any scratch.
@@ -139,13 +231,14 @@ class Weightsync:
         Also ``publish_async`` of the version's tensors on the device (its own model) and, on timed
         versions, the version as a keyframe by a fresh publisher (each keyframe stays stored: disk).
         """
-        t0 = time.perf_counter()
+        t0 = time.monotonic()  # the subscriber processes' clock too
         result = self.pub.publish(vdir)
-        publish_s = time.perf_counter() - t0
+        publish_s = time.monotonic() - t0
         if result.kind != "delta":
             raise AssertionError(f"published a {result.kind}, wanted a delta")
-        with ThreadPoolExecutor(2) as pool:
-            both = list(pool.map(self._update, (0, 1), (result.version,) * 2))
+        for p in self.e2e:
+            p.start_update(result.version)
+        both = [p.result() for p in self.e2e]
         row = {
             "ws_publish_s": publish_s,
             "ws_encode_s": result.timings.get("encode_s", 0.0),
@@ -153,8 +246,8 @@ class Weightsync:
             "ws_e2e_s": max(r["end"] for r in both) - t0,
             "ws_e2e_prepare_apply_s": max(r["prepare_apply_s"] for r in both),
         }
-        alone = self._update(2, result.version)
-        row |= {f"ws_{k}": v for k, v in alone.items() if k != "end"}
+        alone = self._update(result.version)
+        row |= {f"ws_{k}": v for k, v in alone.items()}
         row |= self._publish_async(vdir)
         if self.keyframes and timed:
             row |= self._keyframe(vdir)
@@ -228,8 +321,8 @@ def run(versions: list[Path], device: str, threads: int, log: Any = print, *, ke
                 row: dict[str, float] = {}
                 for step in steps if i % 2 else steps[::-1]:
                     row |= step()
-                live_sets = {f"weightsync subscriber {j}": t for j, t in enumerate(ws.live)}
-                check(live_sets | {"reload": others.reloaded, "xor-zstd": others.xored}, vdir, device)
+                ws.check(vdir)
+                check({"reload": others.reloaded, "xor-zstd": others.xored}, vdir, device)
                 log(
                     f"v{i}{' (warm-up)' if i == 1 else ''}: weightsync prepare+apply {row['ws_prepare_apply_s']:.3f} s"
                     f" (publish {row['ws_publish_s']:.3f}, e2e {row['ws_e2e_s']:.3f})  reload warm"
@@ -287,7 +380,7 @@ def table(r: dict[str, Any]) -> str:
         (f"weightsync `publish` of the delta (encode {ms('ws_encode_s')})", mb("ws_bytes_up"), ms("ws_publish_s"), ""),
         (f"weightsync `publish_async` of the device's tensors: returns in {ms('ws_async_return_s')}, committed",
          "", ms("ws_async_publish_s"), ""),
-        ("weightsync end to end: publish → 2 subscribers applied (at once, same box)",
+        ("weightsync end to end: publish → 2 subscribers applied (at once, a process each, same box)",
          f"{(m['ws_bytes_up'] + 2 * m['ws_bytes_down']) / 1e6:.2f} MB", ms("ws_e2e_s"), ""),
         ("full reload (`load_file` + `copy_`), warm page cache", mb("reload_bytes"), ms("reload_warm_s"),
          f"**{ratio['weightsync_over_reload_warm']:.2f}**"),

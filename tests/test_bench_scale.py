@@ -57,6 +57,9 @@ def test_bench_scale_runs_every_path_on_a_generated_model(tmp_path: Path) -> Non
     # A keyframe carries the whole model (compressed), a delta far less; publish_async returns before committing.
     assert m["ws_bytes_up"] < m["ws_keyframe_bytes_up"] <= m["reload_bytes"]
     assert all(r["ws_async_return_s"] <= r["ws_async_publish_s"] for r in report["rows"])
+    # The end to end's subscribers (processes of their own) apply after the publish returned.
+    assert all(r["ws_publish_s"] < r["ws_e2e_s"] for r in report["rows"])
+    assert all(0 < r["ws_e2e_prepare_apply_s"] < r["ws_e2e_s"] for r in report["rows"])
     assert report["elements"] > 0 and 0 < report["changed_elements"] < report["elements"]
     assert "eviction_took_effect" in report["page_cache"]
     assert "weightsync" in (tmp_path / "out" / "scale_tiny.md").read_text()
