@@ -83,10 +83,6 @@ async def publish_one(
         for d, data in blobs.items():
             yield d, len(data), body(data)
 
-    async def skip(chunks) -> None:
-        async for _ in chunks:
-            pass
-
     return await ops.publish_version(
         model,
         parent=parent,
@@ -96,7 +92,6 @@ async def publish_one(
         objects=[(d, len(b)) for d, b in blobs.items()],
         manifest_digest=digest,
         parts=parts(),
-        skip=skip,
         idempotency_key=idempotency_key,
         record_later=False,  # as `publish` commits: the record before the call returns
     )

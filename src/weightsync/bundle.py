@@ -232,7 +232,7 @@ class StreamedBundle:
     """A bundle read as it arrives (a request body): the JSON part whole, then each object as a stream.
 
     ``await json_part()`` first (at most `max_json` bytes), then ``async for name, size, body in
-    objects()``; each `body` must be read to its end (or :meth:`skip`ped) before the next part.
+    objects()``; each `body` must be read to its end before the next part.
     Raises `error` on anything malformed, truncated included.
     """
 
@@ -312,8 +312,3 @@ class StreamedBundle:
             del self._buf[: len(piece)]
             left -= len(piece)
             yield piece
-
-    async def skip(self, body: AsyncIterator[bytes]) -> None:
-        """Read a part's bytes to its end, keeping none."""
-        async for _ in body:
-            pass

@@ -344,12 +344,38 @@ def check_0006(conn: Connection, url: str) -> None:
         assert cat.claim_fetch(d, "a", ttl=ttl, now=T + timedelta(seconds=92)) is True
 
 
+def check_0007(conn: Connection, url: str) -> None:
+    """gc_fence holds one row, no cutoff yet; GC's tombstones raise it to their cutoff and never lower it."""
+    fence = _tables(conn)["gc_fence"]
+    assert conn.execute(select(fence.c.id, fence.c.deleted_before)).all() == [(1, None)]
+    with pytest.raises(sa_exc.IntegrityError), conn.begin_nested():
+        conn.execute(insert(fence).values(id=2, deleted_before=T))
+    conn.commit()
+    day = timedelta(days=1)
+
+    def fenced() -> datetime | None:  # SQLite's rows read back without their zone: UTC, as the catalog writes them
+        got = conn.execute(select(fence.c.deleted_before)).scalar_one()
+        conn.rollback()
+        return got if got is None or got.tzinfo else got.replace(tzinfo=UTC)
+
+    with Catalog.open(url, migrate=True) as cat:
+        assert cat.begin_object_deletion([(D["c"], 60, T)], unreferenced_before=T, now=T) == []  # referenced
+        assert fenced() is None  # nothing tombstoned: unmoved
+        assert cat.begin_object_deletion([(D["e"], 7, T)], unreferenced_before=T, now=T) == [D["e"]]
+        assert fenced() == T
+        unrecorded = "9" * 64
+        got = cat.begin_object_deletion([(unrecorded, 3, T - day)], unreferenced_before=T - day / 2, now=T)
+        assert got == [unrecorded]
+        assert fenced() == T  # an older cutoff: not lowered
+
+
 CHECKS: dict[str, Callable[[Connection, str], None]] = {
     "0002": check_0002,
     "0003": check_0003,
     "0004": check_0004,
     "0005": check_0005,
     "0006": check_0006,
+    "0007": check_0007,
 }
 
 

@@ -99,7 +99,7 @@ def test_alembic_command_line_upgrade(db_url: str) -> None:
 
 
 def test_migrations_have_one_head() -> None:
-    assert migrations.head_revision() == "0006"
+    assert migrations.head_revision() == "0007"
 
 
 def test_url_normalization() -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections.abc import AsyncIterator
+from datetime import timedelta
 
 import pytest
 from _publish import publish
@@ -15,7 +16,7 @@ from _versions import checkpoint, model_files, next_step
 from weightsync import errors
 from weightsync.codec import Checkpoint, Encoder
 from weightsync.codec.pack import pack
-from weightsync.ops import core, fsck
+from weightsync.ops import core, fsck, gc
 
 pytestmark = pytest.mark.anyio
 
@@ -48,11 +49,6 @@ async def parts_of(objects: dict[str, bytes], *, stop_after: int | None = None, 
         yield digest, len(data), body(data)
 
 
-async def skip(body: AsyncIterator[bytes]) -> None:
-    async for _ in body:
-        pass
-
-
 async def pending(ops) -> list:
     return await ops.list_versions("m", states=("pending",))
 
@@ -78,7 +74,6 @@ async def test_one_call_commits_and_reads_back(ops, chain, order):
         objects=[(d, len(b)) for d, b in objects.items()],
         manifest_digest=digest,
         parts=parts_of(objects),
-        skip=skip,
         idempotency_key="key",
     )
     assert (v.number, v.kind, v.manifest_digest, v.metadata) == (2, "delta", digest, {"k": 1})
@@ -150,7 +145,6 @@ async def test_a_failed_call_aborts_the_publish(ops, clock, chain, how, monkeypa
             objects=listed,
             manifest_digest=digest,
             parts=parts,
-            skip=skip,
             **kwargs,
         )
     if how.startswith("a-"):
@@ -164,7 +158,7 @@ async def test_a_failed_call_aborts_the_publish(ops, clock, chain, how, monkeypa
     assert report.ok, report.problems
 
 
-async def test_a_kind_the_policy_refuses_is_answered_as_a_begin_without_storing(ops, chain):
+async def test_a_kind_the_policy_refuses_is_answered_as_a_begin_referencing_nothing(ops, clock, chain):
     await publish(ops, "m", chain[0], None, None)
     await ops.update_model_settings("m", keyframe_interval=1)
     digest, objects = encoded(chain[1], chain[0], 1)
@@ -177,10 +171,75 @@ async def test_a_kind_the_policy_refuses_is_answered_as_a_begin_without_storing(
         objects=[(d, len(b)) for d, b in objects.items()],
         manifest_digest=digest,
         parts=parts_of(objects),
-        skip=skip,
     )
     assert begun.kind == "keyframe" and begun.missing is None
     assert [v.publish_id for v in await pending(ops)] == [begun.publish_id]
+    # The delta's objects were stored before the policy answered; nothing references them, so GC takes them.
+    await ops.abort_publish("m", begun.publish_id)
+    clock.advance(hours=2)
+    report = await gc(ops)
+    assert report.objects_deleted == len(objects)
     for d in objects:
         with pytest.raises(errors.ObjectNotFound):
             await ops.stat_object(d)
+    assert (await fsck(ops)).ok
+
+
+@pytest.mark.parametrize("gc_run", ["none", "long-ago", "just-before", "deleting-its-objects"])
+async def test_one_transaction_unless_a_gc_may_have_deleted_what_was_written(ops, clock, chain, gc_run, monkeypatch):
+    """DESIGN invariant 7 for publishVersion: objects it created itself are referenced and committed in one
+    catalog transaction only when GC's fence is older than its first write; otherwise they are referenced
+    first and the store asked again, so a GC that deleted them in between is caught (IncompletePublish)."""
+    await publish(ops, "m", chain[0], None, None)
+    digest, objects = encoded(chain[1], chain[0], 1)
+    if gc_run == "long-ago":  # an ordinary GC: its cutoff (fence) lies its grace before now
+        clock.advance(hours=2)
+        await gc(ops)
+    elif gc_run == "just-before":  # GC with no grace deleted garbage moments ago: bytes written now were not in
+        # its listing, but the clocks may disagree (FENCE_MARGIN)
+        await ops.store.put(b"garbage nothing references")
+        clock.advance(minutes=1)
+        assert (await gc(ops, grace=timedelta(0))).objects_deleted == 1
+    elif gc_run == "deleting-its-objects":  # a GC with no grace between the writes and the catalog transaction
+        store_parts = ops._store_parts
+
+        async def then_gc(*args, **kwargs):
+            written = await store_parts(*args, **kwargs)
+            clock.advance(minutes=1)  # the store dates the bytes by the real clock: past the cutoff now
+            report = await gc(ops, grace=timedelta(0))
+            assert report.objects_deleted == len(objects)  # every object of the publish, unreferenced so far
+            return written
+
+        monkeypatch.setattr(ops, "_store_parts", then_gc)
+    transactions: list[str] = []
+    for name in ("publish_whole", "commit_held", "commit_version"):
+        real = getattr(ops.catalog, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            transactions.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(ops.catalog, name, spy)
+    call = ops.publish_version(
+        "m",
+        parent=1,
+        step=None,
+        metadata=None,
+        keyframe=False,
+        objects=[(d, len(b)) for d, b in objects.items()],
+        manifest_digest=digest,
+        parts=parts_of(objects),
+    )
+    if gc_run == "deleting-its-objects":
+        with pytest.raises(errors.IncompletePublish):
+            await call
+        assert (await ops.get_model("m")).head == 1 and await pending(ops) == []
+        assert transactions == ["publish_whole"]  # the begin alone; the store, asked after it, lacks the objects
+        assert [p.code for p in (await fsck(ops)).problems] == []
+        return
+    v = await call
+    assert v.number == 2
+    one = gc_run in ("none", "long-ago")
+    assert transactions == (["publish_whole"] if one else ["publish_whole", "commit_held"])
+    got = await ops.materialize("m", 2)
+    assert {p: a.tobytes() for p, a in got.files.items()} == {f.layout.path: f.data.tobytes() for f in chain[1].files}

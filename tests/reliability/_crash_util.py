@@ -208,6 +208,7 @@ CATALOG_WRITES = (
     "delete_model",
     "begin_version",
     "open_publish",
+    "publish_whole",
     "reference_objects",
     "record_part",
     "drop_part",

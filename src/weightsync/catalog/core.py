@@ -23,6 +23,7 @@ from . import checks, identity, leases, ledger, models, objects, publishes, reco
 from . import migrate as migrations
 from .checks import DEFAULT_PENDING_TTL, DEFAULT_SETTINGS, UNSET, validate_model_name
 from .engine import make_engine, writer
+from .objects import written_after_fence  # publish_whole's `objects` argument hides the module
 from .records import (
     ChainInfo,
     DeletedModel,
@@ -269,6 +270,91 @@ class Catalog:
             ),
             write=True,
         )
+
+    def publish_whole(
+        self,
+        model: str,
+        *,
+        parent: int | None,
+        keyframe: bool,
+        step: int | None,
+        metadata: dict[str, Any] | None,
+        objects: Iterable[tuple[str, int]],
+        manifest_parent: int | None,
+        manifest_digest: str,
+        data_objects: Iterable[tuple[str, int]],
+        raw_bytes: int,
+        stored_bytes: int,
+        kind: str,
+        written_since: datetime,
+        idempotency_key: str | None = None,
+        expires_at: datetime | None = None,
+        now: datetime | None = None,
+    ) -> Version | publishes.Opened:
+        """Begin and commit a publish whose objects the caller wrote to the store itself, each newly, from
+        ``written_since`` on, in one transaction (publishVersion; DESIGN invariant 7).
+
+        :meth:`open_publish` on ``parent`` with ``objects`` (every object of the version, the manifest
+        among them), then, when GC's fence says no GC can have deleted bytes written since
+        ``written_since`` (objects.written_after_fence, read after the references), :meth:`commit_held`
+        with the commit's fields (the manifest's parent, digest and sizes; ``data_objects``: the data
+        objects with their sizes). Returns the committed Version; or, committing only the begin, what
+        the begin made (publishes.Opened) when the commit cannot follow: the chain policy answered
+        another kind than ``keyframe`` says the objects were encoded as (nothing referenced), GC is
+        deleting one of the objects (``pinned.deleting``), or a GC may have deleted some since
+        ``written_since`` (everything referenced: the caller asks the store, then commits). Raises what
+        either raises (StaleParent, a refusal of the commit), with nothing changed.
+        """
+        pid = secrets.token_urlsafe(24)
+        if step is not None:
+            checks.nonneg("step", step)
+        meta = checks.json_object("metadata", metadata)
+        refs = checks.object_refs(objects)
+        checks.digest(manifest_digest)
+        data_refs = checks.object_refs(data_objects)
+        checks.nonneg("raw_bytes", raw_bytes)
+        checks.nonneg("stored_bytes", stored_bytes)
+        checks.kind(kind, manifest_parent)
+        if idempotency_key is not None:
+            checks.label("idempotency_key", idempotency_key, checks.TOKEN_MAX)
+        at = checks.utc(now)
+        since = checks.utc(written_since)
+        expires = checks.utc(expires_at) if expires_at is not None else at + DEFAULT_PENDING_TTL
+
+        def both(s: Session) -> Version | publishes.Opened:
+            opened = publishes.open_(
+                s,
+                model,
+                parent=parent,
+                keyframe=keyframe,
+                publish_id=pid,
+                step=step,
+                metadata=meta,
+                expires=expires,
+                now=at,
+                refs=refs,
+            )
+            if opened.pinned is None or opened.pinned.deleting or not written_after_fence(s, since):
+                return opened
+            version = publishes.commit(
+                s,
+                model,
+                pid,
+                parent=manifest_parent,
+                manifest_digest=manifest_digest,
+                refs=data_refs,
+                raw_bytes=raw_bytes,
+                stored_bytes=stored_bytes,
+                kind=kind,
+                chain_base=None,
+                idempotency_key=idempotency_key,
+                now=at,
+                as_begun=True,
+                held_only=True,
+            )
+            return opened if version is None else version
+
+        return self._tx(both, write=True)
 
     def get_pending(self, model: str, publish_id: str, *, now: datetime | None = None) -> Version:
         """Return the pending, unexpired publish ``publish_id`` of ``model``; raises PublishNotFound."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import fields, replace
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import ColumnElement, Row, bindparam, delete, exists, insert, or_, select, update
@@ -26,9 +26,10 @@ from sqlalchemy.orm import Session
 from .. import errors
 from .records import ObjectInfo, Pinned
 from .rows import OBJECTS, VERSION_OBJECTS, chunks, rowcount
-from .schema import ObjectRow, VersionObjectRow, VersionRow
+from .schema import GcFenceRow, ObjectRow, VersionObjectRow, VersionRow
 
 __all__ = [
+    "FENCE_MARGIN",
     "attach",
     "begin_deletion",
     "finish_deletion",
@@ -40,6 +41,7 @@ __all__ = [
     "referenced",
     "referenced_digests",
     "take_over_stale",
+    "written_after_fence",
 ]
 
 
@@ -229,7 +231,41 @@ def begin_deletion(
             .execution_options(synchronize_session=False)
         )
         turned.extend(res.scalars())
+    if turned:
+        _raise_fence(s, unreferenced_before)
     return sorted(turned)
+
+
+FENCE_MARGIN = timedelta(minutes=5)
+"""How far the store's clock (its objects' dates), GC's and a publishing server's may disagree: a publish
+trusts the fence only when its writes began at least this long after it."""
+
+
+def _raise_fence(s: Session, cutoff: datetime) -> None:
+    """Raise GC's fence to ``cutoff`` (never lower it), in the transaction that tombstones bytes dated up to it."""
+    res = s.execute(
+        update(GcFenceRow)
+        .where(GcFenceRow.id == 1, or_(GcFenceRow.deleted_before.is_(None), GcFenceRow.deleted_before < cutoff))
+        .values(deleted_before=cutoff)
+        .execution_options(synchronize_session=False)
+    )
+    if rowcount(res) == 0 and s.get(GcFenceRow, 1) is None:  # the row migration 0007 made is gone: made again
+        s.add(GcFenceRow(id=1, deleted_before=cutoff))
+        s.flush()
+
+
+def written_after_fence(s: Session, since: datetime) -> bool:
+    """Whether no GC can have deleted bytes written at or after ``since``: GC's fence lies more than
+    :data:`FENCE_MARGIN` before it (False when the fence's row is missing: nothing is known).
+
+    Read in the transaction that references those objects, after referencing them: a GC that
+    tombstones them later finds them referenced (:func:`begin_deletion` locks the rows first), and
+    one that did before has raised the fence in its own transaction.
+    """
+    row = s.get(GcFenceRow, 1, populate_existing=True)
+    if row is None:
+        return False
+    return row.deleted_before is None or row.deleted_before < since - FENCE_MARGIN
 
 
 def take_over_stale(s: Session, before: datetime, now: datetime) -> list[tuple[str, int]]:

@@ -309,3 +309,20 @@ class ServerIdentityRow(Base):
     # uuid4 hex, made by the migration that created the table: one per catalog, never changed.
     server_id: Mapped[str] = mapped_column(String(32))
     created_at: Mapped[datetime]
+
+
+class GcFenceRow(Base):
+    """The one row of GC's fence: the latest cutoff below which GC has tombstoned bytes (DESIGN invariant 7).
+
+    GC deletes only bytes the store dates at or before its cutoff, and raises ``deleted_before`` to
+    that cutoff in the transaction that tombstones them. A publish that wrote its objects itself
+    after the fence (with a margin for clocks) knows no GC has deleted them: it may reference and
+    commit them in one transaction (publishVersion, :func:`weightsync.catalog.objects.written_after_fence`).
+    """
+
+    __tablename__ = "gc_fence"
+    __table_args__ = (CheckConstraint("id = 1", name="single_row"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    # NULL: no GC has tombstoned anything on this catalog yet (the row is made by migration 0007).
+    deleted_before: Mapped[datetime | None]

@@ -528,7 +528,8 @@ class Api:
         that, then check, upload and commit as usual); or None from a server without publishVersion
         (405, :attr:`publish_version_missing` set) or whose body cap the request exceeds (413,
         :attr:`publish_version_cap` lowered below its size). `timings` gets the server's phases
-        (``server_begin_s``, ``server_store_s``, ``server_commit_s``, from its Server-Timing header)."""
+        (``server_store_s``, ``server_commit_s``, and ``server_begin_s`` when the begin was a catalog transaction
+        of its own; from its Server-Timing header)."""
         body = _begin_fields(parent, keyframe, step, metadata, [(d, len(b)) for d, b in objects.items()])
         body.update(manifest=manifest, idempotency_key=idempotency_key)
         if allow_removals:

@@ -17,7 +17,7 @@ import contextlib
 import hashlib
 import logging
 from collections import OrderedDict
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Collection, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, NamedTuple, ParamSpec, TypeVar
@@ -466,6 +466,24 @@ class Ops:
         ``stored`` (digest -> size): objects this caller wrote to the store after the publish held
         them, so the store is not asked about them again (GC cannot take a held object).
         """
+        same, refs, shown = await self._commit_fields(model, manifest_digest, idempotency_key, allow_removals, stored)
+        version = await self._db(self.catalog.commit_held, model, publish_id, **same, now=self.clock())
+        if version is None:  # something is not referenced yet: reference it, ask the store again, commit
+            await self._hold_for_commit(model, publish_id, [*refs, shown])
+            version = await self._db(self.catalog.commit_version, model, publish_id, **same, now=self.clock())
+        await self._committed_now(version, record_later)
+        return version
+
+    async def _commit_fields(
+        self,
+        model: str,
+        manifest_digest: str,
+        idempotency_key: str | None,
+        allow_removals: bool,
+        stored: dict[str, int] | None,
+    ) -> tuple[dict[str, Any], list[tuple[str, int]], tuple[str, int]]:
+        """A commit's checks before its catalog transaction (see :meth:`commit_publish`): the commit's fields,
+        the data objects' (digest, size) and the manifest's."""
         manifest = await self.load_manifest(manifest_digest, missing=errors.IncompletePublish)  # parsed at upload
         if manifest.model not in (None, model):
             raise errors.Conflict(f"manifest is for model {manifest.model!r}, not {model!r}")
@@ -523,10 +541,10 @@ class Ops:
             "idempotency_key": idempotency_key,
             "as_begun": True,
         }
-        version = await self._db(self.catalog.commit_held, model, publish_id, **same, now=self.clock())
-        if version is None:  # something is not referenced yet: reference it, ask the store again, commit
-            await self._hold_for_commit(model, publish_id, [*refs, shown])
-            version = await self._db(self.catalog.commit_version, model, publish_id, **same, now=self.clock())
+        return same, refs, shown
+
+    async def _committed_now(self, version: Version, record_later: bool) -> None:
+        """After a catalog commit: remember the version, wake the watchers, write the commit record (or start it)."""
         self._remember(version)
         self._wake()
         if record_later:
@@ -535,7 +553,6 @@ class Ops:
             task.add_done_callback(self._record_tasks.discard)
         else:
             await self._record_committed(version)
-        return version
 
     async def publish_version(
         self,
@@ -548,30 +565,179 @@ class Ops:
         objects: list[tuple[str, int]],
         manifest_digest: str,
         parts: AsyncIterator[tuple[str, int, AsyncIterator[bytes]]],
-        skip: Callable[[AsyncIterator[bytes]], Awaitable[None]],
         idempotency_key: str | None = None,
         allow_removals: bool = False,
         record_later: bool = True,
     ) -> Version | BeginResult:
-        """A whole publish in one call (publishVersion): begin with `objects`, store each of `parts`
-        ((digest, size, bytes) as they arrive: every listed object, once), commit.
+        """A whole publish in one call (publishVersion): store each of `parts` ((digest, size, bytes) as
+        they arrive: every listed object, once), then begin and commit.
 
         `objects` [(digest, size)] are every object of the version, the manifest among them, encoded
         as a keyframe when `keyframe` is set, else as a delta on `parent`. When the publish's kind is
-        not that encoding's (the chain policy asks for a keyframe), nothing is stored: `parts` are
-        read through `skip` and the begun publish is returned, pending, for the usual uploads and
-        commit. Otherwise the version is returned, committed as commit_publish commits it (DESIGN
-        invariant 2: every object stored before the catalog commit). A retry whose first attempt
-        committed finds the head moved by itself: with the same `idempotency_key` and manifest it
-        returns that version (a replay), where beginning alone would raise StaleParent. Any failure
-        after the begin aborts the publish (what was stored stays unreferenced, for GC) and raises.
-        ``record_later``: as for commit_publish (the commit record written off the answer's path).
+        not that encoding's (the chain policy asks for a keyframe), nothing is referenced and the
+        begun publish is returned, pending, for the usual uploads and commit (what was stored stays
+        unreferenced, for GC). Otherwise the version is returned, committed as commit_publish commits
+        it (DESIGN invariant 2: every object stored before the catalog commit). A retry whose first
+        attempt committed finds the head moved by itself: with the same `idempotency_key` and
+        manifest it returns that version (a replay), where beginning alone would raise StaleParent.
+        Any failure after the begin aborts the publish (what was stored stays unreferenced, for GC)
+        and raises. ``record_later``: as for commit_publish (the commit record written off the
+        answer's path).
+
+        Every object is written first. When this call created each of them (the store had none of
+        those bytes), one catalog transaction begins and commits the publish (Catalog.publish_whole):
+        GC deletes only bytes the store dates at or before its cutoff and records that cutoff (its
+        fence) in the transaction that tombstones them, so once the publish's references are in, a
+        fence older than the first write (less objects.FENCE_MARGIN) says none of these bytes was
+        deleted, and a later GC finds them referenced (DESIGN invariant 7). Otherwise (an object the
+        store had already, or a GC that ran meanwhile) the objects are referenced first and the store
+        asked again about those this call did not create, before the commit.
         """
         listed = dict(objects)
         if len(listed) != len(objects):
             raise errors.InvalidArgument("publishVersion: an object is listed twice")
         if manifest_digest not in listed:
             raise errors.InvalidArgument(f"publishVersion: the manifest {manifest_digest} is not among the objects")
+        _check_digests(objects)
+        since = self.clock()  # before the first byte is written: GC dates bytes by the store's clock (FENCE_MARGIN)
+        written = await self._store_parts(parts, listed)
+        stored = {d: listed[d] for d, created in written.items() if created}
+        if len(stored) < len(listed):
+            return await self._publish_held(
+                model,
+                parent=parent,
+                step=step,
+                metadata=metadata,
+                keyframe=keyframe,
+                objects=objects,
+                manifest_digest=manifest_digest,
+                stored=stored,
+                idempotency_key=idempotency_key,
+                allow_removals=allow_removals,
+                record_later=record_later,
+            )
+        return await self._publish_whole(
+            model,
+            parent=parent,
+            step=step,
+            metadata=metadata,
+            keyframe=keyframe,
+            objects=objects,
+            manifest_digest=manifest_digest,
+            written_since=since,
+            idempotency_key=idempotency_key,
+            allow_removals=allow_removals,
+            record_later=record_later,
+        )
+
+    @timed("commit")
+    async def _publish_whole(
+        self,
+        model: str,
+        *,
+        parent: int | None,
+        step: int | None,
+        metadata: dict[str, Any] | None,
+        keyframe: bool,
+        objects: list[tuple[str, int]],
+        manifest_digest: str,
+        written_since: datetime,
+        idempotency_key: str | None,
+        allow_removals: bool,
+        record_later: bool,
+    ) -> Version | BeginResult:
+        """publish_version's begin and commit in one catalog transaction, its objects written already, each
+        created by this request from `written_since` on: the commit's checks (as commitPublish's, the store
+        not asked about them), then Catalog.publish_whole; when it answers with the begin alone, the
+        commit as commitPublish's (the store asked about every object, all now referenced)."""
+        written = dict(objects)
+        try:
+            same, refs, _ = await self._commit_fields(model, manifest_digest, idempotency_key, allow_removals, written)
+        except errors.WeightsyncError:
+            # A refusal of the encoding itself, or one of a delta on another head (its parent's manifest is not
+            # what this model holds): a stale publisher learns that it is stale first, as a begin would say.
+            await self._head_is(model, parent)
+            raise
+        whole: dict[str, Any] = dict(
+            parent=parent,
+            manifest_parent=same["parent"],
+            keyframe=keyframe,
+            step=step,
+            metadata=metadata,
+            objects=objects,
+            manifest_digest=manifest_digest,
+            data_objects=refs,
+            raw_bytes=same["raw_bytes"],
+            stored_bytes=same["stored_bytes"],
+            kind=same["kind"],
+            written_since=written_since,
+            idempotency_key=idempotency_key,
+        )
+        expires = self.clock() + self.settings.pending_ttl
+        try:
+            try:
+                got = await self._db(self.catalog.publish_whole, model, **whole, expires_at=expires, now=self.clock())
+            except errors.ModelNotFound:
+                await self._db(self.catalog.create_model, model, now=self.clock())
+                got = await self._db(self.catalog.publish_whole, model, **whole, expires_at=expires, now=self.clock())
+        except errors.StaleParent:
+            replay = await self._replay(model, parent, idempotency_key, manifest_digest)
+            if replay is None:
+                raise
+            return replay
+        if isinstance(got, Version):
+            await self._committed_now(got, record_later)
+            return got
+        v = got.version
+        if got.pinned is None:  # another kind than the one encoded: the publisher encodes again (what was
+            # written stays unreferenced, for GC)
+            return BeginResult(model, v.publish_id, v.kind, parent, got.parent_manifest, v.expires_at, None, ())
+        try:
+            if got.pinned.deleting:  # as an upload of it would be answered (Ops._record_written): retry shortly
+                raise errors.StoreUnavailable(
+                    f"object {got.pinned.deleting[0]} is being garbage-collected: publish again shortly"
+                )
+            # Referenced, not committed (a GC since the first write, or a reference the commit lacked): the
+            # usual commit takes it from here, asking the store about every object.
+            return await self.commit_publish(
+                model,
+                v.publish_id,
+                manifest_digest=manifest_digest,
+                idempotency_key=idempotency_key,
+                allow_removals=allow_removals,
+                record_later=record_later,
+            )
+        except BaseException:
+            with contextlib.suppress(errors.WeightsyncError):
+                await self.abort_publish(model, v.publish_id)
+            raise
+
+    async def _head_is(self, model: str, parent: int | None) -> None:
+        """StaleParent unless `parent` is `model`'s head (a missing model has none)."""
+        try:
+            head = (await self.get_model(model)).head
+        except errors.ModelNotFound:
+            head = None
+        if head != parent:
+            raise errors.StaleParent(f"model {model!r}: parent {parent} is not the head ({head})", current_head=head)
+
+    async def _publish_held(
+        self,
+        model: str,
+        *,
+        parent: int | None,
+        step: int | None,
+        metadata: dict[str, Any] | None,
+        keyframe: bool,
+        objects: list[tuple[str, int]],
+        manifest_digest: str,
+        stored: dict[str, int],
+        idempotency_key: str | None,
+        allow_removals: bool,
+        record_later: bool,
+    ) -> Version | BeginResult:
+        """publish_version when the store had some of its objects already: the begin references them all
+        (DESIGN invariant 7), the commit asks the store again about those this request did not write."""
         try:
             begun = await self.begin_publish(
                 model, parent=parent, step=step, metadata=metadata, keyframe=keyframe, objects=objects, ask_store=False
@@ -580,19 +746,14 @@ class Ops:
             replay = await self._replay(model, parent, idempotency_key, manifest_digest)
             if replay is None:
                 raise
-            await self._drain(parts, skip)
             return replay
         if begun.missing is None:  # another kind than the one encoded: the publisher encodes again
-            await self._drain(parts, skip)
             return begun
         try:
             if begun.deleting:  # as an upload of it would be answered (Ops._record_written): retry shortly
                 raise errors.StoreUnavailable(
                     f"object {begun.deleting[0]} is being garbage-collected: publish again shortly"
                 )
-            # The begin referenced every object (DESIGN invariant 7: GC cannot take them now) and recorded
-            # them: each is written as it arrives, without asking the store first or recording it again.
-            stored = await self._store_parts(parts, listed)
             return await self.commit_publish(
                 model,
                 begun.publish_id,
@@ -610,8 +771,9 @@ class Ops:
     @timed("store")
     async def _store_parts(
         self, parts: AsyncIterator[tuple[str, int, AsyncIterator[bytes]]], listed: dict[str, int]
-    ) -> dict[str, int]:
-        """Store every part of a publishVersion body, each a listed object sent once; {digest: size}.
+    ) -> dict[str, bool]:
+        """Store every part of a publishVersion body, each a listed object sent once; {digest: whether
+        this call created it} (False: the store had those bytes already).
 
         One at a time, in the body's order: a part of up to WHOLE_PART_BYTES is gathered and written
         in one go, a larger one streamed to the store. (Writing a part while the next arrives gained
@@ -619,30 +781,22 @@ class Ops:
         order of the store's actions vary from run to run, which the crash-point enumeration of
         tests/reliability needs fixed.) A manifest among them parses meanwhile (`_store_bytes`).
         """
-        stored: dict[str, int] = {}
+        stored: dict[str, bool] = {}
         async for digest, size, body in parts:
             if listed.get(digest) != size or digest in stored:
                 raise errors.InvalidArgument(
                     f"publishVersion: part {digest} ({size} bytes) is not a listed object of that size"
                 )
             if size <= WHOLE_PART_BYTES:  # gathered and written in one go: fewer hops to the store's threads
-                await self._store_bytes(b"".join([chunk async for chunk in body]), expected_digest=digest)
+                put = await self._store_bytes(b"".join([chunk async for chunk in body]), expected_digest=digest)
             else:
-                await self._store_stream(body, expected_digest=digest, max_size=size)
-            stored[digest] = size
+                put = await self._store_stream(body, expected_digest=digest, max_size=size)
+            stored[digest] = put.created
         if len(stored) != len(listed):
             raise errors.IncompletePublish(
                 f"publishVersion: {len(listed) - len(stored)} listed object(s) were not sent"
             )
         return stored
-
-    @staticmethod
-    async def _drain(
-        parts: AsyncIterator[tuple[str, int, AsyncIterator[bytes]]],
-        skip: Callable[[AsyncIterator[bytes]], Awaitable[None]],
-    ) -> None:
-        async for _, _, body in parts:
-            await skip(body)
 
     async def _replay(
         self, model: str, parent: int | None, idempotency_key: str | None, manifest_digest: str

@@ -401,7 +401,6 @@ async def publish_version(
         objects=[(o.digest, o.size) for o in body.objects],
         manifest_digest=body.manifest,
         parts=reader.objects(),
-        skip=reader.skip,
         idempotency_key=body.idempotency_key,
         allow_removals=body.allow_removals,
     )
