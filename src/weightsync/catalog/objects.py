@@ -16,9 +16,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import fields, replace
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import ColumnElement, Row, bindparam, delete, exists, insert, or_, select, update
+from sqlalchemy import ColumnElement, Row, Table, bindparam, delete, exists, insert, or_, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
@@ -262,10 +262,15 @@ def written_after_fence(s: Session, since: datetime) -> bool:
     tombstones them later finds them referenced (:func:`begin_deletion` locks the rows first), and
     one that did before has raised the fence in its own transaction.
     """
-    row = s.get(GcFenceRow, 1, populate_existing=True)
+    row = s.connection().execute(_FENCE).first()
     if row is None:
         return False
-    return row.deleted_before is None or row.deleted_before < since - FENCE_MARGIN
+    fence = row[0]
+    return fence is None or fence < since - FENCE_MARGIN
+
+
+# Core on the table, built once: read inside every publishVersion's transaction (the ORM's get cost five times the SQL).
+_FENCE = select(cast(Table, GcFenceRow.__table__).c.deleted_before).where(GcFenceRow.id == 1)
 
 
 def take_over_stale(s: Session, before: datetime, now: datetime) -> list[tuple[str, int]]:
