@@ -692,25 +692,18 @@ class Ops:
         if got.pinned is None:  # another kind than the one encoded: the publisher encodes again (what was
             # written stays unreferenced, for GC)
             return BeginResult(model, v.publish_id, v.kind, parent, got.parent_manifest, v.expires_at, None, ())
-        try:
-            if got.pinned.deleting:  # as an upload of it would be answered (Ops._record_written): retry shortly
-                raise errors.StoreUnavailable(
-                    f"object {got.pinned.deleting[0]} is being garbage-collected: publish again shortly"
-                )
-            # Referenced, not committed (a GC since the first write, or a reference the commit lacked): the
-            # usual commit takes it from here, asking the store about every object.
-            return await self.commit_publish(
-                model,
-                v.publish_id,
-                manifest_digest=manifest_digest,
-                idempotency_key=idempotency_key,
-                allow_removals=allow_removals,
-                record_later=record_later,
-            )
-        except BaseException:
-            with contextlib.suppress(errors.WeightsyncError):
-                await self.abort_publish(model, v.publish_id)
-            raise
+        # Referenced, not committed (a GC since the first write, or a reference the commit lacked): the usual
+        # commit takes it from here, asking the store about every object.
+        return await self._commit_begun(
+            model,
+            v.publish_id,
+            got.pinned.deleting,
+            manifest_digest=manifest_digest,
+            idempotency_key=idempotency_key,
+            allow_removals=allow_removals,
+            record_later=record_later,
+            stored=None,
+        )
 
     async def _head_is(self, model: str, parent: int | None) -> None:
         """StaleParent unless `parent` is `model`'s head (a missing model has none)."""
@@ -749,14 +742,37 @@ class Ops:
             return replay
         if begun.missing is None:  # another kind than the one encoded: the publisher encodes again
             return begun
+        return await self._commit_begun(
+            model,
+            begun.publish_id,
+            begun.deleting,
+            manifest_digest=manifest_digest,
+            idempotency_key=idempotency_key,
+            allow_removals=allow_removals,
+            record_later=record_later,
+            stored=stored,
+        )
+
+    async def _commit_begun(
+        self,
+        model: str,
+        publish_id: str,
+        deleting: Sequence[str],
+        *,
+        manifest_digest: str,
+        idempotency_key: str | None,
+        allow_removals: bool,
+        record_later: bool,
+        stored: dict[str, int] | None,
+    ) -> Version:
+        """publish_version's commit of a publish begun with its objects referenced (`deleting`: those GC holds),
+        as commit_publish commits; any failure aborts the publish (what was stored stays unreferenced, for GC)."""
         try:
-            if begun.deleting:  # as an upload of it would be answered (Ops._record_written): retry shortly
-                raise errors.StoreUnavailable(
-                    f"object {begun.deleting[0]} is being garbage-collected: publish again shortly"
-                )
+            if deleting:  # as an upload of it would be answered (Ops._record_written): retry shortly
+                raise errors.StoreUnavailable(f"object {deleting[0]} is being garbage-collected: publish again shortly")
             return await self.commit_publish(
                 model,
-                begun.publish_id,
+                publish_id,
                 manifest_digest=manifest_digest,
                 idempotency_key=idempotency_key,
                 allow_removals=allow_removals,
@@ -765,7 +781,7 @@ class Ops:
             )
         except BaseException:
             with contextlib.suppress(errors.WeightsyncError):
-                await self.abort_publish(model, begun.publish_id)
+                await self.abort_publish(model, publish_id)
             raise
 
     @timed("store")
