@@ -246,30 +246,18 @@ class Catalog:
         (a keyframe when ``keyframe`` is forced), and, with ``objects`` [(digest, size)] encoded as
         that kind, :meth:`reference_objects` for them. ModelNotFound when the model does not exist.
         """
-        pid = checks.label(
-            "publish_id", secrets.token_urlsafe(24) if publish_id is None else publish_id, checks.TOKEN_MAX
+        opener = _opener(
+            model,
+            parent=parent,
+            keyframe=keyframe,
+            publish_id=publish_id,
+            step=step,
+            metadata=metadata,
+            objects=objects,
+            expires_at=expires_at,
+            now=now,
         )
-        if step is not None:
-            checks.nonneg("step", step)
-        meta = checks.json_object("metadata", metadata)
-        refs = None if objects is None else checks.object_refs(objects)
-        at = checks.utc(now)
-        expires = checks.utc(expires_at) if expires_at is not None else at + DEFAULT_PENDING_TTL
-        return self._tx(
-            lambda s: publishes.open_(
-                s,
-                model,
-                parent=parent,
-                keyframe=keyframe,
-                publish_id=pid,
-                step=step,
-                metadata=meta,
-                expires=expires,
-                now=at,
-                refs=refs,
-            ),
-            write=True,
-        )
+        return self._tx(opener, write=True)
 
     def publish_whole(
         self,
@@ -305,11 +293,17 @@ class Catalog:
         ``written_since`` (everything referenced: the caller asks the store, then commits). Raises what
         either raises (StaleParent, a refusal of the commit), with nothing changed.
         """
-        pid = secrets.token_urlsafe(24)
-        if step is not None:
-            checks.nonneg("step", step)
-        meta = checks.json_object("metadata", metadata)
-        refs = checks.object_refs(objects)
+        opener = _opener(
+            model,
+            parent=parent,
+            keyframe=keyframe,
+            publish_id=None,
+            step=step,
+            metadata=metadata,
+            objects=objects,
+            expires_at=expires_at,
+            now=now,
+        )
         checks.digest(manifest_digest)
         data_refs = checks.object_refs(data_objects)
         checks.nonneg("raw_bytes", raw_bytes)
@@ -319,27 +313,15 @@ class Catalog:
             checks.label("idempotency_key", idempotency_key, checks.TOKEN_MAX)
         at = checks.utc(now)
         since = checks.utc(written_since)
-        expires = checks.utc(expires_at) if expires_at is not None else at + DEFAULT_PENDING_TTL
 
         def both(s: Session) -> Version | publishes.Opened:
-            opened = publishes.open_(
-                s,
-                model,
-                parent=parent,
-                keyframe=keyframe,
-                publish_id=pid,
-                step=step,
-                metadata=meta,
-                expires=expires,
-                now=at,
-                refs=refs,
-            )
+            opened = opener(s)
             if opened.pinned is None or opened.pinned.deleting or not written_after_fence(s, since):
                 return opened
             version = publishes.commit(
                 s,
                 model,
-                pid,
+                opened.version.publish_id,
                 parent=manifest_parent,
                 manifest_digest=manifest_digest,
                 refs=data_refs,
@@ -926,3 +908,38 @@ class Catalog:
         dumps of the live and a rebuilt catalog (``Ops.dump_committed``) to check a rebuild.
         """
         return self._tx(lambda s: recovery.dump(s, model))
+
+
+def _opener(
+    model: str,
+    *,
+    parent: int | None,
+    keyframe: bool,
+    publish_id: str | None,
+    step: int | None,
+    metadata: dict[str, Any] | None,
+    objects: Iterable[tuple[str, int]] | None,
+    expires_at: datetime | None,
+    now: datetime | None,
+) -> Callable[[Session], publishes.Opened]:
+    """The begin of :meth:`Catalog.open_publish` with its arguments checked, to run in a transaction (a new
+    publish id when ``publish_id`` is None; ``objects`` None: nothing referenced)."""
+    pid = checks.label("publish_id", secrets.token_urlsafe(24) if publish_id is None else publish_id, checks.TOKEN_MAX)
+    if step is not None:
+        checks.nonneg("step", step)
+    meta = checks.json_object("metadata", metadata)
+    refs = None if objects is None else checks.object_refs(objects)
+    at = checks.utc(now)
+    expires = checks.utc(expires_at) if expires_at is not None else at + DEFAULT_PENDING_TTL
+    return lambda s: publishes.open_(
+        s,
+        model,
+        parent=parent,
+        keyframe=keyframe,
+        publish_id=pid,
+        step=step,
+        metadata=meta,
+        expires=expires,
+        now=at,
+        refs=refs,
+    )
