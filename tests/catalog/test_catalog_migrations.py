@@ -345,28 +345,35 @@ def check_0006(conn: Connection, url: str) -> None:
 
 
 def check_0007(conn: Connection, url: str) -> None:
-    """gc_fence holds one row, no cutoff yet; GC's tombstones raise it to their cutoff and never lower it."""
+    """gc_fence holds one row, no time yet; forgetting tombstones raises it to that time, never lowers it."""
     fence = _tables(conn)["gc_fence"]
-    assert conn.execute(select(fence.c.id, fence.c.deleted_before)).all() == [(1, None)]
+    assert conn.execute(select(fence.c.id, fence.c.deleted_at)).all() == [(1, None)]
     with pytest.raises(sa_exc.IntegrityError), conn.begin_nested():
-        conn.execute(insert(fence).values(id=2, deleted_before=T))
+        conn.execute(insert(fence).values(id=2, deleted_at=T))
     conn.commit()
     day = timedelta(days=1)
 
     def fenced() -> datetime | None:  # SQLite's rows read back without their zone: UTC, as the catalog writes them
-        got = conn.execute(select(fence.c.deleted_before)).scalar_one()
+        got = conn.execute(select(fence.c.deleted_at)).scalar_one()
         conn.rollback()
         return got if got is None or got.tzinfo else got.replace(tzinfo=UTC)
 
     with Catalog.open(url, migrate=True) as cat:
-        assert cat.begin_object_deletion([(D["c"], 60, T)], unreferenced_before=T, now=T) == []  # referenced
-        assert fenced() is None  # nothing tombstoned: unmoved
         assert cat.begin_object_deletion([(D["e"], 7, T)], unreferenced_before=T, now=T) == [D["e"]]
-        assert fenced() == T
-        unrecorded = "9" * 64
-        got = cat.begin_object_deletion([(unrecorded, 3, T - day)], unreferenced_before=T - day / 2, now=T)
-        assert got == [unrecorded]
-        assert fenced() == T  # an older cutoff: not lowered
+        assert fenced() is None  # a tombstone alone: no bytes deleted yet, and no reference can pass it
+        assert cat.finish_object_deletion([D["e"]], stamp=T, now=T + day) == 1
+        assert fenced() == T + day
+        assert cat.finish_object_deletion([], stamp=T, now=T + 2 * day) == 0
+        assert fenced() == T + day  # nothing deleted: unmoved
+        # A GC whose tombstone another took over deleted bytes all the same: raised, though no row went.
+        assert cat.finish_object_deletion(["9" * 64], stamp=T, now=T + 3 * day) == 0
+        assert fenced() == T + 3 * day
+        assert cat.finish_object_deletion(["9" * 64], stamp=T, now=T + 2 * day) == 0
+        assert fenced() == T + 3 * day  # an older time: not lowered
+        conn.execute(fence.delete())  # the row removed by hand: the next GC that deletes makes it again
+        conn.commit()
+        assert cat.finish_object_deletion(["9" * 64], stamp=T, now=T + 4 * day) == 0
+        assert fenced() == T + 4 * day
 
 
 CHECKS: dict[str, Callable[[Connection, str], None]] = {

@@ -12,6 +12,7 @@ from datetime import timedelta
 import pytest
 from _publish import publish
 from _versions import checkpoint, model_files, next_step
+from sqlalchemy import text
 
 from weightsync import errors
 from weightsync.codec import Checkpoint, Encoder
@@ -185,34 +186,63 @@ async def test_a_kind_the_policy_refuses_is_answered_as_a_begin_referencing_noth
     assert (await fsck(ops)).ok
 
 
-@pytest.mark.parametrize("gc_run", ["none", "long-ago", "just-before", "deleting-its-objects"])
+@pytest.mark.parametrize(
+    "gc_run",
+    ["none", "long-ago", "just-before", "no-fence-row", "deleting-its-objects", "deleting-its-new-objects", "resumed"],
+)
 async def test_one_transaction_unless_a_gc_may_have_deleted_what_was_written(ops, clock, chain, gc_run, monkeypatch):
     """DESIGN invariant 7 for publishVersion: objects it created itself are referenced and committed in one
-    catalog transaction only when GC's fence is older than its first write; otherwise they are referenced
-    first and the store asked again, so a GC that deleted them in between is caught (IncompletePublish)."""
+    catalog transaction only when GC's fence (the last time it forgot tombstones after deleting their bytes)
+    is older than its first write; otherwise they are referenced first and the store asked about every one,
+    so a GC that deleted them in between is caught (IncompletePublish) and nothing is committed."""
     await publish(ops, "m", chain[0], None, None)
     digest, objects = encoded(chain[1], chain[0], 1)
-    if gc_run == "long-ago":  # an ordinary GC: its cutoff (fence) lies its grace before now
-        clock.advance(hours=2)
-        await gc(ops)
-    elif gc_run == "just-before":  # GC with no grace deleted garbage moments ago: bytes written now were not in
-        # its listing, but the clocks may disagree (FENCE_MARGIN)
-        await ops.store.put(b"garbage nothing references")
-        clock.advance(minutes=1)
-        assert (await gc(ops, grace=timedelta(0))).objects_deleted == 1
-    elif gc_run == "deleting-its-objects":  # a GC with no grace between the writes and the catalog transaction
+    data = [d for d in objects if d != digest]
+
+    async def garbage_deleted(grace: timedelta) -> None:
+        await ops.store.put(b"garbage nothing references %d" % len(clock.__dict__))
+        clock.advance(hours=1)
+        assert (await gc(ops, grace=grace)).objects_deleted >= 1
+
+    def after_the_writes(step) -> None:  # runs `step` between the writes and the catalog transaction
         store_parts = ops._store_parts
 
-        async def then_gc(*args, **kwargs):
+        async def then(*args, **kwargs):
             written = await store_parts(*args, **kwargs)
-            clock.advance(minutes=1)  # the store dates the bytes by the real clock: past the cutoff now
-            report = await gc(ops, grace=timedelta(0))
-            assert report.objects_deleted == len(objects)  # every object of the publish, unreferenced so far
+            await step()
             return written
 
-        monkeypatch.setattr(ops, "_store_parts", then_gc)
+        monkeypatch.setattr(ops, "_store_parts", then)
+
+    if gc_run == "long-ago":  # an ordinary GC deleted garbage 10 minutes before: the fence is older than the writes
+        await garbage_deleted(timedelta(minutes=5))
+        clock.advance(minutes=10)
+    elif gc_run == "just-before":  # moments ago: its deletes came before these writes, but clocks may disagree
+        await garbage_deleted(timedelta(0))
+    elif gc_run == "no-fence-row":  # removed by hand: nothing is known of GC, so the two-transaction way
+        with ops.catalog.engine.begin() as conn:
+            conn.execute(text("DELETE FROM gc_fence"))
+    elif gc_run in ("deleting-its-objects", "deleting-its-new-objects"):
+        if gc_run == "deleting-its-new-objects":  # one object is the store's already and kept: the two-transaction way
+            await ops.store.put(objects[data[0]])
+            keeper = await ops.begin_publish(
+                "other", parent=None, keyframe=True, objects=[(data[0], len(objects[data[0]]))]
+            )
+            assert keeper.missing == []
+
+        async def gc_with_no_grace() -> None:
+            clock.advance(minutes=1)  # the store dates the bytes by the real clock: past the cutoff now
+            assert (await gc(ops, grace=timedelta(0))).objects_deleted >= 1
+
+        after_the_writes(gc_with_no_grace)
+    elif gc_run == "resumed":  # a GC died after deleting one object's bytes; the next one finishes that delete
+        # after this request wrote the object again
+        size = len(objects[data[0]])
+        assert await ops.begin_object_deletion([(data[0], size, clock())], unreferenced_before=clock(), now=clock())
+        clock.advance(hours=1)
+        after_the_writes(lambda: gc(ops))
     transactions: list[str] = []
-    for name in ("publish_whole", "commit_held", "commit_version"):
+    for name in ("publish_whole", "open_publish", "commit_held", "commit_version"):
         real = getattr(ops.catalog, name)
 
         def spy(*args, _real=real, _name=name, **kwargs):
@@ -230,12 +260,14 @@ async def test_one_transaction_unless_a_gc_may_have_deleted_what_was_written(ops
         manifest_digest=digest,
         parts=parts_of(objects),
     )
-    if gc_run == "deleting-its-objects":
+    if gc_run.startswith("deleting") or gc_run == "resumed":
         with pytest.raises(errors.IncompletePublish):
             await call
         assert (await ops.get_model("m")).head == 1 and await pending(ops) == []
-        assert transactions == ["publish_whole"]  # the begin alone; the store, asked after it, lacks the objects
-        assert [p.code for p in (await fsck(ops)).problems] == []
+        # The begin alone (one transaction, or its own when the store had an object); the store, asked after it,
+        # lacks the objects GC deleted.
+        assert transactions == (["open_publish"] if gc_run == "deleting-its-new-objects" else ["publish_whole"])
+        assert [p.code for p in (await fsck(ops)).problems if p.code != "orphan"] == []
         return
     v = await call
     assert v.number == 2

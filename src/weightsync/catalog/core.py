@@ -712,15 +712,17 @@ class Catalog:
         found = [(d, size, checks.utc(stored)) for d, size, stored in candidates]
         return self._tx(lambda s: objects.begin_deletion(s, found, cutoff, at), write=True)
 
-    def finish_object_deletion(self, digests: Sequence[str], *, stamp: datetime) -> int:
+    def finish_object_deletion(self, digests: Sequence[str], *, stamp: datetime, now: datetime | None = None) -> int:
         """GC phase 3: forget objects whose bytes phase 2 deleted; return how many rows went.
 
         Only tombstones still carrying ``stamp`` (the ``now`` of :meth:`begin_object_deletion`
-        or :meth:`resume_object_deletions`) are removed: one another GC took over is its own.
+        or :meth:`resume_object_deletions`) are removed: one another GC took over is its own. GC's
+        fence rises to ``now`` (the time of this call, after the deletes) in the same transaction.
         """
         wanted = [checks.digest(d) for d in digests]
         at = checks.utc(stamp)
-        return self._tx(lambda s: objects.finish_deletion(s, wanted, at), write=True)
+        when = checks.utc(now)
+        return self._tx(lambda s: objects.finish_deletion(s, wanted, at, when), write=True)
 
     def resume_object_deletions(self, *, before: datetime, now: datetime | None = None) -> list[tuple[str, int]]:
         """Take over tombstones ``deleting`` since at or before ``before`` (their GC died); return [(digest, size)].

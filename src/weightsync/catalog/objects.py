@@ -231,26 +231,24 @@ def begin_deletion(
             .execution_options(synchronize_session=False)
         )
         turned.extend(res.scalars())
-    if turned:
-        _raise_fence(s, unreferenced_before)
     return sorted(turned)
 
 
 FENCE_MARGIN = timedelta(minutes=5)
-"""How far the store's clock (its objects' dates), GC's and a publishing server's may disagree: a publish
-trusts the fence only when its writes began at least this long after it."""
+"""How far the clocks of GC and of a publishing server may disagree: a publish trusts the fence only when its
+writes began at least this long after it."""
 
 
-def _raise_fence(s: Session, cutoff: datetime) -> None:
-    """Raise GC's fence to ``cutoff`` (never lower it), in the transaction that tombstones bytes dated up to it."""
+def _raise_fence(s: Session, at: datetime) -> None:
+    """Raise GC's fence to ``at`` (never lower it), in the transaction forgetting tombstones whose bytes went."""
     res = s.execute(
         update(GcFenceRow)
-        .where(GcFenceRow.id == 1, or_(GcFenceRow.deleted_before.is_(None), GcFenceRow.deleted_before < cutoff))
-        .values(deleted_before=cutoff)
+        .where(GcFenceRow.id == 1, or_(GcFenceRow.deleted_at.is_(None), GcFenceRow.deleted_at < at))
+        .values(deleted_at=at)
         .execution_options(synchronize_session=False)
     )
     if rowcount(res) == 0 and s.get(GcFenceRow, 1) is None:  # the row migration 0007 made is gone: made again
-        s.add(GcFenceRow(id=1, deleted_before=cutoff))
+        s.add(GcFenceRow(id=1, deleted_at=at))
         s.flush()
 
 
@@ -258,9 +256,12 @@ def written_after_fence(s: Session, since: datetime) -> bool:
     """Whether no GC can have deleted bytes written at or after ``since``: GC's fence lies more than
     :data:`FENCE_MARGIN` before it (False when the fence's row is missing: nothing is known).
 
-    Read in the transaction that references those objects, after referencing them: a GC that
-    tombstones them later finds them referenced (:func:`begin_deletion` locks the rows first), and
-    one that did before has raised the fence in its own transaction.
+    Bytes GC deletes are under a tombstone until the transaction that forgets it, which raises the
+    fence to its own time, after the delete. So the transaction that references objects written
+    since ``since`` and then reads this either meets the tombstone (:func:`attach` leaves a
+    ``deleting`` object out), or a fence newer than their writes when GC deleted them, or neither
+    when no GC did: a GC that tombstones them later finds them referenced (:func:`begin_deletion`
+    locks the rows first).
     """
     row = s.connection().execute(_FENCE).first()
     if row is None:
@@ -270,7 +271,7 @@ def written_after_fence(s: Session, since: datetime) -> bool:
 
 
 # Core on the table, built once: read inside every publishVersion's transaction (the ORM's get cost five times the SQL).
-_FENCE = select(cast(Table, GcFenceRow.__table__).c.deleted_before).where(GcFenceRow.id == 1)
+_FENCE = select(cast(Table, GcFenceRow.__table__).c.deleted_at).where(GcFenceRow.id == 1)
 
 
 def take_over_stale(s: Session, before: datetime, now: datetime) -> list[tuple[str, int]]:
@@ -299,11 +300,14 @@ def take_over_stale(s: Session, before: datetime, now: datetime) -> list[tuple[s
     return sorted(out)
 
 
-def finish_deletion(s: Session, digests: Sequence[str], stamp: datetime) -> int:
+def finish_deletion(s: Session, digests: Sequence[str], stamp: datetime, now: datetime) -> int:
     """Remove the tombstones of ``digests`` stamped ``stamp`` (their bytes are gone); return how many.
 
-    A tombstone another GC took over (re-stamped) is left to that GC.
+    A tombstone another GC took over (re-stamped) is left to that GC. GC's fence rises to ``now``
+    (it deleted bytes before this: :func:`written_after_fence`).
     """
+    if digests:
+        _raise_fence(s, now)
     n = 0
     for chunk in chunks(sorted(set(digests))):
         res = s.execute(

@@ -312,17 +312,18 @@ class ServerIdentityRow(Base):
 
 
 class GcFenceRow(Base):
-    """The one row of GC's fence: the latest cutoff below which GC has tombstoned bytes (DESIGN invariant 7).
+    """The one row of GC's fence: when GC last forgot tombstones whose bytes it had deleted (DESIGN invariant 7).
 
-    GC deletes only bytes the store dates at or before its cutoff, and raises ``deleted_before`` to
-    that cutoff in the transaction that tombstones them. A publish that wrote its objects itself
-    after the fence (with a margin for clocks) knows no GC has deleted them: it may reference and
-    commit them in one transaction (publishVersion, :func:`weightsync.catalog.objects.written_after_fence`).
+    GC deletes bytes only under a tombstone, and the transaction that forgets the tombstones after
+    the delete raises ``deleted_at`` to its time. A publish that wrote its objects itself after the
+    fence (with a margin for clocks) and references them before reading it knows no GC has deleted
+    them: it may reference and commit them in one transaction (publishVersion,
+    :func:`weightsync.catalog.objects.written_after_fence`).
     """
 
     __tablename__ = "gc_fence"
     __table_args__ = (CheckConstraint("id = 1", name="single_row"),)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    # NULL: no GC has tombstoned anything on this catalog yet (the row is made by migration 0007).
-    deleted_before: Mapped[datetime | None]
+    # NULL: no GC has deleted anything on this catalog since migration 0007 made the row.
+    deleted_at: Mapped[datetime | None]

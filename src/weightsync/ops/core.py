@@ -586,12 +586,12 @@ class Ops:
 
         Every object is written first. When this call created each of them (the store had none of
         those bytes), one catalog transaction begins and commits the publish (Catalog.publish_whole):
-        GC deletes only bytes the store dates at or before its cutoff and records that cutoff (its
-        fence) in the transaction that tombstones them, so once the publish's references are in, a
-        fence older than the first write (less objects.FENCE_MARGIN) says none of these bytes was
-        deleted, and a later GC finds them referenced (DESIGN invariant 7). Otherwise (an object the
-        store had already, or a GC that ran meanwhile) the objects are referenced first and the store
-        asked again about those this call did not create, before the commit.
+        GC deletes bytes only under a tombstone, which a reference cannot pass, and forgets the
+        tombstone in a transaction that raises its fence to that time, so once the publish's
+        references are in, a fence older than the first write (less objects.FENCE_MARGIN) says no GC
+        deleted these bytes, and a later GC finds them referenced (DESIGN invariant 7). Otherwise (an
+        object the store had already, or a GC that deleted something since the first write) the
+        objects are referenced first and the store asked about every one before the commit.
         """
         listed = dict(objects)
         if len(listed) != len(objects):
@@ -599,10 +599,9 @@ class Ops:
         if manifest_digest not in listed:
             raise errors.InvalidArgument(f"publishVersion: the manifest {manifest_digest} is not among the objects")
         _check_digests(objects)
-        since = self.clock()  # before the first byte is written: GC dates bytes by the store's clock (FENCE_MARGIN)
+        since = self.clock()  # before the first byte is written (objects.written_after_fence)
         written = await self._store_parts(parts, listed)
-        stored = {d: listed[d] for d, created in written.items() if created}
-        if len(stored) < len(listed):
+        if not all(written.values()):
             return await self._publish_held(
                 model,
                 parent=parent,
@@ -611,7 +610,6 @@ class Ops:
                 keyframe=keyframe,
                 objects=objects,
                 manifest_digest=manifest_digest,
-                stored=stored,
                 idempotency_key=idempotency_key,
                 allow_removals=allow_removals,
                 record_later=record_later,
@@ -724,13 +722,13 @@ class Ops:
         keyframe: bool,
         objects: list[tuple[str, int]],
         manifest_digest: str,
-        stored: dict[str, int],
         idempotency_key: str | None,
         allow_removals: bool,
         record_later: bool,
     ) -> Version | BeginResult:
-        """publish_version when the store had some of its objects already: the begin references them all
-        (DESIGN invariant 7), the commit asks the store again about those this request did not write."""
+        """publish_version when the store had some of its objects already: the begin references them all, then
+        the commit asks the store about every one (DESIGN invariant 7: each was written before it was held,
+        so a GC may have taken it meanwhile)."""
         try:
             begun = await self.begin_publish(
                 model, parent=parent, step=step, metadata=metadata, keyframe=keyframe, objects=objects, ask_store=False
@@ -750,7 +748,7 @@ class Ops:
             idempotency_key=idempotency_key,
             allow_removals=allow_removals,
             record_later=record_later,
-            stored=stored,
+            stored=None,
         )
 
     async def _commit_begun(
@@ -1308,7 +1306,7 @@ class Ops:
 
     async def finish_object_deletion(self, digests: Sequence[str], *, stamp: datetime) -> int:
         """GC phase 3: forget tombstoned objects whose bytes are gone (only those stamped `stamp`)."""
-        return await self._db(self.catalog.finish_object_deletion, digests, stamp=stamp)
+        return await self._db(self.catalog.finish_object_deletion, digests, stamp=stamp, now=self.clock())
 
     async def resume_object_deletions(self, *, before: datetime, now: datetime) -> list[tuple[str, int]]:
         """Take over tombstones a dead GC left since `before`, re-stamped `now`; [(digest, size)]."""
