@@ -228,6 +228,17 @@ class Ops:
         """Run a (blocking) catalog call in a worker thread, so the event loop keeps serving."""
         return await asyncio.to_thread(fn, *args, **kwargs)
 
+    async def _creating(
+        self, fn: Callable[..., T], model: str, *args: Any, settings: dict[str, Any] | None = None, **kwargs: Any
+    ) -> T:
+        """``fn(model, *args, now=…, **kwargs)`` in a catalog thread; when the model does not exist, it is created
+        (with ``settings``) and `fn` called again."""
+        try:
+            return await self._db(fn, model, *args, now=self.clock(), **kwargs)
+        except errors.ModelNotFound:
+            await self._db(self.catalog.create_model, model, now=self.clock(), **(settings or {}))
+            return await self._db(fn, model, *args, now=self.clock(), **kwargs)
+
     # --- models ------------------------------------------------------------------------
 
     async def create_model(self, name: str, **settings: Any) -> Model:
@@ -284,12 +295,9 @@ class Ops:
             parent=parent, keyframe=keyframe, publish_id=publish_id, step=step, metadata=metadata, objects=objects
         )
         expires = self.clock() + self.settings.pending_ttl
-        try:
-            opened = await self._db(self.catalog.open_publish, model, expires_at=expires, now=self.clock(), **args)
-        except errors.ModelNotFound:
-            if not create:
-                raise
-            await self._db(self.catalog.create_model, model, now=self.clock())
+        if create:
+            opened = await self._creating(self.catalog.open_publish, model, expires_at=expires, **args)
+        else:
             opened = await self._db(self.catalog.open_publish, model, expires_at=expires, now=self.clock(), **args)
         v = opened.version
         if v.parent != parent:
@@ -600,33 +608,21 @@ class Ops:
             raise errors.InvalidArgument(f"publishVersion: the manifest {manifest_digest} is not among the objects")
         _check_digests(objects)
         since = self.clock()  # before the first byte is written (objects.written_after_fence)
-        written = await self._store_parts(parts, listed)
-        if not all(written.values()):
-            return await self._publish_held(
-                model,
-                parent=parent,
-                step=step,
-                metadata=metadata,
-                keyframe=keyframe,
-                objects=objects,
-                manifest_digest=manifest_digest,
-                idempotency_key=idempotency_key,
-                allow_removals=allow_removals,
-                record_later=record_later,
-            )
-        return await self._publish_whole(
-            model,
+        created_all = await self._store_parts(parts, listed)
+        same: dict[str, Any] = dict(
             parent=parent,
             step=step,
             metadata=metadata,
             keyframe=keyframe,
             objects=objects,
             manifest_digest=manifest_digest,
-            written_since=since,
             idempotency_key=idempotency_key,
             allow_removals=allow_removals,
             record_later=record_later,
         )
+        if not created_all:
+            return await self._publish_held(model, **same)
+        return await self._publish_whole(model, **same, written_since=since)
 
     @timed("commit")
     async def _publish_whole(
@@ -673,11 +669,7 @@ class Ops:
         )
         expires = self.clock() + self.settings.pending_ttl
         try:
-            try:
-                got = await self._db(self.catalog.publish_whole, model, **whole, expires_at=expires, now=self.clock())
-            except errors.ModelNotFound:
-                await self._db(self.catalog.create_model, model, now=self.clock())
-                got = await self._db(self.catalog.publish_whole, model, **whole, expires_at=expires, now=self.clock())
+            got = await self._creating(self.catalog.publish_whole, model, **whole, expires_at=expires)
         except errors.StaleParent:
             replay = await self._replay(model, parent, idempotency_key, manifest_digest)
             if replay is None:
@@ -700,7 +692,6 @@ class Ops:
             idempotency_key=idempotency_key,
             allow_removals=allow_removals,
             record_later=record_later,
-            stored=None,
         )
 
     async def _head_is(self, model: str, parent: int | None) -> None:
@@ -748,7 +739,6 @@ class Ops:
             idempotency_key=idempotency_key,
             allow_removals=allow_removals,
             record_later=record_later,
-            stored=None,
         )
 
     async def _commit_begun(
@@ -761,10 +751,10 @@ class Ops:
         idempotency_key: str | None,
         allow_removals: bool,
         record_later: bool,
-        stored: dict[str, int] | None,
     ) -> Version:
         """publish_version's commit of a publish begun with its objects referenced (`deleting`: those GC holds),
-        as commit_publish commits; any failure aborts the publish (what was stored stays unreferenced, for GC)."""
+        as commit_publish commits, the store asked about every object; any failure aborts the publish (what was
+        stored stays unreferenced, for GC)."""
         try:
             if deleting:  # as an upload of it would be answered (Ops._record_written): retry shortly
                 raise errors.StoreUnavailable(f"object {deleting[0]} is being garbage-collected: publish again shortly")
@@ -775,7 +765,6 @@ class Ops:
                 idempotency_key=idempotency_key,
                 allow_removals=allow_removals,
                 record_later=record_later,
-                stored=stored,
             )
         except BaseException:
             with contextlib.suppress(errors.WeightsyncError):
@@ -785,9 +774,9 @@ class Ops:
     @timed("store")
     async def _store_parts(
         self, parts: AsyncIterator[tuple[str, int, AsyncIterator[bytes]]], listed: dict[str, int]
-    ) -> dict[str, bool]:
-        """Store every part of a publishVersion body, each a listed object sent once; {digest: whether
-        this call created it} (False: the store had those bytes already).
+    ) -> bool:
+        """Store every part of a publishVersion body, each a listed object sent once; whether this call created
+        every one (False: the store had some of those bytes already).
 
         One at a time, in the body's order: a part of up to WHOLE_PART_BYTES is gathered and written
         in one go, a larger one streamed to the store. (Writing a part while the next arrives gained
@@ -810,7 +799,7 @@ class Ops:
             raise errors.IncompletePublish(
                 f"publishVersion: {len(listed) - len(stored)} listed object(s) were not sent"
             )
-        return stored
+        return all(stored.values())
 
     async def _replay(
         self, model: str, parent: int | None, idempotency_key: str | None, manifest_digest: str
@@ -844,11 +833,7 @@ class Ops:
         on demand). The model is created with ``settings`` if missing. Idempotent for the same
         manifest (Catalog.import_version); the commit record follows, as for a local commit.
         """
-        try:
-            version = await self._db(self.catalog.import_version, model, record, now=self.clock())
-        except errors.ModelNotFound:
-            await self._db(self.catalog.create_model, model, now=self.clock(), **settings)
-            version = await self._db(self.catalog.import_version, model, record, now=self.clock())
+        version = await self._creating(self.catalog.import_version, model, record, settings=settings)
         self._remember(version)
         self._wake()
         await self._record_committed(version)
