@@ -50,6 +50,20 @@ async def parts_of(objects: dict[str, bytes], *, stop_after: int | None = None, 
         yield digest, len(data), body(data)
 
 
+def delta_in_one_call(ops, digest: str, objects: dict[str, bytes]):
+    """Ops.publish_version of the delta `objects` (the manifest `digest` among them) on v1, its parts in order."""
+    return ops.publish_version(
+        "m",
+        parent=1,
+        step=None,
+        metadata=None,
+        keyframe=False,
+        objects=[(d, len(b)) for d, b in objects.items()],
+        manifest_digest=digest,
+        parts=parts_of(objects),
+    )
+
+
 async def pending(ops) -> list:
     return await ops.list_versions("m", states=("pending",))
 
@@ -163,16 +177,7 @@ async def test_a_kind_the_policy_refuses_is_answered_as_a_begin_referencing_noth
     await publish(ops, "m", chain[0], None, None)
     await ops.update_model_settings("m", keyframe_interval=1)
     digest, objects = encoded(chain[1], chain[0], 1)
-    begun = await ops.publish_version(
-        "m",
-        parent=1,
-        step=None,
-        metadata=None,
-        keyframe=False,
-        objects=[(d, len(b)) for d, b in objects.items()],
-        manifest_digest=digest,
-        parts=parts_of(objects),
-    )
+    begun = await delta_in_one_call(ops, digest, objects)
     assert begun.kind == "keyframe" and begun.missing is None
     assert [v.publish_id for v in await pending(ops)] == [begun.publish_id]
     # The delta's objects were stored before the policy answered; nothing references them, so GC takes them.
@@ -250,16 +255,7 @@ async def test_one_transaction_unless_a_gc_may_have_deleted_what_was_written(ops
             return _real(*args, **kwargs)
 
         monkeypatch.setattr(ops.catalog, name, spy)
-    call = ops.publish_version(
-        "m",
-        parent=1,
-        step=None,
-        metadata=None,
-        keyframe=False,
-        objects=[(d, len(b)) for d, b in objects.items()],
-        manifest_digest=digest,
-        parts=parts_of(objects),
-    )
+    call = delta_in_one_call(ops, digest, objects)
     if gc_run.startswith("deleting") or gc_run == "resumed":
         with pytest.raises(errors.IncompletePublish):
             await call
