@@ -12,7 +12,7 @@ from datetime import timedelta
 import pytest
 from _publish import publish
 from _versions import checkpoint, model_files, next_step
-from sqlalchemy import text
+from sqlalchemy import event, text
 
 from weightsync import errors
 from weightsync.codec import Checkpoint, Encoder
@@ -189,6 +189,79 @@ async def test_a_kind_the_policy_refuses_is_answered_as_a_begin_referencing_noth
         with pytest.raises(errors.ObjectNotFound):
             await ops.stat_object(d)
     assert (await fsck(ops)).ok
+
+
+@pytest.mark.parametrize("key", [None, "key"])
+async def test_the_one_transaction_reads_back_nothing_it_wrote(ops, chain, key):
+    """The commit half of publishVersion's one transaction takes the model, the pending row and its references
+    from the begin half: it reads no reference back and locks the model's row once; the version it answers is
+    the one read back afterwards, and an idempotency key still finds its replay."""
+    v1, _, _ = await publish(ops, "m", chain[0], None, None)
+    digest, objects = encoded(chain[1], chain[0], v1.number)
+    statements: list[str] = []
+
+    def seen(conn, cursor, statement, *args):
+        statements.append(" ".join(statement.split()).lower())
+
+    event.listen(ops.catalog.engine, "before_cursor_execute", seen)
+    try:
+        v = await ops.publish_version(
+            "m",
+            parent=1,
+            step=None,
+            metadata={"k": 1},
+            keyframe=False,
+            objects=[(d, len(b)) for d, b in objects.items()],
+            manifest_digest=digest,
+            parts=parts_of(objects),
+            idempotency_key=key,
+        )
+    finally:
+        event.remove(ops.catalog.engine, "before_cursor_execute", seen)
+    assert not any(st.startswith("select") and "from version_objects" in st for st in statements), statements
+    assert sum(st.startswith("select") and "from models" in st for st in statements) == 1, statements
+    keyed = [st for st in statements if "idempotency_key =" in st and st.startswith("select")]
+    assert len(keyed) == (0 if key is None else 1), statements
+    assert v == await ops.get_version("m", 2)
+    assert (v.number, v.parent, v.kind, v.manifest_digest, v.metadata, v.idempotency_key) == (
+        2,
+        1,
+        "delta",
+        digest,
+        {"k": 1},
+        key,
+    )
+    report = await fsck(ops, read_data=True)
+    assert report.ok, report.problems
+    if key is not None:  # the same key on a later head: the replay of what it committed, not a new version
+        again = await ops.publish_version(
+            "m",
+            parent=1,
+            step=None,
+            metadata={"k": 1},
+            keyframe=False,
+            objects=[(d, len(b)) for d, b in objects.items()],
+            manifest_digest=digest,
+            parts=parts_of(objects),
+            idempotency_key=key,
+        )
+        assert again == v
+        # The key again on the new head with another version: the key committed v2 with another manifest.
+        digest3, objects3 = encoded(checkpoint(next_step(model_files(), 2), 2), chain[1], 2)
+        with pytest.raises(errors.Conflict, match="idempotency key"):
+            await ops.publish_version(
+                "m",
+                parent=2,
+                step=None,
+                metadata=None,
+                keyframe=False,
+                objects=[(d, len(b)) for d, b in objects3.items()],
+                manifest_digest=digest3,
+                parts=parts_of(objects3),
+                idempotency_key=key,
+            )
+        assert (await ops.get_model("m")).head == 2
+        assert await pending(ops) == []
 
 
 @pytest.mark.parametrize(

@@ -333,6 +333,7 @@ class Catalog:
                 now=at,
                 as_begun=True,
                 held_only=True,
+                opened=opened,
             )
             return opened if version is None else version
 

@@ -161,6 +161,19 @@ class Opened:
     parent_manifest: str | None
     pinned: Pinned | None
     """None when no objects were given, or they were for another kind than the one answered."""
+    fresh: Fresh | None = None
+    """The pending row this call inserted, referencing every object given (None: it was begun before, or
+    nothing was referenced): what a :func:`commit` in the same transaction need not read again."""
+
+
+@dataclass(frozen=True)
+class Fresh:
+    """A pending publish :func:`open_` inserted in this transaction, the model's row locked: the model as it
+    read it, the row's id, and the references it inserted ({digest: size}, the manifest's among them)."""
+
+    model: ModelKey
+    row_id: int
+    held: dict[str, int]
 
 
 def open_(
@@ -223,13 +236,15 @@ def open_(
         now=now,
         parent_checked=parent is not None,  # its chain was read above
     )
-    pinned = None
+    pinned = fresh = None
     if refs is not None and version.kind == ("keyframe" if keyframe else "delta") and version.parent == parent:
         # A row made here is the pending publish; one begun again is checked (still pending, unexpired).
         if not made:
             row_id = _pending_fields(s, m, version.publish_id, now).id
         pinned = objects.attach(s, row_id, refs, now, fresh=made)
-    return Opened(version, parent_manifest, pinned)
+        if made:
+            fresh = Fresh(m, row_id, dict(refs))
+    return Opened(version, parent_manifest, pinned, fresh)
 
 
 PARTS_PREFIX = "parts-"
@@ -318,6 +333,12 @@ _NEWEST = (
     .order_by(VERSIONS.c.number.desc())
     .limit(1)
 )
+# A committed version of the model under an idempotency key (the one transaction's replay check).
+_KEYED = select(*VERSION_COLUMNS).where(
+    VERSIONS.c.model_id == bindparam("model_id"),
+    VERSIONS.c.idempotency_key == bindparam("key"),
+    VERSIONS.c.committed_at.is_not(None),
+)
 _REFERENCES = select(VERSION_OBJECTS.c.digest, VERSION_OBJECTS.c.size).where(
     VERSION_OBJECTS.c.version_id == bindparam("version_id")
 )
@@ -361,6 +382,7 @@ def commit(
     now: datetime,
     as_begun: bool = False,
     held_only: bool = False,
+    opened: Opened | None = None,
 ) -> Version | None:
     """The compare-and-swap commit (docs/CATALOG.md "Commit"); see Catalog.commit_version.
 
@@ -368,35 +390,21 @@ def commit(
     seven statements: the model's lock, the publish's row, the newest number, the publish's
     references, the manifest's reference dropped, the row and the head updated. ``held_only``
     (Catalog.commit_held): None, with nothing changed, when the publish lacks one of those references.
+    ``opened``: what :func:`open_` made in this transaction (``Opened.fresh``, the publish
+    ``publish_id``): the model, the row and its references are not read again (publishVersion's one
+    transaction: four or five statements, the idempotency key's read only with a key).
     """
 
-    def replay(row: VersionFields, how: str) -> Version:
-        if row.manifest_digest != manifest_digest:
-            raise errors.Conflict(f"{how} already committed version {row.number} of {m.name!r} with another manifest")
-        return version_record(row, m.name)
-
+    got = _pending_to_commit(
+        s, model, publish_id, manifest_digest=manifest_digest, idempotency_key=idempotency_key, now=now, opened=opened
+    )
+    if isinstance(got, Version):
+        return got
     conn = s.connection()
-    m = model_key(s, model, lock=True)
-    # The publish's row and the version its idempotency key committed, if any, in one read (row locks:
-    # see pending_row). Idempotency first: a retried commit finds the head already moved by itself.
-    if idempotency_key is None:
-        found = conn.execute(_PUBLISH, {"publish_id": publish_id}).all()
-    else:
-        keyed = {"publish_id": publish_id, "model_id": m.id, "key": idempotency_key}
-        found = conn.execute(_PUBLISH_OR_KEY, keyed).all()
-    rows = [cast(VersionFields, r) for r in found]
-    if idempotency_key is not None:
-        for prior in rows:
-            if prior.model_id == m.id and prior.idempotency_key == idempotency_key and prior.committed_at is not None:
-                return replay(prior, f"idempotency key {idempotency_key!r}")
-    mine = next((r for r in rows if r.publish_id == publish_id), None)
-    if mine is not None and mine.model_id == m.id and mine.committed_at is not None:
-        return replay(mine, f"publish {publish_id!r}")
-    row = _still_pending(mine, m, publish_id, now)
-
-    if as_begun and parent != row.parent:
-        raise errors.Conflict(f"manifest parent {parent} differs from the publish's parent {row.parent}")
-    if as_begun and row.kind == "keyframe" and kind == "delta":
+    m, record, row_id = got.model, got.record, got.row_id
+    if as_begun and parent != record.parent:
+        raise errors.Conflict(f"manifest parent {parent} differs from the publish's parent {record.parent}")
+    if as_begun and record.kind == "keyframe" and kind == "delta":
         raise errors.Conflict("the chain policy requires a keyframe for this publish")
     if parent != m.head:
         raise errors.StaleParent(
@@ -418,7 +426,7 @@ def commit(
             raise errors.InvalidArgument(f"a keyframe starts its own chain: chain_base must be None, not {chain_base}")
         base = number
 
-    had: dict[str, int] = {d: n for d, n in conn.execute(_REFERENCES, {"version_id": row.id})}
+    had = got.held if got.held is not None else {d: n for d, n in conn.execute(_REFERENCES, {"version_id": row_id})}
     # checkObjects referenced every object and the manifest already (the usual commit): a referenced
     # row is never deleting (objects.attach) and its grace clock is stopped, so nothing to lock or change.
     held = manifest_digest in had and all(had.get(d) == n for d, n in refs.items())
@@ -427,7 +435,7 @@ def commit(
     if not held:
         # The manifest's row is locked with the others, in the one lock order (objects module).
         locked = objects.lock_rows(s, sorted({*refs, manifest_digest}))
-        pinned = objects.attach(s, row.id, refs, now)
+        pinned = objects.attach(s, row_id, refs, now)
         gone = [*pinned.deleting, *(r.digest for r in locked if r.digest == manifest_digest and r.state == "deleting")]
         if gone:
             # GC is deleting these bytes (DESIGN invariant 7): the version would lose them.
@@ -437,16 +445,16 @@ def commit(
     # part manifests referenced for as long as it lives: they record what each rank published, and a
     # part retried after the commit is answered from them (CATALOG.md "Multi-part publishes").
     parts: set[str] = set()
-    if row.publish_id is not None and row.publish_id.startswith(PARTS_PREFIX):
-        parts = set(s.scalars(select(PartRow.manifest_digest).where(PartRow.version_id == row.id)))
+    if record.publish_id is not None and record.publish_id.startswith(PARTS_PREFIX):
+        parts = set(s.scalars(select(PartRow.manifest_digest).where(PartRow.version_id == row_id)))
     stale = [d for d in had if d not in refs and d not in parts]
     for chunk in chunks(stale):
-        conn.execute(_UNREFERENCE, {"version_id": row.id, "digests": list(chunk)})
+        conn.execute(_UNREFERENCE, {"version_id": row_id, "digests": list(chunk)})
     conn.execute(_MOVE_HEAD, {"model_id": m.id, "v_head": number})
     conn.execute(
         _COMMIT_ROW,
         {
-            "version_id": row.id,
+            "version_id": row_id,
             "v_number": number,
             "v_parent": parent,
             "v_kind": kind,
@@ -462,7 +470,7 @@ def commit(
         s.execute(update(ObjectRow).where(ObjectRow.digest == manifest_digest).values(unreferenced_since=None))
     objects.mark_unreferenced(s, [d for d in stale if d != manifest_digest], now)
     return replace(
-        version_record(row, m.name),
+        record,
         number=number,
         parent=parent,
         kind=kind,
@@ -475,6 +483,68 @@ def commit(
         committed_at=now,
         expires_at=None,
     )
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """The publish a commit works on: the model (its row locked), the publish's record and row id, and its
+    references when known ({digest: size}; None: read them)."""
+
+    model: ModelKey
+    record: Version
+    row_id: int
+    held: dict[str, int] | None
+
+
+def _pending_to_commit(
+    s: Session,
+    model: str,
+    publish_id: str,
+    *,
+    manifest_digest: str,
+    idempotency_key: str | None,
+    now: datetime,
+    opened: Opened | None,
+) -> Version | _Pending:
+    """The pending publish :func:`commit` works on, or the version a retry of it committed already (a replay:
+    by its idempotency key, or its publish id; Conflict when that committed another manifest). ``opened``:
+    what :func:`open_` inserted in this transaction, the model's row locked (only a version the key committed
+    is read)."""
+    conn = s.connection()
+    current: _Pending | None = None
+    if opened is not None:
+        if opened.fresh is None or opened.version.publish_id != publish_id:
+            raise ValueError("commit: `opened` must be the publish open_ inserted in this transaction")
+        m = opened.fresh.model
+        current = _Pending(m, opened.version, opened.fresh.row_id, opened.fresh.held)
+        keyed = {"model_id": m.id, "key": idempotency_key}
+        found = [] if idempotency_key is None else conn.execute(_KEYED, keyed).all()
+    else:
+        m = model_key(s, model, lock=True)
+        # The publish's row and the version its idempotency key committed, if any, in one read (row locks:
+        # see pending_row). Idempotency first: a retried commit finds the head already moved by itself.
+        if idempotency_key is None:
+            found = conn.execute(_PUBLISH, {"publish_id": publish_id}).all()
+        else:
+            keyed = {"publish_id": publish_id, "model_id": m.id, "key": idempotency_key}
+            found = conn.execute(_PUBLISH_OR_KEY, keyed).all()
+
+    def replay(row: VersionFields, how: str) -> Version:
+        if row.manifest_digest != manifest_digest:
+            raise errors.Conflict(f"{how} already committed version {row.number} of {m.name!r} with another manifest")
+        return version_record(row, m.name)
+
+    rows = [cast(VersionFields, r) for r in found]
+    for prior in rows if idempotency_key is not None else ():
+        if prior.model_id == m.id and prior.idempotency_key == idempotency_key and prior.committed_at is not None:
+            return replay(prior, f"idempotency key {idempotency_key!r}")
+    if current is not None:
+        return current
+    mine = next((r for r in rows if r.publish_id == publish_id), None)
+    if mine is not None and mine.model_id == m.id and mine.committed_at is not None:
+        return replay(mine, f"publish {publish_id!r}")
+    row = _still_pending(mine, m, publish_id, now)
+    return _Pending(m, version_record(row, m.name), row.id, None)
 
 
 def abort(s: Session, model: str, publish_id: str, now: datetime) -> Version:
