@@ -181,8 +181,11 @@ def _merge(run: list[Change]) -> Change:
     # their first positions they concatenate to a strictly increasing list, checked in one pass,
     # and their union needs no sort and no reduction (nothing to add up, order does not matter).
     nonempty = sorted((c for c in run if len(c)), key=lambda c: int(c.positions[0]))
-    positions = np.concatenate([c.positions for c in nonempty]) if nonempty else np.zeros(0, np.int64)
-    operands = np.concatenate([c.operands for c in nonempty]) if nonempty else first.operands[:0]
+    if len(nonempty) == 1:  # one piece (a tensor in one frame, one step): its arrays as they are, no copy
+        positions, operands = nonempty[0].positions, nonempty[0].operands
+    else:
+        positions = np.concatenate([c.positions for c in nonempty]) if nonempty else np.zeros(0, np.int64)
+        operands = np.concatenate([c.operands for c in nonempty]) if nonempty else first.operands[:0]
     if len(positions) == 0:
         return Change(first.add, positions.astype(np.int64), operands)
     if len(positions) == 1 or bool(np.all(positions[1:] > positions[:-1])):
