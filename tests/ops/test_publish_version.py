@@ -50,17 +50,19 @@ async def parts_of(objects: dict[str, bytes], *, stop_after: int | None = None, 
         yield digest, len(data), body(data)
 
 
-def delta_in_one_call(ops, digest: str, objects: dict[str, bytes]):
-    """Ops.publish_version of the delta `objects` (the manifest `digest` among them) on v1, its parts in order."""
+def delta_in_one_call(ops, digest: str, objects: dict[str, bytes], *, parent: int = 1, **kwargs):
+    """Ops.publish_version of the delta `objects` (the manifest `digest` among them) on `parent`, its parts in
+    order; `kwargs` (metadata, idempotency_key) as publish_version takes them."""
     return ops.publish_version(
         "m",
-        parent=1,
+        parent=parent,
         step=None,
-        metadata=None,
+        metadata=kwargs.pop("metadata", None),
         keyframe=False,
         objects=[(d, len(b)) for d, b in objects.items()],
         manifest_digest=digest,
         parts=parts_of(objects),
+        **kwargs,
     )
 
 
@@ -205,17 +207,7 @@ async def test_the_one_transaction_reads_back_nothing_it_wrote(ops, chain, key):
 
     event.listen(ops.catalog.engine, "before_cursor_execute", seen)
     try:
-        v = await ops.publish_version(
-            "m",
-            parent=1,
-            step=None,
-            metadata={"k": 1},
-            keyframe=False,
-            objects=[(d, len(b)) for d, b in objects.items()],
-            manifest_digest=digest,
-            parts=parts_of(objects),
-            idempotency_key=key,
-        )
+        v = await delta_in_one_call(ops, digest, objects, metadata={"k": 1}, idempotency_key=key)
     finally:
         event.remove(ops.catalog.engine, "before_cursor_execute", seen)
     assert not any(st.startswith("select") and "from version_objects" in st for st in statements), statements
@@ -234,32 +226,12 @@ async def test_the_one_transaction_reads_back_nothing_it_wrote(ops, chain, key):
     report = await fsck(ops, read_data=True)
     assert report.ok, report.problems
     if key is not None:  # the same key on a later head: the replay of what it committed, not a new version
-        again = await ops.publish_version(
-            "m",
-            parent=1,
-            step=None,
-            metadata={"k": 1},
-            keyframe=False,
-            objects=[(d, len(b)) for d, b in objects.items()],
-            manifest_digest=digest,
-            parts=parts_of(objects),
-            idempotency_key=key,
-        )
+        again = await delta_in_one_call(ops, digest, objects, metadata={"k": 1}, idempotency_key=key)
         assert again == v
         # The key again on the new head with another version: the key committed v2 with another manifest.
         digest3, objects3 = encoded(checkpoint(next_step(model_files(), 2), 2), chain[1], 2)
         with pytest.raises(errors.Conflict, match="idempotency key"):
-            await ops.publish_version(
-                "m",
-                parent=2,
-                step=None,
-                metadata=None,
-                keyframe=False,
-                objects=[(d, len(b)) for d, b in objects3.items()],
-                manifest_digest=digest3,
-                parts=parts_of(objects3),
-                idempotency_key=key,
-            )
+            await delta_in_one_call(ops, digest3, objects3, parent=2, idempotency_key=key)
         assert (await ops.get_model("m")).head == 2
         assert await pending(ops) == []
 
