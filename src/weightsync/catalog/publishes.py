@@ -162,8 +162,9 @@ class Opened:
     pinned: Pinned | None
     """None when no objects were given, or they were for another kind than the one answered."""
     fresh: Fresh | None = None
-    """The pending row this call inserted, referencing every object given (None: it was begun before, or
-    nothing was referenced): what a :func:`commit` in the same transaction need not read again."""
+    """The pending row this call inserted, referencing every object given (None: it was begun before,
+    nothing was referenced, or GC is deleting one of the objects): what a :func:`commit` in the same
+    transaction need not read again."""
 
 
 @dataclass(frozen=True)
@@ -242,7 +243,7 @@ def open_(
         if not made:
             row_id = _pending_fields(s, m, version.publish_id, now).id
         pinned = objects.attach(s, row_id, refs, now, fresh=made)
-        if made:
+        if made and not pinned.deleting:  # every object referenced: what a commit may take as held
             fresh = Fresh(m, row_id, dict(refs))
     return Opened(version, parent_manifest, pinned, fresh)
 
