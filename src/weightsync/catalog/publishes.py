@@ -161,20 +161,22 @@ class Opened:
     parent_manifest: str | None
     pinned: Pinned | None
     """None when no objects were given, or they were for another kind than the one answered."""
-    fresh: Fresh | None = None
-    """The pending row this call inserted, referencing every object given (None: it was begun before,
-    nothing was referenced, or GC is deleting one of the objects): what a :func:`commit` in the same
-    transaction need not read again."""
+    fresh: Pending | None = None
+    """The pending row this call inserted, referencing every object given, as :func:`commit` works on it
+    (``held``: the references inserted, the manifest's among them; None: it was begun before, nothing was
+    referenced, or GC is deleting one of the objects): what a commit in the same transaction need not read
+    again."""
 
 
 @dataclass(frozen=True)
-class Fresh:
-    """A pending publish :func:`open_` inserted in this transaction, the model's row locked: the model as it
-    read it, the row's id, and the references it inserted ({digest: size}, the manifest's among them)."""
+class Pending:
+    """The publish a commit works on: the model (its row locked), the publish's record and row id, and its
+    references when known ({digest: size}; None: read them)."""
 
     model: ModelKey
+    record: Version
     row_id: int
-    held: dict[str, int]
+    held: dict[str, int] | None
 
 
 def open_(
@@ -244,7 +246,7 @@ def open_(
             row_id = _pending_fields(s, m, version.publish_id, now).id
         pinned = objects.attach(s, row_id, refs, now, fresh=made)
         if made and not pinned.deleting:  # every object referenced: what a commit may take as held
-            fresh = Fresh(m, row_id, dict(refs))
+            fresh = Pending(m, version, row_id, dict(refs))
     return Opened(version, parent_manifest, pinned, fresh)
 
 
@@ -486,17 +488,6 @@ def commit(
     )
 
 
-@dataclass(frozen=True)
-class _Pending:
-    """The publish a commit works on: the model (its row locked), the publish's record and row id, and its
-    references when known ({digest: size}; None: read them)."""
-
-    model: ModelKey
-    record: Version
-    row_id: int
-    held: dict[str, int] | None
-
-
 def _pending_to_commit(
     s: Session,
     model: str,
@@ -506,18 +497,17 @@ def _pending_to_commit(
     idempotency_key: str | None,
     now: datetime,
     opened: Opened | None,
-) -> Version | _Pending:
+) -> Version | Pending:
     """The pending publish :func:`commit` works on, or the version a retry of it committed already (a replay:
     by its idempotency key, or its publish id; Conflict when that committed another manifest). ``opened``:
     what :func:`open_` inserted in this transaction, the model's row locked (only a version the key committed
     is read)."""
     conn = s.connection()
-    current: _Pending | None = None
+    current = None if opened is None else opened.fresh
     if opened is not None:
-        if opened.fresh is None or opened.version.publish_id != publish_id:
+        if current is None or current.record.publish_id != publish_id:
             raise ValueError("commit: `opened` must be the publish open_ inserted in this transaction")
-        m = opened.fresh.model
-        current = _Pending(m, opened.version, opened.fresh.row_id, opened.fresh.held)
+        m = current.model
         keyed = {"model_id": m.id, "key": idempotency_key}
         found = [] if idempotency_key is None else conn.execute(_KEYED, keyed).all()
     else:
@@ -545,7 +535,7 @@ def _pending_to_commit(
     if mine is not None and mine.model_id == m.id and mine.committed_at is not None:
         return replay(mine, f"publish {publish_id!r}")
     row = _still_pending(mine, m, publish_id, now)
-    return _Pending(m, version_record(row, m.name), row.id, None)
+    return Pending(m, version_record(row, m.name), row.id, None)
 
 
 def abort(s: Session, model: str, publish_id: str, now: datetime) -> Version:
