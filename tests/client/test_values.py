@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 from _ckpt import mutate
@@ -10,7 +12,7 @@ from hypothesis import strategies as st
 
 from weightsync.codec import apply_frame, by_name, encode_delta, encode_key
 from weightsync.codec.frame import METHOD_PLANES, METHOD_SPARSE, METHOD_STORED, parse_header
-from weightsync.codec.values import apply_values, decode_values, keyframe_bytes
+from weightsync.codec.values import apply_values, decode_pieces, decode_values, keyframe_bytes
 from weightsync.errors import FormatError
 
 DTYPES = ["BF16", "F32", "F8_E4M3", "U8", "BOOL", "F64", "I16"]
@@ -94,3 +96,50 @@ def test_keyframe_and_delta_are_told_apart() -> None:
     delta = encode_delta(data, data[::-1].copy(), by_name("U8"))
     with pytest.raises(FormatError):
         keyframe_bytes(delta)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    dtype=st.sampled_from(DTYPES),
+    n=st.integers(1, 3000),
+    density=st.sampled_from([0.0, 0.002, 0.03, 0.3, 0.95]),
+    add=st.booleans(),
+    cuts=st.lists(st.integers(0, 3000), max_size=5),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_decode_pieces_equals_each_pieces_change(
+    dtype: str, n: int, density: float, add: bool, cuts: list[int], seed: int
+) -> None:
+    """decode_pieces gives, piece by piece, what decode_values(...).change(...) gives, for sparse and dense
+    frames, and the pieces applied into their own tensors make the new bytes."""
+    rng = np.random.default_rng(seed)
+    base, new = _pair(rng, dtype, n, int(n * density))
+    w = by_name(dtype).width
+    frame = encode_delta(base, new, by_name(dtype), add=add)
+    bounds = sorted({0, *(c % n for c in cuts)}) + [n]  # distinct cuts: no empty piece here
+    pieces = [(b - a, 7 * i) for i, (a, b) in enumerate(itertools.pairwise(bounds))]
+    got = decode_pieces(frame, pieces)
+    values = decode_values(frame)
+    out = base.copy()
+    for (a, b), (count, offset), piece in zip(itertools.pairwise(bounds), pieces, got, strict=True):
+        want = values.change(start=a, count=count, offset=offset)
+        assert piece.add == want.add == add
+        assert piece.positions.dtype == np.int64 and piece.operands.dtype == want.operands.dtype
+        assert np.array_equal(piece.positions, want.positions)
+        assert np.array_equal(piece.operands, want.operands)
+        tensor = np.zeros((offset + count) * w, dtype=np.uint8)  # the piece's own tensor, base bytes at offset
+        tensor[offset * w :] = base[a * w : b * w]
+        piece.apply(tensor)
+        out[a * w : b * w] = tensor[offset * w :]
+    assert np.array_equal(out, new)
+
+
+def test_decode_pieces_refuses_pieces_that_do_not_cover_the_frame_and_keyframes() -> None:
+    rng = np.random.default_rng(3)
+    base, new = _pair(rng, "BF16", 100, 5)
+    frame = encode_delta(base, new, by_name("BF16"))
+    for pieces in ([(99, 0)], [(60, 0), (41, 0)], []):
+        with pytest.raises(ValueError):
+            decode_pieces(frame, pieces)
+    with pytest.raises(FormatError):
+        decode_pieces(encode_key(base, by_name("BF16")), [(100, 0)])

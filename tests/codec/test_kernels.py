@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from weightsync.codec import decode_frame, kernels
 from weightsync.codec import frame as fr
 from weightsync.codec.dtypes import UINT, by_name
+from weightsync.codec.values import decode_pieces
 from weightsync.errors import ChecksumMismatch, CorruptData, LimitExceeded
 
 GOLDEN = Path(__file__).resolve().parent.parent / "golden"
@@ -129,6 +130,46 @@ def test_sparse_position_past_the_end_writes_nothing(impl):
     before = target.copy()
     assert not impl.apply_sparse(target, 2, kernels.OP_XOR, 2, gaps, values)
     assert np.array_equal(target, before)
+
+
+@SETTINGS
+@given(pair(), st.booleans(), st.lists(st.integers(0, 300), max_size=6), st.integers(0, 2**40))
+def test_piece_changes_agree_and_place_each_change_in_its_pieces_tensor(p, add, cuts, shift):
+    """Both kernels split a frame's changes into its pieces alike, and each change lands where the frame's
+    positions, moved by its piece's start and offset, put it (equal bounds make empty pieces)."""
+    width, base, new = p
+    ref, nat = kernels.REFERENCE, need_native()
+    n = len(base) // width
+    sparse = ref.encode_sparse(base, new, width, add, n)
+    assert sparse is not None
+    gaps, values = list(sparse[0]), list(sparse[1])
+    count = len(gaps[0])
+    bounds = np.array(sorted([0, *(c % (n + 1) for c in cuts)]), dtype=np.int64)
+    offsets = np.array([shift + 3 * i for i in range(len(bounds))], dtype=np.int64)
+    got = [impl.piece_changes(count, gaps, values, width, add, bounds, offsets) for impl in (ref, nat)]
+    for a, b in zip(*got, strict=True):
+        assert np.array_equal(a, b)
+    positions, operands, piece_cuts, end = got[1]
+    frame_positions = ref.gap_positions(count, gaps)
+    assert end == (int(frame_positions[-1]) + 1 if count else 0)
+    piece = np.searchsorted(bounds, frame_positions, side="right") - 1
+    assert np.array_equal(positions, frame_positions - bounds[piece] + offsets[piece])
+    assert np.array_equal(piece_cuts, np.searchsorted(frame_positions, bounds))
+    view = base.copy().view(UINT[width])  # the operands applied at the frame's positions give `new`
+    if add:
+        view[frame_positions] += operands
+    else:
+        view[frame_positions] ^= operands
+    assert np.array_equal(view.view(np.uint8), new)
+
+
+@pytest.mark.parametrize("impl", IMPLS, ids=lambda k: k.name)
+def test_piece_changes_refuse_bounds_not_ascending_from_zero(impl):
+    gaps, values = [np.zeros(1, np.uint8)] * 4, [np.ones(1, np.uint8)] * 2
+    for bounds in ([1, 4], [0, 5, 3], []):
+        b = np.array(bounds, dtype=np.int64)
+        with pytest.raises(ValueError):
+            impl.piece_changes(1, gaps, values, 2, False, b, np.zeros(len(b), np.int64))
 
 
 def test_native_rejects_bad_arguments_before_touching_memory():
@@ -246,6 +287,8 @@ def test_a_sparse_position_past_the_end_is_corrupt_data_through_pieces():
                 fr.apply_frame_pieces(short, [t[:40], t[40:]], verify_base=False)
             with pytest.raises(CorruptData):
                 fr.decode_payload(short, fr.parse_header(short))
+            with pytest.raises(CorruptData):
+                decode_pieces(short, [(40, 0), (59, 0)])
             assert not t.any()
 
 

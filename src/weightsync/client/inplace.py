@@ -34,7 +34,7 @@ from weightsync.codec.checksum import MASK, TensorSum
 from weightsync.codec.decoder import check_frame
 from weightsync.codec.dtypes import DType, by_name
 from weightsync.codec.manifest import DIGEST_SUM, DIGEST_XXH3, FrameRef, Manifest
-from weightsync.codec.values import Change, apply_values, compose, decode_values, keyframe_bytes
+from weightsync.codec.values import Change, compose, decode_pieces, keyframe_bytes
 
 DEVICE_DECODE_THREADS = 2
 """Threads that decode frames into changes for tensors off the host (`prepare` with a device, when not told).
@@ -203,31 +203,31 @@ def decode_updates(
                 return
             blob = read_frame(ref)
             check_frame(manifest, ref, blob)
-            change = data = None
-            if ref.delta:
-                change = decode_values(blob)
-            else:
-                data = keyframe_bytes(blob)
             width = by_name(ref.dtype).width
+            if ref.delta:  # one pass for all its pieces, outside the GIL (codec.values.decode_pieces)
+                changes = decode_pieces(blob, [(p.length // width, p.offset // width) for p in ref.pieces])
+                for p, piece in zip(ref.pieces, changes, strict=True):
+                    name = names.get((p.file, p.seg))
+                    if name is None or name not in touched:
+                        continue
+                    u = updates[name]
+                    if u.replace is not None:  # replaced earlier in this plan: compose on the host copy
+                        piece.apply(u.replace)
+                    else:
+                        with lock:
+                            pieces.setdefault(name, []).append(piece)
+                return
+            data = keyframe_bytes(blob)
             pos = 0
             for p in ref.pieces:
                 name = names.get((p.file, p.seg))
-                start, count = pos // width, p.length // width
+                start = pos
                 pos += p.length
                 if name is None or name not in touched:
                     continue
                 u = updates[name]
-                if data is not None:
-                    assert u.replace is not None
-                    u.replace[p.offset : p.offset + p.length] = data[start * width : (start + count) * width]
-                elif u.replace is not None:  # replaced earlier in this plan: compose on the host copy
-                    assert change is not None
-                    apply_values(u.replace, change, start=start, count=count, offset=p.offset // width)
-                else:
-                    assert change is not None
-                    piece = change.change(start=start, count=count, offset=p.offset // width)
-                    with lock:
-                        pieces.setdefault(name, []).append(piece)
+                assert u.replace is not None
+                u.replace[p.offset : p.offset + p.length] = data[start : start + p.length]
 
         refs = manifest.frames
         per = _frames_per_job(len(refs))

@@ -67,7 +67,7 @@ typedef uint64_t u64;
 /* ---- buffers ------------------------------------------------------------------------- */
 
 typedef struct {
-    Py_buffer views[16];
+    Py_buffer views[20];
     int n;
 } Held;
 
@@ -78,7 +78,7 @@ static void release_all(Held *h) {
 
 /* Acquire a C-contiguous buffer (writable if asked); NULL with an exception set on failure. */
 static u8 *hold(Held *h, PyObject *obj, int writable, Py_ssize_t *len) {
-    if (h->n >= 16) {
+    if (h->n >= 20) {
         PyErr_SetString(PyExc_ValueError, "too many buffers");
         return NULL;
     }
@@ -759,6 +759,57 @@ fail:
     return NULL;
 }
 
+/* piece_changes(count, gap_planes, value_planes, width, add, bounds, offsets, positions_out,
+ * operands_out, cuts_out) -> end: a delta frame's changes as its pieces' (pieces_loop), with
+ * the GIL released: bounds and offsets int64 of one length n >= 1, bounds ascending from 0;
+ * positions_out int64[count], operands_out count elements of `width` bytes, cuts_out int64[n]. */
+static PyObject *piece_changes(PyObject *self, PyObject *args) {
+    PyObject *og, *ov, *ob, *oo, *op, *ox, *oc;
+    unsigned long long count;
+    int w, add;
+    if (!PyArg_ParseTuple(args, "KOOiiOOOOO", &count, &og, &ov, &w, &add, &ob, &oo, &op, &ox, &oc) ||
+        check_width(w) < 0)
+        return NULL;
+    Held h = {.n = 0};
+    Py_ssize_t lb, lo, lp, lx, lc;
+    u8 *gaps[4], *planes[8];
+    if (hold_planes(&h, og, 4, (Py_ssize_t)count, 0, gaps) < 0 ||
+        hold_planes(&h, ov, w, (Py_ssize_t)count, 0, planes) < 0)
+        goto fail;
+    u8 *b = hold(&h, ob, 0, &lb), *o = b ? hold(&h, oo, 0, &lo) : NULL, *p = o ? hold(&h, op, 1, &lp) : NULL;
+    u8 *x = p ? hold(&h, ox, 1, &lx) : NULL, *c = x ? hold(&h, oc, 1, &lc) : NULL;
+    if (c == NULL) goto fail;
+    if (lb == 0 || lb % 8 || lo != lb || lc != lb) {
+        PyErr_SetString(PyExc_ValueError, "bounds, offsets and cuts must be int64 arrays of one length, at least 1");
+        goto fail;
+    }
+    if ((u64)lp != count * 8 || (u64)lx != count * (u64)w) {
+        PyErr_SetString(PyExc_ValueError, "positions must hold count int64 and operands count elements");
+        goto fail;
+    }
+    const int64_t *bounds = (const int64_t *)b;
+    if (bounds[0] != 0) {
+        PyErr_SetString(PyExc_ValueError, "bounds must start at 0");
+        goto fail;
+    }
+    for (Py_ssize_t i = 1; i < lb / 8; i++) {
+        if (bounds[i] < bounds[i - 1]) {
+            PyErr_SetString(PyExc_ValueError, "bounds must ascend");
+            goto fail;
+        }
+    }
+    u64 end;
+    Py_BEGIN_ALLOW_THREADS
+    end = pieces_loop(gaps, planes, count, w, add, bounds, (const int64_t *)o, (u64)lb / 8, (int64_t *)p, x,
+                      (int64_t *)c);
+    Py_END_ALLOW_THREADS
+    release_all(&h);
+    return PyLong_FromUnsignedLongLong(end);
+fail:
+    release_all(&h);
+    return NULL;
+}
+
 /* unzigzag(src, width, out): out = the wrapping differences the zigzag values of src code. */
 static PyObject *unzigzag_values(PyObject *self, PyObject *args) {
     PyObject *os, *oo;
@@ -967,6 +1018,8 @@ static PyMethodDef methods[] = {
      "apply_sparse_sums(targets, starts, width, op, count, gap_planes, value_planes, constant, want)"
      " -> [(before, after)], None if out of range"},
     {"gap_positions", gap_positions, METH_VARARGS, "gap_positions(count, gap_planes, out_int64) -> end"},
+    {"piece_changes", piece_changes, METH_VARARGS,
+     "piece_changes(count, gap_planes, value_planes, width, add, bounds, offsets, positions, operands, cuts) -> end"},
     {"checksum", checksum, METH_VARARGS, "checksum(data, width, start, constant, threads) -> lanes"},
     {"memory_views", memory_views, METH_VARARGS, "memory_views(addresses, lengths) -> [writable memoryview]"},
     {"same_spans", same_spans, METH_VARARGS, "same_spans(a_addresses, b_addresses, lengths) -> bytes of 0/1"},

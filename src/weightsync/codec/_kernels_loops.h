@@ -496,6 +496,49 @@ static inline u64 joined(u8 *const *planes, int w, u64 i) {
     return v;
 }
 
+/* A delta frame's changes split into the pieces of the tensors it holds, in one pass: for
+ * change k at frame position p in piece i (bounds[i] <= p < bounds[i + 1]), positions[k] =
+ * p - bounds[i] + offsets[i] (its element within piece i's tensor) and operands[k] its value,
+ * un-zigzagged when `add` (the wrapping difference to add), else the XOR mask as it is;
+ * cuts[i] = the index of piece i's first change. bounds ascend from 0. Returns the last
+ * position + 1 (0 when count is 0), for the caller's check against the frame's length. */
+HOT static u64 pieces_loop(u8 *const *gaps, u8 *const *planes, u64 count, int w, int add, const int64_t *bounds,
+                           const int64_t *offsets, u64 nb, int64_t *positions, u8 *operands, int64_t *cuts) {
+    u64 pos = (u64)-1, bi = 0, next = nb > 1 ? (u64)bounds[1] : UINT64_MAX;
+    int64_t shift = nb ? offsets[0] - bounds[0] : 0;
+    if (nb) cuts[0] = 0;
+    for (u64 k = 0; k < count; k++) {
+        pos += 1 + gap_at(gaps, k);
+        while (pos >= next) { /* the change lies in a later piece: every piece passed starts here */
+            bi++;
+            cuts[bi] = (int64_t)k;
+            shift = offsets[bi] - bounds[bi];
+            next = bi + 1 < nb ? (u64)bounds[bi + 1] : UINT64_MAX;
+        }
+        positions[k] = (int64_t)pos + shift;
+    }
+    for (bi++; bi < nb; bi++) cuts[bi] = (int64_t)count;
+    if (w == 2) {
+        const u8 *p0 = planes[0], *p1 = planes[1];
+        uint16_t *o = (uint16_t *)operands;
+        if (add) {
+            for (u64 k = 0; k < count; k++) {
+                uint16_t z = (uint16_t)(p0[k] | (p1[k] << 8));
+                o[k] = (uint16_t)((z >> 1) ^ (uint16_t)(0u - (z & 1u)));
+            }
+        } else {
+            for (u64 k = 0; k < count; k++) o[k] = (uint16_t)(p0[k] | (p1[k] << 8));
+        }
+    } else {
+        for (u64 k = 0; k < count; k++) {
+            u64 v = joined(planes, w, k);
+            if (add) v = unzigzag(v, w);
+            memcpy(operands + k * w, &v, (size_t)w);
+        }
+    }
+    return count ? pos + 1 : 0;
+}
+
 static inline u64 combine(u64 cur, u64 v, int w, int op) {
     switch (op) {
     case OP_SET: return v;

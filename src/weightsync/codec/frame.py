@@ -743,6 +743,31 @@ def decode_payload(frame: bytes | memoryview | np.ndarray, head: FrameHeader) ->
     return positions, values
 
 
+def decode_sparse_pieces(
+    frame: bytes | memoryview | np.ndarray, head: FrameHeader, bounds: np.ndarray, offsets: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A sparse delta frame's changes as those of its pieces, in one pass (``Kernels.piece_changes``).
+
+    `head` is `parse_header(frame)` of a delta frame of METHOD_SPARSE (ValueError otherwise).
+    Piece i covers frame elements [bounds[i], bounds[i + 1]) (int64, ascending from 0) and
+    starts at element offsets[i] of its tensor. Returns (positions, operands, cuts): each
+    change's element within its piece's tensor (int64), the signed operands (addends or XOR
+    masks, as ``values.Change`` holds them) and the index of each piece's first change. The
+    same checks as :func:`decode_payload`; only FormatError subclasses escape on bad input.
+    """
+    if not head.delta or head.method != METHOD_SPARSE:
+        raise ValueError("decode_sparse_pieces decodes sparse delta frames")
+    payload = _read_payload(frame, head)
+    assert payload.count is not None, "a sparse frame's payload has a count"
+    width = head.dtype.width
+    positions, operands, cuts, end = kernels.active().piece_changes(
+        payload.count, payload.gaps, payload.values, width, head.add, bounds, offsets
+    )
+    if end > head.raw_len // width:
+        raise CorruptData("sparse frame position past the end of the chunk")
+    return positions, operands.view(head.dtype.numpy_int), cuts
+
+
 def _apply_payload(targets: Sequence[np.ndarray], head: FrameHeader, payload: _Payload, op: int) -> None:
     """concat(targets) ∘= the payload's values (FORMAT §4.2); CorruptData, nothing written, on a bad position."""
     k = kernels.active()

@@ -105,6 +105,28 @@ class Kernels(Protocol):
         """Element positions (int64, ascending) of `count` gap-coded changes (unchecked against a length)."""
         ...
 
+    def piece_changes(
+        self,
+        count: int,
+        gaps: Sequence[np.ndarray],
+        values: Sequence[np.ndarray],
+        width: int,
+        add: bool,
+        bounds: np.ndarray,
+        offsets: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """A delta frame's `count` gap-coded changes as the changes of the pieces it holds: (positions, operands,
+        cuts, end), in one pass.
+
+        Piece i covers frame elements [bounds[i], bounds[i + 1]) (int64, ascending from 0; the last
+        runs to the frame's end) and starts at element offsets[i] of its tensor. positions (int64)
+        are each change's element within its piece's tensor; operands (unsigned, `width` bytes) the
+        wrapping differences to add when `add` (un-zigzagged), else the XOR masks; cuts[i] the index
+        of piece i's first change. end is the last frame position + 1 (0 without changes), for the
+        caller's check against the frame's length. ValueError for bounds not ascending from 0.
+        """
+        ...
+
     def memory_views(self, addresses: Sequence[int], lengths: Sequence[int]) -> list[Any]:
         """Writable 1-D byte buffers over raw memory, one per (address, length), usable as targets of the
         ``*_sums`` applies. They own nothing: the caller keeps the memory alive while they are used.

@@ -115,6 +115,27 @@ class NativeKernels:
         self._ext.gap_positions(count, gaps, out)
         return out
 
+    def piece_changes(
+        self,
+        count: int,
+        gaps: Sequence[np.ndarray],
+        values: Sequence[np.ndarray],
+        width: int,
+        add: bool,
+        bounds: np.ndarray,
+        offsets: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """See :class:`Kernels`."""
+        bounds = np.ascontiguousarray(bounds, dtype=np.int64)
+        offsets = np.ascontiguousarray(offsets, dtype=np.int64)
+        positions = np.empty(count, dtype=np.int64)
+        operands = np.empty(count, dtype=f"<u{width}")
+        cuts = np.empty_like(bounds)
+        end = self._ext.piece_changes(
+            count, gaps, values, width, int(add), bounds, offsets, positions, operands.view(np.uint8), cuts
+        )
+        return positions, operands, cuts, int(end)
+
     def memory_views(self, addresses: Sequence[int], lengths: Sequence[int]) -> list[memoryview]:
         """See :class:`Kernels`."""
         return list(self._ext.memory_views(addresses, lengths))

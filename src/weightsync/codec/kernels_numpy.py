@@ -111,6 +111,32 @@ class ReferenceKernels:
         positions += np.arange(0, count, dtype=np.int64)
         return positions
 
+    def piece_changes(
+        self,
+        count: int,
+        gaps: Sequence[np.ndarray],
+        values: Sequence[np.ndarray],
+        width: int,
+        add: bool,
+        bounds: np.ndarray,
+        offsets: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """See :class:`Kernels`."""
+        bounds = np.asarray(bounds, dtype=np.int64)
+        offsets = np.asarray(offsets, dtype=np.int64)
+        if bounds.ndim != 1 or not len(bounds) or bounds[0] != 0 or np.any(bounds[1:] < bounds[:-1]):
+            raise ValueError("bounds must ascend from 0")
+        if len(offsets) != len(bounds):
+            raise ValueError("one offset per bound")
+        positions = self.gap_positions(count, gaps)
+        piece = np.searchsorted(bounds, positions, side="right") - 1
+        positions += (offsets - bounds)[piece]
+        joined = self.join_planes(values, width).view(UINT[width])
+        operands = unzigzag(joined) if add else joined
+        cuts = np.searchsorted(piece, np.arange(len(bounds)), side="left").astype(np.int64)
+        end = int(positions[-1] - (offsets - bounds)[piece[-1]]) + 1 if count else 0
+        return positions, operands, cuts, end
+
     def gap_cuts(
         self, count: int, gaps: Sequence[np.ndarray], bounds: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray, int]:

@@ -16,12 +16,20 @@ Functions here are pure and thread-safe.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from weightsync.codec.frame import FrameHeader, decode_frame, decode_payload, parse_header, unzigzag
+from weightsync.codec.frame import (
+    METHOD_SPARSE,
+    FrameHeader,
+    decode_frame,
+    decode_payload,
+    decode_sparse_pieces,
+    parse_header,
+    unzigzag,
+)
 from weightsync.errors import FormatError
 
 
@@ -116,6 +124,34 @@ def decode_values(frame: bytes | memoryview | np.ndarray) -> DeltaValues:
         raise FormatError("decode_values needs a delta frame (use keyframe_bytes for keyframes)")
     positions, values = decode_payload(frame, head)
     return DeltaValues(head, positions, np.ascontiguousarray(values))
+
+
+def decode_pieces(frame: bytes | memoryview | np.ndarray, pieces: Sequence[tuple[int, int]]) -> list[Change]:
+    """The changes of a delta frame's consecutive pieces, each placed in its own tensor.
+
+    `pieces` are (elements, offset): piece i takes the next `elements` elements of the frame
+    (together exactly the frame's elements, ValueError otherwise) and starts at element `offset`
+    of its tensor. Equal to ``decode_values(frame).change(start=..., count=..., offset=...)``
+    per piece, with its checks; a sparse frame is decoded in one pass outside the GIL
+    (``Kernels.piece_changes``) and the Changes' arrays are slices of two arrays, not copies.
+    """
+    head = parse_header(frame)
+    if not head.delta:
+        raise FormatError("decode_pieces needs a delta frame (use keyframe_bytes for keyframes)")
+    counts = [c for c, _ in pieces]
+    if any(c < 0 for c in counts) or sum(counts) != head.raw_len // head.dtype.width or not pieces:
+        raise ValueError(f"the pieces cover {sum(counts)} elements of a frame of {head.raw_len // head.dtype.width}")
+    starts = np.zeros(len(pieces), dtype=np.int64)
+    np.cumsum(counts[:-1], out=starts[1:])
+    if head.method != METHOD_SPARSE:  # a dense frame (rare: most elements changed)
+        values = decode_values(frame)
+        return [
+            values.change(start=int(s), count=c, offset=o) for s, (c, o) in zip(starts.tolist(), pieces, strict=True)
+        ]
+    offsets = np.array([o for _, o in pieces], dtype=np.int64)
+    positions, operands, cuts = decode_sparse_pieces(frame, head, starts, offsets)
+    ends = [*cuts[1:].tolist(), len(positions)]
+    return [Change(head.add, positions[a:b], operands[a:b]) for a, b in zip(cuts.tolist(), ends, strict=True)]
 
 
 def keyframe_bytes(frame: bytes | memoryview | np.ndarray) -> np.ndarray:
