@@ -7,7 +7,11 @@ on the GPU) and apply (base check, writes, result check) into tensors reset to v
 the GPU memory the update took beyond the live model; the result is checked bit for bit. Then one
 round under cProfile (the top of each phase) and the checksum of every tensor on the GPU.
 
-    PYTHONPATH=src:. python3 -m benchmarks.gpu_profile 5.63G [--threads N] [--profile]
+With ``--compare`` the rounds alternate with the reference path (``WEIGHTSYNC_STAGE_FRAMES=0``: decode,
+compose, then stage: client/stage_frames.py), medians of each side from the same run; ``--device cpu``
+times the host half of a GPU subscriber's `prepare` on a box without one (staging "on" the CPU).
+
+    PYTHONPATH=src:. python3 -m benchmarks.gpu_profile 5.63G [--threads N] [--profile] [--compare] [--device cpu]
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import os
 import pstats
 import statistics
 import time
@@ -38,14 +43,23 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4, help="rounds (the first is a warm-up)")
     ap.add_argument("--threads", type=int, help="decode threads (default: prepare's)")
     ap.add_argument("--profile", action="store_true", help="one more round under cProfile")
+    ap.add_argument("--compare", action="store_true", help="alternate rounds with the reference staging path")
+    ap.add_argument("--device", default="cuda", help="where the live tensors are (cuda, or cpu without a GPU)")
     args = ap.parse_args()
-    dev = "cuda"
+    dev = args.device
+    cuda = dev.startswith("cuda")
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
     t0 = time.perf_counter()
     steps = trajectory(LlamaShape.for_bytes(args.size), 2, device=dev)
     next(steps)  # Adam's first step moves nearly every weight: the versions after it are steady-state steps
     v1, v2 = ({k: v.view(torch.int16).numpy().view(np.uint8).reshape(-1) for k, v in next(steps).items()} for _ in "ab")
     del steps
-    torch.cuda.empty_cache()
+    if cuda:
+        torch.cuda.empty_cache()
     base_ck = Checkpoint.from_bytes({"model.safetensors": _safetensors_bytes(v1)})
     new_ck = Checkpoint.from_bytes({"model.safetensors": _safetensors_bytes(v2)})
     frames = in_memory(Encoder().encode(new_ck, base_ck))
@@ -56,43 +70,56 @@ def main() -> None:
     live = {k: torch.from_numpy(a).view(torch.bfloat16).to(dev) for k, a in v1.items()}
     keep = {k: v.clone() for k, v in live.items()}
 
-    def one_round() -> dict[str, float]:
+    def one_round(reference: bool = False) -> dict[str, float]:
         for k, v in live.items():
             v.copy_(keep[k])
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        held = torch.cuda.memory_allocated()
-        t = time.perf_counter()
-        p = inplace.prepare(
-            [frames.manifest], frames.read, model="m", base=1, target=2, device=dev, threads=args.threads
-        )
-        torch.cuda.synchronize()
-        t1 = time.perf_counter()
+        sync()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        held = torch.cuda.memory_allocated() if cuda else 0
+        os.environ["WEIGHTSYNC_STAGE_FRAMES"] = "0" if reference else "1"
+        try:
+            t = time.perf_counter()
+            p = inplace.prepare(
+                [frames.manifest], frames.read, model="m", base=1, target=2, device=dev, threads=args.threads
+            )
+            sync()
+            t1 = time.perf_counter()
+        finally:
+            del os.environ["WEIGHTSYNC_STAGE_FRAMES"]
         a = inplace.apply(live, p, model="m", version=1, verify=True, strict=True)
-        torch.cuda.synchronize()
+        sync()
         t2 = time.perf_counter()
-        staging = torch.cuda.max_memory_allocated() - held
-        return {
+        row = {
             "prepare_s": t1 - t,
             "apply_s": t2 - t1,
             "pause_s": a.pause,
             "base_check_s": a.base_check_s,
             "result_check_s": a.result_check_s,
             "changed": p.changed_elements,
-            "staging_bytes_per_changed": staging / max(p.changed_elements, 1),
         }
+        if cuda:
+            row["staging_bytes_per_changed"] = (torch.cuda.max_memory_allocated() - held) / max(p.changed_elements, 1)
+        for k, v in live.items():
+            if not torch.equal(v.view(torch.int16).cpu(), torch.from_numpy(v2[k]).view(torch.int16)):
+                raise AssertionError(f"{k} is not bit-identical")
+        return row
 
-    rows = []
+    sides = ["staged from the frames", "reference"] if args.compare else ["staged from the frames"]
+    rows: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
     for _ in range(args.rounds):
-        rows.append(one_round())
-        print({k: round(v, 4) for k, v in rows[-1].items()}, flush=True)
-    for k, v in live.items():
-        if not torch.equal(v.view(torch.int16).cpu(), torch.from_numpy(v2[k]).view(torch.int16)):
-            raise AssertionError(f"{k} is not bit-identical")
-    print("bit-identical; medians after the warm-up:", {k: round(statistics.median(r[k] for r in rows[1:]), 4)
-                                                         for k in rows[0]})  # fmt: skip
+        for side in sides:
+            rows[side].append(one_round(reference=side == "reference"))
+            print(side, {k: round(v, 4) for k, v in rows[side][-1].items()}, flush=True)
+    for side in sides:
+        got = rows[side][1:] or rows[side]
+        print(f"bit-identical; {side}, medians after the warm-up:",
+              {k: round(statistics.median(r[k] for r in got), 4) for k in got[0]})  # fmt: skip
+    if args.compare:
+        mine, ref = (statistics.median(r["prepare_s"] for r in rows[s][1:] or rows[s]) for s in sides)
+        print(f"prepare: staged from the frames {mine * 1e3:.1f} ms, reference {ref * 1e3:.1f} ms: {ref / mine:.2f}x")
     tensors = list(live.values())
-    for _ in range(2):
+    for _ in range(2 if cuda else 0):
         torch.cuda.synchronize()
         t = time.perf_counter()
         devsum.tensor_sums(tensors)

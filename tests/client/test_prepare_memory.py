@@ -2,9 +2,9 @@
 holds").
 
 The same number of changed elements in a model 16 times larger must not cost `prepare` more memory: for host
-tensors it keeps the update's frames (fetched already) and decodes nothing; for a device it holds the decoded
-changes, a fixed number of bytes per changed element. Measured with tracemalloc, which numpy's allocations
-report to.
+tensors it keeps the update's frames (fetched already) and decodes nothing; for a device it holds the frames'
+sections and their staged form (or, on the reference path, the decoded changes), a fixed number of bytes per
+changed element. Measured with tracemalloc, which numpy's allocations report to.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ CHANGES = 20_000
 """Elements changed per version, whatever the model's size."""
 
 PER_CHANGE = 24
-"""Bytes a device's `prepare` may hold at its peak per changed bf16 element (docs/DESIGN.md: ~16 measured)."""
+"""Bytes a device's `prepare` may hold at its peak per changed bf16 element (docs/DESIGN.md: 9-16 measured staged
+from the frames, ~21 on the reference path, at this size)."""
 
 
 def _step(elements: int, seed: int) -> tuple[Checkpoint, Checkpoint]:

@@ -26,9 +26,9 @@ from typing import Any
 import numpy as np
 
 from weightsync import errors
-from weightsync.client import frames_apply
+from weightsync.client import frames_apply, stage_frames
 from weightsync.client._pool import cpu_pool, pool_of, run_all
-from weightsync.client.tensors import StagedChange
+from weightsync.client.tensors import HostOps, StagedChange
 from weightsync.client.verify import HostHasher, digests
 from weightsync.codec.checksum import MASK, TensorSum
 from weightsync.codec.decoder import check_frame
@@ -72,6 +72,8 @@ class TensorUpdate:
     def changed_elements(self) -> int:
         if self.replace is not None:
             return len(self.replace) // self.dtype.width
+        if isinstance(self.ops, HostOps):
+            return self.ops.elements
         return sum(len(op) for op in self.ops)
 
 
@@ -242,6 +244,18 @@ def decode_updates(
         for name, parts in pieces.items():
             # Pieces of one step are disjoint: composing them with earlier steps is one pass.
             updates[name].ops = compose([*updates[name].ops, *parts])
+    return _finish(manifests, updates, select, kept_frames=frames is not None)
+
+
+def _finish(
+    manifests: Sequence[Manifest],
+    updates: dict[str, TensorUpdate],
+    select: Callable[[str], bool] | None,
+    *,
+    kept_frames: bool,
+) -> tuple[dict[str, TensorUpdate], dict[str, tuple[DType, tuple[int, ...], str]]]:
+    """`updates` without the tensors the final version lacks or that end up unchanged, their result digests set;
+    and every (selected) tensor of the final version (dtype, shape, digest)."""
     final = manifests[-1]
     specs = {
         e.segment.name: (e.segment.dtype, e.segment.shape, e.digest)
@@ -255,7 +269,7 @@ def decode_updates(
             continue
         u = updates[name]
         u.result_digest = specs[name][2]
-        if u.replace is None and not u.ops and frames is None:
+        if u.replace is None and not u.ops and not kept_frames:
             del updates[name]  # changes that cancelled out over several steps
     return updates, specs
 
@@ -280,11 +294,14 @@ def stage(prepared: Prepared, device: Any) -> None:
     for u in prepared.updates.values():
         if u.replace is not None:
             u.staged_replace = torch.from_numpy(u.replace).to(device)
+        if u.staged:  # staged from its frames already (client/stage_frames.py)
+            continue
         elements = int(np.prod(u.shape, dtype=np.int64))
         changes.extend((op, elements) for op in u.ops)
-    ordered = iter(stage_changes(changes, device))  # one copy to the device for all of them
+    ordered = iter(stage_changes(changes, device) if changes else [])  # one copy to the device for all of them
     for u in prepared.updates.values():
-        u.staged = [next(ordered) for _ in u.ops]
+        if not u.staged:
+            u.staged = [next(ordered) for _ in u.ops]
     prepared.device = device
     # The device's kernels for these changes and for the checksum compile now, not in the pause.
     updates = prepared.updates.values()
@@ -328,7 +345,19 @@ def prepare(
     frames: list[frames_apply.Frame] | None = [] if device is None and frames_apply.eligible(list(manifests)) else None
     if device is not None and threads is None:
         threads = DEVICE_DECODE_THREADS
-    if manifests:
+    staged = False
+    if device is not None and len(manifests) == 1 and stage_frames.available():
+        # One step for a device: staged straight from its frames (client/stage_frames.py), or not at all.
+        names, touched = _touched(manifests[0], updates, select)
+        per = _frames_per_job(len(manifests[0].frames))
+        staged = stage_frames.stage_step(
+            manifests[0], read_frame, pool_of(threads), names, touched, updates, device, per_job=per
+        )
+        if staged:
+            updates, specs = _finish(manifests, updates, select, kept_frames=False)
+        else:
+            updates = {}
+    if manifests and not staged:
         updates, specs = decode_updates(list(manifests), read_frame, pool_of(threads), frames=frames, select=select)
     prepared = Prepared(
         model=model,
@@ -539,11 +568,12 @@ def _change(u: TensorUpdate, i: int, t: Any, *, track: bool = False, inverse: bo
     """
     from weightsync.client.tensors import apply_change_host, apply_staged, stage_change
 
-    op = u.ops[i]
     if t.device.type == "cpu":
-        return apply_change_host(t, op, track=track, inverse=inverse)
+        return apply_change_host(t, u.ops[i], track=track, inverse=inverse)
     staged = u.staged[i] if i < len(u.staged) and u.staged[i].operands.device == t.device else None
-    return apply_staged(t, staged or stage_change(op, t.device, elements=t.numel()), track=track, inverse=inverse)
+    if staged is None:  # staged elsewhere or not at all: from the decoded change (tensors.HostOps makes it)
+        staged = stage_change(u.ops[i], t.device, elements=t.numel())
+    return apply_staged(t, staged, track=track, inverse=inverse)
 
 
 def _synchronize(torch: Any, work: list[tuple[TensorUpdate, Any]]) -> None:

@@ -29,6 +29,8 @@ from weightsync.codec.frame import xxh3_128
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
+    from weightsync.codec.values import Change
+
 log = logging.getLogger(__name__)
 
 # safetensors dtype name -> torch attribute name (sub-byte packed dtypes are not tensors of their own).
@@ -391,31 +393,95 @@ def stage_change(change: Any, device: Any, *, elements: int) -> StagedChange:
 def stage_changes(changes: Sequence[tuple[Any, int]], device: Any) -> list[StagedChange]:
     """Each (codec Change, its tensor's elements) coded compactly (:func:`code_change`) and moved to `device`
     in one host-to-device copy: the staged arrays are views of one buffer there."""
-    torch = torch_module()
     coded = [code_change(change, elements) for change, elements in changes]
-    fields = ("operands", "positions", "low", "blocks", "counts")
-    arrays = [getattr(c, f) for c in coded for f in fields if getattr(c, f) is not None]
+    arrays = [getattr(c, f) for c in coded for f in _STAGED_FIELDS if getattr(c, f) is not None]
     offsets, total = [], 0
     for a in arrays:
         offsets.append(total)
-        total += -(-a.nbytes // 8) * 8  # 8-byte aligned: every view below is of an aligned address
+        total += aligned(a.nbytes)
     host = np.empty(total, dtype=np.uint8)
+    places = {}  # id of a coded array -> its copy in `host`
     for a, off in zip(arrays, offsets, strict=True):
         host[off : off + a.nbytes] = a.reshape(-1).view(np.uint8)
-    moved = torch.from_numpy(host).to(device)
+        places[id(a)] = host[off : off + a.nbytes].view(a.dtype)
 
-    def view(a: np.ndarray, off: int) -> Any:
+    def placed(a: np.ndarray | None) -> np.ndarray | None:
+        return None if a is None else places[id(a)]
+
+    laid = [StagedChange(c.add, spans=c.spans, **{f: placed(getattr(c, f)) for f in _STAGED_FIELDS}) for c in coded]
+    return move_staged(laid, host, device)
+
+
+_STAGED_FIELDS = ("operands", "positions", "low", "blocks", "counts")
+
+
+def aligned(nbytes: int) -> int:
+    """`nbytes` rounded up to 8: staged arrays start at 8-byte aligned offsets of their buffer, so every
+    view of them is of an aligned address."""
+    return -(-nbytes // 8) * 8
+
+
+def move_staged(laid: list[StagedChange], host: np.ndarray, device: Any) -> list[StagedChange]:
+    """Host StagedChanges whose arrays are views of the one buffer `host` (uint8), moved to `device` in one
+    host-to-device copy: the moved arrays are views of one buffer there, at the same offsets."""
+    torch = torch_module()
+    moved = torch.from_numpy(host).to(device)
+    base = host.__array_interface__["data"][0]
+
+    def view(a: np.ndarray) -> Any:
         dtype = torch.from_numpy(a[:0]).dtype
         if not a.nbytes:  # an empty slice has no stride to view through
             return torch.empty(0, dtype=dtype, device=moved.device)
+        off = a.__array_interface__["data"][0] - base
+        if off < 0 or off + a.nbytes > host.nbytes or not a.flags.c_contiguous:
+            raise ValueError("a staged array is not a contiguous view of the staging buffer")
         return moved[off : off + a.nbytes].view(dtype)
 
-    views = iter(view(a, off) for a, off in zip(arrays, offsets, strict=True))
-    for c in coded:
-        for f in fields:
-            if getattr(c, f) is not None:
-                setattr(c, f, next(views))
-    return coded
+    out = []
+    for c in laid:
+        fields = {f: (None if getattr(c, f) is None else view(getattr(c, f))) for f in _STAGED_FIELDS}
+        out.append(StagedChange(c.add, spans=c.spans, **fields))
+    return out
+
+
+class HostOps(Sequence["Change"]):
+    """The one decoded change of a tensor whose update was staged straight from its frames: made from the
+    staged form's host copy only when something asks for it (an apply into host tensors, an undo on
+    another device, an engine's own use); the host copy holds ~4 bytes a change, the decoded ~10."""
+
+    def __init__(self, staged: StagedChange) -> None:
+        self.staged = staged
+        self._change: Any = None
+
+    @property
+    def elements(self) -> int:
+        """The changed elements, without decoding them."""
+        return len(self.staged.operands)
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(1))]
+        if i not in (0, -1):
+            raise IndexError(i)
+        if self._change is None:
+            self._change = unstage(self.staged)
+        return self._change
+
+
+def unstage(staged: StagedChange) -> Any:
+    """The codec Change a host StagedChange (numpy arrays) stands for: positions expanded back to int64."""
+    from weightsync.codec.values import Change
+
+    if staged.positions is not None:
+        positions = staged.positions.astype(np.int64)
+    else:
+        assert staged.low is not None and staged.blocks is not None and staged.counts is not None
+        positions = np.repeat(staged.blocks.astype(np.int64) << BLOCK_BITS, staged.counts)
+        positions += staged.low.view(np.uint16)
+    return Change(staged.add, positions, staged.operands)
 
 
 def code_change(change: Any, elements: int) -> StagedChange:

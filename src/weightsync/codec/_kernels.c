@@ -810,6 +810,110 @@ fail:
     return NULL;
 }
 
+/* Bounds (int64, ascending from 0) of a frame's n >= 1 pieces, from a buffer of n int64. */
+static const int64_t *piece_bounds(u8 *b, Py_ssize_t lb, Py_ssize_t stride) {
+    const int64_t *bounds = (const int64_t *)b;
+    const Py_ssize_t n = lb / (8 * stride);
+    if (n == 0 || bounds[0] != 0) {
+        PyErr_SetString(PyExc_ValueError, "bounds must start at 0");
+        return NULL;
+    }
+    for (Py_ssize_t i = 1; i < n; i++) {
+        if (bounds[i * stride] < bounds[(i - 1) * stride]) {
+            PyErr_SetString(PyExc_ValueError, "bounds must ascend");
+            return NULL;
+        }
+    }
+    return bounds;
+}
+
+/* piece_blocks(count, gap_planes, bounds, offsets, counts_out, nblocks_out, first_out, last_out) -> end:
+ * per piece its changes and the blocks of 2^16 tensor elements holding them (blocks_loop). */
+static PyObject *piece_blocks(PyObject *self, PyObject *args) {
+    PyObject *og, *ob, *oo, *o1, *o2, *o3, *o4;
+    unsigned long long count;
+    if (!PyArg_ParseTuple(args, "KOOOOOOO", &count, &og, &ob, &oo, &o1, &o2, &o3, &o4)) return NULL;
+    Held h = {.n = 0};
+    Py_ssize_t lb, lo, l1, l2, l3, l4;
+    u8 *gaps[4];
+    if (hold_planes(&h, og, 4, (Py_ssize_t)count, 0, gaps) < 0) goto fail;
+    u8 *b = hold(&h, ob, 0, &lb), *o = b ? hold(&h, oo, 0, &lo) : NULL;
+    u8 *c1 = o ? hold(&h, o1, 1, &l1) : NULL, *c2 = c1 ? hold(&h, o2, 1, &l2) : NULL;
+    u8 *c3 = c2 ? hold(&h, o3, 1, &l3) : NULL, *c4 = c3 ? hold(&h, o4, 1, &l4) : NULL;
+    if (c4 == NULL) goto fail;
+    if (lb % 8 || lo != lb || l1 != lb || l2 != lb || l3 != lb || l4 != lb) {
+        PyErr_SetString(PyExc_ValueError, "bounds, offsets and the outputs must be int64 arrays of one length");
+        goto fail;
+    }
+    const int64_t *bounds = piece_bounds(b, lb, 1);
+    if (bounds == NULL) goto fail;
+    u64 end;
+    Py_BEGIN_ALLOW_THREADS
+    end = blocks_loop(gaps, count, bounds, (const int64_t *)o, (u64)lb / 8, (int64_t *)c1, (int64_t *)c2,
+                      (int64_t *)c3, (int64_t *)c4);
+    Py_END_ALLOW_THREADS
+    release_all(&h);
+    return PyLong_FromUnsignedLongLong(end);
+fail:
+    release_all(&h);
+    return NULL;
+}
+
+/* stage_pieces(count, gap_planes, value_planes, width, add, table, buf, carry_out) -> bool: each
+ * piece's staged change written into buf where its row of `table` (n x T_COLUMNS int64) says
+ * (stage_loop). Every row's regions are checked to lie within buf before a byte is written;
+ * False if the frame's changes do not match the rows' counts (buf then holds a partial write). */
+static PyObject *stage_pieces(PyObject *self, PyObject *args) {
+    PyObject *og, *ov, *ot, *ob, *oc;
+    unsigned long long count;
+    int w, add;
+    if (!PyArg_ParseTuple(args, "KOOiiOOO", &count, &og, &ov, &w, &add, &ot, &ob, &oc) || check_width(w) < 0)
+        return NULL;
+    Held h = {.n = 0};
+    Py_ssize_t lt, lb, lc;
+    u8 *gaps[4], *planes[8];
+    if (hold_planes(&h, og, 4, (Py_ssize_t)count, 0, gaps) < 0 ||
+        hold_planes(&h, ov, w, (Py_ssize_t)count, 0, planes) < 0)
+        goto fail;
+    u8 *t = hold(&h, ot, 0, &lt), *buf = t ? hold(&h, ob, 1, &lb) : NULL, *c = buf ? hold(&h, oc, 1, &lc) : NULL;
+    if (c == NULL) goto fail;
+    if (lt % (8 * T_COLUMNS) || lc * T_COLUMNS != lt) {
+        PyErr_SetString(PyExc_ValueError, "the table must be int64 rows of T_COLUMNS, carry one int64 per row");
+        goto fail;
+    }
+    const Py_ssize_t n = lt / (8 * T_COLUMNS);
+    const int64_t *table = (const int64_t *)t;
+    if (piece_bounds(t, lt, T_COLUMNS) == NULL) goto fail;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const int64_t *r = table + i * T_COLUMNS, m = r[T_MODE];
+        if (m < STAGE_SKIP || m > STAGE_POS64) {
+            PyErr_Format(PyExc_ValueError, "unknown staging mode %lld", (long long)m);
+            goto fail;
+        }
+        if (m == STAGE_SKIP) continue;
+        const int blocked = m == STAGE_BLOCKS32 || m == STAGE_BLOCKS64;
+        const int64_t pw = blocked ? 2 : m == STAGE_POS32 ? 4 : 8, bw = m == STAGE_BLOCKS32 ? 4 : 8;
+        const int64_t nc = r[T_CHANGES], ns = blocked ? r[T_SLOTS] : 0;
+        const int64_t lim = (int64_t)lb;
+        if (nc < 0 || ns < 0 || nc > lim || ns > lim || r[T_OPS] < 0 || r[T_POS] < 0 || r[T_OPS] > lim - nc * w ||
+            r[T_POS] > lim - nc * pw ||
+            (blocked && (r[T_BLOCKS] < 0 || r[T_COUNTS] < 0 || r[T_BLOCKS] > lim - ns * bw ||
+                         r[T_COUNTS] > lim - ns * 8))) {
+            PyErr_Format(PyExc_ValueError, "piece %zd's staging regions lie outside the buffer", i);
+            goto fail;
+        }
+    }
+    int ok;
+    Py_BEGIN_ALLOW_THREADS
+    ok = stage_loop(gaps, planes, count, w, add, table, (u64)n, buf, (int64_t *)c);
+    Py_END_ALLOW_THREADS
+    release_all(&h);
+    return PyBool_FromLong(ok);
+fail:
+    release_all(&h);
+    return NULL;
+}
+
 /* unzigzag(src, width, out): out = the wrapping differences the zigzag values of src code. */
 static PyObject *unzigzag_values(PyObject *self, PyObject *args) {
     PyObject *os, *oo;
@@ -1018,6 +1122,10 @@ static PyMethodDef methods[] = {
      "apply_sparse_sums(targets, starts, width, op, count, gap_planes, value_planes, constant, want)"
      " -> [(before, after)], None if out of range"},
     {"gap_positions", gap_positions, METH_VARARGS, "gap_positions(count, gap_planes, out_int64) -> end"},
+    {"piece_blocks", piece_blocks, METH_VARARGS,
+     "piece_blocks(count, gap_planes, bounds, offsets, counts, nblocks, first, last) -> end"},
+    {"stage_pieces", stage_pieces, METH_VARARGS,
+     "stage_pieces(count, gap_planes, value_planes, width, add, table, buf, carry) -> bool"},
     {"piece_changes", piece_changes, METH_VARARGS,
      "piece_changes(count, gap_planes, value_planes, width, add, bounds, offsets, positions, operands, cuts) -> end"},
     {"checksum", checksum, METH_VARARGS, "checksum(data, width, start, constant, threads) -> lanes"},
@@ -1045,7 +1153,9 @@ PyMODINIT_FUNC PyInit__kernels(void) {
     avx2 = has_avx2;
 #endif
     PyObject *m = PyModule_Create(&module);
-    if (m != NULL && PyModule_AddIntConstant(m, "AVX2", avx2) < 0) {
+    if (m != NULL && (PyModule_AddIntConstant(m, "AVX2", avx2) < 0 ||
+                      PyModule_AddIntConstant(m, "STAGE_BITS", STAGE_BITS) < 0 ||
+                      PyModule_AddIntConstant(m, "STAGE_COLUMNS", T_COLUMNS) < 0)) {
         Py_DECREF(m);
         return NULL;
     }

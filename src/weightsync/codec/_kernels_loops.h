@@ -539,6 +539,164 @@ HOT static u64 pieces_loop(u8 *const *gaps, u8 *const *planes, u64 count, int w,
     return count ? pos + 1 : 0;
 }
 
+/* ---- a device's staging, straight from a frame ------------------------------------------ */
+
+enum { STAGE_SKIP = 0, STAGE_BLOCKS32 = 1, STAGE_BLOCKS64 = 2, STAGE_POS32 = 3, STAGE_POS64 = 4 };
+#define STAGE_BITS 16 /* client/tensors.py BLOCK_BITS: block-coded positions keep their low 16 bits */
+
+/* Per piece of a frame (as pieces_loop): its changes, the blocks of 2^STAGE_BITS elements of its
+ * tensor that hold them, and the first and last such block (-1 when none). Returns the last
+ * frame position + 1 (0 when count is 0). */
+HOT static u64 blocks_loop(u8 *const *gaps, u64 count, const int64_t *bounds, const int64_t *offsets, u64 nb,
+                           int64_t *counts, int64_t *nblocks, int64_t *first, int64_t *last) {
+    for (u64 i = 0; i < nb; i++) counts[i] = nblocks[i] = 0, first[i] = last[i] = -1;
+    u64 pos = (u64)-1, bi = 0, next = nb > 1 ? (u64)bounds[1] : UINT64_MAX;
+    int64_t shift = offsets[0] - bounds[0], cur = -1, n = 0, blocks = 0;
+    for (u64 k = 0; k < count; k++) {
+        pos += 1 + gap_at(gaps, k);
+        if (pos >= next) {
+            counts[bi] = n, nblocks[bi] = blocks, last[bi] = cur;
+            n = blocks = 0, cur = -1;
+            while (pos >= next) {
+                bi++;
+                next = bi + 1 < nb ? (u64)bounds[bi + 1] : UINT64_MAX;
+            }
+            shift = offsets[bi] - bounds[bi];
+        }
+        const int64_t b = ((int64_t)pos + shift) >> STAGE_BITS;
+        if (b != cur) {
+            if (cur < 0) first[bi] = b;
+            cur = b;
+            blocks++;
+        }
+        n++;
+    }
+    if (nb) counts[bi] = n, nblocks[bi] = blocks, last[bi] = cur;
+    return count ? pos + 1 : 0;
+}
+
+/* One row of stage_pieces' table, per piece. */
+enum { T_BOUND, T_OFFSET, T_MODE, T_MERGE, T_OPS, T_POS, T_BLOCKS, T_COUNTS, T_CHANGES, T_SLOTS, T_COLUMNS };
+
+/* Operands of changes [k0, k0 + n) of a frame, un-zigzagged when `add`, to `out`. */
+static inline ALWAYS_INLINE void stage_operands(u8 *const *planes, u64 k0, u64 n, int w, int add, u8 *out) {
+    if (w == 2) {
+        const u8 *p0 = planes[0] + k0, *p1 = planes[1] + k0;
+        if (add) {
+            for (u64 j = 0; j < n; j++) {
+                uint16_t z = (uint16_t)(p0[j] | (p1[j] << 8)), v = (uint16_t)((z >> 1) ^ (uint16_t)(0u - (z & 1u)));
+                memcpy(out + 2 * j, &v, 2);
+            }
+        } else {
+            for (u64 j = 0; j < n; j++) {
+                uint16_t v = (uint16_t)(p0[j] | (p1[j] << 8));
+                memcpy(out + 2 * j, &v, 2);
+            }
+        }
+        return;
+    }
+    for (u64 j = 0; j < n; j++) {
+        u64 v = joined(planes, w, k0 + j);
+        if (add) v = unzigzag(v, w);
+        memcpy(out + j * w, &v, (size_t)w);
+    }
+}
+
+/* Write each piece's staged change into `buf` (client/tensors.py StagedChange): its operands
+ * (un-zigzagged when `add`) at T_OPS; by mode, its positions as int32/int64 at T_POS, or
+ * block-coded: the low 16 bits as int16 at T_POS and, per block, its id (int32/int64) at
+ * T_BLOCKS and its count (int64) at T_COUNTS. Every piece's T_CHANGES is its number of changes
+ * (skipped pieces too: their changes are passed over). A piece with T_MERGE set continues the
+ * previous piece's last block: that block's count here goes to carry[i], not to a slot. Returns
+ * 0 if the changes run past the frame's count, a change lies outside its piece, or a piece's
+ * blocks exceed its T_SLOTS (the caller's layout came from blocks_loop over the same frame:
+ * never); every write stays within the regions the caller checked. */
+HOT static int stage_loop(u8 *const *gaps, u8 *const *planes, u64 count, int w, int add, const int64_t *table,
+                          u64 nb, u8 *buf, int64_t *carry) {
+    u64 pos = (u64)-1, k = 0;
+    for (u64 i = 0; i < nb; i++) {
+        const int64_t *row = table + i * T_COLUMNS;
+        const u64 n = (u64)row[T_CHANGES], lo = (u64)row[T_BOUND];
+        const u64 hi = i + 1 < nb ? (u64)table[(i + 1) * T_COLUMNS + T_BOUND] : UINT64_MAX;
+        const int64_t mode = row[T_MODE], shift = row[T_OFFSET] - row[T_BOUND];
+        carry[i] = -1;
+        if (n > count - k) return 0;
+        if (n) { /* the piece's first change lies in it (its last is checked below) */
+            if (pos + 1 + gap_at(gaps, k) < lo) return 0;
+        }
+        if (mode == STAGE_SKIP) {
+            for (u64 j = 0; j < n; j++) pos += 1 + gap_at(gaps, k + j);
+            k += n;
+            if (n && pos >= hi) return 0;
+            continue;
+        }
+        stage_operands(planes, k, n, w, add, buf + row[T_OPS]);
+        u8 *out = buf + row[T_POS];
+        if (mode == STAGE_POS32 || mode == STAGE_POS64) {
+            for (u64 j = 0; j < n; j++) {
+                pos += 1 + gap_at(gaps, k + j);
+                const int64_t t = (int64_t)pos + shift;
+                if (mode == STAGE_POS32) {
+                    int32_t p32 = (int32_t)t;
+                    memcpy(out + 4 * j, &p32, 4);
+                } else {
+                    memcpy(out + 8 * j, &t, 8);
+                }
+            }
+        } else {
+            u8 *ids = buf + row[T_BLOCKS], *counts = buf + row[T_COUNTS];
+            const int64_t slots = row[T_SLOTS];
+            int64_t cur = -1, run = 0, slot = 0;
+            int first = 1;
+            for (u64 j = 0; j < n; j++) {
+                pos += 1 + gap_at(gaps, k + j);
+                const int64_t t = (int64_t)pos + shift, b = t >> STAGE_BITS;
+                const uint16_t low = (uint16_t)(t & 0xffff);
+                memcpy(out + 2 * j, &low, 2);
+                if (b != cur) {
+                    if (cur >= 0) { /* the block before is complete */
+                        if (first && row[T_MERGE]) {
+                            carry[i] = run;
+                        } else {
+                            if (slot >= slots) return 0;
+                            if (mode == STAGE_BLOCKS32) {
+                                int32_t id = (int32_t)cur;
+                                memcpy(ids + 4 * slot, &id, 4);
+                            } else {
+                                memcpy(ids + 8 * slot, &cur, 8);
+                            }
+                            memcpy(counts + 8 * slot, &run, 8);
+                            slot++;
+                        }
+                        first = 0;
+                    }
+                    cur = b, run = 0;
+                }
+                run++;
+            }
+            if (cur >= 0) {
+                if (first && row[T_MERGE]) {
+                    carry[i] = run;
+                } else {
+                    if (slot >= slots) return 0;
+                    if (mode == STAGE_BLOCKS32) {
+                        int32_t id = (int32_t)cur;
+                        memcpy(ids + 4 * slot, &id, 4);
+                    } else {
+                        memcpy(ids + 8 * slot, &cur, 8);
+                    }
+                    memcpy(counts + 8 * slot, &run, 8);
+                    slot++;
+                }
+            }
+            if (slot != slots) return 0;
+        }
+        k += n;
+        if (n && pos >= hi) return 0; /* the piece's last change lies in it */
+    }
+    return k == count;
+}
+
 static inline u64 combine(u64 cur, u64 v, int w, int op) {
     switch (op) {
     case OP_SET: return v;

@@ -743,6 +743,18 @@ def decode_payload(frame: bytes | memoryview | np.ndarray, head: FrameHeader) ->
     return positions, values
 
 
+def sparse_sections(
+    frame: bytes | memoryview | np.ndarray, head: FrameHeader
+) -> tuple[int, list[np.ndarray], list[np.ndarray]]:
+    """A sparse delta frame's (count, gap planes, value planes), decompressed with every length checked against
+    the header first (FORMAT §4.3); ValueError for a frame of another method."""
+    if not head.delta or head.method != METHOD_SPARSE:
+        raise ValueError("sparse_sections reads sparse delta frames")
+    payload = _read_payload(frame, head)
+    assert payload.count is not None, "a sparse frame's payload has a count"
+    return payload.count, payload.gaps, payload.values
+
+
 def decode_sparse_pieces(
     frame: bytes | memoryview | np.ndarray, head: FrameHeader, bounds: np.ndarray, offsets: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -757,11 +769,10 @@ def decode_sparse_pieces(
     """
     if not head.delta or head.method != METHOD_SPARSE:
         raise ValueError("decode_sparse_pieces decodes sparse delta frames")
-    payload = _read_payload(frame, head)
-    assert payload.count is not None, "a sparse frame's payload has a count"
+    count, gaps, values = sparse_sections(frame, head)
     width = head.dtype.width
     positions, operands, cuts, end = kernels.active().piece_changes(
-        payload.count, payload.gaps, payload.values, width, head.add, bounds, offsets
+        count, gaps, values, width, head.add, bounds, offsets
     )
     if end > head.raw_len // width:
         raise CorruptData("sparse frame position past the end of the chunk")
