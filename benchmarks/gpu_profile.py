@@ -9,7 +9,8 @@ round under cProfile (the top of each phase) and the checksum of every tensor on
 
 With ``--compare`` the rounds alternate with the reference path (``WEIGHTSYNC_STAGE_FRAMES=0``: decode,
 compose, then stage: client/stage_frames.py), medians of each side from the same run; ``--device cpu``
-times the host half of a GPU subscriber's `prepare` on a box without one (staging "on" the CPU).
+times the host half of a GPU subscriber's `prepare` on a box without one (staging "on" the CPU; the default
+without CUDA).
 
     PYTHONPATH=src:. python3 -m benchmarks.gpu_profile 5.63G [--threads N] [--profile] [--compare] [--device cpu]
 """
@@ -44,9 +45,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, help="decode threads (default: prepare's)")
     ap.add_argument("--profile", action="store_true", help="one more round under cProfile")
     ap.add_argument("--compare", action="store_true", help="alternate rounds with the reference staging path")
-    ap.add_argument("--device", default="cuda", help="where the live tensors are (cuda, or cpu without a GPU)")
+    ap.add_argument("--device", default="auto", help="where the live tensors are: auto (cuda if any), cuda, cpu")
     args = ap.parse_args()
-    dev = args.device
+    dev = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     cuda = dev.startswith("cuda")
 
     def sync() -> None:
