@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from weightsync.client import inplace, stage_frames
-from weightsync.client.tensors import HostOps, serialize_state_dict
+from weightsync.client.tensors import HostOps, apply_staged, serialize_state_dict
 from weightsync.codec import kernels
 from weightsync.codec.checkpoint import Checkpoint
 from weightsync.codec.encoder import Encoder
@@ -24,7 +24,7 @@ from weightsync.codec.frame import METHOD_SPARSE, parse_header
 from weightsync.codec.kernels_numpy import ReferenceKernels
 
 FIELDS = ("operands", "positions", "low", "blocks", "counts")
-DTYPES = [torch.bfloat16, torch.float32, torch.uint8, torch.float16, torch.int64]
+DTYPES = [torch.bfloat16, torch.float32, torch.uint8, torch.float16, torch.int64, torch.bool]
 
 
 def _encoded(base: dict, new: dict, chunk_bytes: int, steps: list[dict] | None = None):
@@ -49,11 +49,24 @@ def _encoded(base: dict, new: dict, chunk_bytes: int, steps: list[dict] | None =
     return manifests, read
 
 
-def _prepare(manifests, read, *, native: bool, monkeypatch: pytest.MonkeyPatch):
+def _prepare(manifests, read, *, native: bool, monkeypatch: pytest.MonkeyPatch, select=None):
+    """inplace.prepare "on" the CPU, staged from the frames (WEIGHTSYNC_STAGE_FRAMES=1: the host is no staging
+    device otherwise) or the reference way."""
     with monkeypatch.context() as m:
-        if not native:
-            m.setattr(stage_frames, "available", lambda: False)
-        return inplace.prepare(manifests, read, model="m", base=1, target=1 + len(manifests), threads=2, device="cpu")
+        m.setenv("WEIGHTSYNC_STAGE_FRAMES", "1" if native else "0")
+        return inplace.prepare(
+            manifests, read, model="m", base=1, target=1 + len(manifests), threads=2, device="cpu", select=select
+        )
+
+
+def _dense_tensors(manifest, read) -> set[str]:
+    """Tensors with a piece in a delta frame that is not sparse (those take the reference path)."""
+    names = {(fi, si): e.segment.name for fi, f in enumerate(manifest.files) for si, e in enumerate(f.segments)}
+    out = set()
+    for ref in manifest.frames:
+        if ref.delta and parse_header(read(ref)).method != METHOD_SPARSE:
+            out.update(names[(p.file, p.seg)] for p in ref.pieces)
+    return out
 
 
 @st.composite
@@ -66,14 +79,17 @@ def step(draw):
         dtype = draw(st.sampled_from(DTYPES))
         n = draw(st.sampled_from([1, 7, 300, 70_000, 200_000]))
         width = torch.empty(0, dtype=dtype).element_size()
-        raw = rng.integers(0, 256, n * width, dtype=np.uint8)
+        raw = rng.integers(0, 2 if dtype == torch.bool else 256, n * width, dtype=np.uint8)  # a bool byte is 0 or 1
         changed = raw.copy()
         density = draw(st.sampled_from([0.0, 0.00002, 0.001, 0.02, 0.2]))
         at = np.flatnonzero(rng.random(n) < density)
         if draw(st.booleans()):  # blocks of 2^16 elements with many changes: block-coded positions
             at = np.union1d(at, rng.choice(n, min(n, 3000), replace=False))
         view = changed.view(f"<u{width}")
-        view[at] = view[at] + rng.integers(1, 3, len(at)).astype(view.dtype)
+        if dtype == torch.bool:
+            view[at] ^= 1
+        else:
+            view[at] = view[at] + rng.integers(1, 3, len(at)).astype(view.dtype)
         base[f"t{i}"] = torch.from_numpy(raw).view(dtype)
         new[f"t{i}"] = torch.from_numpy(changed).view(dtype)
     return base, new, draw(st.sampled_from([4 << 10, 64 << 10, 1 << 20]))
@@ -99,12 +115,11 @@ def test_staged_from_frames_equals_the_reference_staging(monkeypatch, s) -> None
     reference = _prepare(manifests, read, native=False, monkeypatch=monkeypatch)
     assert native.updates.keys() == reference.updates.keys()
     assert native.changed_elements == reference.changed_elements
-    # Staged from its frames when every delta frame is sparse; else the whole update takes the reference path.
-    methods = {parse_header(read(ref)).method for ref in manifests[0].frames if ref.delta}
-    from_frames = methods <= {METHOD_SPARSE}
+    # Staged from its frames unless a piece of the tensor lies in a dense frame: that tensor the reference way.
+    dense = _dense_tensors(manifests[0], read)
     for name, want in reference.updates.items():
         got = native.updates[name]
-        assert isinstance(got.ops, HostOps) == from_frames
+        assert isinstance(got.ops, HostOps) == (name not in dense), name
         assert (got.base_digest, got.result_digest) == (want.base_digest, want.result_digest)
         assert len(got.staged) == len(want.staged) == 1
         _same_staged(got.staged[0], want.staged[0])
@@ -112,6 +127,10 @@ def test_staged_from_frames_equals_the_reference_staging(monkeypatch, s) -> None
         assert change.add == ref.add
         assert np.array_equal(change.positions, ref.positions) and change.positions.dtype == np.int64
         assert np.array_equal(change.operands, ref.operands) and change.operands.dtype == ref.operands.dtype
+        # The staged form itself, applied as a device applies it (torch index ops), gives the new bytes too.
+        t = base[name].clone()
+        apply_staged(t, got.staged[0])
+        assert torch.equal(t.view(torch.uint8), new[name].view(torch.uint8)), name
     # Applied into live tensors holding the base, the staged update gives the new version bit for bit.
     live = {k: v.clone() for k, v in base.items()}
     inplace.apply(live, native, model="m", version=1, verify=True, strict=True)
@@ -155,14 +174,86 @@ def test_updates_of_several_steps_take_the_reference_path(monkeypatch) -> None:
     assert torch.equal(live["w"].view(torch.int16), versions[2]["w"].view(torch.int16))
 
 
-def test_a_dense_frame_sends_the_update_to_the_reference_path(monkeypatch) -> None:
-    """Most elements changed: the frame is dense (PLANES); the update is decoded and staged as before."""
+def _bf16(raw: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(raw).view(torch.bfloat16)
+
+
+def test_a_tensor_in_a_dense_frame_takes_the_reference_path_and_the_others_stay_staged(monkeypatch) -> None:
+    """Every element of "norm" changed: its frame is dense (PLANES) and it is decoded and staged the reference
+    way, in the same update whose sparse "w" is staged from its frames; both apply exactly."""
     rng = np.random.default_rng(6)
-    raw = rng.integers(0, 256, 2 * 4000, dtype=np.uint8)
+    base, new = {}, {}
+    for name, n, every in (("norm", 40_000, 1), ("w", 100_000, 50)):
+        raw = rng.integers(0, 256, 2 * n, dtype=np.uint8)
+        changed = raw.copy()
+        changed.view("<u2")[::every] += 1
+        base[name], new[name] = _bf16(raw), _bf16(changed)
+    manifests, read = _encoded(base, new, 64 << 10)
+    assert _dense_tensors(manifests[0], read) == {"norm"}
+    prepared = _prepare(manifests, read, native=True, monkeypatch=monkeypatch)
+    reference = _prepare(manifests, read, native=False, monkeypatch=monkeypatch)
+    assert not isinstance(prepared.updates["norm"].ops, HostOps)
+    assert isinstance(prepared.updates["w"].ops, HostOps)
+    for name in base:
+        _same_staged(prepared.updates[name].staged[0], reference.updates[name].staged[0])
+    live = {k: v.clone() for k, v in base.items()}
+    inplace.apply(live, prepared, model="m", version=1, verify=True, strict=True)
+    for k, v in new.items():
+        assert torch.equal(live[k].view(torch.int16), v.view(torch.int16)), k
+
+
+def test_a_tensor_named_with_the_empty_string_is_staged(monkeypatch) -> None:
+    rng = np.random.default_rng(2)
+    raw = rng.integers(0, 256, 10_000, dtype=np.uint8)
     changed = raw.copy()
-    changed.view("<u2")[:] += 1
-    base, new = {"w": torch.from_numpy(raw).view(torch.bfloat16)}, {"w": torch.from_numpy(changed).view(torch.bfloat16)}
-    manifests, read = _encoded(base, new, 1 << 20)
+    changed.view("<u2")[::50] += 1
+    base, new = {"": _bf16(raw)}, {"": _bf16(changed)}
+    manifests, read = _encoded(base, new, 4 << 10)
+    prepared = _prepare(manifests, read, native=True, monkeypatch=monkeypatch)
+    assert isinstance(prepared.updates[""].ops, HostOps)
+    live = {"": base[""].clone()}
+    inplace.apply(live, prepared, model="m", version=1, verify=True, strict=True)
+    assert torch.equal(live[""].view(torch.int16), new[""].view(torch.int16))
+
+
+def test_a_selection_stages_only_the_selected_tensors(monkeypatch) -> None:
+    rng = np.random.default_rng(12)
+    base, new = {}, {}
+    for i in range(3):
+        raw = rng.integers(0, 256, 2 * 30_000, dtype=np.uint8)
+        changed = raw.copy()
+        changed.view("<u2")[i::40] += 1
+        base[f"t{i}"], new[f"t{i}"] = _bf16(raw), _bf16(changed)
+    manifests, read = _encoded(base, new, 16 << 10)
+    wanted = {"t0", "t2"}.__contains__
+    prepared = _prepare(manifests, read, native=True, monkeypatch=monkeypatch, select=wanted)
+    reference = _prepare(manifests, read, native=False, monkeypatch=monkeypatch, select=wanted)
+    assert prepared.updates.keys() == reference.updates.keys() == {"t0", "t2"}
+    for name in ("t0", "t2"):
+        _same_staged(prepared.updates[name].staged[0], reference.updates[name].staged[0])
+
+
+def test_a_zero_operand_sends_the_update_to_the_reference_path(monkeypatch) -> None:
+    """The reference path drops a change whose operand is zero (the format allows one; this codec never writes
+    it): told so by stage_pieces, the whole update is decoded the reference way, nothing staged from frames."""
+    ext = kernels.EXTENSION
+    assert ext is not None
+
+    class Zero:
+        def __getattr__(self, name):
+            return getattr(ext, name)
+
+        def stage_pieces(self, *args):
+            assert ext.stage_pieces(*args) == 1
+            return 2
+
+    rng = np.random.default_rng(13)
+    raw = rng.integers(0, 256, 2 * 20_000, dtype=np.uint8)
+    changed = raw.copy()
+    changed.view("<u2")[::30] += 1
+    base, new = {"w": _bf16(raw)}, {"w": _bf16(changed)}
+    manifests, read = _encoded(base, new, 16 << 10)
+    monkeypatch.setattr(kernels, "EXTENSION", Zero())
     prepared = _prepare(manifests, read, native=True, monkeypatch=monkeypatch)
     assert not isinstance(prepared.updates["w"].ops, HostOps)
     live = {"w": base["w"].clone()}
@@ -226,7 +317,7 @@ def test_stage_pieces_writes_each_mode_where_the_table_says(mode: int, add: bool
         layout[i] = (k, slots, merge)
     buf = np.zeros(buf_len, dtype=np.uint8)
     carry = np.empty(3, dtype=np.int64)
-    assert ext.stage_pieces(len(positions), gaps, planes, width, int(add), table, buf, carry)
+    assert ext.stage_pieces(len(positions), gaps, planes, width, int(add), table, buf, carry) == 1
     ref = ReferenceKernels()
     joined = ref.join_planes(planes, width).view("<u2")
     operands = ref.unzigzag(joined) if add else joined
@@ -265,7 +356,23 @@ def test_stage_pieces_refuses_regions_outside_its_buffer_and_a_layout_that_does_
     with pytest.raises(ValueError):
         ext.stage_pieces(40, gaps, planes, 2, 0, table, np.zeros(1000, np.uint8), carry)
     table[0, 2], table[0, 8] = 3, 39  # one change fewer than the frame holds: refused, not overrun
-    assert not ext.stage_pieces(40, gaps, planes, 2, 0, table, np.zeros(1000, np.uint8), carry)
+    assert ext.stage_pieces(40, gaps, planes, 2, 0, table, np.zeros(1000, np.uint8), carry) == 0
+    table[0, 8] = 40
+    assert ext.stage_pieces(40, gaps, planes, 2, 0, table, np.zeros(1000, np.uint8), carry) == 1
+    zero = [p.copy() for p in planes]
+    zero[0][7] = zero[1][7] = 0  # one change that changes nothing
+    assert ext.stage_pieces(40, gaps, zero, 2, 0, table, np.zeros(1000, np.uint8), carry) == 2
+    assert ext.stage_pieces(40, gaps, zero, 2, 1, table, np.zeros(1000, np.uint8), carry) == 2  # zigzag 0 is 0
+    blocked = table.copy()
+    blocked[0, 2], blocked[0, 6], blocked[0, 7], blocked[0, 9] = 1, 400, 500, 1
+    for column, at in ((4, 1000 - 79), (6, 1000 - 3), (7, 1000 - 7), (4, -1), (9, -1)):
+        bad = blocked.copy()
+        bad[0, column] = at
+        with pytest.raises(ValueError):
+            ext.stage_pieces(40, gaps, planes, 2, 0, bad, np.zeros(1000, np.uint8), carry)
+    few = blocked.copy()
+    few[0, 9] = 0  # the changes' blocks need a slot it does not have
+    assert ext.stage_pieces(40, gaps, planes, 2, 0, few, np.zeros(1000, np.uint8), carry) == 0
 
 
 def test_the_environment_can_select_the_reference_path(monkeypatch) -> None:
@@ -275,8 +382,13 @@ def test_the_environment_can_select_the_reference_path(monkeypatch) -> None:
     changed.view("<u2")[::50] += 1
     base, new = {"w": torch.from_numpy(raw).view(torch.bfloat16)}, {"w": torch.from_numpy(changed).view(torch.bfloat16)}
     manifests, read = _encoded(base, new, 4 << 10)
-    assert stage_frames.available()
-    assert isinstance(_prepare(manifests, read, native=True, monkeypatch=monkeypatch).updates["w"].ops, HostOps)
+    monkeypatch.delenv("WEIGHTSYNC_STAGE_FRAMES", raising=False)
+    assert stage_frames.available("cuda:0") and stage_frames.available("meta")
+    assert not stage_frames.available("cpu")  # a host apply would decode each change inside its pause
+    on_host = inplace.prepare(manifests, read, model="m", base=1, target=2, device="cpu")
+    assert not isinstance(on_host.updates["w"].ops, HostOps)
     monkeypatch.setenv("WEIGHTSYNC_STAGE_FRAMES", "0")
-    assert not stage_frames.available()
-    assert not isinstance(_prepare(manifests, read, native=True, monkeypatch=monkeypatch).updates["w"].ops, HostOps)
+    assert not stage_frames.available("cuda:0")
+    monkeypatch.setenv("WEIGHTSYNC_STAGE_FRAMES", "1")
+    assert stage_frames.available("cpu")
+    assert isinstance(_prepare(manifests, read, native=True, monkeypatch=monkeypatch).updates["w"].ops, HostOps)

@@ -290,18 +290,20 @@ def stage(prepared: Prepared, device: Any) -> None:
     from weightsync.client.tensors import stage_changes, torch_module, warm_device_kernels
 
     torch = torch_module()
+    target = torch.empty(0, device=device).device  # "cuda" is the current CUDA device: its index named
     changes: list[tuple[Change, int]] = []
+    restage = []
     for u in prepared.updates.values():
         if u.replace is not None:
             u.staged_replace = torch.from_numpy(u.replace).to(device)
-        if u.staged:  # staged from its frames already (client/stage_frames.py)
-            continue
+        if u.staged and all(s.operands.device == target for s in u.staged):
+            continue  # staged there already (client/stage_frames.py)
+        restage.append(u)
         elements = int(np.prod(u.shape, dtype=np.int64))
         changes.extend((op, elements) for op in u.ops)
     ordered = iter(stage_changes(changes, device) if changes else [])  # one copy to the device for all of them
-    for u in prepared.updates.values():
-        if not u.staged:
-            u.staged = [next(ordered) for _ in u.ops]
+    for u in restage:
+        u.staged = [next(ordered) for _ in u.ops]
     prepared.device = device
     # The device's kernels for these changes and for the checksum compile now, not in the pause.
     updates = prepared.updates.values()
@@ -346,17 +348,23 @@ def prepare(
     if device is not None and threads is None:
         threads = DEVICE_DECODE_THREADS
     staged = False
-    if device is not None and len(manifests) == 1 and stage_frames.available():
-        # One step for a device: staged straight from its frames (client/stage_frames.py), or not at all.
+    if device is not None and len(manifests) == 1 and stage_frames.available(device):
+        # One step for a device: staged straight from its frames (client/stage_frames.py), but for the tensors
+        # it leaves to the reference path (a dense frame's), decoded here; or, when it stages nothing, all.
         names, touched = _touched(manifests[0], updates, select)
         per = _frames_per_job(len(manifests[0].frames))
-        staged = stage_frames.stage_step(
+        left = stage_frames.stage_step(
             manifests[0], read_frame, pool_of(threads), names, touched, updates, device, per_job=per
         )
+        staged = left is not None
+        if left:
+            rest, _ = decode_updates(list(manifests), read_frame, pool_of(threads), select=left.__contains__)
+            for name in left:
+                updates.pop(name, None)
+            updates.update(rest)
+        updates = updates if staged else {}
         if staged:
             updates, specs = _finish(manifests, updates, select, kept_frames=False)
-        else:
-            updates = {}
     if manifests and not staged:
         updates, specs = decode_updates(list(manifests), read_frame, pool_of(threads), frames=frames, select=select)
     prepared = Prepared(

@@ -28,6 +28,7 @@ of order take the reference path.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -56,17 +57,18 @@ class _NotStaged(Exception):  # noqa: N818 - an internal signal: this update tak
     """The update has a frame or a layout the native staging does not take."""
 
 
-def available() -> bool:
-    """Whether the native kernels that stage frames are the active ones (not the numpy reference), and
-    ``WEIGHTSYNC_STAGE_FRAMES=0`` does not select the reference path (measurements, debugging)."""
+def available(device: Any) -> bool:
+    """Whether `prepare` for tensors on `device` stages from the frames: the native kernels are the active ones
+    (not the numpy reference) and the device is not the host. ``WEIGHTSYNC_STAGE_FRAMES=0`` selects the
+    reference path, ``=1`` takes this one for the host too (measurements, tests: a host apply then decodes
+    each change from its staged copy inside the pause, where the reference path decoded it ahead)."""
     ext = kernels.EXTENSION
-    return (
-        ext is not None
-        and os.environ.get("WEIGHTSYNC_STAGE_FRAMES") != "0"
-        and kernels.active() is kernels.NATIVE
-        and getattr(ext, "STAGE_BITS", None) == BLOCK_BITS
-        and getattr(ext, "STAGE_COLUMNS", None) == _COLUMNS
-    )
+    choice = os.environ.get("WEIGHTSYNC_STAGE_FRAMES")
+    if choice == "0" or ext is None or kernels.active() is not kernels.NATIVE:
+        return False
+    if getattr(ext, "STAGE_BITS", None) != BLOCK_BITS or getattr(ext, "STAGE_COLUMNS", None) != _COLUMNS:
+        return False
+    return choice == "1" or str(device).split(":")[0] != "cpu"
 
 
 @dataclass
@@ -115,27 +117,34 @@ def stage_step(
     device: Any,
     *,
     per_job: int = 1,
-) -> bool:
-    """Stage one step's changes of the `touched` tensors on `device` from its frames; whether it did.
+) -> set[str] | None:
+    """Stage one step's changes of the `touched` tensors on `device` from its frames; the tensors it left for the
+    reference path (None: all of them).
 
     `updates` are the step's TensorUpdates (``inplace._touched``): whole replacements get their bytes
     from keyframe frames, element updates their ``staged`` change (and ``ops`` made from it on demand).
-    False when a frame or a tensor's pieces need the reference path (nothing on `device` then; the
-    replacements' bytes may be partly written: the caller starts afresh). Bad frames raise as the
-    reference path's decode does. Frames go `per_job` to a pool job (inplace._frames_per_job: a job per
-    frame costs the pool's hand-over per frame).
+    A tensor with a piece in a dense delta frame, with pieces out of order or of both kinds (XOR and
+    ADD) is left as it is, for the caller to decode and stage the reference way; None when the whole
+    update needs it (a delta piece of a tensor replaced whole, a zero operand): nothing is on `device`
+    then, and the replacements' bytes may be partly written (the caller starts afresh). Bad frames
+    raise as the reference path's decode does. Frames go `per_job` to a pool job
+    (inplace._frames_per_job: a job per frame costs the pool's hand-over per frame).
     """
     ext = kernels.EXTENSION
     assert ext is not None
+    left: set[str] = set()  # tensors for the reference path
+    lock = threading.Lock()
 
     def first_pass(ref: FrameRef) -> _Frame | None:
         wanted = [names.get((p.file, p.seg)) for p in ref.pieces]
         wanted = [n if n is not None and n in touched else None for n in wanted]
-        if not any(wanted):
+        if all(n is None for n in wanted):
             return None
         blob = read_frame(ref)
         check_frame(manifest, ref, blob)
         width = by_name(ref.dtype).width
+        if sum(p.length for p in ref.pieces) != ref.raw_len:
+            raise errors.CorruptData(f"a frame of {ref.object}: its pieces do not cover its {ref.raw_len} bytes")
         if not ref.delta:
             data = keyframe_bytes(blob)
             pos = 0
@@ -148,8 +157,10 @@ def stage_step(
                 pos += p.length
             return None
         head = parse_header(blob)
-        if head.method != METHOD_SPARSE:
-            raise _NotStaged
+        if head.method != METHOD_SPARSE:  # a dense delta: its tensors the reference way (not decompressed here)
+            with lock:
+                left.update(n for n in wanted if n is not None)
+            return None
         count, gaps, values = sparse_sections(blob, head)
         n = len(ref.pieces)
         table = np.zeros((n, _COLUMNS), dtype=np.int64)
@@ -167,17 +178,25 @@ def stage_step(
     try:
         firsts = run_all(pool, lambda i: [first_pass(r) for r in refs[i : i + per_job]], range(0, len(refs), per_job))
         frames = [f for batch in firsts for f in batch if f is not None]
-        host, layouts = _lay_out(frames, updates)
+        host, layouts = _lay_out(frames, updates, left)
     except _NotStaged:
-        return False
+        return None
 
     def second_pass(f: _Frame) -> np.ndarray:
         carry = np.empty(len(f.table), dtype=np.int64)
-        if not ext.stage_pieces(f.count, f.gaps, f.values, f.width, int(f.add), f.table, host, carry):
+        done = ext.stage_pieces(f.count, f.gaps, f.values, f.width, int(f.add), f.table, host, carry)
+        if done == 0:
             raise errors.CorruptData(f"a frame of {f.ref.object} decoded differently on its second pass")
+        if done == 2:
+            raise _NotStaged  # a zero operand: the reference path drops such a change
         return carry
 
-    seconds = run_all(pool, lambda i: [second_pass(f) for f in frames[i : i + per_job]], range(0, len(frames), per_job))
+    try:
+        seconds = run_all(
+            pool, lambda i: [second_pass(f) for f in frames[i : i + per_job]], range(0, len(frames), per_job)
+        )
+    except _NotStaged:
+        return None
     carries = [c for batch in seconds for c in batch]
     carried = {id(f): c for f, c in zip(frames, carries, strict=True)}
     laid: list[tuple[str, StagedChange]] = []
@@ -189,16 +208,17 @@ def stage_step(
         u = updates[name]
         u.staged = [on_device]
         u.ops = HostOps(on_host)
-    for name in touched:
+    for name in touched - left:
         u = updates[name]
         if u.replace is None and name not in layouts:
             u.ops, u.staged = (), []  # no change left: the caller drops the update
-    return True
+    return left
 
 
-def _lay_out(frames: list[_Frame], updates: Mapping[str, Any]) -> tuple[np.ndarray, dict[str, _Layout]]:
+def _lay_out(frames: list[_Frame], updates: Mapping[str, Any], left: set[str]) -> tuple[np.ndarray, dict[str, _Layout]]:
     """The host buffer for every touched tensor's staged arrays and where each goes; each frame's table filled
-    in (mode, merge, offsets, counts). _NotStaged when a tensor's pieces do not ascend through it."""
+    in (mode, merge, offsets, counts). Tensors in `left`, and those whose pieces do not ascend through
+    them or mix XOR and ADD (added to `left`), are not laid out: their pieces stay skipped."""
     pieces: dict[str, list[tuple[_Frame, int]]] = {}
     for f in frames:
         for i, name in enumerate(f.names):
@@ -210,14 +230,18 @@ def _lay_out(frames: list[_Frame], updates: Mapping[str, Any]) -> tuple[np.ndarr
         u = updates[name]
         if u.replace is not None:
             raise _NotStaged  # a tensor replaced whole and changed by a delta in one step: not from this codec
+        if name in left:
+            continue
         end = 0
         changes = slots = 0
         last_block = -1
         merged: list[tuple[_Frame, int, int]] = []
+        ordered = True
         for f, i in held:
             offset = int(f.table[i, _OFFSET])
             if offset < end:
-                raise _NotStaged  # pieces out of order: the reference path composes them
+                ordered = False  # pieces out of order: the reference path composes them
+                break
             end = offset + int(f.ref.pieces[i].length // f.width)
             if not f.changes[i]:
                 continue
@@ -227,11 +251,12 @@ def _lay_out(frames: list[_Frame], updates: Mapping[str, Any]) -> tuple[np.ndarr
             changes += int(f.changes[i])
             slots += int(f.blocks[i]) - joins
             last_block = int(f.last[i])
+        adds = {f.add for f, i in held if f.changes[i]}
+        if not ordered or len(adds) > 1:  # (XOR and ADD pieces in one tensor do not commute)
+            left.add(name)
+            continue
         if not changes:
             continue
-        adds = {f.add for f, i in held if f.changes[i]}
-        if len(adds) != 1:
-            raise _NotStaged  # XOR and ADD pieces in one tensor: they do not commute (the reference composes)
         width = u.dtype.width
         elements = int(np.prod(u.shape, dtype=np.int64))
         wide = elements >= 1 << 31

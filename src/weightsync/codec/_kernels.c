@@ -859,10 +859,11 @@ fail:
     return NULL;
 }
 
-/* stage_pieces(count, gap_planes, value_planes, width, add, table, buf, carry_out) -> bool: each
- * piece's staged change written into buf where its row of `table` (n x T_COLUMNS int64) says
- * (stage_loop). Every row's regions are checked to lie within buf before a byte is written;
- * False if the frame's changes do not match the rows' counts (buf then holds a partial write). */
+/* stage_pieces(count, gap_planes, value_planes, width, add, table, buf, carry_out) -> 0, 1 or 2:
+ * each piece's staged change written into buf where its row of `table` (n x T_COLUMNS int64) says
+ * (stage_loop). Every row's regions are checked to lie within buf before a byte is written; 0 if
+ * the frame's changes do not match the rows' counts (buf then holds a partial write), 2 if a
+ * staged operand is zero, else 1. */
 static PyObject *stage_pieces(PyObject *self, PyObject *args) {
     PyObject *og, *ov, *ot, *ob, *oc;
     unsigned long long count;
@@ -908,7 +909,7 @@ static PyObject *stage_pieces(PyObject *self, PyObject *args) {
     ok = stage_loop(gaps, planes, count, w, add, table, (u64)n, buf, (int64_t *)c);
     Py_END_ALLOW_THREADS
     release_all(&h);
-    return PyBool_FromLong(ok);
+    return PyLong_FromLong(ok);
 fail:
     release_all(&h);
     return NULL;
@@ -1125,7 +1126,7 @@ static PyMethodDef methods[] = {
     {"piece_blocks", piece_blocks, METH_VARARGS,
      "piece_blocks(count, gap_planes, bounds, offsets, counts, nblocks, first, last) -> end"},
     {"stage_pieces", stage_pieces, METH_VARARGS,
-     "stage_pieces(count, gap_planes, value_planes, width, add, table, buf, carry) -> bool"},
+     "stage_pieces(count, gap_planes, value_planes, width, add, table, buf, carry) -> 0, 1 or 2"},
     {"piece_changes", piece_changes, METH_VARARGS,
      "piece_changes(count, gap_planes, value_planes, width, add, bounds, offsets, positions, operands, cuts) -> end"},
     {"checksum", checksum, METH_VARARGS, "checksum(data, width, start, constant, threads) -> lanes"},

@@ -578,28 +578,34 @@ HOT static u64 blocks_loop(u8 *const *gaps, u64 count, const int64_t *bounds, co
 /* One row of stage_pieces' table, per piece. */
 enum { T_BOUND, T_OFFSET, T_MODE, T_MERGE, T_OPS, T_POS, T_BLOCKS, T_COUNTS, T_CHANGES, T_SLOTS, T_COLUMNS };
 
-/* Operands of changes [k0, k0 + n) of a frame, un-zigzagged when `add`, to `out`. */
-static inline ALWAYS_INLINE void stage_operands(u8 *const *planes, u64 k0, u64 n, int w, int add, u8 *out) {
+/* Operands of changes [k0, k0 + n) of a frame, un-zigzagged when `add`, to `out`; whether one of
+ * them is zero (a change that changes nothing: this codec never writes one, the format allows it). */
+static inline ALWAYS_INLINE int stage_operands(u8 *const *planes, u64 k0, u64 n, int w, int add, u8 *out) {
+    int zero = 0;
     if (w == 2) {
         const u8 *p0 = planes[0] + k0, *p1 = planes[1] + k0;
         if (add) {
             for (u64 j = 0; j < n; j++) {
                 uint16_t z = (uint16_t)(p0[j] | (p1[j] << 8)), v = (uint16_t)((z >> 1) ^ (uint16_t)(0u - (z & 1u)));
                 memcpy(out + 2 * j, &v, 2);
+                zero |= z == 0;
             }
         } else {
             for (u64 j = 0; j < n; j++) {
                 uint16_t v = (uint16_t)(p0[j] | (p1[j] << 8));
                 memcpy(out + 2 * j, &v, 2);
+                zero |= v == 0;
             }
         }
-        return;
+        return zero;
     }
     for (u64 j = 0; j < n; j++) {
         u64 v = joined(planes, w, k0 + j);
         if (add) v = unzigzag(v, w);
         memcpy(out + j * w, &v, (size_t)w);
+        zero |= v == 0;
     }
+    return zero;
 }
 
 /* Write each piece's staged change into `buf` (client/tensors.py StagedChange): its operands
@@ -610,10 +616,12 @@ static inline ALWAYS_INLINE void stage_operands(u8 *const *planes, u64 k0, u64 n
  * previous piece's last block: that block's count here goes to carry[i], not to a slot. Returns
  * 0 if the changes run past the frame's count, a change lies outside its piece, or a piece's
  * blocks exceed its T_SLOTS (the caller's layout came from blocks_loop over the same frame:
- * never); every write stays within the regions the caller checked. */
+ * never); every write stays within the regions the caller checked. Returns 2 when a staged
+ * operand is zero (the reference path drops such changes), else 1. */
 HOT static int stage_loop(u8 *const *gaps, u8 *const *planes, u64 count, int w, int add, const int64_t *table,
                           u64 nb, u8 *buf, int64_t *carry) {
     u64 pos = (u64)-1, k = 0;
+    int zero = 0;
     for (u64 i = 0; i < nb; i++) {
         const int64_t *row = table + i * T_COLUMNS;
         const u64 n = (u64)row[T_CHANGES], lo = (u64)row[T_BOUND];
@@ -630,7 +638,7 @@ HOT static int stage_loop(u8 *const *gaps, u8 *const *planes, u64 count, int w, 
             if (n && pos >= hi) return 0;
             continue;
         }
-        stage_operands(planes, k, n, w, add, buf + row[T_OPS]);
+        zero |= stage_operands(planes, k, n, w, add, buf + row[T_OPS]);
         u8 *out = buf + row[T_POS];
         if (mode == STAGE_POS32 || mode == STAGE_POS64) {
             for (u64 j = 0; j < n; j++) {
@@ -694,7 +702,7 @@ HOT static int stage_loop(u8 *const *gaps, u8 *const *planes, u64 count, int w, 
         k += n;
         if (n && pos >= hi) return 0; /* the piece's last change lies in it */
     }
-    return k == count;
+    return k != count ? 0 : zero ? 2 : 1;
 }
 
 static inline u64 combine(u64 cur, u64 v, int w, int op) {
