@@ -608,6 +608,27 @@ static inline ALWAYS_INLINE int stage_operands(u8 *const *planes, u64 k0, u64 n,
     return zero;
 }
 
+/* A completed block of a piece's changes: its count to *carry when it continues the previous
+ * piece's last block (`merged`), else its id and count into the next of the piece's `slots`
+ * slots; 0 when there is none left. */
+static inline ALWAYS_INLINE int stage_block(int merged, int64_t mode, int64_t id, int64_t run, u8 *ids, u8 *counts,
+                                            int64_t *slot, int64_t slots, int64_t *carry) {
+    if (merged) {
+        *carry = run;
+        return 1;
+    }
+    if (*slot >= slots) return 0;
+    if (mode == STAGE_BLOCKS32) {
+        int32_t id32 = (int32_t)id;
+        memcpy(ids + 4 * *slot, &id32, 4);
+    } else {
+        memcpy(ids + 8 * *slot, &id, 8);
+    }
+    memcpy(counts + 8 * *slot, &run, 8);
+    (*slot)++;
+    return 1;
+}
+
 /* Write each piece's staged change into `buf` (client/tensors.py StagedChange): its operands
  * (un-zigzagged when `add`) at T_OPS; by mode, its positions as int32/int64 at T_POS, or
  * block-coded: the low 16 bits as int16 at T_POS and, per block, its id (int32/int64) at
@@ -663,40 +684,16 @@ HOT static int stage_loop(u8 *const *gaps, u8 *const *planes, u64 count, int w, 
                 memcpy(out + 2 * j, &low, 2);
                 if (b != cur) {
                     if (cur >= 0) { /* the block before is complete */
-                        if (first && row[T_MERGE]) {
-                            carry[i] = run;
-                        } else {
-                            if (slot >= slots) return 0;
-                            if (mode == STAGE_BLOCKS32) {
-                                int32_t id = (int32_t)cur;
-                                memcpy(ids + 4 * slot, &id, 4);
-                            } else {
-                                memcpy(ids + 8 * slot, &cur, 8);
-                            }
-                            memcpy(counts + 8 * slot, &run, 8);
-                            slot++;
-                        }
+                        if (!stage_block(first && row[T_MERGE], mode, cur, run, ids, counts, &slot, slots, carry + i))
+                            return 0;
                         first = 0;
                     }
                     cur = b, run = 0;
                 }
                 run++;
             }
-            if (cur >= 0) {
-                if (first && row[T_MERGE]) {
-                    carry[i] = run;
-                } else {
-                    if (slot >= slots) return 0;
-                    if (mode == STAGE_BLOCKS32) {
-                        int32_t id = (int32_t)cur;
-                        memcpy(ids + 4 * slot, &id, 4);
-                    } else {
-                        memcpy(ids + 8 * slot, &cur, 8);
-                    }
-                    memcpy(counts + 8 * slot, &run, 8);
-                    slot++;
-                }
-            }
+            if (cur >= 0 && !stage_block(first && row[T_MERGE], mode, cur, run, ids, counts, &slot, slots, carry + i))
+                return 0;
             if (slot != slots) return 0;
         }
         k += n;
