@@ -759,6 +759,23 @@ fail:
     return NULL;
 }
 
+/* Bounds (int64, ascending from 0) of a frame's n >= 1 pieces, from a buffer of n int64. */
+static const int64_t *piece_bounds(u8 *b, Py_ssize_t lb, Py_ssize_t stride) {
+    const int64_t *bounds = (const int64_t *)b;
+    const Py_ssize_t n = lb / (8 * stride);
+    if (n == 0 || bounds[0] != 0) {
+        PyErr_SetString(PyExc_ValueError, "bounds must start at 0");
+        return NULL;
+    }
+    for (Py_ssize_t i = 1; i < n; i++) {
+        if (bounds[i * stride] < bounds[(i - 1) * stride]) {
+            PyErr_SetString(PyExc_ValueError, "bounds must ascend");
+            return NULL;
+        }
+    }
+    return bounds;
+}
+
 /* piece_changes(count, gap_planes, value_planes, width, add, bounds, offsets, positions_out,
  * operands_out, cuts_out) -> end: a delta frame's changes as its pieces' (pieces_loop), with
  * the GIL released: bounds and offsets int64 of one length n >= 1, bounds ascending from 0;
@@ -787,17 +804,8 @@ static PyObject *piece_changes(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "positions must hold count int64 and operands count elements");
         goto fail;
     }
-    const int64_t *bounds = (const int64_t *)b;
-    if (bounds[0] != 0) {
-        PyErr_SetString(PyExc_ValueError, "bounds must start at 0");
-        goto fail;
-    }
-    for (Py_ssize_t i = 1; i < lb / 8; i++) {
-        if (bounds[i] < bounds[i - 1]) {
-            PyErr_SetString(PyExc_ValueError, "bounds must ascend");
-            goto fail;
-        }
-    }
+    const int64_t *bounds = piece_bounds(b, lb, 1);
+    if (bounds == NULL) goto fail;
     u64 end;
     Py_BEGIN_ALLOW_THREADS
     end = pieces_loop(gaps, planes, count, w, add, bounds, (const int64_t *)o, (u64)lb / 8, (int64_t *)p, x,
@@ -808,23 +816,6 @@ static PyObject *piece_changes(PyObject *self, PyObject *args) {
 fail:
     release_all(&h);
     return NULL;
-}
-
-/* Bounds (int64, ascending from 0) of a frame's n >= 1 pieces, from a buffer of n int64. */
-static const int64_t *piece_bounds(u8 *b, Py_ssize_t lb, Py_ssize_t stride) {
-    const int64_t *bounds = (const int64_t *)b;
-    const Py_ssize_t n = lb / (8 * stride);
-    if (n == 0 || bounds[0] != 0) {
-        PyErr_SetString(PyExc_ValueError, "bounds must start at 0");
-        return NULL;
-    }
-    for (Py_ssize_t i = 1; i < n; i++) {
-        if (bounds[i * stride] < bounds[(i - 1) * stride]) {
-            PyErr_SetString(PyExc_ValueError, "bounds must ascend");
-            return NULL;
-        }
-    }
-    return bounds;
 }
 
 /* piece_blocks(count, gap_planes, bounds, offsets, counts_out, nblocks_out, first_out, last_out) -> end:
