@@ -3,17 +3,15 @@
 # .whl (benchmarks/README.md says how to fetch them), then the scale bench on the 5.63 GB
 # Llama recipe (publish, prepare + apply into live CUDA tensors, end to end, publish_async, keyframe
 # publish, GPU staging; full reload warm/cold; XOR + zstd-1), the probe's thread scaling and, with
-# CHUNKS=yes, encode and prepare at 4 and 16 MiB frames on all cores (benchmarks/chunk_probe.py), and with
-# STAGING=yes (the default) a device's prepare staged from its frames against the reference path, in process
-# (benchmarks/gpu_profile.py --compare). Writes what it measured under $OUT (or ./gpu-out).
-# Usage: scripts/gpu_run.sh [MODEL_BYTES] [PROBE] [CHUNKS] [STAGING]
+# CHUNKS=yes, encode and prepare at 4 and 16 MiB frames on all cores (benchmarks/chunk_probe.py).
+# Writes what it measured under $OUT (or ./gpu-out). Usage: scripts/gpu_run.sh [MODEL_BYTES] [PROBE] [CHUNKS]
+# (scripts/gpu_staging.sh, a call of its own: a device's prepare staged from its frames against the reference.)
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 SIZE=${1:-5.63G}
 PROBE=${2:-yes}
 CHUNKS=${3:-no}
-STAGING=${4:-yes}
 export PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -35,10 +33,4 @@ fi
 if [ "$CHUNKS" = yes ]; then
     timeout 200 python3 -m benchmarks.chunk_probe "$SIZE" --chunks 4M,16M --rounds 3 --out "$OUT/chunk_probe.json" 2>&1 \
         | tail -6
-fi
-if [ "$STAGING" = yes ]; then
-    for t in 2 16; do
-        timeout 150 python3 -m benchmarks.gpu_profile "$SIZE" --compare --rounds 4 --threads $t 2>&1 \
-            | grep -E "^model|medians|^prepare:" | tee -a "$OUT/staging.log"
-    done
 fi

@@ -392,3 +392,26 @@ def test_the_environment_can_select_the_reference_path(monkeypatch) -> None:
     monkeypatch.setenv("WEIGHTSYNC_STAGE_FRAMES", "1")
     assert stage_frames.available("cpu")
     assert isinstance(_prepare(manifests, read, native=True, monkeypatch=monkeypatch).updates["w"].ops, HostOps)
+
+
+def test_a_frame_whose_pieces_do_not_cover_it_is_refused(monkeypatch) -> None:
+    """A manifest built in process whose frame's pieces fall short of its bytes (a parsed one cannot be):
+    CorruptData, nothing staged beyond a piece."""
+    import dataclasses
+
+    from weightsync.codec.manifest import Piece
+    from weightsync.errors import CorruptData
+
+    rng = np.random.default_rng(3)
+    raw = rng.integers(0, 256, 2 * 5000, dtype=np.uint8)
+    changed = raw.copy()
+    changed.view("<u2")[::50] += 1
+    manifests, read = _encoded({"w": _bf16(raw)}, {"w": _bf16(changed)}, 1 << 20)
+    m = manifests[0]
+    first = m.frames[0]
+    p = first.pieces[-1]
+    m.frames[0] = dataclasses.replace(
+        first, pieces=(*first.pieces[:-1], Piece(p.file, p.seg, p.offset, p.length - 2000))
+    )
+    with pytest.raises(CorruptData):
+        _prepare(manifests, read, native=True, monkeypatch=monkeypatch)
