@@ -4,9 +4,8 @@
 changes (int64 positions, operands: 10 bytes a change), compose a tensor's pieces, code
 the positions compactly (client/tensors.py ``code_change``) and copy the result into one
 host buffer for the device: four passes over every change after the decompression, three
-of them on the calling thread. Here, for an update of one step whose delta frames are all
-sparse (what an optimizer step gives), each frame is read twice by native code with the
-GIL released (codec/_kernels.c):
+of them on the calling thread. Here, for an update of one step, each sparse delta frame (what
+an optimizer step gives) is read twice by native code with the GIL released (codec/_kernels.c):
 
 1. ``piece_blocks``: per piece, its changes and the blocks of 2^16 elements of its tensor
    that hold them (frames decompressed once, on the pool);
@@ -21,8 +20,9 @@ The staged arrays are then the views of that buffer that ``stage_changes`` would
 made, byte for byte (``tests/client/test_stage_frames.py`` checks this against the reference
 path), and move to the device in one copy. The decoded changes are not kept: a tensor's
 ``ops`` makes its Change from the host copy (4 bytes a change for bf16) only when asked for
-(``tensors.HostOps``). Updates of several steps (which compose), dense frames and pieces out
-of order take the reference path.
+(``tensors.HostOps``). A tensor with a piece in a dense frame (every element of a norm changed),
+with pieces out of order or of both kinds (XOR, ADD) is left to the reference path, in the same
+update; updates of several steps (which compose) take it whole.
 """
 
 from __future__ import annotations
