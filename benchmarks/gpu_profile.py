@@ -13,6 +13,7 @@ times the host half of a GPU subscriber's `prepare` on a box without one (stagin
 without CUDA).
 
     PYTHONPATH=src:. python3 -m benchmarks.gpu_profile 5.63G [--threads N] [--profile] [--compare] [--device cpu]
+    PYTHONPATH=src:. python3 -m benchmarks.gpu_profile --case moe-bf16-x4 --compare   # a corpus case's step
 """
 
 from __future__ import annotations
@@ -38,6 +39,22 @@ from weightsync.codec.checkpoint import Checkpoint
 from weightsync.codec.encoder import Encoder
 
 
+def _case_step(case: str) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """The corpus case's versions 1 and 2 (benchmarks/corpus.py: real optimizer steps), as each tensor's bytes;
+    SystemExit unless every tensor is bf16 (the rounds view them so)."""
+    from benchmarks import corpus
+    from weightsync.client.tensors import load
+
+    dirs = corpus.ensure_case(case)
+    out = []
+    for d in dirs[1:3]:
+        tensors = load(d)
+        if any(t.dtype != torch.bfloat16 for t in tensors.values()):
+            raise SystemExit(f"--case {case}: not every tensor is bf16")
+        out.append({k: t.view(torch.int16).numpy().view(np.uint8).reshape(-1) for k, t in tensors.items()})
+    return out[0], out[1]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("size", type=parse_bytes, nargs="?", default=parse_bytes("5.63G"))
@@ -46,6 +63,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="one more round under cProfile")
     ap.add_argument("--compare", action="store_true", help="alternate rounds with the reference staging path")
     ap.add_argument("--device", default="auto", help="where the live tensors are: auto (cuda if any), cuda, cpu")
+    ap.add_argument("--case", help="a bf16 corpus case's step v1 -> v2, not a generated Llama (e.g. moe-bf16-x4)")
     args = ap.parse_args()
     dev = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     cuda = dev.startswith("cuda")
@@ -55,10 +73,14 @@ def main() -> None:
             torch.cuda.synchronize()
 
     t0 = time.perf_counter()
-    steps = trajectory(LlamaShape.for_bytes(args.size), 2, device=dev)
-    next(steps)  # Adam's first step moves nearly every weight: the versions after it are steady-state steps
-    v1, v2 = ({k: v.view(torch.int16).numpy().view(np.uint8).reshape(-1) for k, v in next(steps).items()} for _ in "ab")
-    del steps
+    if args.case:
+        v1, v2 = _case_step(args.case)
+    else:
+        steps = trajectory(LlamaShape.for_bytes(args.size), 2, device=dev)
+        next(steps)  # Adam's first step moves nearly every weight: the versions after it are steady-state steps
+        v1, v2 = ({k: v.view(torch.int16).numpy().view(np.uint8).reshape(-1) for k, v in next(steps).items()}
+                  for _ in "ab")  # fmt: skip
+        del steps
     if cuda:
         torch.cuda.empty_cache()
     base_ck = Checkpoint.from_bytes({"model.safetensors": _safetensors_bytes(v1)})
