@@ -12,13 +12,7 @@ mkdir -p "$OUT"
 SIZE=${1:-5.63G}
 PROBE=${2:-yes}
 CHUNKS=${3:-no}
-export PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/site:src:.
-else
-    export PYTHONPATH=src:.
-fi
+. "$(dirname "$0")/gpu_env.sh"
 { nvidia-smi -L; nproc; free -g | head -2; df -h / /tmp | tail -2; python3 --version; } 2>&1 | tee "$OUT/machine.txt"
 python3 -c "from weightsync.codec import kernels; print('kernels:', type(kernels.active()).__name__); import weightsync.service" || exit 1
 # A small model first: a broken run fails in a minute, not eight.

@@ -10,13 +10,7 @@ mkdir -p "$OUT"
 SIZE=${1:-5.63G}
 shift || true
 THREADS=${*:-2 16}
-export PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/site:src:.
-else
-    export PYTHONPATH=src:.
-fi
+. "$(dirname "$0")/gpu_env.sh"
 for t in $THREADS; do
     echo "== $t decode threads" | tee -a "$OUT/staging.log"
     timeout 200 python3 -m benchmarks.gpu_profile "$SIZE" --compare --rounds 4 --threads "$t" 2>&1 \
