@@ -356,15 +356,16 @@ def prepare(
         left = stage_frames.stage_step(
             manifests[0], read_frame, pool_of(threads), names, touched, updates, device, per_job=per
         )
-        staged = left is not None
-        if left:
-            rest, _ = decode_updates(list(manifests), read_frame, pool_of(threads), select=left.__contains__)
-            for name in left:
-                updates.pop(name, None)
-            updates.update(rest)
-        updates = updates if staged else {}
-        if staged:
+        if left is None:
+            updates = {}  # the reference path for all of it, afresh
+        else:
+            if left:
+                rest, _ = decode_updates(list(manifests), read_frame, pool_of(threads), select=left.__contains__)
+                for name in left:
+                    updates.pop(name, None)
+                updates.update(rest)
             updates, specs = _finish(manifests, updates, select, kept_frames=False)
+            staged = True
     if manifests and not staged:
         updates, specs = decode_updates(list(manifests), read_frame, pool_of(threads), frames=frames, select=select)
     prepared = Prepared(

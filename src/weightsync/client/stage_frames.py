@@ -38,7 +38,16 @@ import numpy as np
 
 from weightsync import errors
 from weightsync.client._pool import run_all
-from weightsync.client.tensors import APPLY_CHUNK, BLOCK_BITS, HostOps, StagedChange, aligned, move_staged
+from weightsync.client.tensors import (
+    BLOCK_BITS,
+    HostOps,
+    StagedChange,
+    aligned,
+    apply_spans,
+    block_coded,
+    index_dtype,
+    move_staged,
+)
 from weightsync.codec import kernels
 from weightsync.codec.decoder import check_frame
 from weightsync.codec.dtypes import by_name
@@ -258,9 +267,9 @@ def _lay_out(frames: list[_Frame], updates: Mapping[str, Any], left: set[str]) -
         if not changes:
             continue
         width = u.dtype.width
-        elements = int(np.prod(u.shape, dtype=np.int64))
-        wide = elements >= 1 << 31
-        blocked = not 8 * slots >= 2 * changes  # code_change's rule: int positions when they are smaller
+        index = index_dtype(int(np.prod(u.shape, dtype=np.int64)))  # code_change's rules, on the totals
+        wide = index is np.int64
+        blocked = block_coded(slots, changes)
         isz = 8 if wide else 4
         ops = total
         total += aligned(changes * width)
@@ -312,10 +321,5 @@ def _staged(host: np.ndarray, lay: _Layout, u: Any, carried: Mapping[int, np.nda
         counts[slot] += carried[id(f)][i]
     starts = np.zeros(lay.slots, dtype=np.int64)
     np.cumsum(counts[:-1], out=starts[1:])
-    spans = []
-    b = 0
-    while b < lay.slots:  # whole blocks per step, about APPLY_CHUNK changes each (as code_change)
-        e = max(int(np.searchsorted(starts, starts[b] + APPLY_CHUNK, side="right")), b + 1)
-        spans.append((b, e, int(starts[b]), int(starts[e]) if e < lay.slots else lay.changes))
-        b = e
+    spans = apply_spans(starts, lay.changes)
     return StagedChange(lay.add, operands, low=low, blocks=blocks, counts=counts, spans=spans)

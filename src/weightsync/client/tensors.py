@@ -484,11 +484,34 @@ def unstage(staged: StagedChange) -> Any:
     return Change(staged.add, positions, staged.operands)
 
 
+def index_dtype(elements: int) -> type[np.signedinteger[Any]]:
+    """The integer type of a tensor's staged positions and block ids: int32, int64 from 2^31 elements on."""
+    return np.int64 if elements >= 1 << 31 else np.int32
+
+
+def block_coded(blocks: int, changes: int) -> bool:
+    """Whether `changes` in `blocks` blocks of 2^BLOCK_BITS elements are staged block-coded (2 bytes a change and
+    8 a block) rather than as int32 positions: when that is smaller, not with few changes per block."""
+    return 8 * blocks < 2 * changes
+
+
+def apply_spans(starts: np.ndarray, changes: int) -> list[tuple[int, int, int, int]]:
+    """A block-coded change's apply steps: whole blocks, about APPLY_CHUNK changes each (one block may exceed
+    it), as (first block, end block, first change, end change); `starts` is each block's first change."""
+    spans = []
+    b = 0
+    while b < len(starts):
+        e = max(int(np.searchsorted(starts, starts[b] + APPLY_CHUNK, side="right")), b + 1)
+        spans.append((b, e, int(starts[b]), int(starts[e]) if e < len(starts) else changes))
+        b = e
+    return spans
+
+
 def code_change(change: Any, elements: int) -> StagedChange:
     """`change` as a :class:`StagedChange` of host (numpy) arrays: block-coded positions where that is smaller."""
     pos: np.ndarray = change.positions
     operands = np.ascontiguousarray(change.operands)
-    index = np.int64 if elements >= 1 << 31 else np.int32
+    index = index_dtype(elements)
     if len(pos) == 0:
         return StagedChange(change.add, operands, positions=pos.astype(index))
     # Positions ascend: each block's first change is found by a binary search per block in the
@@ -496,18 +519,12 @@ def code_change(change: Any, elements: int) -> StagedChange:
     first, last = int(pos[0]) >> BLOCK_BITS, int(pos[-1]) >> BLOCK_BITS
     bounds = np.searchsorted(pos, np.arange(first, last + 2, dtype=np.int64) << BLOCK_BITS)
     has = np.flatnonzero(bounds[1:] != bounds[:-1])
-    if 8 * len(has) >= 2 * len(pos):  # int32 positions are smaller: few changes per block
+    if not block_coded(len(has), len(pos)):  # int32 positions are smaller: few changes per block
         return StagedChange(change.add, operands, positions=pos.astype(index))
     starts = bounds[has]
     counts = bounds[has + 1] - starts
     low = pos.astype(np.uint16).view(np.int16)  # the low BLOCK_BITS (= 16) bits: the cast keeps them
-    spans = []
-    b = 0
-    while b < len(starts):  # whole blocks per step, about APPLY_CHUNK changes each (one block may exceed it)
-        e = int(np.searchsorted(starts, starts[b] + APPLY_CHUNK, side="right"))
-        e = max(e, b + 1)
-        spans.append((b, e, int(starts[b]), int(starts[e]) if e < len(starts) else len(pos)))
-        b = e
+    spans = apply_spans(starts, len(pos))
     return StagedChange(
         change.add,
         operands,

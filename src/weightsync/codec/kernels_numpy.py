@@ -129,12 +129,12 @@ class ReferenceKernels:
         if len(offsets) != len(bounds):
             raise ValueError("one offset per bound")
         positions = self.gap_positions(count, gaps)
+        end = int(positions[-1]) + 1 if count else 0
         piece = np.searchsorted(bounds, positions, side="right") - 1
         positions += (offsets - bounds)[piece]
         joined = self.join_planes(values, width).view(UINT[width])
         operands = unzigzag(joined) if add else joined
         cuts = np.searchsorted(piece, np.arange(len(bounds)), side="left").astype(np.int64)
-        end = int(positions[-1] - (offsets - bounds)[piece[-1]]) + 1 if count else 0
         return positions, operands, cuts, end
 
     def gap_cuts(
