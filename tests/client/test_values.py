@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from weightsync.codec import apply_frame, by_name, encode_delta, encode_key
 from weightsync.codec.frame import METHOD_PLANES, METHOD_SPARSE, METHOD_STORED, parse_header
-from weightsync.codec.values import apply_values, decode_pieces, decode_values, keyframe_bytes
+from weightsync.codec.values import decode_pieces, decode_values, keyframe_bytes
 from weightsync.errors import FormatError
 
 DTYPES = ["BF16", "F32", "F8_E4M3", "U8", "BOOL", "F64", "I16"]
@@ -38,9 +38,9 @@ def test_decode_values_matches_apply_frame(dtype: str, n: int, density: float, a
     frame = encode_delta(base, new, by_name(dtype), add=add)
     change = decode_values(frame)
     assert change.header.add == add
-    # Whole frame, through the host helper.
+    # Whole frame, as one Change.
     out = base.copy()
-    apply_values(out, change)
+    change.change().apply(out)
     assert np.array_equal(out, new)
     # Sparse form, applied as the tensor path does: signed operands added (or xored) at positions.
     pos, vals = change.sparse()
@@ -59,8 +59,8 @@ def test_decode_values_matches_apply_frame(dtype: str, n: int, density: float, a
     split = n // 2
     out2 = base.copy()
     w = by_name(dtype).width
-    apply_values(out2[: split * w], change, start=0, count=split)
-    apply_values(out2[split * w :], change, start=split, count=n - split)
+    change.change(start=0, count=split).apply(out2[: split * w])
+    change.change(start=split, count=n - split).apply(out2[split * w :])
     assert np.array_equal(out2, new)
 
 
@@ -73,7 +73,7 @@ def test_methods_covered(changed: int, method: int) -> None:
     ref = base.copy()
     apply_frame(frame, ref)
     out = base.copy()
-    apply_values(out, decode_values(frame))
+    decode_values(frame).change().apply(out)
     assert np.array_equal(out, ref)
 
 
@@ -83,7 +83,7 @@ def test_stored_delta_frame() -> None:
     frame = encode_delta(base, new, by_name("U8"), add=False)
     assert parse_header(frame).method == METHOD_STORED
     out = base.copy()
-    apply_values(out, decode_values(frame))
+    decode_values(frame).change().apply(out)
     assert np.array_equal(out, new)
 
 

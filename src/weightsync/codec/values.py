@@ -162,34 +162,6 @@ def keyframe_bytes(frame: bytes | memoryview | np.ndarray) -> np.ndarray:
     return decode_frame(frame)
 
 
-def apply_values(
-    target: np.ndarray, change: DeltaValues, *, start: int = 0, count: int | None = None, offset: int = 0
-) -> None:
-    """Apply the part of `change` for frame elements [start, start+count) to `target` elements from `offset`.
-
-    `target` is a 1-D array of the W-byte unsigned type; used to compose several
-    deltas on the host. No checksum is checked here.
-    """
-    count = change.elements - start if count is None else count
-    udt = change.header.dtype.numpy_uint
-    view = target.view(udt)
-    if change.positions is None:
-        vals = change.values[start : start + count]
-        dst = view[offset : offset + count]
-        if change.header.add:
-            np.add(dst, unzigzag(vals), out=dst)
-        else:
-            np.bitwise_xor(dst, vals, out=dst)
-        return
-    lo, hi = np.searchsorted(change.positions, [start, start + count])
-    pos = change.positions[lo:hi] - start + offset
-    vals = change.values[lo:hi]
-    if change.header.add:
-        view[pos] += unzigzag(vals)
-    else:
-        view[pos] ^= vals
-
-
 def compose(changes: Iterable[Change]) -> list[Change]:
     """Changes equal to applying `changes` in order, each element changed at most once per run.
 
