@@ -201,7 +201,7 @@ def gc_paused() -> Iterator[None]:
     A model of tens of thousands of tensors makes tens of thousands of small objects per
     publish, prepare and apply (manifest entries, views, checksums); each allocation burst
     set off full collections that walk the whole process heap, about half of those calls'
-    time at 20,000 tensors (docs/SCALE.md "Many tensors"). Cycles made inside the block are
+    time at 20,000 tensors (docs/SCALE-RUNS.md "Many tensors"). Cycles made inside the block are
     collected after it. Re-entrant and thread-safe: the collector comes back when the last
     block open in the process ends, and only if it was on when the first one began.
     """

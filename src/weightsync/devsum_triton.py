@@ -1,7 +1,7 @@
 """The tensor checksum's moments (devsum.py) in one Triton kernel per tensor, for CUDA tensors.
 
 devsum.py's torch path runs about ten kernels per 4 M-element chunk and moves ~30 bytes of
-memory per 16-bit word: 30-40 GB/s of model bytes on an H100 (docs/SCALE.md, run A and Y).
+memory per 16-bit word: 30-40 GB/s of model bytes on an H100 (docs/SCALE-RUNS.md, run A and Y).
 Here each program reads its block of words once and writes two int64 numbers per lane
 (Σ u and Σ u·i over its block); torch adds the blocks' numbers up. Same moments, bit for bit:
 integer arithmetic only, wrapping mod 2^64 like the torch path's int64 (the checksum is

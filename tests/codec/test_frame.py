@@ -260,7 +260,7 @@ def test_default_level_planes_skip_short_matches_and_code_smaller(monkeypatch):
     """The default level codes byte planes with PLANE_MATCH (no matches shorter than 7 bytes): a weights-like
     keyframe comes out smaller than with level 1's own match finder, and keyframe and one-ulp delta frames
     decode to the same bytes either way. (On real optimizer steps the delta sections are 2-3 % smaller too,
-    docs/SCALE.md run X; synthetic uniform changes show no such gain, so it is not asserted here.)"""
+    docs/SCALE-RUNS.md run X; synthetic uniform changes show no such gain, so it is not asserted here.)"""
     rng = np.random.default_rng(7)
     dt = by_name("BF16")
     base = _weights_like(rng, 1 << 18)

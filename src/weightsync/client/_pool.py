@@ -115,7 +115,7 @@ def run_all(pool: Executor, fn: Callable[[T], Any], items: Iterable[T], *, calle
     With `caller_helps` the calling thread runs jobs too, from the last one back, while the
     pool's threads take them from the first (a job either of them took is not run again): the
     batch starts at once instead of after the pool's threads wake, which on a virtual machine
-    whose cores idled costs the better part of a millisecond (docs/SCALE.md, run Q). For short
+    whose cores idled costs the better part of a millisecond (docs/SCALE-RUNS.md, run Q). For short
     CPU batches a caller would wait on anyway (an update's apply).
     """
     scope = _Scope(_current())
@@ -164,7 +164,7 @@ class HelpingPool(Executor):
     """`pool` for a caller that waits on each batch anyway (the publisher's encode, whose `Encoder` only maps):
     ``map`` is :func:`run_all` with the calling thread helping, so a batch starts without waiting for the
     pool's threads to wake (on this project's 2-core VM, an encode after an idle spell ~2 ms sooner:
-    docs/SCALE.md, run Q). Its results come all at once, after the batch, not one by one as they finish;
+    docs/SCALE-RUNS.md, run Q). Its results come all at once, after the batch, not one by one as they finish;
     a failure stops the batch. ``submit`` goes to `pool`; ``shutdown`` leaves the shared pool running.
     ``map`` takes no `timeout` (the calling thread runs jobs itself: ValueError) and, as a thread pool's,
     ignores `chunksize`."""

@@ -40,7 +40,7 @@ DEVICE_DECODE_THREADS = 2
 """Threads that decode frames into changes for tensors off the host (`prepare` with a device, when not told).
 That decode holds the GIL for most of each frame's work: on the H100 box's 16 cores a 5.7 GB model's
 update (19.8 M changes, 1468 frames) decoded and staged in 0.59 / 0.50 / 0.56 / 0.75 / 0.84 s on
-1 / 2 / 4 / 8 / 16 threads (docs/SCALE.md, run Y)."""
+1 / 2 / 4 / 8 / 16 threads (docs/SCALE-RUNS.md, run Y)."""
 
 _REPLACE_PIECE = 8 << 20
 """Whole replacements of host tensors are copied in pieces of this many bytes, spread over the CPU pool."""
@@ -134,7 +134,7 @@ def _frames_per_job(frames: int) -> int:
 
     A job per frame cost the pool's hand-over (submit, wake a thread, a future, its result) per
     frame; a GPU's update holds hundreds to thousands of frames of ~10^4-10^5 changes each, where that
-    is a fair share of the frame's own work (docs/SCALE.md). About _JOBS_PER_BATCH jobs still
+    is a fair share of the frame's own work (docs/SCALE-RUNS.md, run Z). About _JOBS_PER_BATCH jobs still
     keep every thread busy to the end.
     """
     return max(1, min(_FRAMES_PER_JOB, frames // _JOBS_PER_BATCH))

@@ -2,7 +2,7 @@
 
 The torch path expands positions, gathers, writes and (tracking) sums the checksum's move in
 about fifteen kernels per step of APPLY_CHUNK changes: for a model of a few hundred tensors
-the pause is kernel launches (docs/SCALE.md, run Y). Here one program takes CHUNK changes,
+the pause is kernel launches (docs/SCALE-RUNS.md, run Y). Here one program takes CHUNK changes,
 finds their positions (block-coded: by a binary search of the blocks' first changes), reads,
 writes, and sums the move of each checksum lane (FORMAT §10: Σ (new word − old word) ·
 (2·position + 1), mod 2^64) into one int64 per lane; torch adds the programs' numbers up.

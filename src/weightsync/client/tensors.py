@@ -292,7 +292,7 @@ def copy_pieces(pairs: list[tuple[np.ndarray, np.ndarray]], pool: Executor | Non
     releases the GIL and, unlike torch's ``copy_``, starts no intra-op threads of its own:
     those oversubscribe the cores this pool uses, and after each copy OpenMP's worker spins
     on a core for milliseconds (GOMP_SPINCOUNT: ~18 ms on a Xeon whose ``pause`` takes ~140
-    cycles), taking it from whatever runs next (docs/SCALE.md, run T).
+    cycles), taking it from whatever runs next (docs/SCALE-RUNS.md, run T).
     """
     from weightsync.client._pool import run_all
 

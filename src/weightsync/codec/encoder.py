@@ -40,7 +40,7 @@ DEFAULT_CHUNK = 16 << 20
 checksums, a pool job) in the encode and the decode, which holds the GIL; on a 1 GB Llama step
 (286 frames at 4 MiB, 110 at 16 MiB with small tensors grouped to 4 MiB) the encode took 20-35 %
 and `prepare` for a device 30-38 % less time at 16 MiB, frames and manifest came out smaller, and
-the 45 MB and 436 MB corpus models encoded and applied as fast (docs/SCALE.md, run Z). A frame is
+the 45 MB and 436 MB corpus models encoded and applied as fast (docs/SCALE-RUNS.md, run Z). A frame is
 also the unit a reader fetches for a slice of a tensor: a larger one reads more around the slice."""
 DEFAULT_FORMAT = LATEST
 """Encoders write FORMAT v2 unless told otherwise (v1 stays readable; a chain never mixes them)."""
