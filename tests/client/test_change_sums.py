@@ -80,3 +80,49 @@ def test_change_lanes_refuses_mismatched_lengths() -> None:
 
     with pytest.raises(InvalidArgument):
         change_lanes(np.zeros(3, np.int16), np.zeros(2, np.int16), np.arange(3), 2)
+
+
+@st.composite
+def _read_backs(draw):
+    """A list of tensors as `apply` reads back: int64 lanes (some negative), (lanes, 2) moments, None, other dtypes."""
+    items = []
+    for _ in range(draw(st.integers(0, 12))):
+        kind = draw(st.sampled_from(["lanes", "moments", "none", "float"]))
+        seed = draw(st.integers(0, 2**32 - 1))
+        g = torch.Generator().manual_seed(seed)
+        lanes = draw(st.integers(1, 4))
+        if kind == "none":
+            items.append(None)
+        elif kind == "float":
+            items.append(torch.rand(lanes, generator=g))
+        else:
+            shape = (lanes,) if kind == "lanes" else (lanes, 2)
+            items.append(torch.randint(-(2**63), 2**63 - 1, shape, dtype=torch.int64, generator=g))
+    return items
+
+
+@settings(max_examples=100, deadline=None)
+@given(_read_backs())
+def test_read_back_in_one_copy_equals_each_read_alone(items) -> None:
+    """`devsum.read_back` (one copy per device and dtype) gives each tensor's own `.tolist()`, in order, None
+    kept; `lanes_to_ints_many` each tensor's `lanes_to_ints` (unsigned, mod 2^64)."""
+    assert devsum.read_back(items) == [None if t is None else t.tolist() for t in items]
+    lanes = [t for t in items if t is not None and t.dtype == torch.int64 and t.dim() == 1]
+    assert devsum.lanes_to_ints_many(lanes) == [devsum.lanes_to_ints(t) for t in lanes]
+
+
+def test_results_read_back_keep_each_tensors_moves_in_order() -> None:
+    """`apply`'s result check reads every device tensor's checksum moves in one go (inplace._read_back): each
+    tensor gets its own moves back, in its changes' order, host tuples untouched, negative lanes unsigned."""
+    from weightsync.client import inplace
+
+    a1 = torch.tensor([-1, 2], dtype=torch.int64)
+    a2 = torch.tensor([3, -(2**63)], dtype=torch.int64)
+    b = torch.tensor([7], dtype=torch.int64)
+    got = inplace._read_back({"a": [a1, (5, 6), a2], "b": [b], "c": [(1,)], "d": []})
+    assert got == {
+        "a": [((1 << 64) - 1, 2), (5, 6), (3, 1 << 63)],
+        "b": [(7,)],
+        "c": [(1,)],
+        "d": [],
+    }

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -622,13 +622,13 @@ def _check_results(
     Tracked tensors: their base checksum moved by the changed elements; the rest are read again.
     """
     ok: dict[str, bool] = {}
-    for u, _ in work:
-        if track and u.name in bases and u.replace is None:
-            delta = [0] * len(bases[u.name].lanes)
-            for lanes in moved.get(u.name, []):
-                ints = lanes if isinstance(lanes, tuple) else _read_back(lanes)
-                delta = [(a + b) & MASK for a, b in zip(delta, ints, strict=True)]
-            ok[u.name] = bases[u.name].moved(delta).hex() == u.result_digest
+    tracked = [u for u, _ in work if track and u.name in bases and u.replace is None]
+    ints = _read_back({u.name: moved.get(u.name, []) for u in tracked})
+    for u in tracked:
+        delta = [0] * len(bases[u.name].lanes)
+        for lanes in ints[u.name]:
+            delta = [(a + b) & MASK for a, b in zip(delta, lanes, strict=True)]
+        ok[u.name] = bases[u.name].moved(delta).hex() == u.result_digest
     rest = [(u, t) for u, t in work if u.name not in ok]
     if rest:
         hashed = digests([t for _, t in rest], applied.digest_kind, applied.hasher)
@@ -640,10 +640,16 @@ def _check_results(
     return next((u for u, _ in work if not ok[u.name]), None)
 
 
-def _read_back(lanes: Any) -> tuple[int, ...]:
-    from weightsync import devsum  # imports torch: only where device tensors were tracked
+def _read_back(moved: dict[str, list[Any]]) -> dict[str, list[tuple[int, ...]]]:
+    """Each tensor's checksum moves as ints: host tensors' are tuples already; a device's int64 lanes are read
+    back all at once, one copy per device (``devsum.lanes_to_ints_many``), not one per tensor inside the pause."""
+    on_device = [lanes for each in moved.values() for lanes in each if not isinstance(lanes, tuple)]
+    read: Iterator[tuple[int, ...]] = iter(())
+    if on_device:
+        from weightsync import devsum  # imports torch: only where device tensors were tracked
 
-    return devsum.lanes_to_ints(lanes)
+        read = iter(devsum.lanes_to_ints_many(on_device))
+    return {name: [lanes if isinstance(lanes, tuple) else next(read) for lanes in each] for name, each in moved.items()}
 
 
 def _undo(work: list[tuple[TensorUpdate, Any]], prepared: Prepared, bad: TensorUpdate) -> None:
