@@ -23,6 +23,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from weightsync.codec.checksum import CONSTANT, MASK, TensorSum, lanes_of
@@ -97,13 +98,19 @@ def change_lanes(before: torch.Tensor, after: torch.Tensor, positions: torch.Ten
 
 
 def lanes_to_ints(lanes: torch.Tensor) -> tuple[int, ...]:
-    """int64 lanes (from any device) as unsigned 64-bit Python ints."""
-    return tuple(int(x) & MASK for x in lanes.cpu().tolist())
+    """int64 lanes (from any device) as unsigned 64-bit Python ints: a (lanes,) tensor, or (rows, lanes)
+    whose rows add up (mod 2^64) to the lanes (the Triton apply's per-program moves)."""
+    return lanes_to_ints_many([lanes])[0]
 
 
 def lanes_to_ints_many(many: Sequence[torch.Tensor]) -> list[tuple[int, ...]]:
     """:func:`lanes_to_ints` of each, read back in one copy per device (:func:`read_back`)."""
-    return [tuple(int(x) & MASK for x in got) for got in read_back(many)]
+    out = []
+    for got in _copy_back(many):
+        assert got is not None
+        rows = got.reshape(-1, got.shape[-1]).view(np.uint64)
+        out.append(tuple(int(x) for x in rows.sum(axis=0, dtype=np.uint64)))  # numpy's uint64 sum wraps mod 2^64
+    return out
 
 
 def read_back(tensors: Sequence[torch.Tensor | None]) -> list[Any]:
@@ -111,19 +118,25 @@ def read_back(tensors: Sequence[torch.Tensor | None]) -> list[Any]:
 
     A read back of a small CUDA tensor is a copy and a synchronisation of its own (~10 µs on the H100
     box): at 184 tensors, most of the pause's result check when each was read alone (run Y4: 3.4 ms).
-    The tensors of one device and dtype are flattened into one, copied once, and cut back to their shapes.
     """
-    out: list[Any] = [None] * len(tensors)
+    return [None if a is None else a.tolist() for a in _copy_back(tensors)]
+
+
+def _copy_back(tensors: Sequence[torch.Tensor | None]) -> list[np.ndarray | None]:
+    """Each tensor as a host numpy array of its shape (None stays None): the tensors of one device and dtype
+    flattened into one, copied once, and cut back."""
+    out: list[np.ndarray | None] = [None] * len(tensors)
     groups: dict[tuple[Any, Any], list[tuple[int, torch.Tensor]]] = {}
     for i, t in enumerate(tensors):
         if t is not None:
             groups.setdefault((t.device, t.dtype), []).append((i, t))
     for group in groups.values():
-        flat = torch.cat([t.reshape(-1) for _, t in group]).cpu() if len(group) > 1 else group[0][1].reshape(-1).cpu()
+        parts = [t.detach().reshape(-1) for _, t in group]
+        flat = (torch.cat(parts) if len(parts) > 1 else parts[0]).cpu().numpy()
         at = 0
         for i, t in group:
             n = t.numel()
-            out[i] = flat[at : at + n].reshape(t.shape).tolist()
+            out[i] = flat[at : at + n].reshape(tuple(t.shape))
             at += n
     return out
 

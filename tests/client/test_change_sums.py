@@ -126,3 +126,20 @@ def test_results_read_back_keep_each_tensors_moves_in_order() -> None:
         "c": [(1,)],
         "d": [],
     }
+
+
+def test_ready_to_apply_leaves_host_staging_alone_and_counts_what_it_adds() -> None:
+    """`tensors.ready_to_apply` makes the blocks' first changes for CUDA staging only (the Triton kernel's input,
+    off the pause); a change staged on the host keeps none, and `nbytes` counts them where they are made."""
+    from weightsync.client.tensors import ready_to_apply, stage_change
+
+    positions = np.arange(0, 3 * 65536, 7, dtype=np.int64)
+    change = Change(True, positions, np.ones(len(positions), dtype=np.int16))
+    staged = stage_change(change, "cpu", elements=3 * 65536)
+    assert staged.counts is not None and staged.starts is None
+    before = staged.nbytes
+    ready_to_apply([staged])
+    assert staged.starts is None and staged.nbytes == before
+    staged.starts = torch.cumsum(staged.counts, 0) - staged.counts  # what it makes on a CUDA device
+    assert staged.nbytes == before + 8 * staged.counts.numel()
+    assert staged.starts.tolist() == [0, *np.cumsum(staged.counts.tolist())[:-1].tolist()]

@@ -287,7 +287,7 @@ def frames_needed(manifests: Sequence[Manifest], select: Callable[[str], bool]) 
 def stage(prepared: Prepared, device: Any) -> None:
     """Copy `prepared`'s changes to `device` ahead of `apply`, so the apply moves nothing (compactly:
     `Prepared.staged_bytes` tells what they hold there)."""
-    from weightsync.client.tensors import stage_changes, torch_module, warm_device_kernels
+    from weightsync.client.tensors import ready_to_apply, stage_changes, torch_module, warm_device_kernels
 
     torch = torch_module()
     target = torch.empty(0, device=device).device  # "cuda" is the current CUDA device: its index named
@@ -305,8 +305,10 @@ def stage(prepared: Prepared, device: Any) -> None:
     for u in restage:
         u.staged = [next(ordered) for _ in u.ops]
     prepared.device = device
-    # The device's kernels for these changes and for the checksum compile now, not in the pause.
+    # The device's kernels for these changes and for the checksum compile now, not in the pause, and what the
+    # apply kernel would compute first for each change is computed now too.
     updates = prepared.updates.values()
+    ready_to_apply(s for u in updates for s in u.staged)
     warm_device_kernels(
         device,
         {(u.dtype.width, s.positions is None, s.add) for u in updates for s in u.staged},

@@ -94,7 +94,11 @@ def _kernel() -> Any:
 
 def apply(view: torch.Tensor, staged: Any, *, track: bool, inverse: bool, block_bits: int, lanes: int) -> Any:
     """Apply `staged` (a StagedChange) to `view` (the tensor's flat signed-integer view) in place; with `track`,
-    the move of its checksum lanes ((lanes,) int64 on the device, mod 2^64), else None."""
+    the move of its checksum lanes as (programs, lanes) int64 on the device whose rows add up (mod 2^64) to the
+    move (``devsum.lanes_to_ints`` adds them on the host: no reduction kernel per tensor in the pause), else None.
+
+    One kernel launch, nothing else queued on the device when `prepare` made the blocks' first changes
+    (``StagedChange.starts``, tensors.ready_to_apply)."""
     width = view.element_size()
     op = 2 if not staged.add else (1 if inverse else 0)
     blocked = staged.positions is None
@@ -103,7 +107,12 @@ def apply(view: torch.Tensor, staged: Any, *, track: bool, inverse: bool, block_
     if programs == 0:
         return torch.zeros(lanes, dtype=torch.int64, device=view.device) if track else None
     nblocks = int(staged.counts.numel()) if blocked else 0
-    starts = torch.cumsum(staged.counts, 0) - staged.counts if blocked else staged.operands
+    if not blocked:
+        starts = staged.operands
+    elif staged.starts is not None:
+        starts = staged.starts
+    else:
+        starts = torch.cumsum(staged.counts, 0) - staged.counts
     moved = torch.empty(programs * lanes if track else 1, dtype=torch.int64, device=view.device)
     _kernel()[(programs,)](
         view,
@@ -124,4 +133,4 @@ def apply(view: torch.Tensor, staged: Any, *, track: bool, inverse: bool, block_
         BLOCK_BITS=block_bits,
         CHUNK=CHUNK,
     )
-    return moved.view(programs, lanes).sum(dim=0) if track else None
+    return moved.view(programs, lanes) if track else None

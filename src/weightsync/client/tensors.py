@@ -377,12 +377,25 @@ class StagedChange:
     counts: Any | None = None
     spans: list[tuple[int, int, int, int]] = field(default_factory=list)
     """Block-coded: steps of whole blocks as (first block, end block, first change, end change)."""
+    starts: Any | None = None
+    """Block-coded, on a CUDA device: each block's first change (the exclusive cumulative sum of ``counts``,
+    int64), made in `prepare` (:func:`ready_to_apply`) so the Triton apply launches no kernel of its own for it
+    inside the pause; None: the apply makes it."""
 
     @property
     def nbytes(self) -> int:
         """Bytes this change holds on its device."""
-        parts = (self.operands, self.positions, self.low, self.blocks, self.counts)
+        parts = (self.operands, self.positions, self.low, self.blocks, self.counts, self.starts)
         return sum(int(p.numel()) * p.element_size() for p in parts if p is not None)
+
+
+def ready_to_apply(staged: Iterable[StagedChange]) -> None:
+    """What the apply kernel of a CUDA tensor would compute first, computed now, off the pause: the blocks'
+    first changes of block-coded changes (``StagedChange.starts``; 8 bytes a block with changes)."""
+    torch = torch_module()
+    for s in staged:
+        if s.counts is not None and s.starts is None and s.counts.device.type == "cuda":
+            s.starts = torch.cumsum(s.counts, 0) - s.counts
 
 
 def stage_change(change: Any, device: Any, *, elements: int) -> StagedChange:
@@ -565,8 +578,9 @@ def apply_staged(t: torch.Tensor, staged: StagedChange, *, track: bool = False, 
     """Apply `staged` in place to `t` (contiguous, on the change's device) with index ops there.
 
     With `track`, each changed element is read back after its write and the move of the
-    tensor's checksum lanes is returned as an int64 tensor on the device
-    (``devsum.change_lanes``; read it with ``devsum.lanes_to_ints``), else None. `inverse`
+    tensor's checksum lanes is returned as an int64 tensor on the device, (lanes,) or (rows, lanes)
+    whose rows add up to it (``devsum.change_lanes``, the Triton kernel's per-program moves; read it
+    with ``devsum.lanes_to_ints``), else None. `inverse`
     undoes `staged`. `apply` changes host tensors with :func:`apply_change_host` instead
     (numpy on the calling thread: torch's index ops stall on a busy host).
     """
@@ -610,7 +624,7 @@ def warm_device_kernels(device: Any, kinds: Iterable[tuple[int, bool, bool]], *,
 
 
 def _check_triton_apply(device: Any, width: int, blocked: bool, add: bool, inverse: bool, track: bool) -> bool:
-    from weightsync import devsum_triton
+    from weightsync import devsum, devsum_triton
     from weightsync.client import staged_triton
     from weightsync.codec.checksum import lanes_of
     from weightsync.codec.values import Change
@@ -631,8 +645,20 @@ def _check_triton_apply(device: Any, width: int, blocked: bool, add: bool, inver
             raise AssertionError("the test change is not of the kind checked")  # a staging rule changed
         a, b = base.clone(), base.clone()
         want = _apply_staged_torch(a, staged, track=track, inverse=inverse)
-        got = staged_triton.apply(b, staged, track=track, inverse=inverse, block_bits=BLOCK_BITS, lanes=lanes_of(width))
-        same_lanes = not track or torch.equal(want, got)
+
+        def triton(view: Any) -> Any:
+            return staged_triton.apply(
+                view, staged, track=track, inverse=inverse, block_bits=BLOCK_BITS, lanes=lanes_of(width)
+            )
+
+        got = triton(b)
+        same_lanes = not track or devsum.lanes_to_ints(want) == devsum.lanes_to_ints(got)
+        if blocked and staged.starts is None:  # and with the blocks' first changes made ahead (ready_to_apply)
+            c = base.clone()
+            staged.starts = torch.cumsum(staged.counts, 0) - staged.counts
+            again = triton(c)
+            same_lanes = same_lanes and torch.equal(a, c)
+            same_lanes = same_lanes and (not track or devsum.lanes_to_ints(want) == devsum.lanes_to_ints(again))
         if not torch.equal(a, b) or not same_lanes:
             log.warning("the Triton apply kernel disagrees with torch on %s: using torch", device)
             return False
