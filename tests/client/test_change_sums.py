@@ -107,8 +107,15 @@ def test_read_back_in_one_copy_equals_each_read_alone(items) -> None:
     """`devsum.read_back` (one copy per device and dtype) gives each tensor's own `.tolist()`, in order, None
     kept; `lanes_to_ints_many` each tensor's `lanes_to_ints` (unsigned, mod 2^64)."""
     assert devsum.read_back(items) == [None if t is None else t.tolist() for t in items]
-    lanes = [t for t in items if t is not None and t.dtype == torch.int64 and t.dim() == 1]
-    assert devsum.lanes_to_ints_many(lanes) == [devsum.lanes_to_ints(t) for t in lanes]
+    # int64 lanes, (lanes,) or (rows, lanes) whose rows add up: each read as Python ints mod 2^64.
+    lanes = [t if t.dim() == 1 else t.T for t in items if t is not None and t.dtype == torch.int64]
+    mask = (1 << 64) - 1
+    want = [
+        tuple(sum(row[j] for row in t.reshape(-1, t.shape[-1]).tolist()) & mask for j in range(t.shape[-1]))
+        for t in lanes
+    ]
+    assert devsum.lanes_to_ints_many(lanes) == want
+    assert [devsum.lanes_to_ints(t) for t in lanes] == want
 
 
 def test_results_read_back_keep_each_tensors_moves_in_order() -> None:
@@ -140,6 +147,9 @@ def test_ready_to_apply_leaves_host_staging_alone_and_counts_what_it_adds() -> N
     before = staged.nbytes
     ready_to_apply([staged])
     assert staged.starts is None and staged.nbytes == before
-    staged.starts = torch.cumsum(staged.counts, 0) - staged.counts  # what it makes on a CUDA device
+    from weightsync.client.staged_triton import block_starts
+
+    staged.starts = block_starts(staged.counts)  # what it makes on a CUDA device
     assert staged.nbytes == before + 8 * staged.counts.numel()
-    assert staged.starts.tolist() == [0, *np.cumsum(staged.counts.tolist())[:-1].tolist()]
+    counts = staged.counts.tolist()
+    assert staged.starts.tolist() == [sum(counts[:b]) for b in range(len(counts))]  # each block's first change

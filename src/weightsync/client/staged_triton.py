@@ -92,6 +92,12 @@ def _kernel() -> Any:
     return apply_changes
 
 
+def block_starts(counts: torch.Tensor) -> torch.Tensor:
+    """Each block's first change, from a block-coded change's per-block counts: their exclusive cumulative
+    sum (int64; what the kernel's binary search reads). `prepare` makes it ahead (tensors.ready_to_apply)."""
+    return torch.cumsum(counts, 0) - counts
+
+
 def apply(view: torch.Tensor, staged: Any, *, track: bool, inverse: bool, block_bits: int, lanes: int) -> Any:
     """Apply `staged` (a StagedChange) to `view` (the tensor's flat signed-integer view) in place; with `track`,
     the move of its checksum lanes as (programs, lanes) int64 on the device whose rows add up (mod 2^64) to the
@@ -109,10 +115,8 @@ def apply(view: torch.Tensor, staged: Any, *, track: bool, inverse: bool, block_
     nblocks = int(staged.counts.numel()) if blocked else 0
     if not blocked:
         starts = staged.operands
-    elif staged.starts is not None:
-        starts = staged.starts
     else:
-        starts = torch.cumsum(staged.counts, 0) - staged.counts
+        starts = staged.starts if staged.starts is not None else block_starts(staged.counts)
     moved = torch.empty(programs * lanes if track else 1, dtype=torch.int64, device=view.device)
     _kernel()[(programs,)](
         view,

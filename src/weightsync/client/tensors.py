@@ -392,10 +392,11 @@ class StagedChange:
 def ready_to_apply(staged: Iterable[StagedChange]) -> None:
     """What the apply kernel of a CUDA tensor would compute first, computed now, off the pause: the blocks'
     first changes of block-coded changes (``StagedChange.starts``; 8 bytes a block with changes)."""
-    torch = torch_module()
+    from weightsync.client.staged_triton import block_starts  # imports torch, not triton
+
     for s in staged:
         if s.counts is not None and s.starts is None and s.counts.device.type == "cuda":
-            s.starts = torch.cumsum(s.counts, 0) - s.counts
+            s.starts = block_starts(s.counts)
 
 
 def stage_change(change: Any, device: Any, *, elements: int) -> StagedChange:
@@ -653,9 +654,9 @@ def _check_triton_apply(device: Any, width: int, blocked: bool, add: bool, inver
 
         got = triton(b)
         same_lanes = not track or devsum.lanes_to_ints(want) == devsum.lanes_to_ints(got)
-        if blocked and staged.starts is None:  # and with the blocks' first changes made ahead (ready_to_apply)
+        if staged.counts is not None and staged.starts is None:  # block-coded: again with starts made ahead
             c = base.clone()
-            staged.starts = torch.cumsum(staged.counts, 0) - staged.counts
+            staged.starts = staged_triton.block_starts(staged.counts)
             again = triton(c)
             same_lanes = same_lanes and torch.equal(a, c)
             same_lanes = same_lanes and (not track or devsum.lanes_to_ints(want) == devsum.lanes_to_ints(again))
