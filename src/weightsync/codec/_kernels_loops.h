@@ -544,6 +544,128 @@ HOT static u64 pieces_loop(u8 *const *gaps, u8 *const *planes, u64 count, int w,
 enum { STAGE_SKIP = 0, STAGE_BLOCKS32 = 1, STAGE_BLOCKS64 = 2, STAGE_POS32 = 3, STAGE_POS64 = 4 };
 #define STAGE_BITS 16 /* client/tensors.py BLOCK_BITS: block-coded positions keep their low 16 bits */
 
+/* ---- runs of gap-coded changes, eight at a time ------------------------------------------ */
+
+#ifdef WS_X86
+/* Steps 1 + gap of changes k .. k + 7, as u32 lanes; the caller checked that their gaps are below
+ * 2^24 (their fourth byte planes zero), so eight of them add up to less than 2^27. */
+__attribute__((target("avx2"))) static inline ALWAYS_INLINE __m256i steps8(const u8 *g0, const u8 *g1, const u8 *g2,
+                                                                          u64 k) {
+    __m256i gap = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(g0 + k)));
+    gap = _mm256_or_si256(gap, _mm256_slli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(g1 + k))), 8));
+    gap = _mm256_or_si256(gap, _mm256_slli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(g2 + k))), 16));
+    return _mm256_add_epi32(gap, _mm256_set1_epi32(1));
+}
+
+/* Running sums of the eight lanes (lane j: lanes 0 .. j added), in-lane then across the halves. */
+__attribute__((target("avx2"))) static inline ALWAYS_INLINE __m256i prefix8(__m256i step) {
+    __m256i x = _mm256_add_epi32(step, _mm256_slli_si256(step, 4));
+    x = _mm256_add_epi32(x, _mm256_slli_si256(x, 8));
+    return _mm256_add_epi32(
+        x, _mm256_blend_epi32(_mm256_setzero_si256(), _mm256_permutevar8x32_epi32(x, _mm256_set1_epi32(3)), 0xF0));
+}
+
+/* Whether changes k .. k + 7 all have gaps below 2^24. */
+static inline ALWAYS_INLINE int small8(const u8 *g3, u64 k) {
+    u64 high;
+    memcpy(&high, g3 + k, 8);
+    return high == 0;
+}
+
+/* run_in_block's vector loop: the changes it took (a multiple of eight), *pos moved to the last. */
+__attribute__((target("avx2"))) static u64 run_in_block_avx2(u8 *const *gaps, u64 k, u64 n, u64 *pos, int64_t shift,
+                                                             u64 next, u8 *lows) {
+    const u8 *g0 = gaps[0], *g1 = gaps[1], *g2 = gaps[2], *g3 = gaps[3];
+    u64 i = 0, p = *pos;
+    while (i + 8 <= n && small8(g3, k + i)) {
+        const __m256i x = prefix8(steps8(g0, g1, g2, k + i)); /* lane j: change k + i + j's position - p */
+        const u64 last = p + (u32)_mm256_extract_epi32(x, 7);
+        /* Tensor position p + shift lies in the block: within it, position + x_j's low bits. */
+        const __m256i v = _mm256_add_epi32(x, _mm256_set1_epi32((int)(((u64)((int64_t)p + shift)) & 0xffff)));
+        if (last >= next || ((u32)_mm256_extract_epi32(v, 7) >> STAGE_BITS) != 0) break; /* the eighth leaves it */
+        if (lows != NULL) { /* every lane is below 2^16: the saturating pack is exact */
+            const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(v, v), 0x08);
+            _mm_storeu_si128((__m128i *)(lows + 2 * i), _mm256_castsi256_si128(packed));
+        }
+        p = last;
+        i += 8;
+    }
+    *pos = p;
+    return i;
+}
+
+/* stage_positions' vector loop: the positions it wrote (a multiple of eight), *pos moved to the last. */
+__attribute__((target("avx2"))) static u64 positions_avx2(u8 *const *gaps, u64 k, u64 n, u64 *pos, int64_t shift,
+                                                          u8 *out, int wide) {
+    const u8 *g0 = gaps[0], *g1 = gaps[1], *g2 = gaps[2], *g3 = gaps[3];
+    u64 j = 0, p = *pos;
+    while (j + 8 <= n && small8(g3, k + j)) {
+        const __m256i x = prefix8(steps8(g0, g1, g2, k + j));
+        const u64 base = p + (u64)shift; /* the positions are base + x_j, mod 2^64 as the scalar loop's */
+        if (wide) {
+            const __m256i b = _mm256_set1_epi64x((long long)base);
+            _mm256_storeu_si256((__m256i *)(out + 8 * j),
+                                _mm256_add_epi64(b, _mm256_cvtepu32_epi64(_mm256_castsi256_si128(x))));
+            _mm256_storeu_si256((__m256i *)(out + 8 * j + 32),
+                                _mm256_add_epi64(b, _mm256_cvtepu32_epi64(_mm256_extracti128_si256(x, 1))));
+        } else {
+            _mm256_storeu_si256((__m256i *)(out + 4 * j), _mm256_add_epi32(x, _mm256_set1_epi32((int)(u32)base)));
+        }
+        p += (u32)_mm256_extract_epi32(x, 7);
+        j += 8;
+    }
+    *pos = p;
+    return j;
+}
+#endif
+
+/* Changes k, k + 1, ... (at most n of them) that lie before frame position `next` and, at tensor
+ * position frame position + shift, in the block of 2^16 elements `cur` that holds *pos (the change
+ * before k, whose frame position *pos is): how many, *pos moved to the last of them. With `lows`,
+ * each one's tensor position's low 16 bits are written there (int16, in order). The vector loop
+ * takes eight changes whose gaps are below 2^24 at a time while the eighth stays in the block and
+ * before `next`; the scalar loop the rest, one at a time, and it ends the run. The same results
+ * either way (tests/codec/test_kernels.py, the portable run too). */
+static u64 run_in_block(u8 *const *gaps, u64 k, u64 n, u64 *pos, int64_t shift, int64_t cur, u64 next, u8 *lows) {
+    u64 i = 0, p = *pos;
+#ifdef WS_X86
+    if (has_avx2) i = run_in_block_avx2(gaps, k, n, &p, shift, next, lows);
+#endif
+    for (; i < n; i++) {
+        const u64 q = p + 1 + gap_at(gaps, k + i);
+        if (q >= next || (((int64_t)q + shift) >> STAGE_BITS) != cur) break;
+        if (lows != NULL) {
+            const uint16_t low = (uint16_t)(((int64_t)q + shift) & 0xffff);
+            memcpy(lows + 2 * i, &low, 2);
+        }
+        p = q;
+    }
+    *pos = p;
+    return i;
+}
+
+/* The positions of changes k .. k + n - 1 (frame position + shift) as int32 or, `wide`, int64 to
+ * `out`; returns the last one's frame position (`pos`: the one before k's). Eight at a time where
+ * their gaps are below 2^24 (AVX2), else one by one: the same values. */
+static u64 stage_positions(u8 *const *gaps, u64 k, u64 n, u64 pos, int64_t shift, u8 *out, int wide) {
+    u64 j = 0;
+#ifdef WS_X86
+    if (has_avx2) j = positions_avx2(gaps, k, n, &pos, shift, out, wide);
+#endif
+    for (; j < n; j++) {
+        pos += 1 + gap_at(gaps, k + j);
+        const int64_t t = (int64_t)pos + shift;
+        if (wide) {
+            memcpy(out + 8 * j, &t, 8);
+        } else {
+            int32_t p32 = (int32_t)t;
+            memcpy(out + 4 * j, &p32, 4);
+        }
+    }
+    return pos;
+}
+
+
 /* Per piece of a frame (as pieces_loop): its changes, the blocks of 2^STAGE_BITS elements of its
  * tensor that hold them, and the first and last such block (-1 when none). Returns the last
  * frame position + 1 (0 when count is 0). */
@@ -553,6 +675,12 @@ HOT static u64 blocks_loop(u8 *const *gaps, u64 count, const int64_t *bounds, co
     u64 pos = (u64)-1, bi = 0, next = nb > 1 ? (u64)bounds[1] : UINT64_MAX;
     int64_t shift = offsets[0] - bounds[0], cur = -1, n = 0, blocks = 0;
     for (u64 k = 0; k < count; k++) {
+        if (cur >= 0) { /* the changes that stay in the piece and in the block of the last one */
+            const u64 m = run_in_block(gaps, k, count - k, &pos, shift, cur, next, NULL);
+            n += (int64_t)m;
+            k += m;
+            if (k == count) break;
+        }
         pos += 1 + gap_at(gaps, k);
         if (pos >= next) {
             counts[bi] = n, nblocks[bi] = blocks, last[bi] = cur;
@@ -662,22 +790,19 @@ HOT static int stage_loop(u8 *const *gaps, u8 *const *planes, u64 count, int w, 
         zero |= stage_operands(planes, k, n, w, add, buf + row[T_OPS]);
         u8 *out = buf + row[T_POS];
         if (mode == STAGE_POS32 || mode == STAGE_POS64) {
-            for (u64 j = 0; j < n; j++) {
-                pos += 1 + gap_at(gaps, k + j);
-                const int64_t t = (int64_t)pos + shift;
-                if (mode == STAGE_POS32) {
-                    int32_t p32 = (int32_t)t;
-                    memcpy(out + 4 * j, &p32, 4);
-                } else {
-                    memcpy(out + 8 * j, &t, 8);
-                }
-            }
+            pos = stage_positions(gaps, k, n, pos, shift, out, mode == STAGE_POS64);
         } else {
             u8 *ids = buf + row[T_BLOCKS], *counts = buf + row[T_COUNTS];
             const int64_t slots = row[T_SLOTS];
             int64_t cur = -1, run = 0, slot = 0;
             int first = 1;
             for (u64 j = 0; j < n; j++) {
+                if (cur >= 0) { /* the changes that stay in the block of the last one: their low bits */
+                    const u64 m = run_in_block(gaps, k + j, n - j, &pos, shift, cur, UINT64_MAX, out + 2 * j);
+                    run += (int64_t)m;
+                    j += m;
+                    if (j == n) break;
+                }
                 pos += 1 + gap_at(gaps, k + j);
                 const int64_t t = (int64_t)pos + shift, b = t >> STAGE_BITS;
                 const uint16_t low = (uint16_t)(t & 0xffff);
@@ -870,22 +995,11 @@ typedef u64 (*sparse_run_fn)(u8 *, u64, u64, Changes *);
         u64 moved[1] = {0};                                                                         \
         u32 rel[8];                                                                                 \
         u16 val[8];                                                                                 \
-        const __m256i one = _mm256_set1_epi32(1), last = _mm256_set1_epi32(7);                      \
+        const __m256i last = _mm256_set1_epi32(7);                                                  \
         while (k + 9 <= count && pos < limit) {                                                     \
-            u64 high;                                                                               \
-            memcpy(&high, g3 + k + 1, 8);                                                           \
-            if (high) break; /* a gap of 2^24 or more: the scalar loop takes it from here */        \
-            __m256i gap = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(g0 + k + 1)));     \
-            gap = _mm256_or_si256(gap, _mm256_slli_epi32(                                          \
-                      _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(g1 + k + 1))), 8));    \
-            gap = _mm256_or_si256(gap, _mm256_slli_epi32(                                          \
-                      _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(g2 + k + 1))), 16));   \
-            /* step j: 1 + gap of change k + 1 + j; x: their running sums (in-lane, then across) */ \
-            __m256i step = _mm256_add_epi32(gap, one);                                              \
-            __m256i x = _mm256_add_epi32(step, _mm256_slli_si256(step, 4));                         \
-            x = _mm256_add_epi32(x, _mm256_slli_si256(x, 8));                                       \
-            x = _mm256_add_epi32(x, _mm256_blend_epi32(_mm256_setzero_si256(),                      \
-                                                       _mm256_permutevar8x32_epi32(x, _mm256_set1_epi32(3)), 0xF0)); \
+            if (!small8(g3, k + 1)) break; /* a gap of 2^24 or more: the scalar loop's */           \
+            /* step j: 1 + gap of change k + 1 + j; x: their running sums */                        \
+            const __m256i step = steps8(g0, g1, g2, k + 1), x = prefix8(step);                      \
             /* lane j of x: change k + 1 + j's position - pos; rel[j]: change k + j's */            \
             __m256i r = _mm256_sub_epi32(x, step);                                                  \
             _mm256_storeu_si256((__m256i *)rel, r);                                                 \
