@@ -35,6 +35,7 @@ from benchmarks.device_probe import _safetensors_bytes
 from benchmarks.scale_bench import parse_bytes
 from weightsync import devsum
 from weightsync.client import inplace
+from weightsync.client.tensors import HostOps
 from weightsync.codec.checkpoint import Checkpoint
 from weightsync.codec.encoder import Encoder
 
@@ -123,6 +124,8 @@ def main() -> None:
         }
         if cuda:
             row["staging_bytes_per_changed"] = (torch.cuda.max_memory_allocated() - held) / max(p.changed_elements, 1)
+            hosts = [u.ops.staged.operands for u in p.updates.values() if isinstance(u.ops, HostOps)]
+            row["staging_pinned"] = float(bool(hosts) and all(torch.from_numpy(a).is_pinned() for a in hosts))
         for k, v in live.items():
             if not torch.equal(v.view(torch.int16).cpu(), torch.from_numpy(v2[k]).view(torch.int16)):
                 raise AssertionError(f"{k} is not bit-identical")

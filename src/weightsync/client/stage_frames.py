@@ -47,6 +47,7 @@ from weightsync.client.tensors import (
     block_coded,
     index_dtype,
     move_staged,
+    staging_buffer,
 )
 from weightsync.codec import kernels
 from weightsync.codec.decoder import check_frame
@@ -187,7 +188,7 @@ def stage_step(
     try:
         firsts = run_all(pool, lambda i: [first_pass(r) for r in refs[i : i + per_job]], range(0, len(refs), per_job))
         frames = [f for batch in firsts for f in batch if f is not None]
-        host, layouts = _lay_out(frames, updates, left)
+        host, layouts = _lay_out(frames, updates, left, device)
     except _NotStaged:
         return None
 
@@ -224,8 +225,11 @@ def stage_step(
     return left
 
 
-def _lay_out(frames: list[_Frame], updates: Mapping[str, Any], left: set[str]) -> tuple[np.ndarray, dict[str, _Layout]]:
-    """The host buffer for every touched tensor's staged arrays and where each goes; each frame's table filled
+def _lay_out(
+    frames: list[_Frame], updates: Mapping[str, Any], left: set[str], device: Any
+) -> tuple[np.ndarray, dict[str, _Layout]]:
+    """The host buffer for every touched tensor's staged arrays (``staging_buffer`` for `device`: page-locked
+    for a CUDA one) and where each goes; each frame's table filled
     in (mode, merge, offsets, counts). Tensors in `left`, and those whose pieces do not ascend through
     them or mix XOR and ADD (added to `left`), are not laid out: their pieces stay skipped."""
     pieces: dict[str, list[tuple[_Frame, int]]] = {}
@@ -301,7 +305,7 @@ def _lay_out(frames: list[_Frame], updates: Mapping[str, Any], left: set[str]) -
                 row[_SLOTS] = int(f.blocks[i]) - joins
             done += n
             done_slots += int(f.blocks[i]) - joins
-    return np.empty(total, dtype=np.uint8), layouts
+    return staging_buffer(total, device), layouts
 
 
 def _staged(host: np.ndarray, lay: _Layout, u: Any, carried: Mapping[int, np.ndarray]) -> StagedChange:

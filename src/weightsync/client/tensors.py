@@ -413,7 +413,7 @@ def stage_changes(changes: Sequence[tuple[Any, int]], device: Any) -> list[Stage
     for a in arrays:
         offsets.append(total)
         total += aligned(a.nbytes)
-    host = np.empty(total, dtype=np.uint8)
+    host = staging_buffer(total, device)
     places = {}  # id of a coded array -> its copy in `host`
     for a, off in zip(arrays, offsets, strict=True):
         host[off : off + a.nbytes] = a.reshape(-1).view(np.uint8)
@@ -433,6 +433,23 @@ def aligned(nbytes: int) -> int:
     """`nbytes` rounded up to 8: staged arrays start at 8-byte aligned offsets of their buffer, so every
     view of them is of an aligned address."""
     return -(-nbytes // 8) * 8
+
+
+def staging_buffer(nbytes: int, device: Any) -> np.ndarray:
+    """A host buffer (uint8) of `nbytes` for staged arrays bound for `device` in one copy (:func:`move_staged`).
+
+    For a CUDA device it is page-locked memory from torch's caching host allocator: the copy to the device
+    runs at the link's speed (a pageable copy goes through the driver's bounce buffers), and once the
+    update's arrays are gone the next update gets the same pages back, mapped and locked already, instead
+    of faulting in fresh ones (on the 2-core VM the faults of a 60 MB staging buffer cost ~25 ms of CPU
+    against ~14 ms for the pass that fills it). The allocator rounds a block up to a power of two and keeps
+    it: up to twice the largest update's staging stays locked in the subscriber's process. Any other
+    device gets plain memory (there the staged arrays are the buffer's own views, nothing is copied).
+    """
+    torch = torch_module()
+    if str(device).split(":")[0] == "cuda" and torch.cuda.is_available():
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
+    return np.empty(nbytes, dtype=np.uint8)
 
 
 def move_staged(laid: list[StagedChange], host: np.ndarray, device: Any) -> list[StagedChange]:
