@@ -233,6 +233,8 @@ __attribute__((target("avx2"), noinline)) static int64_t scan_block_rows(const u
     PairSums sums = *out;
     for (u64 j = i; j < i + 32 * SCAN_ROWS; j += 32) {
         const u8 *pa = a + 2 * j, *pb = b + 2 * j;
+        PREFETCH_AHEAD(pa);
+        PREFETCH_AHEAD(pb);
         __m256i x0 = _mm256_loadu_si256((const __m256i *)pa), x1 = _mm256_loadu_si256((const __m256i *)(pa + 32));
         __m256i y0 = _mm256_loadu_si256((const __m256i *)pb), y1 = _mm256_loadu_si256((const __m256i *)(pb + 32));
         pairs_row(&sums, y0, y1);
@@ -338,6 +340,8 @@ __attribute__((target("avx2"), noinline)) static int64_t scan_block_listed(const
     PairSums sums = *out;
     for (u64 r = 0; r < SCAN_ROWS; r++) {
         const u8 *pa = a + 2 * (i + 32 * r), *pb = b + 2 * (i + 32 * r);
+        PREFETCH_AHEAD(pa);
+        PREFETCH_AHEAD(pb);
         __m256i x0 = _mm256_loadu_si256((const __m256i *)pa), x1 = _mm256_loadu_si256((const __m256i *)(pa + 32));
         __m256i y0 = _mm256_loadu_si256((const __m256i *)pb), y1 = _mm256_loadu_si256((const __m256i *)(pb + 32));
         pairs_row(&sums, y0, y1);

@@ -23,6 +23,15 @@
 #define SUM_ROW 32 /* bytes per row: one AVX2 register */
 #define SUM_BLOCK (SUM_ROWS * SUM_ROW)
 
+#ifdef WS_X86
+/* Software prefetch of the line a block ahead of p, in the loops that stream a tensor's bytes (the
+ * checksum, the encode's scan): the hardware prefetchers alone left them well below memory speed on
+ * an Intel Xeon VM (the checksum of a 45 MB tensor at 8.9 GB/s against numpy's sum at 22; with this,
+ * 25 against 25; L2-resident bytes 19 -> 40 GB/s with the row loop unrolled). A prefetch never
+ * faults, so reading past a buffer's end is harmless. */
+#define PREFETCH_AHEAD(p) _mm_prefetch((const char *)(p) + SUM_BLOCK, _MM_HINT_T0)
+#endif
+
 /* Fold a block of u16 words into the lanes: s[j] and t[j] are the block's sums for word
  * slot j of a row (word j of a row is element j/L of it, lane j%L). */
 static inline ALWAYS_INLINE void sum_fold_u16(const u32 *s, const u32 *t, u64 elem, int L, u64 *lanes) {
@@ -75,6 +84,7 @@ __attribute__((target("avx2"))) static void sum_block_u16_avx2(const u8 *p, u64 
     __m256i s0 = _mm256_setzero_si256(), s1 = s0, t0 = s0, t1 = s0;
     for (int r = 0; r < SUM_ROWS; r++) {
         const u8 *row = p + (size_t)r * SUM_ROW;
+        if (r % 2 == 0) PREFETCH_AHEAD(row);
         s0 = _mm256_add_epi32(s0, _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)row)));
         s1 = _mm256_add_epi32(s1, _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(row + 16))));
         t0 = _mm256_add_epi32(t0, s0);
@@ -146,9 +156,12 @@ __attribute__((target("avx2"))) static inline ALWAYS_INLINE u64 pairs_fold(const
 __attribute__((target("avx2"))) static void sum_block_pairs_avx2(const u8 *p, u64 elem, u64 *lanes) {
     PairSums a;
     pairs_start(&a);
-    for (int r = 0; r < PAIR_ROWS; r++)
+#pragma GCC unroll 4
+    for (int r = 0; r < PAIR_ROWS; r++) {
+        PREFETCH_AHEAD(p + 64 * r);
         pairs_row(&a, _mm256_loadu_si256((const __m256i *)(p + 64 * r)),
                   _mm256_loadu_si256((const __m256i *)(p + 64 * r + 32)));
+    }
     lanes[0] += pairs_fold(&a, elem);
 }
 
@@ -161,6 +174,7 @@ __attribute__((target("avx2"))) static void sum_block_u8_avx2(const u8 *p, u64 e
                                           21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
     __m256i s = zero, t = zero, js = zero;
     for (int r = 0; r < SUM_ROWS; r++) {
+        if (r % 2 == 0) PREFETCH_AHEAD(p + (size_t)r * SUM_ROW);
         __m256i x = _mm256_loadu_si256((const __m256i *)(p + (size_t)r * SUM_ROW));
         s = _mm256_add_epi64(s, _mm256_sad_epu8(x, zero));
         t = _mm256_add_epi64(t, s);
