@@ -1043,7 +1043,8 @@ typedef u64 (*sparse_run_fn)(u8 *, u64, u64, Changes *);
         if (fixing) s->fix[0] += moved[0];                                                          \
         s->k = k;                                                                                   \
         s->pos = pos;                                                                               \
-        return (k - first) + SCALAR(t, t0, limit, s);                                               \
+        /* the scalar loop only when changes before `limit` are left (most runs end in a group) */  \
+        return (k - first) + (k < count && pos < limit ? SCALAR(t, t0, limit, s) : 0);              \
     }
 SPARSE_AVX2_U16(sparse_avx2_set_u16, sparse_set_u16, 0, v_)
 SPARSE_AVX2_U16(sparse_avx2_xor_u16, sparse_xor_u16, 0, cur ^ v_)
