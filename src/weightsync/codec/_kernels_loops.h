@@ -630,7 +630,8 @@ __attribute__((target("avx2"))) static u64 positions_avx2(u8 *const *gaps, u64 k
  * takes eight changes whose gaps are below 2^24 at a time while the eighth stays in the block and
  * before `next`; the scalar loop the rest, one at a time, and it ends the run. The same results
  * either way (tests/codec/test_kernels.py, the portable run too). */
-static u64 run_in_block(u8 *const *gaps, u64 k, u64 n, u64 *pos, int64_t shift, int64_t cur, u64 next, u8 *lows) {
+static inline ALWAYS_INLINE u64 run_in_block(u8 *const *gaps, u64 k, u64 n, u64 *pos, int64_t shift, int64_t cur,
+                                             u64 next, u8 *lows) {
     u64 i = 0, p = *pos;
 #ifdef WS_X86
     if (has_avx2) i = run_in_block_avx2(gaps, k, n, &p, shift, next, lows);
@@ -651,7 +652,8 @@ static u64 run_in_block(u8 *const *gaps, u64 k, u64 n, u64 *pos, int64_t shift, 
 /* The positions of changes k .. k + n - 1 (frame position + shift) as int32 or, `wide`, int64 to
  * `out`; returns the last one's frame position (`pos`: the one before k's). Eight at a time where
  * their gaps are below 2^24 (AVX2), else one by one: the same values. */
-static u64 stage_positions(u8 *const *gaps, u64 k, u64 n, u64 pos, int64_t shift, u8 *out, int wide) {
+static inline ALWAYS_INLINE u64 stage_positions(u8 *const *gaps, u64 k, u64 n, u64 pos, int64_t shift, u8 *out,
+                                                int wide) {
     u64 j = 0;
 #ifdef WS_X86
     if (has_avx2) j = positions_avx2(gaps, k, n, &pos, shift, out, wide);
@@ -1043,8 +1045,10 @@ typedef u64 (*sparse_run_fn)(u8 *, u64, u64, Changes *);
         if (fixing) s->fix[0] += moved[0];                                                          \
         s->k = k;                                                                                   \
         s->pos = pos;                                                                               \
-        /* the scalar loop only when changes before `limit` are left (most runs end in a group) */  \
-        return (k - first) + (k < count && pos < limit ? SCALAR(t, t0, limit, s) : 0);              \
+        if (k >= count || pos >= limit) return k - first; /* most runs end in a group */            \
+        /* GCC leaves the upper halves dirty on this path: SSE code after it would pay for them */  \
+        _mm256_zeroupper();                                                                         \
+        return (k - first) + SCALAR(t, t0, limit, s);                                               \
     }
 SPARSE_AVX2_U16(sparse_avx2_set_u16, sparse_set_u16, 0, v_)
 SPARSE_AVX2_U16(sparse_avx2_xor_u16, sparse_xor_u16, 0, cur ^ v_)
