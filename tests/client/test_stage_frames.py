@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from _staging import SKIP, check_piece_blocks, check_staged, lay_out
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -21,7 +22,6 @@ from weightsync.codec import kernels
 from weightsync.codec.checkpoint import Checkpoint
 from weightsync.codec.encoder import Encoder
 from weightsync.codec.frame import METHOD_SPARSE, parse_header
-from weightsync.codec.kernels_numpy import ReferenceKernels
 
 FIELDS = ("operands", "positions", "low", "blocks", "counts")
 DTYPES = [torch.bfloat16, torch.float32, torch.uint8, torch.float16, torch.int64, torch.bool]
@@ -288,57 +288,12 @@ def test_stage_pieces_writes_each_mode_where_the_table_says(mode: int, add: bool
     stats = [np.empty(3, dtype=np.int64) for _ in range(4)]
     end = ext.piece_blocks(len(positions), gaps, bounds, offsets, *stats)
     assert end == positions[-1] + 1
-    piece = np.searchsorted(bounds, positions, side="right") - 1
-    tensor_pos = positions - bounds[piece] + offsets[piece]
-    assert stats[0].tolist() == [int((piece == i).sum()) for i in range(3)]
-    blocked, wide = mode in (1, 2), mode in (2, 4)
-    isz = 8 if wide else 4
-    table = np.zeros((3, 10), dtype=np.int64)
-    table[:, 0], table[:, 1], table[:, 8] = bounds, offsets, stats[0]
-    table[1, 2] = 0  # piece 1: a tensor this update does not stage
-    buf_len, layout = 0, {}
-    for i in (0, 2):
-        k = int(stats[0][i])
-        slots = int(stats[1][i])
-        merge = i == 2 and blocked  # pretend piece 2 continues a block of piece 0's tensor
-        if merge:
-            slots -= 1
-        row = table[i]
-        row[2], row[3] = mode, int(merge)
-        row[4] = buf_len
-        buf_len += k * width
-        row[5] = buf_len
-        buf_len += k * (2 if blocked else isz)
-        row[6] = buf_len
-        buf_len += slots * isz
-        row[7] = buf_len
-        buf_len += slots * 8
-        row[9] = slots
-        layout[i] = (k, slots, merge)
-    buf = np.zeros(buf_len, dtype=np.uint8)
+    check_piece_blocks(stats, positions, bounds, offsets)
+    # piece 1: a tensor this update does not stage; piece 2 continues a block of piece 0's tensor (when blocked)
+    table, buf, merged = lay_out(stats, bounds, offsets, [mode, SKIP, mode], [False, False, True])
     carry = np.empty(3, dtype=np.int64)
     assert ext.stage_pieces(len(positions), gaps, planes, width, int(add), table, buf, carry) == 1
-    ref = ReferenceKernels()
-    joined = ref.join_planes(planes, width).view("<u2")
-    operands = ref.unzigzag(joined) if add else joined
-    for i, (k, slots, merge) in layout.items():
-        mine = piece == i
-        row = table[i]
-        assert np.array_equal(buf[row[4] : row[4] + k * width].view("<u2"), operands[mine])
-        t = tensor_pos[mine]
-        if not blocked:
-            got = buf[row[5] : row[5] + k * isz].view(np.int64 if wide else np.int32)
-            assert np.array_equal(got, t)
-            continue
-        assert np.array_equal(buf[row[5] : row[5] + 2 * k].view(np.uint16), (t & 0xFFFF).astype(np.uint16))
-        ids, counts = np.unique(t >> 16, return_counts=True)
-        if merge:
-            assert carry[i] == counts[0]
-            ids, counts = ids[1:], counts[1:]
-        else:
-            assert carry[i] == -1
-        assert np.array_equal(buf[row[6] : row[6] + slots * isz].view(np.int64 if wide else np.int32), ids)
-        assert np.array_equal(buf[row[7] : row[7] + slots * 8].view(np.int64), counts)
+    check_staged(buf, table, carry, positions, planes, add, merged)
 
 
 def test_stage_pieces_refuses_regions_outside_its_buffer_and_a_layout_that_does_not_match() -> None:

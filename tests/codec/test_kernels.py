@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from _ckpt import ALL_DTYPES
+from _staging import check_piece_blocks, check_staged, lay_out
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -908,60 +909,15 @@ def test_staging_kernels_agree_with_numpy(case):
     ext = kernels.EXTENSION
     assert ext is not None
     positions, bounds, offsets, modes, merges, add = case
-    count, nb = len(positions), len(bounds)
+    count = len(positions)
     gaps_u64 = np.diff(positions, prepend=-1) - 1
     gaps = [((gaps_u64 >> (8 * j)) & 0xFF).astype(np.uint8) for j in range(4)]
     rng = np.random.default_rng(count)
     planes = [rng.integers(1, 256, count, dtype=np.uint8) for _ in range(2)]
-    stats = [np.empty(nb, dtype=np.int64) for _ in range(4)]
+    stats = [np.empty(len(bounds), dtype=np.int64) for _ in range(4)]
     assert ext.piece_blocks(count, gaps, bounds, offsets, *stats) == positions[-1] + 1
-    piece = np.searchsorted(bounds, positions, side="right") - 1
-    tensor_pos = positions - bounds[piece] + offsets[piece]
-    want_blocks = [np.unique(tensor_pos[piece == i] >> 16) for i in range(nb)]
-    assert stats[0].tolist() == [int((piece == i).sum()) for i in range(nb)]
-    assert stats[1].tolist() == [len(b) for b in want_blocks]
-    assert stats[2].tolist() == [int(b[0]) if len(b) else -1 for b in want_blocks]
-    assert stats[3].tolist() == [int(b[-1]) if len(b) else -1 for b in want_blocks]
-
-    table = np.zeros((nb, 10), dtype=np.int64)
-    table[:, 0], table[:, 1], table[:, 8] = bounds, offsets, stats[0]
-    size, merged = 0, []
-    for i in range(nb):
-        k, blocked, wide = int(stats[0][i]), modes[i] in (1, 2), modes[i] in (2, 4)
-        merge = blocked and merges[i] and k > 0
-        slots = int(stats[1][i]) - merge
-        merged.append(merge)
-        row = table[i]
-        row[2], row[3], row[9] = modes[i], int(merge), slots
-        row[4] = size
-        size += 2 * k
-        row[5] = size
-        size += k * (2 if blocked else 8 if wide else 4)
-        row[6] = size
-        size += slots * (8 if wide else 4)
-        row[7] = size
-        size += slots * 8
-    buf = np.zeros(size, dtype=np.uint8)
-    carry = np.empty(nb, dtype=np.int64)
+    check_piece_blocks(stats, positions, bounds, offsets)
+    table, buf, merged = lay_out(stats, bounds, offsets, modes, merges)
+    carry = np.empty(len(bounds), dtype=np.int64)
     assert ext.stage_pieces(count, gaps, planes, 2, int(add), table, buf, carry) == 1
-    joined = kernels.REFERENCE.join_planes(planes, 2).view("<u2")
-    operands = kernels.REFERENCE.unzigzag(joined) if add else joined
-    for i in range(nb):
-        mine, row, k = piece == i, table[i], int(stats[0][i])
-        if modes[i] == 0:
-            continue
-        assert np.array_equal(buf[row[4] : row[4] + 2 * k].view("<u2"), operands[mine])
-        t = tensor_pos[mine]
-        if modes[i] in (3, 4):
-            wide = modes[i] == 4
-            got = buf[row[5] : row[5] + k * (8 if wide else 4)].view(np.int64 if wide else np.int32)
-            assert np.array_equal(got, t.astype(got.dtype)), i
-            continue
-        assert np.array_equal(buf[row[5] : row[5] + 2 * k].view(np.uint16), (t & 0xFFFF).astype(np.uint16)), i
-        ids, runs = np.unique(t >> 16, return_counts=True)
-        assert carry[i] == (runs[0] if merged[i] else -1)
-        if merged[i]:
-            ids, runs = ids[1:], runs[1:]
-        index = np.int64 if modes[i] == 2 else np.int32
-        assert np.array_equal(buf[row[6] : row[6] + len(ids) * index().itemsize].view(index), ids)
-        assert np.array_equal(buf[row[7] : row[7] + len(ids) * 8].view(np.int64), runs)
+    check_staged(buf, table, carry, positions, planes, add, merged)

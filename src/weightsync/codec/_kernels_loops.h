@@ -671,7 +671,6 @@ static inline ALWAYS_INLINE u64 stage_positions(u8 *const *gaps, u64 k, u64 n, u
     return pos;
 }
 
-
 /* Per piece of a frame (as pieces_loop): its changes, the blocks of 2^STAGE_BITS elements of its
  * tensor that hold them, and the first and last such block (-1 when none). Returns the last
  * frame position + 1 (0 when count is 0). */
