@@ -441,7 +441,7 @@ def staging_buffer(nbytes: int, device: Any) -> np.ndarray:
     For a CUDA device it is page-locked memory from torch's caching host allocator: the copy to the device
     runs at the link's speed (a pageable copy goes through the driver's bounce buffers), and once the
     update's arrays are gone the next update gets the same pages back, mapped and locked already, instead
-    of faulting in fresh ones (on the 2-core VM the faults of a 60 MB staging buffer cost ~25 ms of CPU
+    of faulting in fresh ones (on the 2-core VM the faults of a 60 MB staging buffer cost ~27 ms of CPU
     against ~14 ms for the pass that fills it). The allocator rounds a block up to a power of two and keeps
     it: up to twice the largest update's staging stays locked in the subscriber's process. Any other
     device gets plain memory (there the staged arrays are the buffer's own views, nothing is copied).
