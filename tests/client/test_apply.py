@@ -323,6 +323,28 @@ def test_the_frames_pass_undoes_everything_when_a_check_fails(where: str) -> Non
     _assert_identical(tensors, before)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_the_frames_pass_on_any_number_of_threads(threads: int) -> None:
+    """The calling thread alone (one thread) or with a pool (the largest frames handed out first): the same bytes,
+    and a result that does not check undoes every frame, whichever thread applied it."""
+    from weightsync.client import frames_apply
+
+    published = _trained(2, seed=14)
+    prepared = _local_update(published, 1, 2)
+    assert prepared.frames and len(prepared.frames) > 1
+    digests = {n: (u.base_digest, u.result_digest) for n, u in prepared.updates.items()}
+    tensors = _snapshot(published[0])
+    frames_apply.apply(prepared.frames, tensors, digests, base=1, target=2, verify=True, threads=threads)
+    _assert_identical(tensors, published[1])
+    victim = sorted(prepared.updates)[0]
+    wrong = {**digests, victim: (digests[victim][0], "0" * len(digests[victim][1]))}
+    tensors = _snapshot(published[0])
+    before = _snapshot(tensors)
+    with pytest.raises(errors.ChecksumMismatch, match=repr(victim)):
+        frames_apply.apply(prepared.frames, tensors, wrong, base=1, target=2, verify=True, threads=threads)
+    _assert_identical(tensors, before)
+
+
 def test_the_frames_pass_never_writes_past_a_tensors_end() -> None:
     """The pass writes through views made from the tensors' addresses: a tensor shorter than the update's pieces
     (a caller going around `apply`'s shape checks) is refused before any write."""

@@ -38,6 +38,18 @@ def cpu_pool() -> ThreadPoolExecutor:
     return pool_of(None)
 
 
+def helping_pool(threads: int | None = None) -> ThreadPoolExecutor:
+    """The shared pool for batches whose calling thread helps (:func:`run_all`'s `caller_helps`): `threads` in
+    all with the caller (None: one per core), so one fewer of the pool's, at least one.
+
+    A pool of one thread per core and the caller put a thread more than the cores on CPU work: on the
+    2-core VM the 45 MB step's verified apply took 0.3-1 ms longer than with one pool thread and the
+    caller (docs/SCALE-RUNS.md, run AF).
+    """
+    n = threads if threads is not None else os.cpu_count() or 1
+    return pool_of(max(1, n - 1))
+
+
 def pool_of(threads: int | None) -> ThreadPoolExecutor:
     """The process's pool of `threads` threads (at least one; None: one per core, :func:`cpu_pool`), started
     on first use and shared from then on.
