@@ -38,16 +38,20 @@ def cpu_pool() -> ThreadPoolExecutor:
     return pool_of(None)
 
 
-def helping_pool(threads: int | None = None) -> ThreadPoolExecutor:
+def threads_of(threads: int | None) -> int:
+    """`threads`, or one per core for None: how many threads a batch asked to run on gets."""
+    return threads if threads is not None else os.cpu_count() or 1
+
+
+def helping_pool(threads: int) -> ThreadPoolExecutor:
     """The shared pool for batches whose calling thread helps (:func:`run_all`'s `caller_helps`): `threads` in
-    all with the caller (None: one per core), so one fewer of the pool's, at least one.
+    all with the caller, so one fewer of the pool's, at least one.
 
     A pool of one thread per core and the caller put a thread more than the cores on CPU work: on the
     2-core VM the 45 MB step's verified apply took 0.3-1 ms longer than with one pool thread and the
     caller (docs/SCALE-RUNS.md, run AF).
     """
-    n = threads if threads is not None else os.cpu_count() or 1
-    return pool_of(max(1, n - 1))
+    return pool_of(max(1, threads - 1))
 
 
 def pool_of(threads: int | None) -> ThreadPoolExecutor:
@@ -59,7 +63,7 @@ def pool_of(threads: int | None) -> ThreadPoolExecutor:
     they keep between frames (a zstd context and scratch planes per thread). `cpu_pool`'s rule
     holds: a job of a pool never waits on another job of the same pool.
     """
-    n = max(1, threads if threads is not None else os.cpu_count() or 1)
+    n = max(1, threads_of(threads))
     with _pools_lock:
         pool = _pools.get(n)
         if pool is None:

@@ -16,7 +16,6 @@ does not match, every frame is undone (XOR and ADD invert exactly:
 
 from __future__ import annotations
 
-import os
 import struct
 import time
 from collections.abc import Callable, Mapping
@@ -27,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from weightsync import errors
-from weightsync.client._pool import helping_pool, run_all
+from weightsync.client._pool import helping_pool, run_all, threads_of
 from weightsync.codec import kernels
 from weightsync.codec.checksum import MASK, lanes_of, wire_form
 from weightsync.codec.decoder import check_frame
@@ -156,7 +155,7 @@ def apply(
         fr, targets, starts = jobs[i]
         sums[i] = apply_frame_lanes(fr.blob, targets, starts, before=verify)[1]
 
-    n = threads if threads is not None else os.cpu_count() or 1
+    n = threads_of(threads)
     pool = helping_pool(n)  # the calling thread is one of the n (started once: client/_pool.py)
     # The largest frames first (the pool takes jobs from the front, the caller from the back): no large
     # one is left for last while the other thread idles.
