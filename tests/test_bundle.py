@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 from hypothesis import given
@@ -61,16 +62,25 @@ def test_malformed(body: bytes, why: str) -> None:
         list(bundle.parts(body))
 
 
-def _received(body: bytes, cuts: list[int], size: int | None = None) -> tuple[bytes, dict[str, tuple[bytes, str]]]:
+_HASHER = ThreadPoolExecutor(1, thread_name_prefix="test-bundle-hash")
+
+
+def _received(
+    body: bytes, cuts: list[int], size: int | None = None, *, hasher: bool = False
+) -> tuple[bytes, dict[str, tuple[bytes, str]]]:
     """`body` fed to a Receiver (of `size`, the length its header would give) in the pieces `cuts` make, then
-    finished."""
-    r = bundle.Receiver(size=size)
+    finished; with `hasher`, hashed on a thread it is given and finished without waiting (the futures are
+    resolved here)."""
+    r = bundle.Receiver(size=size, hasher=_HASHER if hasher else None)
     at = 0
     for cut in [*sorted(cuts), len(body)]:
         r.feed(body[at:cut])
         at = cut
-    plan, objects = r.finish()
-    return bytes(plan), {n: (bytes(d), h) for n, (d, h) in objects.items()}
+    if not hasher:
+        plan, objects = r.finish()
+        return bytes(plan), {n: (bytes(d), h) for n, (d, h) in objects.items()}
+    plan, pending = r.finish_pending()
+    return bytes(plan), {n: (bytes(d), h.result() if isinstance(h, Future) else h) for n, (d, h) in pending.items()}
 
 
 @given(plan=st.binary(max_size=200), datas=blobs, data=st.data())
@@ -119,19 +129,26 @@ def test_a_receiver_refuses_malformed_bodies(body: bytes, why: str) -> None:
         _received(body, [1, 3])
 
 
-@given(plan=st.binary(max_size=200), datas=blobs, data=st.data(), ahead=st.sampled_from([1, 7, 64, 1 << 30]))
+@given(
+    plan=st.binary(max_size=200),
+    datas=blobs,
+    data=st.data(),
+    ahead=st.sampled_from([1, 7, 64, 1 << 30]),
+    hasher=st.booleans(),
+)
 def test_a_body_of_known_length_gives_the_same_parts_and_hashes(
-    plan: bytes, datas: list[bytes], data, ahead: int
+    plan: bytes, datas: list[bytes], data, ahead: int, hasher: bool
 ) -> None:
     """With the body's length the bytes land in one buffer, and from HASH_AHEAD bytes on (made small here)
-    the objects are hashed on a thread of their own in steps: the same parts, the same hashes."""
+    the objects are hashed on a thread (their own, or one given: then finished without waiting, the
+    hashes still being taken handed back as futures) in steps: the same parts, the same hashes."""
     objects = _named(datas)
     body = bundle.encode(plan, objects)
     cuts = data.draw(st.lists(st.integers(0, len(body)), max_size=8))
     saved = bundle.HASH_AHEAD
     bundle.HASH_AHEAD = ahead
     try:
-        got_plan, got = _received(body, cuts, size=len(body))
+        got_plan, got = _received(body, cuts, size=len(body), hasher=hasher)
     finally:
         bundle.HASH_AHEAD = saved
     assert got_plan == plan

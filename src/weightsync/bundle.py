@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import AsyncIterator, Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -108,6 +108,12 @@ class Receiver:
     has its objects hashed on a thread of its own, HASH_AHEAD bytes at a time, while the receiving
     thread waits for the next chunk: a large update's hashing then costs the receiver little
     more than the transfer (SHA-256 runs at ~2 GB/s a core, a loopback transfer at about that).
+    `hasher` is the thread to hash on (an executor of **one** thread: a part's steps must run in
+    order) instead of one started for the body, and :meth:`finish_pending` hands back the hashes
+    still being taken as futures: the caller reads the JSON part (and checks what it needs
+    first) while the objects are still hashing. A smaller body is hashed on the receiving
+    thread as it arrives: handing its hashing to another thread saved nothing there (the
+    receiver's next work is Python, which holds the GIL that thread needs between its steps).
     """
 
     def __init__(
@@ -117,6 +123,7 @@ class Receiver:
         error: type[errors.WeightsyncError] = errors.BadResponse,
         hashed: bool = True,
         size: int | None = None,
+        hasher: Executor | None = None,
     ) -> None:
         self._size = size
         # Without a size, a growing bytearray; with one, a buffer of that size (np.empty: its pages are touched
@@ -133,7 +140,8 @@ class Receiver:
         self._hashed_to = 0  # where the current part's bytes not yet hashed start
         self._done: list[tuple[str, int, int, str | Future[str] | None]] = []
         self._ahead = hashed and size is not None and size >= HASH_AHEAD
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: Executor | None = hasher
+        self._own_pool = hasher is None  # a pool started here, shut down when the parts are taken
 
     def feed(self, chunk: bytes | memoryview) -> None:
         n = len(chunk)
@@ -157,26 +165,28 @@ class Receiver:
             name, start, size, hasher = self._part
             end = start + size
             upto = min(self._len, end)
-            if (
-                hasher is not None
-                and upto > self._hashed_to
-                and (upto == end or not self._ahead or upto - self._hashed_to >= HASH_AHEAD)
-            ):
-                self._hash(hasher.update, self._view[self._hashed_to : upto])
-                self._hashed_to = upto
             if upto < end:
+                if (
+                    hasher is not None
+                    and upto > self._hashed_to
+                    and (not self._ahead or upto - self._hashed_to >= HASH_AHEAD)
+                ):
+                    self._hash(hasher, self._view[self._hashed_to : upto], False)
+                    self._hashed_to = upto
                 return
-            digest = None if hasher is None else self._hash(hasher.hexdigest)
+            # The part's last bytes and its digest in one step (one hand-off to the hashing thread).
+            digest = None if hasher is None else self._hash(hasher, self._view[self._hashed_to : end], True)
             self._done.append((name, start, size, digest))
             self._part, self._at = None, end
 
-    def _hash(self, step: Callable[..., Any], *args: Any) -> Any:
-        """`step` of a part's hashing: here, or in order on the hashing thread (a Future) for a large body."""
+    def _hash(self, hasher: Any, data: memoryview, last: bool) -> Any:
+        """Hash `data` into `hasher` (its hex digest when `last`): here, or in order on the hashing thread
+        (a Future) for a body hashed ahead."""
         if not self._ahead:
-            return step(*args)
+            return _hash_step(hasher, data, last)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="weightsync-bundle-hash")
-        return self._pool.submit(step, *args)
+        return self._pool.submit(_hash_step, hasher, data, last)
 
     def _check_head(self) -> None:
         magic, version = _HEAD.unpack_from(self._view)
@@ -208,11 +218,14 @@ class Receiver:
     def parts(self) -> list[tuple[str, memoryview, str | None]]:
         """Every part in order, the JSON part first: (name, bytes, SHA-256 hex; None for the JSON part or when
         not hashed); `error` if the body ended inside a part or holds no JSON part."""
+        return [(name, data, h.result() if isinstance(h, Future) else h) for name, data, h in self._parts()]
+
+    def _parts(self) -> list[tuple[str, memoryview, str | Future[str] | None]]:
+        """:meth:`parts`, the hashes still being taken as futures."""
         if not self._headed:  # fewer bytes than the bundle's head
             raise self._error(f"{self._what}: bad magic")
-        hashes = [h.result() if isinstance(h, Future) else h for _, _, _, h in self._done]
-        if self._pool is not None:
-            self._pool.shutdown()
+        if self._own_pool and self._pool is not None:
+            self._pool.shutdown(wait=False)  # what it was given still runs: the futures complete
             self._pool = None
         if self._part is not None or self._at != self._len:
             truncated = self._part[0] if self._part is not None else None
@@ -220,12 +233,22 @@ class Receiver:
             raise self._error(f"{self._what}: {what}")
         if not self._done:
             raise self._error(f"{self._what}: no {self._first}")
-        return [(name, self._view[a : a + n], h) for (name, a, n, _), h in zip(self._done, hashes, strict=True)]
+        return [(name, self._view[a : a + n], h) for name, a, n, h in self._done]
 
     def finish(self) -> tuple[memoryview, dict[str, tuple[memoryview, str]]]:
         """(the JSON part, {object name: (its bytes, their SHA-256 hex)}), as :meth:`parts` checks them."""
         (_, json_part, _), *objects = self.parts()
         return json_part, {name: (data, h or "") for name, data, h in objects}
+
+    def finish_pending(self) -> tuple[memoryview, dict[str, tuple[memoryview, str | Future[str]]]]:
+        """:meth:`finish` without waiting for the hashing thread: a hash still being taken is a Future of it."""
+        (_, json_part, _), *objects = self._parts()
+        return json_part, {name: (data, h or "") for name, data, h in objects}
+
+
+def _hash_step(hasher: Any, data: memoryview, last: bool) -> str | None:
+    hasher.update(data)
+    return hasher.hexdigest() if last else None
 
 
 class StreamedBundle:

@@ -89,18 +89,32 @@ def test_without_inline_or_above_it_the_plan_and_its_objects_are_separate_reques
             assert all(p.startswith("/v1/objects/") for p in paths[1:]), seen
 
 
-def test_an_object_damaged_in_the_bundle_is_fetched_again(server, model, caplog) -> None:
+@pytest.mark.parametrize("damaged", ["last object", "manifest"])
+@pytest.mark.parametrize("ahead", [False, True])
+def test_an_object_damaged_in_the_bundle_is_fetched_again(server, model, caplog, monkeypatch, damaged, ahead) -> None:
+    """A byte flipped in the bundle's last object, or in its manifest (the first object part, decoded while
+    the objects after it hash): that object is fetched again, the rest used as they came. With `ahead`
+    (HASH_AHEAD made small) the objects are hashed on the process's hashing thread, their hashes still
+    being taken when the body has ended."""
+    if ahead:
+        monkeypatch.setattr(bundle, "HASH_AHEAD", 1024)
     versions = _versions(server.url, model, 3)
+    spoiled: list[str] = []
 
-    def flip_last_byte(kind: str, body: bytes) -> bytes:
+    def flip_a_byte(kind: str, body: bytes) -> bytes:
         assert kind.startswith(bundle.MEDIA_TYPE)
-        return body[:-1] + bytes([body[-1] ^ 1])  # the last byte belongs to the last object
+        (_, plan), *parts = bundle.parts(body)
+        objects = {name: bytearray(data) for name, data in parts}
+        name = list(objects)[-1 if damaged == "last object" else 0]
+        objects[name][-1] ^= 1
+        spoiled.append(name)
+        return bundle.encode(bytes(plan), {n: bytes(d) for n, d in objects.items()})
 
-    transport = Recording(edit=flip_last_byte)
+    transport = Recording(edit=flip_a_byte)
     with caplog.at_level(logging.WARNING, logger="weightsync.client"):
         per_prepare = _follow(server.url, model, versions, transport)
-    for seen in per_prepare:
-        assert len([p for _, p, _ in seen if p.startswith("/v1/objects/")]) == 1, seen  # that one, again
+    for seen, name in zip(per_prepare, spoiled, strict=True):
+        assert [p for _, p, _ in seen if p.startswith("/v1/objects/")] == [f"/v1/objects/{name}"], seen  # again
     assert "came with the plan with other bytes" in caplog.text
 
 

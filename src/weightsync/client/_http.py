@@ -19,7 +19,8 @@ import re
 import ssl
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -27,7 +28,7 @@ import httpx
 
 from weightsync import __version__, bundle, errors
 from weightsync.client import models
-from weightsync.client._pool import check_cancelled, pause
+from weightsync.client._pool import check_cancelled, hash_pool, pause
 from weightsync.client.wire import Retry, TokenBucket, problem_error
 from weightsync.codec.manifest import DIGEST_KINDS
 
@@ -332,13 +333,15 @@ class Api:
         holder: str | None = None,
         inline: int,
         timings: dict[str, float] | None = None,
-    ) -> tuple[models.Plan, dict[str, memoryview]]:
+    ) -> tuple[models.Plan, dict[str, tuple[memoryview, str | Future[str]]]]:
         """The plan and, when its bytes are at most `inline`, its manifests and objects in the same answer.
 
-        Returns (plan, {digest: bytes} of the objects that came with it, each checked against its name:
-        hashed as its bytes arrived, while the rest of the body was still coming). An object whose bytes
-        do not hash to its name is left out, with a warning, as is any the server did not send (a larger
-        update, an older server, a relay lacking some objects): the caller fetches those as usual.
+        Returns (plan, {digest: (bytes, their SHA-256 hex)} of the objects that came with it). The hashes
+        are taken on the process's hashing thread as the bytes arrive (`_pool.hash_pool`); one still being
+        taken when the body has ended is a Future of it, so the caller can read the plan and the first
+        objects (the manifests come first) while the rest still hash: :func:`checked` gives the objects
+        whose bytes hash to their names. An object the server did not send (a larger update, an older
+        server, a relay lacking some objects) is not there: the caller fetches those as usual.
         Bytes received are rate-limited; `on_bytes` counts the objects' bytes. `timings` gets the
         server's phases (``server_plan_s``, from its Server-Timing header).
         """
@@ -350,7 +353,7 @@ class Api:
             kind = resp.headers.get("content-type", "")
             sink: bundle.Receiver | bytearray = bytearray()
             if kind.startswith(bundle.MEDIA_TYPE):
-                sink = bundle.Receiver(size=_bundle_length(resp, inline))
+                sink = bundle.Receiver(size=_bundle_length(resp, inline), hasher=hash_pool())
             for chunk in resp.iter_bytes():
                 check_cancelled()
                 if self.limiter is not None:
@@ -370,20 +373,14 @@ class Api:
                 return models.Plan.from_json(json.loads(sink)), {}
             except ValueError:
                 raise errors.BadResponse(f"GET {path}: the answer is neither a plan nor a plan bundle") from None
-        plan_json, received = sink.finish()
+        plan_json, received = sink.finish_pending()
         try:
             plan = models.Plan.from_json(json.loads(bytes(plan_json)))
         except ValueError:
             raise errors.BadResponse(f"GET {path}: the bundle's plan is not JSON") from None
-        objects = {}
-        for digest, (data, sha256) in received.items():
-            if sha256 == digest:
-                objects[digest] = data
-            else:
-                log.warning("object %s came with the plan with other bytes: fetching it again", digest)
         if self.on_bytes is not None:
             self.on_bytes(sum(len(v) for v, _ in received.values()))
-        return plan, objects
+        return plan, received
 
     def watch(self, model: str, *, after: int, timeout: float) -> models.Version | None:
         """The head once it is newer than ``after``; None when ``timeout`` s pass first (a 204)."""
@@ -670,6 +667,23 @@ class Api:
         if grace_s is not None:
             body["grace_s"] = grace_s
         return models.GcReport.from_json(self._json("POST", "/v1/admin/gc", json=body))
+
+
+def checked(received: dict[str, tuple[memoryview, str | Future[str]]], digests: Iterable[str]) -> dict[str, memoryview]:
+    """Of `digests`, the objects of `received` (:meth:`Api.get_plan_bundle`) whose bytes hash to their names,
+    waiting for hashes still being taken. One that came with other bytes is left out, with a warning: the
+    caller fetches it again."""
+    out = {}
+    for digest in digests:
+        got = received.get(digest)
+        if got is None:
+            continue
+        data, sha256 = got
+        if (sha256.result() if isinstance(sha256, Future) else sha256) == digest:
+            out[digest] = data
+        else:
+            log.warning("object %s came with the plan with other bytes: fetching it again", digest)
+    return out
 
 
 def _plan_params(have: int | None, want: int | None, holder: str | None) -> dict[str, Any]:

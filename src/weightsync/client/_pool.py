@@ -25,6 +25,7 @@ _SLICE = 0.05
 _local = threading.local()
 _pools: dict[int, ThreadPoolExecutor] = {}
 _pools_lock = threading.Lock()
+_hasher: ThreadPoolExecutor | None = None
 
 
 def cpu_pool() -> ThreadPoolExecutor:
@@ -52,6 +53,19 @@ def helping_pool(threads: int) -> ThreadPoolExecutor:
     caller (docs/SCALE-RUNS.md, run AF).
     """
     return pool_of(max(1, threads - 1))
+
+
+def hash_pool() -> ThreadPoolExecutor:
+    """The process's one thread for hashing bytes as they arrive (a plan bundle's objects, bundle.Receiver).
+
+    One thread, so that the steps of one object's hash run in order; started once: a thread started
+    per answer cost about as much as hashing a small update's objects. Its jobs wait on nothing.
+    """
+    with _pools_lock:
+        global _hasher
+        if _hasher is None:
+            _hasher = ThreadPoolExecutor(1, thread_name_prefix="weightsync-hash")
+        return _hasher
 
 
 def pool_of(threads: int | None) -> ThreadPoolExecutor:

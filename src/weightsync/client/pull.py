@@ -23,7 +23,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +31,7 @@ from typing import Any
 
 from weightsync import errors
 from weightsync.client import inplace
-from weightsync.client._http import Api
+from weightsync.client._http import Api, checked
 from weightsync.client._objects import DEFAULT_RANGE_BYTES, FetchStats, ObjectCache, object_reader
 from weightsync.client.checkout import Checkout
 from weightsync.client.decode import HeldFile, Tree, check_bases, decode_step, frames_for, map_file, needed_files
@@ -149,7 +149,7 @@ def fetch_update(
     and download_s, and server_plan_s when the plan came with its objects from a server that says).
     """
     t0 = time.perf_counter()
-    inlined: dict[str, memoryview] = {}
+    inlined: dict[str, tuple[memoryview, str | Future[str]]] = {}
     server: dict[str, float] = {}
     if select is None and inline:
         plan, inlined = api.get_plan_bundle(model, have=have, want=want, holder=holder, inline=inline, timings=server)
@@ -159,9 +159,13 @@ def fetch_update(
     t = time.perf_counter()
     partial: list[str] = []
     if select is None:
-        _keep_inlined(cache, plan, inlined)
+        # The manifests come first in the plan's answer: they are decoded while its objects still hash.
+        in_manifests, in_objects = step_objects(plan.steps)
+        came = checked(inlined, in_manifests)
+        early = {digest: Manifest.decode(bytes(data)) for digest, data in came.items()}
+        _keep_inlined(cache, came | checked(inlined, in_objects))
         fetch_plan(api, cache, plan, pool, range_bytes=range_bytes, meter=meter)
-        manifests = [load_manifest(cache, s.manifest) for s in plan.steps]
+        manifests = [early.get(s.manifest) or load_manifest(cache, s.manifest) for s in plan.steps]
     else:
         manifests, _ = _fetch_manifests(api, cache, plan, pool, range_bytes=range_bytes, meter=meter)
         refs = inplace.frames_needed(manifests, select)
@@ -171,12 +175,10 @@ def fetch_update(
     return plan, manifests, partial, timings
 
 
-def _keep_inlined(cache: ObjectCache, plan: Plan, inlined: dict[str, memoryview]) -> None:
-    """Put the objects that came with the plan into `cache` (each checked against its name on arrival:
-    `Api.get_plan_bundle`); one the plan does not name is ignored."""
-    manifests, objects = step_objects(plan.steps)
-    for digest, data in inlined.items():
-        if (digest in manifests or digest in objects) and not cache.has(digest):
+def _keep_inlined(cache: ObjectCache, objects: dict[str, memoryview]) -> None:
+    """Put the objects that came with the plan, checked against their names (`_http.checked`), into `cache`."""
+    for digest, data in objects.items():
+        if not cache.has(digest):
             cache.put_checked(digest, data)
 
 
