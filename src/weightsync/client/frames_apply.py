@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -218,31 +218,34 @@ class _Layout:
         held: Mapping[str, Any],
         digests: Mapping[str, tuple[str | None, str]],
     ) -> _Layout | None:
+        # Whole lists per frame and per tensor rather than steps per piece: a large MoE's update has
+        # tens of thousands of pieces, and this runs before the first write of every apply.
+        checked = held.keys() & digests.keys()
         widths: dict[str, int] = {}  # checked tensor → its element width
         owner: list[str] = []  # per kept piece, in the order `check` flattens them: its tensor
         counts_of: list[int] = []  # per kept piece: its elements
         keep: list[list[int]] = []  # per frame: its pieces that are checked
         for fr, targets, _ in jobs:
             width = _width(fr)
-            kept = []
-            for k, (name, t) in enumerate(zip(fr.names, targets, strict=True)):
-                if name is None or name not in held or name not in digests:
-                    continue
-                kept.append(k)
-                widths[name] = width
-                owner.append(name)
-                counts_of.append(len(t) // width)
+            names_of = fr.names
+            kept = [k for k, name in enumerate(names_of) if name in checked]
+            mine = cast(list[str], [names_of[k] for k in kept])  # in `checked`: never None
+            widths.update(dict.fromkeys(mine, width))
+            owner += mine
+            counts_of += [len(targets[k]) // width for k in kept]
             keep.append(kept)
         names = [n for n in digests if n in widths]
         index = {n: i for i, n in enumerate(names)}
-        lanes = [lanes_of(widths[n]) for n in names]
-        hex_base, hex_result = [], []
-        for n, count in zip(names, lanes, strict=True):
-            base, result = digests[n]
-            if base is None or len(base) != 16 * (count + 1) or len(result) != 16 * (count + 1):
-                return None  # not a wire form: the reference check says which tensor
-            hex_base.append(base)
-            hex_result.append(result)
+        lanes_by_width = {w: lanes_of(w) for w in set(widths.values())}
+        lanes = [lanes_by_width[widths[n]] for n in names]
+        pairs = [digests[n] for n in names]
+        if any(b is None for b, _ in pairs):
+            return None  # a base without a digest: the reference check says which tensor
+        hex_base = cast(list[str], [b for b, _ in pairs])
+        hex_result = [r for _, r in pairs]
+        wire = [16 * (count + 1) for count in lanes]
+        if list(map(len, hex_base)) != wire or list(map(len, hex_result)) != wire:
+            return None  # not a wire form: the reference check says which tensor
         try:
             want_base = np.frombuffer(bytes.fromhex("".join(hex_base)), dtype="<u8").astype(np.uint64)
             want_result = np.frombuffer(bytes.fromhex("".join(hex_result)), dtype="<u8").astype(np.uint64)
@@ -251,7 +254,7 @@ class _Layout:
         per = np.array(lanes, dtype=np.int64)
         at = np.zeros(len(names) + 1, dtype=np.int64)  # where each tensor's wire form starts
         np.cumsum(per + 1, out=at[1:])
-        tidx = np.array([index[n] for n in owner], dtype=np.int64)
+        tidx = np.fromiter(map(index.__getitem__, owner), dtype=np.int64, count=len(owner))
         counts = np.zeros(int(at[-1]), dtype=np.uint64)
         np.add.at(counts, at[tidx], np.array(counts_of, dtype=np.uint64))
         lp = per[tidx]  # lanes of each kept piece, flattened one after another by `check`
