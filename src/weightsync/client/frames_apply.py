@@ -128,6 +128,16 @@ def apply(
     jobs = []
     for fr in frames:
         width = _width(fr)
+        pieces = fr.ref.pieces
+        found = [spans.get(name) if name is not None else None for name in fr.names]
+        if None not in found:
+            # Every piece into a held tensor (the common case): whole lists, not steps per piece.
+            into = cast(list[tuple[int, int]], found)
+            if all(p.offset + p.length <= size for p, (_, size) in zip(pieces, into, strict=True)):
+                at = [address + p.offset for p, (address, _) in zip(pieces, into, strict=True)]
+                views = k.memory_views(at, [p.length for p in pieces])  # the held tensors' own bytes
+                jobs.append((fr, list(views), [p.offset // width for p in pieces]))
+                continue
         targets: list[Any] = []
         starts, mine, at, lengths = [], [], [], []
         for i, (p, name) in enumerate(zip(fr.ref.pieces, fr.names, strict=True)):
