@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import pytest
 
-from weightsync.client._pool import Cancelled, HelpingPool, check_cancelled, cpu_pool, pause, pool_of, run_all
+from weightsync.client._pool import (
+    Cancelled,
+    HelpingPool,
+    check_cancelled,
+    cpu_pool,
+    hash_pool,
+    pause,
+    pool_of,
+    run_all,
+)
 from weightsync.client.wire import TokenBucket
 
 LONG_S = 60.0
@@ -232,3 +243,22 @@ def test_a_pool_of_a_size_is_started_once_and_shared() -> None:
         assert run_all(three, lambda _: threading.current_thread().name, range(12))
     started = [t for t in threading.enumerate() if t.name.startswith("weightsync-3t")]
     assert 1 <= len(started) <= 3
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_gets_pools_of_its_own() -> None:
+    """The process's pools are started once and shared, but a child forked after they started has none of
+    their threads: its jobs run on pools of its own (a job given to the parent's would never run)."""
+    assert cpu_pool().submit(lambda: 1).result(LONG_S) == 1
+    assert hash_pool().submit(lambda: 2).result(LONG_S) == 2
+    assert pool_of(1).submit(lambda: 3).result(LONG_S) == 3
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(1) as child:
+        got = child.apply_async(_jobs_on_the_pools).get(LONG_S)
+    assert got == [1, 2, 3]
+
+
+def _jobs_on_the_pools() -> list[int]:
+    return [
+        pool().submit(lambda i=i: i).result(10) for i, pool in enumerate([cpu_pool, hash_pool, lambda: pool_of(1)], 1)
+    ]

@@ -28,6 +28,18 @@ _pools_lock = threading.Lock()
 _hasher: ThreadPoolExecutor | None = None
 
 
+def _forget_pools() -> None:
+    """In a forked child: the parent's pools hold threads that do not exist there (a job given to one would
+    never run), and a lock another thread held at the fork stays held; the child starts its own on first use."""
+    global _pools_lock, _hasher
+    _pools.clear()
+    _hasher = None
+    _pools_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pools)
+
+
 def cpu_pool() -> ThreadPoolExecutor:
     """The process's pool for CPU work that releases the GIL (decoding, checksums, patching tensors).
 
