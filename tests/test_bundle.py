@@ -139,9 +139,9 @@ def test_a_receiver_refuses_malformed_bodies(body: bytes, why: str) -> None:
 def test_a_body_of_known_length_gives_the_same_parts_and_hashes(
     plan: bytes, datas: list[bytes], data, ahead: int, hasher: bool
 ) -> None:
-    """With the body's length the bytes land in one buffer, and from HASH_AHEAD bytes on (made small here)
-    the objects are hashed on a thread (their own, or one given: then finished without waiting, the
-    hashes still being taken handed back as futures) in steps: the same parts, the same hashes."""
+    """With the body's length the bytes land in one buffer, and with a hashing thread given, from HASH_AHEAD
+    bytes on (made small here) the objects are hashed on it in steps, finished without waiting (the hashes
+    still being taken handed back as futures); without one, as they arrive: the same parts, the same hashes."""
     objects = _named(datas)
     body = bundle.encode(plan, objects)
     cuts = data.draw(st.lists(st.integers(0, len(body)), max_size=8))

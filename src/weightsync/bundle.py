@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import AsyncIterator, Iterator
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 from typing import Any
 
 import numpy as np
@@ -104,16 +104,16 @@ class Receiver:
     :func:`parts` reads a whole body with it, unhashed (``hashed=False``).
 
     With `size` (the body's length, known from its header) the bytes land in one buffer of that
-    size, never copied again (a longer body is `error`), and a body of at least HASH_AHEAD bytes
-    has its objects hashed on a thread of its own, HASH_AHEAD bytes at a time, while the receiving
-    thread waits for the next chunk: a large update's hashing then costs the receiver little
-    more than the transfer (SHA-256 runs at ~2 GB/s a core, a loopback transfer at about that).
-    `hasher` is the thread to hash on (an executor of **one** thread: a part's steps must run in
-    order) instead of one started for the body, and :meth:`finish_pending` hands back the hashes
-    still being taken as futures: the caller reads the JSON part (and checks what it needs
-    first) while the objects are still hashing. A smaller body is hashed on the receiving
-    thread as it arrives: handing its hashing to another thread saved nothing there (the
-    receiver's next work is Python, which holds the GIL that thread needs between its steps).
+    size, never copied again (a longer body is `error`). With `hasher` too (an executor of **one**
+    thread: a part's steps must run in order), a body of at least HASH_AHEAD bytes has its objects
+    hashed on that thread, HASH_AHEAD bytes at a time, while the receiving thread waits for the
+    next chunk: a large update's hashing then costs the receiver little more than the transfer
+    (SHA-256 runs at ~2 GB/s a core, a loopback transfer at about that); :meth:`finish_pending`
+    hands back the hashes still being taken as futures, so the caller reads the JSON part (and
+    checks what it needs first) while the objects are still hashing. Any other body is hashed on
+    the receiving thread as it arrives: handing a small body's hashing to another thread saved
+    nothing (the receiver's next work is Python, which holds the GIL that thread needs between
+    its steps).
     """
 
     def __init__(
@@ -139,9 +139,7 @@ class Receiver:
         self._part: tuple[str, int, int, Any] | None = None
         self._hashed_to = 0  # where the current part's bytes not yet hashed start
         self._done: list[tuple[str, int, int, str | Future[str] | None]] = []
-        self._ahead = hashed and size is not None and size >= HASH_AHEAD
-        self._pool: Executor | None = hasher
-        self._own_pool = hasher is None  # a pool started here, shut down when the parts are taken
+        self._pool = hasher if hashed and size is not None and size >= HASH_AHEAD else None  # None: hash here
 
     def feed(self, chunk: bytes | memoryview) -> None:
         n = len(chunk)
@@ -169,7 +167,7 @@ class Receiver:
                 if (
                     hasher is not None
                     and upto > self._hashed_to
-                    and (not self._ahead or upto - self._hashed_to >= HASH_AHEAD)
+                    and (self._pool is None or upto - self._hashed_to >= HASH_AHEAD)
                 ):
                     self._hash(hasher, self._view[self._hashed_to : upto], False)
                     self._hashed_to = upto
@@ -182,10 +180,8 @@ class Receiver:
     def _hash(self, hasher: Any, data: memoryview, last: bool) -> Any:
         """Hash `data` into `hasher` (its hex digest when `last`): here, or in order on the hashing thread
         (a Future) for a body hashed ahead."""
-        if not self._ahead:
-            return _hash_step(hasher, data, last)
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="weightsync-bundle-hash")
+            return _hash_step(hasher, data, last)
         return self._pool.submit(_hash_step, hasher, data, last)
 
     def _check_head(self) -> None:
@@ -224,9 +220,6 @@ class Receiver:
         """:meth:`parts`, the hashes still being taken as futures."""
         if not self._headed:  # fewer bytes than the bundle's head
             raise self._error(f"{self._what}: bad magic")
-        if self._own_pool and self._pool is not None:
-            self._pool.shutdown(wait=False)  # what it was given still runs: the futures complete
-            self._pool = None
         if self._part is not None or self._at != self._len:
             truncated = self._part[0] if self._part is not None else None
             what = "truncated part header" if truncated is None else f"part {truncated!r} is truncated"
@@ -237,8 +230,10 @@ class Receiver:
 
     def finish(self) -> tuple[memoryview, dict[str, tuple[memoryview, str]]]:
         """(the JSON part, {object name: (its bytes, their SHA-256 hex)}), as :meth:`parts` checks them."""
-        (_, json_part, _), *objects = self.parts()
-        return json_part, {name: (data, h or "") for name, data, h in objects}
+        json_part, pending = self.finish_pending()
+        return json_part, {
+            name: (data, h.result() if isinstance(h, Future) else h) for name, (data, h) in pending.items()
+        }
 
     def finish_pending(self) -> tuple[memoryview, dict[str, tuple[memoryview, str | Future[str]]]]:
         """:meth:`finish` without waiting for the hashing thread: a hash still being taken is a Future of it."""

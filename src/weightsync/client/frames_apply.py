@@ -136,11 +136,11 @@ def apply(
             if all(p.offset + p.length <= size for p, (_, size) in zip(pieces, into, strict=True)):
                 at = [address + p.offset for p, (address, _) in zip(pieces, into, strict=True)]
                 views = k.memory_views(at, [p.length for p in pieces])  # the held tensors' own bytes
-                jobs.append((fr, list(views), [p.offset // width for p in pieces]))
+                jobs.append((fr, views, [p.offset // width for p in pieces]))
                 continue
         targets: list[Any] = []
         starts, mine, at, lengths = [], [], [], []
-        for i, (p, name) in enumerate(zip(fr.ref.pieces, fr.names, strict=True)):
+        for i, (p, name) in enumerate(zip(pieces, fr.names, strict=True)):
             span = spans.get(name) if name is not None else None
             if span is None:
                 targets.append(np.zeros(p.length, np.uint8))  # scratch: a piece of a tensor not held
