@@ -48,6 +48,22 @@ def test_every_request_kind_is_measured_on_a_real_server(tmp_path: Path) -> None
         assert f["wall_ms"] > 0 and all(c >= 0 for c in f["rounds_cpu_ms"]), kind
     # A publish does work on the server (hashing, fsync'd writes, three transactions): some CPU shows.
     assert max(got["publish"]["rounds_cpu_ms"]) > 0
+    assert got["publish"]["one_request"] is True  # a small delta goes as one publishVersion
+
+
+def test_a_delta_too_large_for_one_request_is_measured_as_it_goes(tmp_path: Path, monkeypatch) -> None:
+    """A delta the publisher sends as begin, uploads and commit (here: no part may go in one request) is
+    timed all the same, and said to have gone that way."""
+    from weightsync.client import Publisher
+
+    real = Publisher.__init__
+
+    def several_requests(self, *args, **kw):
+        real(self, *args, **{**kw, "inline_bytes": 0})
+
+    monkeypatch.setattr(Publisher, "__init__", several_requests)
+    got = server_cpu.run(_versions(tmp_path), requests=1, publishes=2, rounds=1)
+    assert got["publish"]["one_request"] is False and got["publish"]["wall_ms"] > 0
 
 
 def test_a_publish_that_is_not_a_delta_in_one_request_fails_the_probe(tmp_path: Path, monkeypatch) -> None:
@@ -60,7 +76,7 @@ def test_a_publish_that_is_not_a_delta_in_one_request_fails_the_probe(tmp_path: 
         return real(self, source, **{**kw, "keyframe": True})
 
     monkeypatch.setattr(Publisher, "publish", keyframes)
-    with pytest.raises(AssertionError, match="wanted a delta in one request"):
+    with pytest.raises(AssertionError, match="wanted a delta, got a keyframe"):
         server_cpu.run(_versions(tmp_path), requests=1, publishes=1, rounds=1)
 
 

@@ -539,18 +539,33 @@ def test_relay_heartbeats_replace_each_other_and_are_listed(service):
     assert c.put("/v1/relays/r", json={"models": {"m": {"version": 0}}}).status_code == 422
 
 
-@pytest.mark.parametrize("preload", [4 << 20, 3000, 0])
+@pytest.mark.parametrize(
+    ("preload", "held", "joined"),
+    [
+        (4 << 20, False, 1 << 20),
+        (3000, False, 1 << 20),
+        (0, False, 1 << 20),
+        (3000, False, 1),
+        (0, True, 1 << 20),
+        (0, True, 1),
+    ],
+)
 def test_plan_with_inline_objects_is_one_answer_holding_the_plan_and_every_object(
-    service, model, versions, monkeypatch, preload
+    service, model, versions, monkeypatch, preload, held, joined
 ):
     """getPlan?inline=N: an update of at most N bytes comes with its manifests and objects, each byte-identical
-    to what getObject serves (whether read whole before the answer, up to BUNDLE_PRELOAD bytes, or streamed
-    after it: both at once here when some fit the budget); a larger one (or no `inline`) is the plan's JSON
-    alone; a bad N is a 422."""
+    to what getObject serves (whether held in the server's memory, read whole before the answer, up to
+    BUNDLE_PRELOAD bytes, or streamed after it: both at once here when some fit the budget; the pieces in
+    hand joined into one write or, `joined` 1, each sent as it is); a larger one (or no `inline`) is the
+    plan's JSON alone; a bad N is a 422. `held` False: as a server process that did not store them."""
     from weightsync import bundle
+    from weightsync.ops.core import Ops
     from weightsync.service.routes import versions as routes
 
     monkeypatch.setattr(routes, "BUNDLE_PRELOAD", preload)
+    monkeypatch.setattr(routes, "_JOINED_PIECE", joined)
+    if not held:
+        monkeypatch.setattr(Ops, "held", lambda self, digest: None)
     publish_chain(service.client("publisher"), model, versions[:3])
     reader = service.client("reader")
     plain = ok(reader.get(f"/v1/models/{model}/plan", params={"have": 1}), 200)
@@ -577,12 +592,18 @@ def test_plan_with_inline_objects_is_one_answer_holding_the_plan_and_every_objec
     problem(reader.get(f"/v1/models/{model}/plan", params={"want": 99, "inline": 10}), 404, "not-found")
 
 
-@pytest.mark.parametrize("memory", [64 << 20, 0])
-def test_a_plan_carries_small_objects_from_the_servers_memory_unless_it_keeps_none(tmp_path, versions, memory):
-    """Objects the server stored come with later plans from its memory (WEIGHTSYNC_OBJECT_MEMORY), so bytes
-    flipped on disk behind its back (bit rot, which fsck finds) do not reach a follower; with 0 the plan
-    reads the store each time and carries the damaged bytes, which the follower's check refuses."""
+@pytest.mark.parametrize(("memory", "preload"), [(64 << 20, 4 << 20), (64 << 20, 0), (0, 4 << 20)])
+def test_a_plan_carries_small_objects_from_the_servers_memory_unless_it_keeps_none(
+    tmp_path, versions, monkeypatch, memory, preload
+):
+    """Objects the server stored come with later plans from its memory (WEIGHTSYNC_OBJECT_MEMORY), whatever
+    the budget for reading the store before the answer (BUNDLE_PRELOAD), so bytes flipped on disk behind its
+    back (bit rot, which fsck finds) do not reach a follower; with 0 the plan reads the store each time and
+    carries the damaged bytes, which the follower's check refuses."""
     from weightsync import bundle
+    from weightsync.service.routes import versions as routes
+
+    monkeypatch.setattr(routes, "BUNDLE_PRELOAD", preload)
 
     settings = Settings(data=tmp_path / "data", object_memory=memory)
     with running(settings) as url, httpx.Client(base_url=url) as c:

@@ -175,26 +175,65 @@ async def read_plan(
 
 
 BUNDLE_PRELOAD = 4 << 20
-"""Bytes of a plan bundle's objects read whole before its answer starts (the rest are streamed)."""
+"""Bytes of a plan bundle's objects read whole from the store before its answer starts (the rest are streamed);
+objects the server holds in memory (Ops.held) come on top of it."""
+
+_JOINED_PIECE = 1 << 20
+"""A bundle's pieces below this size are joined into the write before them; larger ones are sent as they are."""
+
+
+class _PiecesResponse(Response):
+    """An answer whose body, all in hand, is sent as its pieces: the large ones (objects held in memory) are
+    handed to the transport as they are, not copied into one body first."""
+
+    def __init__(self, pieces: list[bytes], media_type: str) -> None:
+        self._pieces = pieces
+        super().__init__(media_type=media_type, headers={"Content-Length": str(sum(map(len, pieces)))})
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        last = len(self._pieces) - 1
+        for i, piece in enumerate(self._pieces):
+            await send({"type": "http.response.body", "body": piece, "more_body": i < last})
+
+
+def _coalesced(pieces: list[bytes]) -> list[bytes]:
+    """`pieces` with each run of small ones joined (one write each) and the large ones left uncopied."""
+    out: list[bytes] = []
+    run: list[bytes] = []
+    for piece in pieces:
+        if len(piece) < _JOINED_PIECE:
+            run.append(piece)
+            continue
+        if run:
+            out.append(b"".join(run))
+            run = []
+        out.append(piece)
+    if run:
+        out.append(b"".join(run))
+    return out
 
 
 async def plan_bundle(ops: Ops, out: PlanOut) -> Response:
     """The plan and every manifest and object of its steps in one body (weightsync/bundle.py).
 
     Objects the store does not hold are left out (the reader fetches what it lacks the usual way).
-    The small ones (the manifests and a small update's frames: up to BUNDLE_PRELOAD bytes in all)
-    are read whole before the answer starts, one store read each, all at once, and go first, in one
-    write with the plan; the rest are streamed after them as getObject streams them. The length is
-    known up front from what was read and the store's sizes.
+    Objects the server holds in memory (ops/hot.py: those written or read whole lately, up to
+    HOT_OBJECT_BYTES each) are in hand already; of the others, the small ones (the manifests and a
+    small update's frames: up to BUNDLE_PRELOAD bytes in all) are read whole before the answer
+    starts, one store read each, all at once. What is in hand goes first, with the plan, its large
+    pieces uncopied; the rest is streamed after it as getObject streams it. The length is known up
+    front from what is in hand and the store's sizes.
     """
     wanted: dict[str, int] = {}
     for step in out.steps:
         wanted.setdefault(step.manifest, step.manifest_bytes)
         for o in step.objects:
             wanted.setdefault(o.digest, o.size)
+    held = {d: data for d in wanted if (data := ops.held(d)) is not None}
     budget, preload = BUNDLE_PRELOAD, set[str]()
     for d, n in wanted.items():
-        if n <= budget:
+        if d not in held and n <= budget:
             preload.add(d)
             budget -= n
 
@@ -210,17 +249,23 @@ async def plan_bundle(ops: Ops, out: PlanOut) -> Response:
         except errors.ObjectNotFound:
             return None
 
-    found = await asyncio.gather(*(read(d) if d in preload else size_of(d) for d in wanted))
-    read_now = {d: x for d, x in zip(wanted, found, strict=True) if isinstance(x, bytes)}
-    streamed = {d: x for d, x in zip(wanted, found, strict=True) if isinstance(x, int)}
+    missing = [d for d in wanted if d not in held]
+    found = dict(
+        zip(missing, await asyncio.gather(*(read(d) if d in preload else size_of(d) for d in missing)), strict=True)
+    )
+    read_now = {d: x for d in wanted if isinstance(x := held.get(d, found.get(d)), bytes)}  # the plan's order
+    streamed = {d: x for d, x in found.items() if isinstance(x, int)}
     plan_json = out.model_dump_json().encode()
-    first = b"".join(bundle.chunks(plan_json, read_now, first=bundle.PLAN))
-    if not streamed:  # all of it in hand: one body, no streaming machinery (its task group costs the small answer)
-        return Response(first, media_type=bundle.MEDIA_TYPE)
-    total = len(first) + sum(bundle.part_overhead(d) + n for d, n in streamed.items())
+    first = _coalesced(bundle.chunks(plan_json, read_now, first=bundle.PLAN))
+    if not streamed:  # all of it in hand: no streaming machinery (its task group costs the small answer)
+        if len(first) == 1:
+            return Response(first[0], media_type=bundle.MEDIA_TYPE)
+        return _PiecesResponse(first, bundle.MEDIA_TYPE)
+    total = sum(map(len, first)) + sum(bundle.part_overhead(d) + n for d, n in streamed.items())
 
     async def body() -> AsyncIterator[bytes]:
-        yield first  # the plan and the objects read already, in one write
+        for piece in first:  # the plan and the objects in hand, the small ones in one write
+            yield piece
         for digest, size in streamed.items():
             yield bundle.part_header(digest, size)
             async for chunk in ops.read_object(digest):
