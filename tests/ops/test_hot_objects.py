@@ -91,6 +91,20 @@ async def test_large_objects_and_those_past_the_budget_come_from_the_store(small
     assert await small_ops.read_whole(d2) == second
 
 
+async def test_an_upload_declared_larger_than_memory_keeps_is_not_held_while_it_streams(small_ops):
+    """put_object's `size` (the sender's Content-Length): a body declared larger than one object may take is
+    not kept as it arrives (the stored bytes are still the ones that came), a declared size that fits is."""
+    data = bytes(range(256)) * 8  # 2048 bytes: fits the 3000-byte memory
+    over = (await small_ops.put_object(chunks(data), size=3001)).digest
+    assert small_ops.held(over) is None and await small_ops.store.get(over) == data
+    await small_ops.store.delete(over)  # behind its back
+    fits = (await small_ops.put_object(chunks(data[::-1]), size=len(data))).digest
+    assert small_ops.held(fits) == data[::-1]
+    await small_ops.store.delete(fits)
+    assert await small_ops.read_whole(fits) == data[::-1]
+    assert hashlib.sha256(data).hexdigest() == over
+
+
 def test_the_least_recently_used_go_first_within_the_budget():
     hot = HotObjects(budget=10, largest=HOT_OBJECT_BYTES)
     assert hot.largest == 10

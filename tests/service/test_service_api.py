@@ -542,34 +542,56 @@ def test_relay_heartbeats_replace_each_other_and_are_listed(service):
 @pytest.mark.parametrize(
     ("preload", "held", "joined"),
     [
-        (4 << 20, False, 1 << 20),
-        (3000, False, 1 << 20),
-        (0, False, 1 << 20),
-        (3000, False, 1),
-        (0, True, 1 << 20),
-        (0, True, 1),
+        (4 << 20, "none", 1 << 20),
+        (3000, "none", 1 << 20),
+        (0, "none", 1 << 20),
+        (3000, "none", 1),
+        (0, "all", 1 << 20),
+        (0, "all", 1),
+        (0, "objects", 1 << 20),
+        (0, "objects", 1),
     ],
 )
 def test_plan_with_inline_objects_is_one_answer_holding_the_plan_and_every_object(
     service, model, versions, monkeypatch, preload, held, joined
 ):
     """getPlan?inline=N: an update of at most N bytes comes with its manifests and objects, each byte-identical
-    to what getObject serves (whether held in the server's memory, read whole before the answer, up to
-    BUNDLE_PRELOAD bytes, or streamed after it: both at once here when some fit the budget; the pieces in
-    hand joined into one write or, `joined` 1, each sent as it is); a larger one (or no `inline`) is the
-    plan's JSON alone; a bad N is a 422. `held` False: as a server process that did not store them."""
+    to what getObject serves and each step's manifest before its objects, whether held in the server's memory
+    (`held`: none, all, or the objects and not the manifests; then never read from the store), read whole
+    before the answer (up to BUNDLE_PRELOAD bytes) or streamed after it (both at once here when some fit the
+    budget), the pieces in hand joined into writes or (`joined` 1) each sent as it is; a larger one (or no
+    `inline`) is the plan's JSON alone; a bad N is a 422."""
     from weightsync import bundle
     from weightsync.ops.core import Ops
     from weightsync.service.routes import versions as routes
 
     monkeypatch.setattr(routes, "BUNDLE_PRELOAD", preload)
     monkeypatch.setattr(routes, "_JOINED_PIECE", joined)
-    if not held:
-        monkeypatch.setattr(Ops, "held", lambda self, digest: None)
     publish_chain(service.client("publisher"), model, versions[:3])
     reader = service.client("reader")
     plain = ok(reader.get(f"/v1/models/{model}/plan", params={"have": 1}), 200)
+    # What the server holds, as Ops.held answers it: a set of its own here, so that what its memory kept of
+    # this run's uploads (shared by the session's tests, bypassed by presigned uploads) does not decide.
+    memory: dict[str, bytes] = {}
+    for s in plain["steps"]:
+        for d in ([] if held == "objects" else [s["manifest"]]) + [o["digest"] for o in s["objects"]]:
+            if held != "none":
+                memory[d] = reader.get(f"/v1/objects/{d}").content
+    monkeypatch.setattr(Ops, "held", lambda self, digest: memory.get(digest))
+    guard = [True]
+
+    def unread(real):
+        def call(self, digest, *args, **kwargs):
+            if guard[0] and digest in memory:
+                raise AssertionError(f"the store was read for {digest}, which the server holds")
+            return real(self, digest, *args, **kwargs)
+
+        return call
+
+    for name in ("read_whole", "stat_object", "read_object"):
+        monkeypatch.setattr(Ops, name, unread(getattr(Ops, name)))
     r = reader.get(f"/v1/models/{model}/plan", params={"have": 1, "inline": plain["bytes"]})
+    guard[0] = False
     assert r.status_code == 200 and r.headers["content-type"] == bundle.MEDIA_TYPE
     assert int(r.headers["content-length"]) == len(r.content)
     got = list(bundle.parts(r.content))
@@ -577,7 +599,14 @@ def test_plan_with_inline_objects_is_one_answer_holding_the_plan_and_every_objec
     assert got[0][0] == bundle.PLAN and plan["target"] == 3 and [s["number"] for s in plan["steps"]] == [2, 3]
     wanted = {s["manifest"] for s in plan["steps"]} | {o["digest"] for s in plan["steps"] for o in s["objects"]}
     objects = {name: bytes(data) for name, data in got[1:]}
-    assert set(objects) == wanted
+    assert set(objects) == wanted and len(got) == len(wanted) + 1
+    at = {name: i for i, (name, _) in enumerate(got)}
+    seen: set[str] = set()
+    for s in plan["steps"]:
+        for o in s["objects"]:
+            if o["digest"] not in seen:  # an object comes once, after the manifest of the first step naming it
+                assert at[s["manifest"]] < at[o["digest"]]
+                seen.add(o["digest"])
     for digest, data in objects.items():
         assert hashlib.sha256(data).hexdigest() == digest
         fetched = reader.get(f"/v1/objects/{digest}")

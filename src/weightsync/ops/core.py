@@ -349,15 +349,28 @@ class Ops:
         return [d for d in found if d is not None]
 
     async def put_object(
-        self, chunks: AsyncIterable[bytes], *, expected_digest: str | None = None, max_size: int | None = None
+        self,
+        chunks: AsyncIterable[bytes],
+        *,
+        expected_digest: str | None = None,
+        max_size: int | None = None,
+        size: int | None = None,
     ) -> PutResult:
-        """Store streamed bytes under their SHA-256 (computed here, never trusted) and record them."""
-        result = await self._store_stream(chunks, expected_digest=expected_digest, max_size=max_size)
+        """Store streamed bytes under their SHA-256 (computed here, never trusted) and record them.
+
+        `size`: the length the sender declared, when known: a body larger than the memory of objects
+        keeps is then not held while it streams (the store still checks what arrives)."""
+        result = await self._store_stream(chunks, expected_digest=expected_digest, max_size=max_size, size=size)
         await self._record_written(result)
         return result
 
     async def _store_stream(
-        self, chunks: AsyncIterable[bytes], *, expected_digest: str | None, max_size: int | None
+        self,
+        chunks: AsyncIterable[bytes],
+        *,
+        expected_digest: str | None,
+        max_size: int | None,
+        size: int | None = None,
     ) -> PutResult:
         """:meth:`put_object` without the catalog's record (a manifest among the bytes is parsed as it arrives)."""
         limit = min(max_size or self.settings.max_object_bytes, self.settings.max_object_bytes)
@@ -366,15 +379,20 @@ class Ops:
         kept: list[bytes] | None = []
         manifest = False  # decided by the first bytes
 
+        def keeps(n: int) -> bool:
+            return n <= max(self._hot.largest, MAX_WARM_MANIFEST_BYTES if manifest else 0)
+
         async def teed() -> AsyncIterator[bytes]:
             nonlocal kept, manifest
-            size = 0
+            got = 0
             async for chunk in chunks:
-                if size == 0 and chunk:
+                if got == 0 and chunk:
                     manifest = chunk[: len(MANIFEST_MAGIC)] == MANIFEST_MAGIC
-                size += len(chunk)
+                    if size is not None and not keeps(size):  # declared too large to keep: not held meanwhile
+                        kept = None
+                got += len(chunk)
                 if kept is not None:
-                    if size > max(self._hot.largest, MAX_WARM_MANIFEST_BYTES if manifest else 0):
+                    if not keeps(got):
                         kept = None
                     elif chunk:
                         kept.append(chunk)
@@ -795,7 +813,7 @@ class Ops:
             if size <= WHOLE_PART_BYTES:  # gathered and written in one go: fewer hops to the store's threads
                 put = await self._store_bytes(b"".join([chunk async for chunk in body]), expected_digest=digest)
             else:
-                put = await self._store_stream(body, expected_digest=digest, max_size=size)
+                put = await self._store_stream(body, expected_digest=digest, max_size=size, size=size)
             stored[digest] = put.created
         if len(stored) != len(listed):
             raise errors.IncompletePublish(

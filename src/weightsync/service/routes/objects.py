@@ -98,7 +98,7 @@ async def put_object(
             headers={"Connection": "close"},
         )
     try:
-        result = await ops.put_object(request.stream(), expected_digest=digest, max_size=cap)
+        result = await ops.put_object(request.stream(), expected_digest=digest, max_size=cap, size=int(content_length))
     except errors.LimitExceeded as exc:
         raise ApiProblem(413, "too-large", "Object too large", str(exc), headers={"Connection": "close"}) from None
     return PutObjectOut(digest=result.digest, size=result.size, created=result.created)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Query, Request, Response, status
@@ -179,12 +179,33 @@ BUNDLE_PRELOAD = 4 << 20
 objects the server holds in memory (Ops.held) come on top of it."""
 
 _JOINED_PIECE = 1 << 20
-"""A bundle's pieces below this size are joined into the write before them; larger ones are sent as they are."""
+"""A bundle's pieces below this size are joined into writes of about this size; larger ones are sent as they are."""
+
+
+def _coalesced(pieces: Iterable[bytes]) -> Iterator[bytes]:
+    """`pieces` as writes: runs of small ones joined (a run ends once it reaches _JOINED_PIECE bytes), the large
+    ones as they are, uncopied; one run at a time is held, as the writes are taken."""
+    run: list[bytes] = []
+    held = 0
+    for piece in pieces:
+        if len(piece) >= _JOINED_PIECE:
+            if run:
+                yield b"".join(run)
+                run, held = [], 0
+            yield piece
+            continue
+        run.append(piece)
+        held += len(piece)
+        if held >= _JOINED_PIECE:
+            yield b"".join(run)
+            run, held = [], 0
+    if run:
+        yield b"".join(run)
 
 
 class _PiecesResponse(Response):
-    """An answer whose body, all in hand, is sent as its pieces: the large ones (objects held in memory) are
-    handed to the transport as they are, not copied into one body first."""
+    """An answer whose body, all in hand, is sent as its pieces (:func:`_coalesced`): the large ones (objects
+    held in memory) are handed to the transport as they are, not copied into one body first."""
 
     def __init__(self, pieces: list[bytes], media_type: str) -> None:
         self._pieces = pieces
@@ -192,26 +213,14 @@ class _PiecesResponse(Response):
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        last = len(self._pieces) - 1
-        for i, piece in enumerate(self._pieces):
-            await send({"type": "http.response.body", "body": piece, "more_body": i < last})
-
-
-def _coalesced(pieces: list[bytes]) -> list[bytes]:
-    """`pieces` with each run of small ones joined (one write each) and the large ones left uncopied."""
-    out: list[bytes] = []
-    run: list[bytes] = []
-    for piece in pieces:
-        if len(piece) < _JOINED_PIECE:
-            run.append(piece)
-            continue
-        if run:
-            out.append(b"".join(run))
-            run = []
-        out.append(piece)
-    if run:
-        out.append(b"".join(run))
-    return out
+        last: bytes | None = None
+        for piece in _coalesced(self._pieces):
+            if last is not None:
+                await send({"type": "http.response.body", "body": last, "more_body": True})
+            last = piece
+        await send({"type": "http.response.body", "body": last or b"", "more_body": False})
+        if self.background is not None:
+            await self.background()
 
 
 async def plan_bundle(ops: Ops, out: PlanOut) -> Response:
@@ -219,23 +228,28 @@ async def plan_bundle(ops: Ops, out: PlanOut) -> Response:
 
     Objects the store does not hold are left out (the reader fetches what it lacks the usual way).
     Objects the server holds in memory (ops/hot.py: those written or read whole lately, up to
-    HOT_OBJECT_BYTES each) are in hand already; of the others, the small ones (the manifests and a
-    small update's frames: up to BUNDLE_PRELOAD bytes in all) are read whole before the answer
-    starts, one store read each, all at once. What is in hand goes first, with the plan, its large
-    pieces uncopied; the rest is streamed after it as getObject streams it. The length is known up
-    front from what is in hand and the store's sizes.
+    HOT_OBJECT_BYTES each) are in hand already; of the others, the small ones (the manifests first,
+    then a small update's frames: up to BUNDLE_PRELOAD bytes in all) are read whole before the
+    answer starts, one store read each, all at once. What is in hand goes first, with the plan, its
+    large pieces uncopied, except an object whose step's manifest is not in hand; the rest follows
+    in the plan's order, streamed as getObject streams it where it is not in hand. So each step's
+    manifest comes before its objects. The length is known up front from what is in hand and the
+    store's sizes.
     """
     wanted: dict[str, int] = {}
+    step_of: dict[str, str | None] = {}  # an object's step's manifest (None: a manifest), where it first shows
     for step in out.steps:
         wanted.setdefault(step.manifest, step.manifest_bytes)
+        step_of.setdefault(step.manifest, None)
         for o in step.objects:
             wanted.setdefault(o.digest, o.size)
+            step_of.setdefault(o.digest, step.manifest)
     held = {d: data for d in wanted if (data := ops.held(d)) is not None}
     budget, preload = BUNDLE_PRELOAD, set[str]()
-    for d, n in wanted.items():
-        if d not in held and n <= budget:
+    for d in sorted(wanted, key=lambda d: step_of[d] is not None):  # the manifests first, then the plan's order
+        if d not in held and wanted[d] <= budget:
             preload.add(d)
-            budget -= n
+            budget -= wanted[d]
 
     async def read(digest: str) -> bytes | None:
         try:
@@ -253,21 +267,26 @@ async def plan_bundle(ops: Ops, out: PlanOut) -> Response:
     found = dict(
         zip(missing, await asyncio.gather(*(read(d) if d in preload else size_of(d) for d in missing)), strict=True)
     )
-    read_now = {d: x for d in wanted if isinstance(x := held.get(d, found.get(d)), bytes)}  # the plan's order
+    in_hand = {d: x for d in wanted if isinstance(x := held.get(d, found.get(d)), bytes)}  # the plan's order
     streamed = {d: x for d, x in found.items() if isinstance(x, int)}
-    plan_json = out.model_dump_json().encode()
-    first = _coalesced(bundle.chunks(plan_json, read_now, first=bundle.PLAN))
-    if not streamed:  # all of it in hand: no streaming machinery (its task group costs the small answer)
-        if len(first) == 1:
-            return Response(first[0], media_type=bundle.MEDIA_TYPE)
-        return _PiecesResponse(first, bundle.MEDIA_TYPE)
-    total = sum(map(len, first)) + sum(bundle.part_overhead(d) + n for d, n in streamed.items())
+    first = {d: x for d, x in in_hand.items() if (m := step_of[d]) is None or m in in_hand}
+    after = [d for d in wanted if d not in first and (d in in_hand or d in streamed)]
+    pieces = bundle.chunks(out.model_dump_json().encode(), first, first=bundle.PLAN)
+    if not after:  # all of it in hand: no streaming machinery (its task group costs the small answer)
+        if sum(map(len, pieces)) < _JOINED_PIECE:
+            return Response(b"".join(pieces), media_type=bundle.MEDIA_TYPE)
+        return _PiecesResponse(pieces, bundle.MEDIA_TYPE)
+    sizes = {d: len(in_hand[d]) if d in in_hand else streamed[d] for d in after}
+    total = sum(map(len, pieces)) + sum(bundle.part_overhead(d) + n for d, n in sizes.items())
 
     async def body() -> AsyncIterator[bytes]:
-        for piece in first:  # the plan and the objects in hand, the small ones in one write
+        for piece in _coalesced(pieces):  # the plan and the objects in hand, the small ones joined
             yield piece
-        for digest, size in streamed.items():
-            yield bundle.part_header(digest, size)
+        for digest in after:
+            yield bundle.part_header(digest, sizes[digest])
+            if digest in in_hand:
+                yield in_hand[digest]
+                continue
             async for chunk in ops.read_object(digest):
                 yield chunk
 
