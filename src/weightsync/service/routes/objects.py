@@ -87,8 +87,8 @@ async def put_object(
             "Length required",
             "send the object with a Content-Length header (no chunked uploads)",
         )
-    cap = settings.upload_cap()
-    if int(content_length) > cap:
+    cap, declared = settings.upload_cap(), int(content_length)
+    if declared > cap:
         # Refused before reading a byte of the body.
         raise ApiProblem(
             413,
@@ -98,7 +98,7 @@ async def put_object(
             headers={"Connection": "close"},
         )
     try:
-        result = await ops.put_object(request.stream(), expected_digest=digest, max_size=cap, size=int(content_length))
+        result = await ops.put_object(request.stream(), expected_digest=digest, max_size=cap, size=declared)
     except errors.LimitExceeded as exc:
         raise ApiProblem(413, "too-large", "Object too large", str(exc), headers={"Connection": "close"}) from None
     return PutObjectOut(digest=result.digest, size=result.size, created=result.created)

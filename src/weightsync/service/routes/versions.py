@@ -207,9 +207,9 @@ class _PiecesResponse(Response):
     """An answer whose body, all in hand, is sent as its pieces (:func:`_coalesced`): the large ones (objects
     held in memory) are handed to the transport as they are, not copied into one body first."""
 
-    def __init__(self, pieces: list[bytes], media_type: str) -> None:
+    def __init__(self, pieces: list[bytes], length: int, media_type: str) -> None:
         self._pieces = pieces
-        super().__init__(media_type=media_type, headers={"Content-Length": str(sum(map(len, pieces)))})
+        super().__init__(media_type=media_type, headers={"Content-Length": str(length)})
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
@@ -272,12 +272,13 @@ async def plan_bundle(ops: Ops, out: PlanOut) -> Response:
     first = {d: x for d, x in in_hand.items() if (m := step_of[d]) is None or m in in_hand}
     after = [d for d in wanted if d not in first and (d in in_hand or d in streamed)]
     pieces = bundle.chunks(out.model_dump_json().encode(), first, first=bundle.PLAN)
+    head = sum(map(len, pieces))
     if not after:  # all of it in hand: no streaming machinery (its task group costs the small answer)
-        if sum(map(len, pieces)) < _JOINED_PIECE:
+        if head < _JOINED_PIECE:
             return Response(b"".join(pieces), media_type=bundle.MEDIA_TYPE)
-        return _PiecesResponse(pieces, bundle.MEDIA_TYPE)
+        return _PiecesResponse(pieces, head, bundle.MEDIA_TYPE)
     sizes = {d: len(in_hand[d]) if d in in_hand else streamed[d] for d in after}
-    total = sum(map(len, pieces)) + sum(bundle.part_overhead(d) + n for d, n in sizes.items())
+    total = head + sum(bundle.part_overhead(d) + n for d, n in sizes.items())
 
     async def body() -> AsyncIterator[bytes]:
         for piece in _coalesced(pieces):  # the plan and the objects in hand, the small ones joined
