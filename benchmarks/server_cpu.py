@@ -11,6 +11,9 @@ process's CPU time (``/proc/<pid>/stat``, user + system, all its threads) around
 * a follower's plan: ``GET /plan`` from one version to the next with its holder name and ``inline``
   (the plan and its objects in one answer, as ``Subscriber.prepare`` asks), the holder's lease held
   already (a follower's steady state: the plan writes nothing);
+* the same plan at a second server process on the same catalog and store, which did not take the
+  version's upload (what every other worker of a ``--workers N`` server is, or a server restarted
+  since the publish);
 * a delta publish: in one request (publishVersion) as ``Publisher.publish`` sends a small one, else
   as it sends a larger one (begin, uploads, commit; the table says which), the
   versions of the corpus case alternating, with 50 ms idle after each so the commit record written
@@ -63,27 +66,48 @@ CHAIN = 18
 
 def run(versions: list[Path], requests: int, publishes: int, rounds: int) -> dict[str, Any]:
     """Per round, each request kind's server CPU and wall per request; medians over rounds."""
-    import httpx
-
     from benchmarks._serve import serve_process
     from weightsync.client import Publisher
 
-    rows: dict[str, list[tuple[float, float]]] = {"healthz": [], "plan": [], "publish": []}
-    with (
-        tempfile.TemporaryDirectory(prefix="weightsync-server-cpu-") as tmp,
-        serve_process(Path(tmp)) as server,
-        httpx.Client(base_url=server.url) as http,
-        Publisher(server.url, "cpu-plan") as seeder,
-    ):
+    rows: dict[str, list[tuple[float, float]]] = {"healthz": [], "plan": [], "plan_other": [], "publish": []}
+    with tempfile.TemporaryDirectory(prefix="weightsync-server-cpu-") as tmp, serve_process(Path(tmp)) as server:
+        other_dir = Path(tmp) / "other"  # the second process: its own log, the first one's data
+        other_dir.mkdir()
+        (other_dir / "data").symlink_to(Path(tmp) / "data")
+        with Publisher(server.url, "cpu-plan") as seeder:
+            seeded = [seeder.publish(versions[i % 2]).version for i in range(3)]
+        with serve_process(other_dir) as other:
+            return _measure(server, other, versions, seeded, requests, publishes, rounds, rows)
+
+
+def _measure(
+    server: Any,
+    other: Any,
+    versions: list[Path],
+    seeded: list[int],
+    requests: int,
+    publishes: int,
+    rounds: int,
+    rows: dict[str, list[tuple[float, float]]],
+) -> dict[str, Any]:
+    """`run`'s rounds, against `server` (which took the seeded versions' uploads) and `other` (which did not)."""
+    import httpx
+
+    from weightsync.client import Publisher
+
+    with httpx.Client(base_url=server.url) as http, httpx.Client(base_url=other.url) as http_other:
         pid = server.proc.pid
-        seeded = [seeder.publish(versions[i % 2]).version for i in range(3)]
         plan = {"have": seeded[1], "want": seeded[2], "holder": "follower", "inline": 1 << 26}
         http.get("/v1/models/cpu-plan/plan", params=plan).raise_for_status()  # takes the lease
+        http_other.get("/v1/models/cpu-plan/plan", params=plan).raise_for_status()  # its first: not counted
         chains = 0
         ways: dict[str, bool] = {}
 
         def one_plan() -> None:
             http.get("/v1/models/cpu-plan/plan", params=plan).raise_for_status()
+
+        def other_plan() -> None:
+            http_other.get("/v1/models/cpu-plan/plan", params=plan).raise_for_status()
 
         def deltas(n: int) -> tuple[float, float]:
             """Server CPU per delta publish and the median wall, over `n` on fresh models (CHAIN a model)."""
@@ -101,6 +125,7 @@ def run(versions: list[Path], requests: int, publishes: int, rounds: int) -> dic
         for _ in range(rounds):
             rows["healthz"].append(per_request(pid, requests, lambda: http.get("/healthz").raise_for_status()))
             rows["plan"].append(per_request(pid, requests, one_plan))
+            rows["plan_other"].append(per_request(other.proc.pid, requests, other_plan))
             rows["publish"].append(deltas(publishes))
     figures: dict[str, Any] = {
         kind: {
@@ -163,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     labels = {
         "healthz": "`GET /healthz`",
         "plan": "a follower's plan + objects (holder, `inline`)",
+        "plan_other": "the same at a second process on the same catalog and store (not the upload's)",
         "publish": "a delta publish in one request (publishVersion), commit record included"
         if result["figures"]["publish"]["one_request"]
         else "a delta publish (begin, uploads, commit), commit record included",

@@ -42,7 +42,7 @@ def test_process_cpu_counts_the_cpu_a_process_burns() -> None:
 
 def test_every_request_kind_is_measured_on_a_real_server(tmp_path: Path) -> None:
     got = server_cpu.run(_versions(tmp_path), requests=4, publishes=3, rounds=2)
-    assert list(got) == ["healthz", "plan", "publish"]
+    assert list(got) == ["healthz", "plan", "plan_other", "publish"]
     for kind, f in got.items():
         assert len(f["rounds_cpu_ms"]) == 2, kind
         assert f["wall_ms"] > 0 and all(c >= 0 for c in f["rounds_cpu_ms"]), kind

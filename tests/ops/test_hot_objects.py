@@ -5,6 +5,7 @@ delete (another replica's GC): the bytes Ops still hands out are the object's ow
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from collections.abc import AsyncIterator
 from datetime import timedelta
@@ -126,3 +127,79 @@ def test_a_zero_budget_keeps_nothing():
     hot = HotObjects(budget=0, largest=HOT_OBJECT_BYTES)
     hot.put(hashlib.sha256(b"x").hexdigest(), b"x")
     assert len(hot) == 0 and hot.held_bytes == 0
+
+
+class _GatedReads:
+    """The real store's `get`, counted, each call waiting for `gate` once it has the bytes (so that readers
+    can pile up, leave, or see the object deleted while a read is under way)."""
+
+    def __init__(self, ops: Ops) -> None:
+        self.real = ops.store.get
+        self.calls = 0
+        self.gate = asyncio.Event()
+        ops.store.get = self  # type: ignore[method-assign]  # on this instance only
+
+    async def __call__(self, digest: str) -> bytes:
+        self.calls += 1
+        data = await self.real(digest)
+        await self.gate.wait()
+        return data
+
+
+async def _settle() -> None:
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
+async def test_concurrent_whole_reads_of_an_object_share_one_store_read(ops):
+    """The followers' plans that arrive together at a server that did not take the upload: one store read."""
+    data = b"shared" * 500
+    digest = (await ops.store.put(data)).digest  # written by another replica: not in this one's memory
+    reads = _GatedReads(ops)
+    readers = [asyncio.ensure_future(ops.read_whole(digest)) for _ in range(5)]
+    await _settle()
+    reads.gate.set()
+    assert await asyncio.gather(*readers) == [data] * 5
+    assert reads.calls == 1 and ops.held(digest) == data
+
+
+async def test_a_reader_that_goes_away_does_not_end_the_read_for_the_others(ops):
+    data = b"stay" * 700
+    digest = (await ops.store.put(data)).digest
+    reads = _GatedReads(ops)
+    leaving, staying = asyncio.ensure_future(ops.read_whole(digest)), asyncio.ensure_future(ops.read_whole(digest))
+    await _settle()
+    leaving.cancel()  # its request went away
+    await _settle()
+    reads.gate.set()
+    assert await staying == data and reads.calls == 1 and ops.held(digest) == data
+    with pytest.raises(asyncio.CancelledError):
+        await leaving
+
+
+async def test_a_missing_object_fails_every_concurrent_reader_and_is_read_again_after(ops):
+    data = b"later" * 300
+    digest = hashlib.sha256(data).hexdigest()
+    reads = _GatedReads(ops)
+    reads.gate.set()
+    got = await asyncio.gather(*(ops.read_whole(digest) for _ in range(3)), return_exceptions=True)
+    assert all(isinstance(e, errors.ObjectNotFound) for e in got) and reads.calls == 1
+    await ops.store.put(data)
+    assert await ops.read_whole(digest) == data and reads.calls == 2
+
+
+async def test_an_object_deleted_while_read_whole_is_not_kept_in_memory(ops):
+    """delete_object during a whole read: the reader gets the bytes it read, the memory does not keep them
+    (no later plan serves an object the server deleted)."""
+    data = b"gone soon" * 200
+    digest = (await ops.store.put(data)).digest
+    reads = _GatedReads(ops)
+    reader = asyncio.ensure_future(ops.read_whole(digest))
+    await _settle()
+    assert reads.calls == 1
+    await ops.delete_object(digest)
+    reads.gate.set()
+    assert await reader == data
+    assert ops.held(digest) is None
+    with pytest.raises(errors.ObjectNotFound):
+        await ops.read_whole(digest)

@@ -621,6 +621,48 @@ def test_plan_with_inline_objects_is_one_answer_holding_the_plan_and_every_objec
     problem(reader.get(f"/v1/models/{model}/plan", params={"want": 99, "inline": 10}), 404, "not-found")
 
 
+@pytest.mark.parametrize("memory", [64 << 20, 0])
+def test_a_server_that_did_not_take_the_upload_keeps_the_targets_objects_after_the_first_plan(
+    tmp_path, versions, monkeypatch, memory
+):
+    """A server process started after the publish (what every other worker of a multi-process server is too)
+    reads the plan's target step's objects whole into its memory at the first follower's plan, whatever the
+    budget for reading the store before the answer, and serves the next plans from memory: bytes flipped on
+    disk after that first plan do not reach them, while an older step's objects (a catch-up) still come
+    from the store. With no memory (WEIGHTSYNC_OBJECT_MEMORY 0) every plan reads the store."""
+    from weightsync import bundle
+    from weightsync.service.routes import versions as routes
+
+    monkeypatch.setattr(routes, "BUNDLE_PRELOAD", 0)
+    with running(Settings(data=tmp_path / "data")) as url, httpx.Client(base_url=url) as c:
+        first, older, target = publish_chain(c, "m", versions[:3])
+    settings = Settings(data=tmp_path / "data", object_memory=memory)
+    params = {"have": first.version["number"], "inline": 1 << 20}
+    with running(settings) as url, httpx.Client(base_url=url) as c:
+
+        def bundled() -> dict[str, bytes]:
+            r = c.get("/v1/models/m/plan", params=params)
+            assert r.headers["content-type"].startswith(bundle.MEDIA_TYPE)
+            return {name: bytes(data) for name, data in list(bundle.parts(r.content))[1:]}
+
+        before = bundled()
+        # Each step's objects of frames, as the bundle carries them.
+        frames = {k: {d for d in p.uploaded if d != p.manifest and d in before} for k, p in enumerate((older, target))}
+        assert frames[0] and frames[1] and not frames[0] & frames[1]
+        for path in (tmp_path / "data" / "store" / "objects").rglob("*"):
+            if path.is_file() and path.name in frames[0] | frames[1]:
+                path.chmod(0o644)
+                data = bytearray(path.read_bytes())
+                data[len(data) // 2] ^= 0x40
+                path.write_bytes(bytes(data))
+        after = bundled()
+    assert all(hashlib.sha256(before[d]).hexdigest() == d for d in before)  # the first plan read the store
+    for d in frames[1]:
+        assert (hashlib.sha256(after[d]).hexdigest() == d) == bool(memory)
+    for d in frames[0]:
+        assert hashlib.sha256(after[d]).hexdigest() != d  # from the store: the damaged bytes
+
+
 @pytest.mark.parametrize(("memory", "preload"), [(64 << 20, 4 << 20), (64 << 20, 0), (0, 4 << 20)])
 def test_a_plan_carries_small_objects_from_the_servers_memory_unless_it_keeps_none(
     tmp_path, versions, monkeypatch, memory, preload

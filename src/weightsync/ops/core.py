@@ -215,6 +215,8 @@ class Ops:
         self._manifests: OrderedDict[str, _Parsed] = OrderedDict()
         # Small objects' bytes as written or read whole, for the plans that follow (ops/hot.py).
         self._hot = HotObjects(self.settings.hot_object_bytes, HOT_OBJECT_BYTES)
+        # Whole reads under way (read_whole), by digest: concurrent readers of one object share one store read.
+        self._whole_reads: dict[str, asyncio.Task[bytes]] = {}
         # Manifests being parsed as they are uploaded (_warm_manifest), by digest.
         self._manifest_loads: dict[str, asyncio.Future[_Parsed]] = {}
         # Committed versions' manifest digests by (model, number): a number is never given twice in a
@@ -1164,22 +1166,46 @@ class Ops:
         """An object's bytes if this process holds them in memory (ops/hot.py), else None; no store read."""
         return self._hot.get(digest)
 
+    @property
+    def memory(self) -> tuple[int, int]:
+        """What this process keeps of objects in memory (ops/hot.py): (bytes in all, bytes of the largest)."""
+        return self._hot.budget, self._hot.largest
+
     async def read_whole(self, digest: str) -> bytes:
         """An object's bytes in one read (for small objects; ObjectNotFound when the store lacks it).
 
         A small object written or read whole lately comes from memory (ops/hot.py), not the store.
+        Concurrent calls for one object share one store read (the followers' plans that arrive together
+        after a commit, at a server that did not take the upload), and a caller that goes away (its
+        request cancelled) does not end it for the others.
         """
         data = self._hot.get(digest)
         if data is not None:
             return data
+        task = self._whole_reads.get(digest)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(self._read_into_memory(digest))
+            self._whole_reads[digest] = task
+            task.add_done_callback(lambda t: self._read_done(digest, t))
+        return await asyncio.shield(task)
+
+    async def _read_into_memory(self, digest: str) -> bytes:
         async with self._sem:
             data = await self.store.get(digest)
-        self._hot.put(digest, data)
+        if digest in self._whole_reads:  # not deleted meanwhile (delete_object forgets the read)
+            self._hot.put(digest, data)
         return data
+
+    def _read_done(self, digest: str, task: asyncio.Task[bytes]) -> None:
+        if self._whole_reads.get(digest) is task:
+            del self._whole_reads[digest]
+        if not task.cancelled():
+            task.exception()  # retrieved: every caller may have gone (each got it, or was cancelled)
 
     async def delete_object(self, digest: str) -> None:
         """Delete an object's bytes from the store (idempotent), and from the memory of small objects first."""
         self._hot.drop(digest)
+        self._whole_reads.pop(digest, None)  # a read under way does not put the bytes back in memory
         await self.store.delete(digest)
 
     def read_object(self, digest: str, *, offset: int = 0, length: int | None = None) -> AsyncIterator[bytes]:

@@ -229,12 +229,13 @@ async def plan_bundle(ops: Ops, out: PlanOut) -> Response:
     Objects the store does not hold are left out (the reader fetches what it lacks the usual way).
     Objects the server holds in memory (ops/hot.py: those written or read whole lately, up to
     HOT_OBJECT_BYTES each) are in hand already; of the others, the small ones (the manifests first,
-    then a small update's frames: up to BUNDLE_PRELOAD bytes in all) are read whole before the
-    answer starts, one store read each, all at once. What is in hand goes first, with the plan, its
-    large pieces uncopied, except an object whose step's manifest is not in hand; the rest follows
-    in the plan's order, streamed as getObject streams it where it is not in hand. So each step's
-    manifest comes before its objects. The length is known up front from what is in hand and the
-    store's sizes.
+    then a small update's frames: up to BUNDLE_PRELOAD bytes in all) and the target step's objects
+    that the memory keeps (up to its budget in all) are read whole before the answer starts, one
+    store read each, all at once, the latter kept in memory for the plans that follow. What is in
+    hand goes first, with the plan, its large pieces uncopied, except an object whose step's
+    manifest is not in hand; the rest follows in the plan's order, streamed as getObject streams it
+    where it is not in hand. So each step's manifest comes before its objects. The length is known
+    up front from what is in hand and the store's sizes.
     """
     wanted: dict[str, int] = {}
     step_of: dict[str, str | None] = {}  # an object's step's manifest (None: a manifest), where it first shows
@@ -250,6 +251,17 @@ async def plan_bundle(ops: Ops, out: PlanOut) -> Response:
         if d not in held and wanted[d] <= budget:
             preload.add(d)
             budget -= wanted[d]
+    # The target's own objects, what every follower asks for next, are read whole into memory when it keeps
+    # them (once for the plans that ask together: Ops.read_whole), as many as its budget takes: a server that
+    # did not take the upload (another worker process, one restarted since) then serves the followers that
+    # come after from memory, as the one that took it does. Older steps' objects (a catch-up) are not: they
+    # would push the target's out of the memory.
+    keep, largest = ops.memory
+    target = out.steps[-1]
+    for d, n in [(target.manifest, target.manifest_bytes), *((o.digest, o.size) for o in target.objects)]:
+        if d not in held and d not in preload and n <= min(largest, keep):
+            preload.add(d)
+            keep -= n
 
     async def read(digest: str) -> bytes | None:
         try:
