@@ -485,7 +485,8 @@ class Mirror:
         try:
             async with self.upstream.open_object(digest) as (length, chunks):
                 inflight.begin(length)
-                return await self.ops.put_object(self._counted(chunks, inflight), expected_digest=digest)
+                # The declared length: an object larger than the memory keeps is not held while it streams.
+                return await self.ops.put_object(self._counted(chunks, inflight), expected_digest=digest, size=length)
         except errors.ServerUnavailable as exc:
             self._failed(exc)
             raise
