@@ -130,19 +130,43 @@ def test_a_zero_budget_keeps_nothing():
 
 
 class _GatedReads:
-    """The real store's `get`, counted, each call waiting for `gate` once it has the bytes (so that readers
-    can pile up, leave, or see the object deleted while a read is under way)."""
+    """The real store's `get`, counted, each call waiting for a gate of its own once it has the bytes (so that
+    readers can pile up, leave, or see the object deleted while a read is under way); `damage` flips a bit of
+    what the store gave (bit rot)."""
 
     def __init__(self, ops: Ops) -> None:
         self.real = ops.store.get
         self.calls = 0
-        self.gate = asyncio.Event()
+        self.gates: list[asyncio.Event] = []
+        self.damage = False
+        self.opened = False
+        self.got = 0  # calls that have the store's bytes (and wait at their gate)
         ops.store.get = self  # type: ignore[method-assign]  # on this instance only
+
+    async def arrived(self, n: int) -> None:
+        """Until `n` calls have the store's bytes (a real store's read takes its time: S3 is a round trip)."""
+        for _ in range(2000):
+            if self.got >= n:
+                return
+            await asyncio.sleep(0.005)
+        raise AssertionError(f"{self.got} of {n} reads came back from the store")
+
+    def release(self) -> None:
+        """Open every gate, of the calls made and of those to come."""
+        self.opened = True
+        for g in self.gates:
+            g.set()
 
     async def __call__(self, digest: str) -> bytes:
         self.calls += 1
         data = await self.real(digest)
-        await self.gate.wait()
+        self.got += 1
+        if self.damage:
+            data = bytes([data[0] ^ 1]) + data[1:]
+        while len(self.gates) < self.calls:
+            self.gates.append(asyncio.Event())
+        if not self.opened:
+            await self.gates[self.calls - 1].wait()
         return data
 
 
@@ -158,7 +182,7 @@ async def test_concurrent_whole_reads_of_an_object_share_one_store_read(ops):
     reads = _GatedReads(ops)
     readers = [asyncio.ensure_future(ops.read_whole(digest)) for _ in range(5)]
     await _settle()
-    reads.gate.set()
+    reads.release()
     assert await asyncio.gather(*readers) == [data] * 5
     assert reads.calls == 1 and ops.held(digest) == data
 
@@ -171,7 +195,7 @@ async def test_a_reader_that_goes_away_does_not_end_the_read_for_the_others(ops)
     await _settle()
     leaving.cancel()  # its request went away
     await _settle()
-    reads.gate.set()
+    reads.release()
     assert await staying == data and reads.calls == 1 and ops.held(digest) == data
     with pytest.raises(asyncio.CancelledError):
         await leaving
@@ -181,7 +205,7 @@ async def test_a_missing_object_fails_every_concurrent_reader_and_is_read_again_
     data = b"later" * 300
     digest = hashlib.sha256(data).hexdigest()
     reads = _GatedReads(ops)
-    reads.gate.set()
+    reads.release()
     got = await asyncio.gather(*(ops.read_whole(digest) for _ in range(3)), return_exceptions=True)
     assert all(isinstance(e, errors.ObjectNotFound) for e in got) and reads.calls == 1
     await ops.store.put(data)
@@ -195,11 +219,44 @@ async def test_an_object_deleted_while_read_whole_is_not_kept_in_memory(ops):
     digest = (await ops.store.put(data)).digest
     reads = _GatedReads(ops)
     reader = asyncio.ensure_future(ops.read_whole(digest))
-    await _settle()
+    await reads.arrived(1)
     assert reads.calls == 1
     await ops.delete_object(digest)
-    reads.gate.set()
+    reads.release()
     assert await reader == data
     assert ops.held(digest) is None
     with pytest.raises(errors.ObjectNotFound):
         await ops.read_whole(digest)
+
+
+async def test_a_read_begun_before_a_delete_does_not_keep_the_bytes_while_a_later_one_runs(ops):
+    """Read A under way, the object deleted and stored again (the same bytes, published anew), read B under
+    way: A ends first and keeps nothing (its bytes are of before the delete); B keeps them."""
+    data = b"twice" * 400
+    digest = (await ops.store.put(data)).digest
+    reads = _GatedReads(ops)
+    a = asyncio.ensure_future(ops.read_whole(digest))
+    await reads.arrived(1)
+    await ops.delete_object(digest)
+    await ops.store.put(data)
+    b = asyncio.ensure_future(ops.read_whole(digest))
+    await reads.arrived(2)
+    assert reads.calls == 2
+    reads.gates[0].set()
+    assert await a == data
+    assert ops.held(digest) is None
+    reads.gates[1].set()
+    assert await b == data and ops.held(digest) == data
+
+
+async def test_bytes_read_whole_that_do_not_hash_to_their_name_are_not_kept(ops):
+    """The store gave damaged bytes: the reader gets them (its own check refuses them), no plan after it does."""
+    data = b"rotten" * 300
+    digest = (await ops.store.put(data)).digest
+    reads = _GatedReads(ops)
+    reads.damage = True
+    reads.release()
+    damaged = await ops.read_whole(digest)
+    assert damaged != data and ops.held(digest) is None
+    reads.damage = False
+    assert await ops.read_whole(digest) == data and ops.held(digest) == data

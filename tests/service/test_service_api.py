@@ -621,7 +621,7 @@ def test_plan_with_inline_objects_is_one_answer_holding_the_plan_and_every_objec
     problem(reader.get(f"/v1/models/{model}/plan", params={"want": 99, "inline": 10}), 404, "not-found")
 
 
-@pytest.mark.parametrize("memory", [64 << 20, 0])
+@pytest.mark.parametrize("memory", ["ample", "none", "short"])
 def test_a_server_that_did_not_take_the_upload_keeps_the_targets_objects_after_the_first_plan(
     tmp_path, versions, monkeypatch, memory
 ):
@@ -629,16 +629,23 @@ def test_a_server_that_did_not_take_the_upload_keeps_the_targets_objects_after_t
     reads the plan's target step's objects whole into its memory at the first follower's plan, whatever the
     budget for reading the store before the answer, and serves the next plans from memory: bytes flipped on
     disk after that first plan do not reach them, while an older step's objects (a catch-up) still come
-    from the store. With no memory (WEIGHTSYNC_OBJECT_MEMORY 0) every plan reads the store."""
+    from the store. With no memory (WEIGHTSYNC_OBJECT_MEMORY 0), or one that holds each of the target's
+    objects but not all of them ("short": all or none), every plan reads the store."""
     from weightsync import bundle
     from weightsync.service.routes import versions as routes
+    from weightsync.store.fs import FsStore
 
     monkeypatch.setattr(routes, "BUNDLE_PRELOAD", 0)
+    params = {"have": 1, "inline": 1 << 20}
     with running(Settings(data=tmp_path / "data")) as url, httpx.Client(base_url=url) as c:
         first, older, target = publish_chain(c, "m", versions[:3])
-    settings = Settings(data=tmp_path / "data", object_memory=memory)
-    params = {"have": first.version["number"], "inline": 1 << 20}
-    with running(settings) as url, httpx.Client(base_url=url) as c:
+        assert first.version["number"] == 1
+        last = ok(c.get("/v1/models/m/plan", params={"have": 1}), 200)["steps"][-1]
+    sizes = [last["manifest_bytes"], *(o["size"] for o in last["objects"])]
+    assert len(sizes) >= 2
+    budget = {"ample": 64 << 20, "none": 0, "short": sum(sizes) - 1}[memory]
+    assert budget == 0 or budget >= max(sizes)
+    with running(Settings(data=tmp_path / "data", object_memory=budget)) as url, httpx.Client(base_url=url) as c:
 
         def bundled() -> dict[str, bytes]:
             r = c.get("/v1/models/m/plan", params=params)
@@ -656,9 +663,22 @@ def test_a_server_that_did_not_take_the_upload_keeps_the_targets_objects_after_t
                 data[len(data) // 2] ^= 0x40
                 path.write_bytes(bytes(data))
         after = bundled()
+        # The plans after the first read none of the target's objects whole again: what memory keeps comes
+        # from it, the rest is streamed (not read whole at every plan, pushing the rest of it out of memory).
+        reads: list[str] = []
+        real_get = FsStore.get
+
+        async def counted(self, digest, *args, **kwargs):
+            reads.append(digest)
+            return await real_get(self, digest, *args, **kwargs)
+
+        monkeypatch.setattr(FsStore, "get", counted)
+        for _ in range(3):
+            assert bundled().keys() == after.keys()
+        assert not set(reads) & ({last["manifest"]} | frames[1])
     assert all(hashlib.sha256(before[d]).hexdigest() == d for d in before)  # the first plan read the store
     for d in frames[1]:
-        assert (hashlib.sha256(after[d]).hexdigest() == d) == bool(memory)
+        assert (hashlib.sha256(after[d]).hexdigest() == d) == (memory == "ample")
     for d in frames[0]:
         assert hashlib.sha256(after[d]).hexdigest() != d  # from the store: the damaged bytes
 

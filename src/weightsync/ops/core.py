@@ -1192,7 +1192,12 @@ class Ops:
     async def _read_into_memory(self, digest: str) -> bytes:
         async with self._sem:
             data = await self.store.get(digest)
-        if digest in self._whole_reads:  # not deleted meanwhile (delete_object forgets the read)
+        if len(data) > self._hot.largest:
+            return data
+        # Kept only when they are the object's bytes (damaged ones still go to the caller, whose reader checks
+        # them, but not to every plan after it), and when no delete_object ran since this read began.
+        intact = await asyncio.to_thread(_is_named, data, digest) if len(data) >= 1 << 20 else _is_named(data, digest)
+        if intact and self._whole_reads.get(digest) is asyncio.current_task():
             self._hot.put(digest, data)
         return data
 
@@ -1205,8 +1210,9 @@ class Ops:
     async def delete_object(self, digest: str) -> None:
         """Delete an object's bytes from the store (idempotent), and from the memory of small objects first."""
         self._hot.drop(digest)
-        self._whole_reads.pop(digest, None)  # a read under way does not put the bytes back in memory
+        self._whole_reads.pop(digest, None)  # a read under way does not put the bytes back in memory,
         await self.store.delete(digest)
+        self._whole_reads.pop(digest, None)  # nor one that began while the store deleted them
 
     def read_object(self, digest: str, *, offset: int = 0, length: int | None = None) -> AsyncIterator[bytes]:
         """Stream an object's bytes (or a range) without buffering it whole."""
@@ -1379,6 +1385,11 @@ class Ops:
                 return None
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(event.wait(), min(poll, max(0.0, deadline - loop.time())))
+
+
+def _is_named(data: bytes, digest: str) -> bool:
+    """Whether `data` hashes to `digest` (SHA-256 hex)."""
+    return hashlib.sha256(data).hexdigest() == digest
 
 
 class _Parsed(NamedTuple):

@@ -251,17 +251,18 @@ async def plan_bundle(ops: Ops, out: PlanOut) -> Response:
         if d not in held and wanted[d] <= budget:
             preload.add(d)
             budget -= wanted[d]
-    # The target's own objects, what every follower asks for next, are read whole into memory when it keeps
-    # them (once for the plans that ask together: Ops.read_whole), as many as its budget takes: a server that
-    # did not take the upload (another worker process, one restarted since) then serves the followers that
-    # come after from memory, as the one that took it does. Older steps' objects (a catch-up) are not: they
-    # would push the target's out of the memory.
-    keep, largest = ops.memory
+    # The plan's target step's objects, what every follower of that version asks for next, are read whole
+    # into memory when it keeps them all (once for the plans that ask together: Ops.read_whole): a server
+    # that did not take the upload (another worker process, one restarted since) then serves the followers
+    # that come after from memory, as the one that took it does. All or none: a target larger than the
+    # memory would push its own objects out of it at every plan. Older steps' objects (a catch-up) are
+    # not read so: they would push the target's out.
+    budget_of_memory, largest = ops.memory
     target = out.steps[-1]
-    for d, n in [(target.manifest, target.manifest_bytes), *((o.digest, o.size) for o in target.objects)]:
-        if d not in held and d not in preload and n <= min(largest, keep):
-            preload.add(d)
-            keep -= n
+    mine = [(target.manifest, target.manifest_bytes), *((o.digest, o.size) for o in target.objects)]
+    kept = [(d, n) for d, n in mine if n <= largest]
+    if sum(n for _, n in kept) <= budget_of_memory:
+        preload.update(d for d, _ in kept if d not in held)
 
     async def read(digest: str) -> bytes | None:
         try:
