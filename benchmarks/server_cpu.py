@@ -14,6 +14,9 @@ process's CPU time (``/proc/<pid>/stat``, user + system, all its threads) around
 * the same plan at a second server process on the same catalog and store, which did not take the
   version's upload (what every other worker of a ``--workers N`` server is, or a server restarted
   since the publish);
+* ``--watchers`` followers long-polling ``watch`` at that second process: its CPU while they wait,
+  and the time from a commit's answer through the first process until every one of them has its
+  answer (a commit through another process is found by reading the catalog);
 * a delta publish: in one request (publishVersion) as ``Publisher.publish`` sends a small one, else
   as it sends a larger one (begin, uploads, commit; the table says which), the
   versions of the corpus case alternating, with 50 ms idle after each so the commit record written
@@ -64,7 +67,7 @@ CHAIN = 18
 """Delta publishes per model: the default keyframe policy (a chain of 20 versions) makes the next one a keyframe."""
 
 
-def run(versions: list[Path], requests: int, publishes: int, rounds: int) -> dict[str, Any]:
+def run(versions: list[Path], requests: int, publishes: int, rounds: int, watchers: int = 100) -> dict[str, Any]:
     """Per round, each request kind's server CPU and wall per request; medians over rounds."""
     from benchmarks._serve import serve_process
     from weightsync.client import Publisher
@@ -77,7 +80,51 @@ def run(versions: list[Path], requests: int, publishes: int, rounds: int) -> dic
         with Publisher(server.url, "cpu-plan") as seeder:
             seeded = [seeder.publish(versions[i % 2]).version for i in range(3)]
         with serve_process(other_dir) as other:
-            return _measure(server, other, versions, seeded, requests, publishes, rounds, rows)
+            figures = _measure(server, other, versions, seeded, requests, publishes, rounds, rows)
+            figures["watch"] = _watchers(server, other, versions, watchers, rounds)
+            return figures
+
+
+def _watchers(server: Any, other: Any, versions: list[Path], n: int, rounds: int) -> dict[str, Any]:
+    """`n` followers long-polling at `other` while versions commit through `server`, a round each: `other`'s CPU
+    while they wait (a share of one core) and the seconds from each commit's answer until all `n` answered."""
+    import threading
+
+    import httpx
+
+    from weightsync.client import Publisher
+
+    idle, answered = [], []
+    with Publisher(server.url, "cpu-watch") as publisher:
+        head = publisher.publish(versions[0]).version
+        for r in range(rounds):
+            ends: list[tuple[float, int]] = []
+
+            def follow(after: int, ends: list[tuple[float, int]]) -> None:
+                with httpx.Client(base_url=other.url, timeout=120) as c:
+                    resp = c.get("/v1/models/cpu-watch/watch", params={"after": after, "timeout": 60})
+                    ends.append((time.monotonic(), resp.status_code))
+
+            threads = [threading.Thread(target=follow, args=(head, ends)) for _ in range(n)]
+            for t in threads:
+                t.start()
+            time.sleep(1.0)  # every one waiting
+            cpu0 = process_cpu(other.proc.pid)
+            time.sleep(2.0)
+            idle.append((process_cpu(other.proc.pid) - cpu0) / 2.0)
+            head = publisher.publish(versions[(r + 1) % 2]).version
+            t0 = time.monotonic()
+            for t in threads:
+                t.join()
+            if len(ends) != n or any(status != 200 for _, status in ends):
+                raise AssertionError(f"followers' answers: {sorted({s for _, s in ends})}, {len(ends)} of {n}")
+            answered.append(max(t for t, _ in ends) - t0)
+    return {
+        "followers": n,
+        "idle_core_share": statistics.median(idle),
+        "answered_ms": statistics.median(answered) * 1e3,
+        "rounds_answered_ms": [a * 1e3 for a in answered],
+    }
 
 
 def _measure(
@@ -162,10 +209,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=400, help="healthz and plan requests per round")
     ap.add_argument("--publishes", type=int, default=40, help="delta publishes per round")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--watchers", type=int, default=100, help="followers long-polling at the second process")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
-    if min(args.requests, args.publishes, args.rounds) < 1:
-        ap.error("--requests, --publishes and --rounds must be at least 1")
+    if min(args.requests, args.publishes, args.rounds, args.watchers) < 1:
+        ap.error("--requests, --publishes, --rounds and --watchers must be at least 1")
     if not Path("/proc/self/stat").exists():
         ap.error("reads the server's CPU time from /proc: Linux only")
     sys.path.insert(0, str(ROOT))
@@ -173,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.corpus import ensure_case
 
     versions = ensure_case(args.case, 2)[:2]
-    result: dict[str, Any] = {"figures": run(versions, args.requests, args.publishes, args.rounds)}
+    result: dict[str, Any] = {"figures": run(versions, args.requests, args.publishes, args.rounds, args.watchers)}
     result.update(
         machine=machine(), when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), case=args.case, rounds=args.rounds
     )
@@ -193,9 +241,18 @@ def main(argv: list[str] | None = None) -> int:
         if result["figures"]["publish"]["one_request"]
         else "a delta publish (begin, uploads, commit), commit record included",
     }
+    watch = result["figures"].pop("watch")
     for kind, f in result["figures"].items():
         rounds = ", ".join(f"{c:.2f}" for c in f["rounds_cpu_ms"])
         lines.append(f"| {labels[kind]} | {f['server_cpu_ms']:.2f} | {f['wall_ms']:.2f} | {rounds} |")
+    result["figures"]["watch"] = watch
+    each = ", ".join(f"{a:.0f}" for a in watch["rounds_answered_ms"])
+    lines += [
+        "",
+        f"{watch['followers']} followers long-polling at the second process: its CPU while they wait "
+        f"{watch['idle_core_share'] * 100:.1f} % of a core; a commit through the first process, all of them "
+        f"answered after {watch['answered_ms']:.0f} ms (rounds: {each}).",
+    ]
     md = "\n".join(lines) + "\n"
     (args.out / "server_cpu.md").write_text(md)
     print(md)

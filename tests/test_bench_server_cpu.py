@@ -41,8 +41,11 @@ def test_process_cpu_counts_the_cpu_a_process_burns() -> None:
 
 
 def test_every_request_kind_is_measured_on_a_real_server(tmp_path: Path) -> None:
-    got = server_cpu.run(_versions(tmp_path), requests=4, publishes=3, rounds=2)
-    assert list(got) == ["healthz", "plan", "plan_other", "publish"]
+    got = server_cpu.run(_versions(tmp_path), requests=4, publishes=3, rounds=2, watchers=3)
+    assert list(got) == ["healthz", "plan", "plan_other", "publish", "watch"]
+    watch = got.pop("watch")  # every follower answered 200 with the new version in each round (else it raises)
+    assert watch["followers"] == 3 and len(watch["rounds_answered_ms"]) == 2
+    assert all(a > 0 for a in watch["rounds_answered_ms"]) and watch["idle_core_share"] >= 0
     for kind, f in got.items():
         assert len(f["rounds_cpu_ms"]) == 2, kind
         assert f["wall_ms"] > 0 and all(c >= 0 for c in f["rounds_cpu_ms"]), kind
@@ -62,7 +65,7 @@ def test_a_delta_too_large_for_one_request_is_measured_as_it_goes(tmp_path: Path
         real(self, *args, **{**kw, "inline_bytes": 0})
 
     monkeypatch.setattr(Publisher, "__init__", several_requests)
-    got = server_cpu.run(_versions(tmp_path), requests=1, publishes=2, rounds=1)
+    got = server_cpu.run(_versions(tmp_path), requests=1, publishes=2, rounds=1, watchers=1)
     assert got["publish"]["one_request"] is False and got["publish"]["wall_ms"] > 0
 
 
@@ -77,7 +80,7 @@ def test_a_publish_that_is_not_a_delta_in_one_request_fails_the_probe(tmp_path: 
 
     monkeypatch.setattr(Publisher, "publish", keyframes)
     with pytest.raises(AssertionError, match="wanted a delta, got a keyframe"):
-        server_cpu.run(_versions(tmp_path), requests=1, publishes=1, rounds=1)
+        server_cpu.run(_versions(tmp_path), requests=1, publishes=1, rounds=1, watchers=1)
 
 
 def test_counts_below_one_are_refused() -> None:

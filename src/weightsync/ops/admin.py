@@ -40,7 +40,9 @@ async def pin_model(ops: Ops, name: str, number: int | None) -> Model:
     Watchers, event streams and plans without a target answer the pinned version while the head
     moves on; retention keeps its chain. ModelNotFound, VersionNotFound (never committed, or deleted).
     """
-    return await asyncio.to_thread(ops.catalog.pin_model, name, number)
+    model = await asyncio.to_thread(ops.catalog.pin_model, name, number)
+    ops.wake_followers()
+    return model
 
 
 async def delete_model(ops: Ops, name: str) -> DeletedModel:
@@ -51,6 +53,7 @@ async def delete_model(ops: Ops, name: str) -> DeletedModel:
     as retention's do, so that a catalog rebuilt from the store does not bring the model back.
     """
     gone = await asyncio.to_thread(ops.catalog.delete_model, name, now=ops.clock())
+    ops.wake_followers()
     await ops.drain()  # a record still being written for a commit just before would outlive the deletion
     for v in gone.versions:
         await ops.delete_object(record_of(v).digest)

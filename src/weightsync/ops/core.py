@@ -45,6 +45,7 @@ from weightsync.codec.manifest import MAGIC as MANIFEST_MAGIC
 from weightsync.codec.parts import merge_parts
 from weightsync.codec.validate import check_publishable
 from weightsync.common import gc_paused, removal_message, removed_content
+from weightsync.ops.follow import FollowTargets
 from weightsync.ops.hot import HotObjects
 from weightsync.ops.phases import timed
 from weightsync.ops.records import record_of
@@ -224,9 +225,9 @@ class Ops:
         self._version_manifests: OrderedDict[tuple[str, int], str] = OrderedDict()
         # Commit records written after the commit's answer (commit_publish(record_later=True)).
         self._record_tasks: set[asyncio.Task[None]] = set()
-        # Wakes watchers in this process at once on a local commit; commits made
-        # through other replicas are found by polling the catalog.
-        self._committed = asyncio.Event()
+        # The followers waiting in this process (watch, events), one catalog read per model per poll for all of
+        # them; a local commit makes it read at once, commits through other processes are found by the poll.
+        self._followers = FollowTargets(lambda model: self._db(self.catalog.follow_target, model))
 
     async def _db(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """Run a (blocking) catalog call in a worker thread, so the event loop keeps serving."""
@@ -844,8 +845,11 @@ class Ops:
 
     def _wake(self) -> None:
         """Wake this process's watchers and event streams at once (others find the commit by polling)."""
-        self._committed.set()
-        self._committed = asyncio.Event()
+        self.wake_followers()
+
+    def wake_followers(self) -> None:
+        """What followers hold changed through this process (a commit, a pin, a deletion): its waiters hear at once."""
+        self._followers.kick()
 
     async def import_version(self, model: str, record: ImportedVersion, **settings: Any) -> Version:
         """Record a version committed elsewhere under its own number, then wake watchers (a relay's mirror).
@@ -1365,26 +1369,12 @@ class Ops:
         The target is the pinned version while the model is pinned (answered as soon as `after`
         is another), else the head once it is newer than `after`. A model that does not exist
         (yet: a replica may start before the trainer's first push) is waited for like one without
-        versions; with ``absent_ok`` False it raises ModelNotFound instead. Polls the catalog every
-        `poll` seconds, so it sees commits and pins made through any service replica sharing the
-        catalog; a commit made through this process wakes it at once.
+        versions; with ``absent_ok`` False it raises ModelNotFound instead. Reads the catalog as it
+        begins, then takes what one task per model reads for every waiter of this process every
+        `poll` seconds (ops/follow.py), so it sees commits and pins made through any service process
+        sharing the catalog; a commit made through this process makes that task read at once.
         """
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while True:
-            event = self._committed
-            try:
-                target = await self._db(self.catalog.follow_target, model)
-            except errors.ModelNotFound:
-                if not absent_ok:
-                    raise
-                target = Target(None, pinned=False)
-            if target.news_for(after):
-                return target
-            if loop.time() >= deadline:
-                return None
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(event.wait(), min(poll, max(0.0, deadline - loop.time())))
+        return await self._followers.wait(model, after=after, timeout=timeout, poll=poll, absent_ok=absent_ok)
 
 
 def _is_named(data: bytes, digest: str) -> bool:

@@ -56,7 +56,9 @@ class Settings(BaseSettings):
     db_pool_size: int = Field(10, ge=1, le=200)
     presign: bool = Field(True, description="Hand out presigned S3 URLs when the store supports them.")
     presign_expires_s: int = Field(3600, ge=1, le=7 * 86400)
-    watch_poll_s: float = Field(0.5, gt=0, le=10, description="Catalog poll interval of watch and events.")
+    watch_poll_s: float = Field(
+        0.1, gt=0, le=10, description="Catalog poll interval of watch and events (one read per model for all of them)."
+    )
     sse_keepalive_s: float = Field(15.0, gt=0, le=300)
     ui_stale_after_s: float = Field(
         300.0, gt=0, description="The dashboard marks a replica stale once it is this long behind the head (seconds)."
