@@ -79,12 +79,7 @@ class FollowTargets:
         w = self._join(model, poll)
         try:
             event = w.changed  # before the read: a change the poller finds from now on sets it
-            number = next(self._numbers)
-            reading: Reading
-            try:
-                reading = await self._read(model)
-            except errors.ModelNotFound as exc:
-                reading = exc
+            number, reading = await self._reading(model)
             while True:
                 if w.reading is not None and w.reading[0] > number:
                     number, reading = w.reading  # read after this waiter's newest: take it
@@ -105,6 +100,14 @@ class FollowTargets:
                 event = w.changed
         finally:
             self._leave(model, w, poll)
+
+    async def _reading(self, model: str) -> tuple[int, Reading]:
+        """A read of what followers of `model` hold, numbered as it begins (a later read, a larger number)."""
+        number = next(self._numbers)
+        try:
+            return number, await self._read(model)
+        except errors.ModelNotFound as exc:
+            return number, exc
 
     def _join(self, model: str, poll: float) -> _Watched:
         w = self._models.get(model)
@@ -130,12 +133,8 @@ class FollowTargets:
                 async with asyncio.timeout(min(w.polls)):
                     await w.kick.wait()
             w.kick.clear()  # a kick during the read below makes the next one follow at once
-            number = next(self._numbers)
-            reading: Reading
             try:
-                reading = await self._read(model)
-            except errors.ModelNotFound as exc:
-                reading = exc
+                number, reading = await self._reading(model)
             except errors.WeightsyncError as exc:  # the catalog unreachable: the next reading tells them
                 log.warning("following %s: %s", model, exc)
                 continue
