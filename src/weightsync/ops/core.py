@@ -51,6 +51,7 @@ from weightsync.ops.phases import timed
 from weightsync.ops.records import record_of
 from weightsync.store import ObjectInfo as StoredObject
 from weightsync.store import ObjectStore, PresignedRequest, PutResult
+from weightsync.store.base import sha256_hex_async
 
 log = logging.getLogger("weightsync.ops")
 
@@ -577,7 +578,7 @@ class Ops:
     async def _committed_now(self, version: Version, record_later: bool) -> None:
         """After a catalog commit: remember the version, wake the watchers, write the commit record (or start it)."""
         self._remember(version)
-        self._wake()
+        self.wake_followers()
         if record_later:
             task = asyncio.create_task(self._record_committed(version))
             self._record_tasks.add(task)
@@ -843,12 +844,9 @@ class Ops:
                 return v
         return None
 
-    def _wake(self) -> None:
-        """Wake this process's watchers and event streams at once (others find the commit by polling)."""
-        self.wake_followers()
-
     def wake_followers(self) -> None:
-        """What followers hold changed through this process (a commit, a pin, a deletion): its waiters hear at once."""
+        """What followers hold changed through this process (a commit, a pin, a deletion): its waiters hear at once
+        (those of other processes find it by polling)."""
         self._followers.kick()
 
     async def import_version(self, model: str, record: ImportedVersion, **settings: Any) -> Version:
@@ -861,7 +859,7 @@ class Ops:
         """
         version = await self._creating(self.catalog.import_version, model, record, settings=settings)
         self._remember(version)
-        self._wake()
+        self.wake_followers()
         await self._record_committed(version)
         return version
 
@@ -1200,7 +1198,7 @@ class Ops:
             return data
         # Kept only when they are the object's bytes (damaged ones still go to the caller, whose reader checks
         # them, but not to every plan after it), and when no delete_object ran since this read began.
-        intact = await asyncio.to_thread(_is_named, data, digest) if len(data) >= 1 << 20 else _is_named(data, digest)
+        intact = await sha256_hex_async(data) == digest
         if intact and self._whole_reads.get(digest) is asyncio.current_task():
             self._hot.put(digest, data)
         return data
@@ -1375,11 +1373,6 @@ class Ops:
         sharing the catalog; a commit made through this process makes that task read at once.
         """
         return await self._followers.wait(model, after=after, timeout=timeout, poll=poll, absent_ok=absent_ok)
-
-
-def _is_named(data: bytes, digest: str) -> bool:
-    """Whether `data` hashes to `digest` (SHA-256 hex)."""
-    return hashlib.sha256(data).hexdigest() == digest
 
 
 class _Parsed(NamedTuple):
