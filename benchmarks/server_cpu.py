@@ -1,6 +1,7 @@
 """The server's CPU per request on a version's path: what one ``weightsync serve`` process spends per answer.
 
     python -m benchmarks.server_cpu [--case bf16-lr1e-6] [--requests 400] [--publishes 40] [--rounds 3]
+        [--catalog postgresql://…]
 
 A fleet's followers each ask for every version's plan, so the server's CPU per plan request sets how
 many followers one process brings to a version in a given time (the rest goes to relays). This probe
@@ -15,8 +16,11 @@ process's CPU time (``/proc/<pid>/stat``, user + system, all its threads) around
   version's upload (what every other worker of a ``--workers N`` server is, or a server restarted
   since the publish);
 * ``--watchers`` followers long-polling ``watch`` at that second process: its CPU while they wait,
-  and the time from a commit's answer through the first process until every one of them has its
-  answer (a commit through another process is found by reading the catalog);
+  and the time from a commit's answer through the first process until the first and every one of
+  them has its answer (a commit through another process is found by reading the catalog, or, on PostgreSQL,
+  heard at once through its announcement: with ``--catalog postgresql://…`` (an empty database)
+  both processes use it, and the followers are measured again at a second pair of processes that
+  only poll, ``WEIGHTSYNC_ANNOUNCE=false``, the baseline);
 * a delta publish: in one request (publishVersion) as ``Publisher.publish`` sends a small one, else
   as it sends a larger one (begin, uploads, commit; the table says which), the
   versions of the corpus case alternating, with 50 ms idle after each so the commit record written
@@ -37,6 +41,8 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -67,25 +73,47 @@ CHAIN = 18
 """Delta publishes per model: the default keyframe policy (a chain of 20 versions) makes the next one a keyframe."""
 
 
-def run(versions: list[Path], requests: int, publishes: int, rounds: int, watchers: int = 100) -> dict[str, Any]:
-    """Per round, each request kind's server CPU and wall per request; medians over rounds."""
-    from benchmarks._serve import serve_process
+def run(
+    versions: list[Path],
+    requests: int,
+    publishes: int,
+    rounds: int,
+    watchers: int = 100,
+    catalog: str | None = None,
+) -> dict[str, Any]:
+    """Per round, each request kind's server CPU and wall per request; medians over rounds. With `catalog` (a
+    PostgreSQL URL) the followers are measured also at processes that only poll (`watch_polling`)."""
     from weightsync.client import Publisher
 
     rows: dict[str, list[tuple[float, float]]] = {"healthz": [], "plan": [], "plan_other": [], "publish": []}
-    with tempfile.TemporaryDirectory(prefix="weightsync-server-cpu-") as tmp, serve_process(Path(tmp)) as server:
-        other_dir = Path(tmp) / "other"  # the second process: its own log, the first one's data
-        other_dir.mkdir()
-        (other_dir / "data").symlink_to(Path(tmp) / "data")
+    with _pair(catalog, announce=True) as (server, other):
         with Publisher(server.url, "cpu-plan") as seeder:
             seeded = [seeder.publish(versions[i % 2]).version for i in range(3)]
-        with serve_process(other_dir) as other:
-            figures = _measure(server, other, versions, seeded, requests, publishes, rounds, rows)
-            figures["watch"] = _watchers(server, other, versions, watchers, rounds)
-            return figures
+        figures = _measure(server, other, versions, seeded, requests, publishes, rounds, rows)
+        figures["watch"] = _watchers(server, other, versions, watchers, rounds, "cpu-watch")
+    if catalog is not None and catalog.startswith("postgres"):
+        with _pair(catalog, announce=False) as (server, other):
+            figures["watch_polling"] = _watchers(server, other, versions, watchers, rounds, "cpu-watch-polling")
+    return figures
 
 
-def _watchers(server: Any, other: Any, versions: list[Path], n: int, rounds: int) -> dict[str, Any]:
+@contextmanager
+def _pair(catalog: str | None, *, announce: bool) -> Iterator[tuple[Any, Any]]:
+    """Two server processes on one catalog (`catalog`, else the first one's SQLite) and one filesystem store."""
+    from benchmarks._serve import serve_process
+
+    args = ["--catalog", catalog] if catalog else []
+    env = dict(os.environ, WEIGHTSYNC_ANNOUNCE=str(announce).lower())
+    with tempfile.TemporaryDirectory(prefix="weightsync-server-cpu-") as tmp:
+        with serve_process(Path(tmp), args=args, env=env) as server:
+            other_dir = Path(tmp) / "other"  # the second process: its own log, the first one's data
+            other_dir.mkdir()
+            (other_dir / "data").symlink_to(Path(tmp) / "data")
+            with serve_process(other_dir, args=args, env=env) as other:
+                yield server, other
+
+
+def _watchers(server: Any, other: Any, versions: list[Path], n: int, rounds: int, model: str) -> dict[str, Any]:
     """`n` followers long-polling at `other` while versions commit through `server`, a round each: `other`'s CPU
     while they wait (a share of one core) and the seconds from each commit's answer until all `n` answered."""
     import threading
@@ -94,15 +122,15 @@ def _watchers(server: Any, other: Any, versions: list[Path], n: int, rounds: int
 
     from weightsync.client import Publisher
 
-    idle, answered = [], []
-    with Publisher(server.url, "cpu-watch") as publisher:
+    idle, answered, firsts = [], [], []
+    with Publisher(server.url, model) as publisher:
         head = publisher.publish(versions[0]).version
         for r in range(rounds):
             ends: list[tuple[float, int]] = []
 
             def follow(after: int, ends: list[tuple[float, int]]) -> None:
                 with httpx.Client(base_url=other.url, timeout=120) as c:
-                    resp = c.get("/v1/models/cpu-watch/watch", params={"after": after, "timeout": 60})
+                    resp = c.get(f"/v1/models/{model}/watch", params={"after": after, "timeout": 60})
                     ends.append((time.monotonic(), resp.status_code))
 
             threads = [threading.Thread(target=follow, args=(head, ends)) for _ in range(n)]
@@ -119,9 +147,11 @@ def _watchers(server: Any, other: Any, versions: list[Path], n: int, rounds: int
             if len(ends) != n or any(status != 200 for _, status in ends):
                 raise AssertionError(f"followers' answers: {sorted({s for _, s in ends})}, {len(ends)} of {n}")
             answered.append(max(t for t, _ in ends) - t0)
+            firsts.append(min(t for t, _ in ends) - t0)
     return {
         "followers": n,
         "idle_core_share": statistics.median(idle),
+        "first_answered_ms": statistics.median(firsts) * 1e3,
         "answered_ms": statistics.median(answered) * 1e3,
         "rounds_answered_ms": [a * 1e3 for a in answered],
     }
@@ -210,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--publishes", type=int, default=40, help="delta publishes per round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--watchers", type=int, default=100, help="followers long-polling at the second process")
+    ap.add_argument("--catalog", help="both processes' catalog URL (an empty database; default: SQLite in the data)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     if min(args.requests, args.publishes, args.rounds, args.watchers) < 1:
@@ -221,14 +252,20 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.corpus import ensure_case
 
     versions = ensure_case(args.case, 2)[:2]
-    result: dict[str, Any] = {"figures": run(versions, args.requests, args.publishes, args.rounds, args.watchers)}
+    figures = run(versions, args.requests, args.publishes, args.rounds, args.watchers, args.catalog)
+    result: dict[str, Any] = {"figures": figures}
     result.update(
-        machine=machine(), when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), case=args.case, rounds=args.rounds
+        machine=machine(),
+        when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        case=args.case,
+        rounds=args.rounds,
+        catalog="PostgreSQL" if (args.catalog or "").startswith("postgres") else "SQLite",
     )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "server_cpu.json").write_text(json.dumps(result, indent=1))
     lines = [
-        f"Machine: {result['machine']}. Run: {result['when']}. Case {args.case}; medians of {args.rounds} rounds.",
+        f"Machine: {result['machine']}. Run: {result['when']}. Case {args.case}; {result['catalog']} catalog; "
+        f"medians of {args.rounds} rounds.",
         "",
         "| request | server CPU per request (ms) | wall, client round trip (ms) | rounds (CPU ms) |",
         "|---|---:|---:|---|",
@@ -241,18 +278,29 @@ def main(argv: list[str] | None = None) -> int:
         if result["figures"]["publish"]["one_request"]
         else "a delta publish (begin, uploads, commit), commit record included",
     }
-    watch = result["figures"].pop("watch")
-    for kind, f in result["figures"].items():
+    for kind in labels:
+        f = figures[kind]
         rounds = ", ".join(f"{c:.2f}" for c in f["rounds_cpu_ms"])
         lines.append(f"| {labels[kind]} | {f['server_cpu_ms']:.2f} | {f['wall_ms']:.2f} | {rounds} |")
-    result["figures"]["watch"] = watch
-    each = ", ".join(f"{a:.0f}" for a in watch["rounds_answered_ms"])
+    watch = figures["watch"]
     lines += [
         "",
-        f"{watch['followers']} followers long-polling at the second process: its CPU while they wait "
-        f"{watch['idle_core_share'] * 100:.1f} % of a core; a commit through the first process, all of them "
-        f"answered after {watch['answered_ms']:.0f} ms (rounds: {each}).",
+        f"{watch['followers']} followers long-polling at the second process; a commit through the first process:",
+        "",
+        "| second process | its CPU while they wait (% of a core) | first answered after (ms) | all answered after "
+        "(ms) | rounds, all (ms) |",
+        "|---|---:|---:|---:|---|",
     ]
+    ways = [("watch", "announcing (PostgreSQL's NOTIFY)" if result["catalog"] == "PostgreSQL" else "polling")]
+    if "watch_polling" in figures:
+        ways.append(("watch_polling", "polling (`WEIGHTSYNC_ANNOUNCE=false`)"))
+    for key, label in ways:
+        w = figures[key]
+        each = ", ".join(f"{a:.0f}" for a in w["rounds_answered_ms"])
+        lines.append(
+            f"| {label} | {w['idle_core_share'] * 100:.1f} | {w['first_answered_ms']:.1f} | {w['answered_ms']:.1f} "
+            f"| {each} |"
+        )
     md = "\n".join(lines) + "\n"
     (args.out / "server_cpu.md").write_text(md)
     print(md)

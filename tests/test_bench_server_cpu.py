@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from _ckpt import safetensors_file
+from _pg import fresh_database
 from _versions import model_files, next_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the benchmarks package lives at the repo root
@@ -52,6 +53,15 @@ def test_every_request_kind_is_measured_on_a_real_server(tmp_path: Path) -> None
     # A publish does work on the server (hashing, fsync'd writes, three transactions): some CPU shows.
     assert max(got["publish"]["rounds_cpu_ms"]) > 0
     assert got["publish"]["one_request"] is True  # a small delta goes as one publishVersion
+
+
+@pytest.mark.postgres
+def test_on_postgresql_followers_are_measured_announcing_and_polling(tmp_path: Path) -> None:
+    with fresh_database() as url:
+        got = server_cpu.run(_versions(tmp_path), requests=1, publishes=1, rounds=1, watchers=2, catalog=url)
+    assert {"watch", "watch_polling"} <= set(got)  # each raises unless every follower had the new version
+    for key in ("watch", "watch_polling"):
+        assert got[key]["followers"] == 2 and len(got[key]["rounds_answered_ms"]) == 1
 
 
 def test_a_delta_too_large_for_one_request_is_measured_as_it_goes(tmp_path: Path, monkeypatch) -> None:

@@ -82,6 +82,7 @@ async def ops(backends, clock):
     try:
         yield o
     finally:
+        await o.aclose()
         await store.close()
         catalog.close()
 

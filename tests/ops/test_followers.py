@@ -26,6 +26,7 @@ async def other(backends, ops, clock):
     try:
         yield o
     finally:
+        await o.aclose()
         catalog.close()
 
 
@@ -124,3 +125,127 @@ async def test_a_waiter_that_goes_away_leaves_the_others_waiting_and_the_last_ta
     second, _, _ = await publish(ops, "m", versions[1], versions[0], first.number)
     assert (await asyncio.wait_for(staying, 20)).version.number == second.number
     assert ops._followers.watched() == []
+
+
+# --- announcements between processes (PostgreSQL's LISTEN/NOTIFY: catalog/notices.py) ---------------------------
+
+FAR = 3600.0
+"""A poll interval no test waits for: what reaches a waiter then came through an announcement."""
+
+
+def _needs_announcements(ops: Ops) -> None:
+    if not ops.catalog.announces:
+        pytest.skip("SQLite has no announcements: its processes poll (tested above)")
+
+
+async def _listening(ops: Ops) -> None:
+    for _ in range(2000):
+        if ops._followers.listening:
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("the followers' listener did not begin to listen")
+
+
+async def test_a_commit_pin_and_deletion_elsewhere_reach_waiters_through_announcements_not_the_poll(
+    ops, other, versions
+):
+    _needs_announcements(ops)
+    first, _, _ = await publish(ops, "m", versions[0], None, None)
+    waiters = await _waiting(ops, "m", 3, after=first.number, timeout=60, poll=FAR)
+    await _listening(ops)
+    second, _, _ = await publish(other, "m", versions[1], versions[0], first.number)  # not through `ops`
+    got = await asyncio.wait_for(asyncio.gather(*waiters), 30)
+    assert [t.version.number for t in got] == [second.number] * 3
+    waiters = await _waiting(ops, "m", 1, after=second.number, timeout=60, poll=FAR)
+    await pin_model(other, "m", first.number)
+    (pinned,) = await asyncio.wait_for(asyncio.gather(*waiters), 30)
+    assert pinned.pinned and pinned.version.number == first.number
+    seen = asyncio.ensure_future(ops.wait_for_version("m", after=first.number, timeout=60, poll=FAR, absent_ok=False))
+    await asyncio.sleep(0.1)
+    await delete_model(other, "m")
+    with pytest.raises(errors.ModelNotFound):
+        await asyncio.wait_for(seen, 30)
+
+
+async def test_while_listening_the_poll_slows_and_a_process_does_not_read_again_for_its_own_announcement(ops, versions):
+    from weightsync.ops.follow import LISTENING_POLL_S
+
+    _needs_announcements(ops)
+    first, _, _ = await publish(ops, "m", versions[0], None, None)
+    waiter = asyncio.ensure_future(ops.wait_for_version("m", after=first.number, timeout=60, poll=0.05))
+    await _listening(ops)
+    await asyncio.sleep(0.2)  # the reads on beginning to listen are over
+    reads = _CountedReads(ops)
+    await asyncio.sleep(1.0)
+    assert reads.calls <= 1.0 / LISTENING_POLL_S + 1  # ~20 at the waiter's 0.05 s without the listener
+    second, _, _ = await publish(ops, "m", versions[1], versions[0], first.number)
+    assert (await asyncio.wait_for(waiter, 20)).version.number == second.number
+    later = asyncio.ensure_future(ops.wait_for_version("m", after=second.number, timeout=60, poll=FAR))
+    await asyncio.sleep(0.2)
+    reads.calls = 0
+    ops.catalog.announce(f"{ops._followers._token} m")  # this process's own announcement, come back
+    other_token = "0" * 16
+    await asyncio.sleep(0.3)
+    assert reads.calls == 0
+    ops.catalog.announce(f"{other_token} m")  # another process's: the poller reads
+    for _ in range(400):
+        if reads.calls:
+            break
+        await asyncio.sleep(0.005)
+    assert reads.calls >= 1 and not later.done()
+    later.cancel()
+
+
+async def test_a_listener_whose_connection_is_killed_listens_again_and_reads_what_it_missed(ops, other, versions):
+    from sqlalchemy import text
+
+    _needs_announcements(ops)
+    first, _, _ = await publish(ops, "m", versions[0], None, None)
+    waiters = await _waiting(ops, "m", 2, after=first.number, timeout=60, poll=FAR)
+    await _listening(ops)
+    with other.catalog.engine.begin() as conn:  # the listening connection goes, as in a failover
+        killed = conn.execute(
+            text(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND query LIKE 'LISTEN %' AND pid <> pg_backend_pid()"
+            )
+        ).scalar_one()
+    assert killed == 1
+    for _ in range(2000):  # it notices
+        if not ops._followers.listening:
+            break
+        await asyncio.sleep(0.005)
+    # Committed while this process may not listen: the announcement can be lost, the read after
+    # listening again finds it.
+    second, _, _ = await publish(other, "m", versions[1], versions[0], first.number)
+    got = await asyncio.wait_for(asyncio.gather(*waiters), 30)
+    assert [t.version.number for t in got] == [second.number] * 2
+    await _listening(ops)
+
+
+async def test_with_announcements_off_a_process_neither_listens_nor_announces(backends, ops, clock, versions):
+    """WEIGHTSYNC_ANNOUNCE=false (behind a pooler that drops LISTEN): a second process polls only."""
+    _needs_announcements(ops)
+    url, _ = backends
+    catalog = Catalog.open(url)
+    quiet = Ops(catalog, ops.store, OpsSettings(gc_grace=timedelta(minutes=5), announce=False), clock=clock)
+    try:
+        first, _, _ = await publish(quiet, "m", versions[0], None, None)
+        waiter = asyncio.ensure_future(quiet.wait_for_version("m", after=first.number, timeout=60, poll=FAR))
+        elsewhere = asyncio.ensure_future(ops.wait_for_version("m", after=first.number, timeout=60, poll=FAR))
+        await _listening(ops)
+        await asyncio.sleep(0.3)
+        assert not quiet._followers.listening
+        second, _, _ = await publish(ops, "m", versions[1], versions[0], first.number)  # announced by `ops`
+        assert (await asyncio.wait_for(elsewhere, 20)).version.number == second.number
+        await asyncio.sleep(0.5)
+        assert not waiter.done()  # not heard: it polls only (and its poll is far away)
+        third, _, _ = await publish(quiet, "m", versions[2], versions[1], second.number)  # not announced
+        assert (await asyncio.wait_for(waiter, 20)).version.number == third.number  # its own commit wakes it
+        later = asyncio.ensure_future(ops.wait_for_version("m", after=third.number, timeout=1.5, poll=FAR))
+        await asyncio.sleep(0.3)  # it has read v3 for itself
+        fourth, _, _ = await publish(quiet, "m", versions[3], versions[2], third.number)
+        assert await later is None and fourth.number == third.number + 1  # `ops` was not told
+    finally:
+        await quiet.aclose()
+        catalog.close()

@@ -19,7 +19,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.orm import Session, sessionmaker
 
 from .. import errors
-from . import checks, identity, leases, ledger, models, objects, publishes, recovery, relays, versions
+from . import checks, identity, leases, ledger, models, notices, objects, publishes, recovery, relays, versions
 from . import migrate as migrations
 from .checks import DEFAULT_PENDING_TTL, DEFAULT_SETTINGS, UNSET, validate_model_name
 from .engine import make_engine, writer
@@ -600,6 +600,26 @@ class Catalog:
     def follow_target(self, model: str) -> Target:
         """Return what followers of ``model`` hold: the pinned version if it is pinned, else the head."""
         return self._tx(lambda s: versions.target(s, model))
+
+    @property
+    def announces(self) -> bool:
+        """Whether :meth:`announce` reaches other processes (PostgreSQL) or does nothing (SQLite)."""
+        return self.engine.dialect.name == "postgresql"
+
+    def announce(self, payload: str) -> None:
+        """Tell the other processes on this catalog that what followers hold changed (catalog/notices.py).
+
+        PostgreSQL: a NOTIFY on ``notices.CHANNEL``, in a transaction of its own; SQLite: nothing (its
+        processes find changes by polling). CatalogUnavailable when the database is unreachable.
+        """
+        notices.announce(self.engine, payload)
+
+    def listener(
+        self, on_notice: Callable[[str], None], on_listening: Callable[[bool], None]
+    ) -> notices.Listener | None:
+        """A listener for what :meth:`announce` sends, through a connection of its own (PostgreSQL), or None."""
+        conninfo = notices.listen_url(self.engine)
+        return None if conninfo is None else notices.Listener(conninfo, on_notice, on_listening)
 
     def lineage(self, model: str, number: int) -> list[Version]:
         """Return the chain from version ``number``'s keyframe to it, keyframe first.

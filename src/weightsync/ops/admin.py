@@ -41,7 +41,7 @@ async def pin_model(ops: Ops, name: str, number: int | None) -> Model:
     moves on; retention keeps its chain. ModelNotFound, VersionNotFound (never committed, or deleted).
     """
     model = await asyncio.to_thread(ops.catalog.pin_model, name, number)
-    ops.wake_followers()
+    ops.wake_followers(name)
     return model
 
 
@@ -53,7 +53,7 @@ async def delete_model(ops: Ops, name: str) -> DeletedModel:
     as retention's do, so that a catalog rebuilt from the store does not bring the model back.
     """
     gone = await asyncio.to_thread(ops.catalog.delete_model, name, now=ops.clock())
-    ops.wake_followers()
+    ops.wake_followers(name)
     await ops.drain()  # a record still being written for a commit just before would outlive the deletion
     for v in gone.versions:
         await ops.delete_object(record_of(v).digest)

@@ -89,6 +89,9 @@ class OpsSettings:
     manifest_cache: int = 256
     hot_object_bytes: int = 64 << 20
     """Bytes of small objects (up to HOT_OBJECT_BYTES each) kept in memory for the plans that name them (ops/hot.py)."""
+    announce: bool = True
+    """Announce changes of what followers hold to the other processes on the catalog, and listen for theirs, where
+    the catalog can (PostgreSQL: ops/follow.py, catalog/notices.py)."""
 
 
 @dataclass(frozen=True)
@@ -227,8 +230,14 @@ class Ops:
         # Commit records written after the commit's answer (commit_publish(record_later=True)).
         self._record_tasks: set[asyncio.Task[None]] = set()
         # The followers waiting in this process (watch, events), one catalog read per model per poll for all of
-        # them; a local commit makes it read at once, commits through other processes are found by the poll.
-        self._followers = FollowTargets(lambda model: self._db(self.catalog.follow_target, model))
+        # them; a local commit makes it read at once, and so does one through another process where the catalog
+        # announces it (PostgreSQL), elsewhere it is found by the poll.
+        self._announces = self.settings.announce and catalog.announces
+        self._followers = FollowTargets(
+            lambda model: self._db(self.catalog.follow_target, model),
+            announce=(lambda payload: self._db(self.catalog.announce, payload)) if self._announces else None,
+            listener=self.catalog.listener if self._announces else None,
+        )
 
     async def _db(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """Run a (blocking) catalog call in a worker thread, so the event loop keeps serving."""
@@ -578,7 +587,7 @@ class Ops:
     async def _committed_now(self, version: Version, record_later: bool) -> None:
         """After a catalog commit: remember the version, wake the watchers, write the commit record (or start it)."""
         self._remember(version)
-        self.wake_followers()
+        self.wake_followers(version.model)
         if record_later:
             task = asyncio.create_task(self._record_committed(version))
             self._record_tasks.add(task)
@@ -844,10 +853,16 @@ class Ops:
                 return v
         return None
 
-    def wake_followers(self) -> None:
-        """What followers hold changed through this process (a commit, a pin, a deletion): its waiters hear at once
-        (those of other processes find it by polling)."""
-        self._followers.kick()
+    def wake_followers(self, model: str) -> None:
+        """What followers of `model` hold changed through this process (a commit, a pin, a deletion): its waiters
+        hear at once, and those of other processes on the catalog as soon as it announces it (ops/follow.py)."""
+        self._followers.changed(model)
+
+    async def aclose(self) -> None:
+        """At shutdown: commit records still being written are finished (:meth:`drain`), the followers' listening
+        connection closed and announcements under way sent."""
+        await self.drain()
+        await self._followers.aclose()
 
     async def import_version(self, model: str, record: ImportedVersion, **settings: Any) -> Version:
         """Record a version committed elsewhere under its own number, then wake watchers (a relay's mirror).
@@ -859,7 +874,7 @@ class Ops:
         """
         version = await self._creating(self.catalog.import_version, model, record, settings=settings)
         self._remember(version)
-        self.wake_followers()
+        self.wake_followers(model)
         await self._record_committed(version)
         return version
 

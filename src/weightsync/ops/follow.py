@@ -14,6 +14,14 @@ a stale pin would send a follower back). After that, it takes the poller's readi
 after its own read: each read is numbered when it starts, and a waiter keeps the newest it has.
 The poller's failed reads (the catalog unreachable) are not passed on: the waiters keep waiting
 and the next reading that succeeds tells them; their own first read reports such a failure.
+
+Where the catalog can announce changes (PostgreSQL's LISTEN/NOTIFY: catalog/notices.py), a change
+made through this process is announced to the others, and while this process listens, an
+announcement from another makes that model's poller read at once: a follower of another process
+hears of a commit in milliseconds, not an interval later. Polling then only guards against an
+announcement lost with a connection, so it slows to :data:`LISTENING_POLL_S`. The listening
+connection is made when the first follower begins to wait and kept until :meth:`FollowTargets.aclose`;
+each time it (re)connects every poller reads once, for what was missed while it did not listen.
 """
 
 from __future__ import annotations
@@ -22,8 +30,10 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from weightsync import errors
 from weightsync.catalog.records import Target
@@ -32,6 +42,21 @@ log = logging.getLogger(__name__)
 
 Reading = Target | errors.ModelNotFound
 """What a read of the catalog says followers of a model hold: a target, or that the model does not exist."""
+
+LISTENING_POLL_S = 2.0
+"""The pollers' interval while this process listens for other processes' announcements (the waiters' own,
+shorter, interval otherwise): an announcement makes the poller read at once, so the poll only bounds
+how late a follower hears of a change whose announcement was lost with a connection."""
+
+
+class Listening(Protocol):
+    """What the catalog's listener is to this module (catalog/notices.py Listener): run until cancelled."""
+
+    async def run(self) -> None: ...
+
+
+ListenerFactory = Callable[[Callable[[str], None], Callable[[bool], None]], Listening | None]
+"""Makes a listener from (on each payload, on listening or not), or None where the catalog cannot announce."""
 
 
 @dataclass(eq=False)
@@ -52,19 +77,91 @@ class _Watched:
 class FollowTargets:
     """The waiting followers of every model in this process, each model's catalog reads shared (module doc)."""
 
-    def __init__(self, read: Callable[[str], Awaitable[Target]]) -> None:
+    def __init__(
+        self,
+        read: Callable[[str], Awaitable[Target]],
+        *,
+        announce: Callable[[str], Awaitable[None]] | None = None,
+        listener: ListenerFactory | None = None,
+    ) -> None:
+        """`read`: what followers of a model hold, from the catalog. `announce` sends a payload to the other
+        processes on the catalog, `listener` makes what hears theirs (module doc); without them, polling alone."""
         self._read = read
+        self._announce = announce
+        self._listener = listener
         self._models: dict[str, _Watched] = {}
         self._numbers = itertools.count()
+        self._token = secrets.token_hex(8)
+        """Names this process in its announcements, so it skips its own when they come back."""
+        self._listen_task: asyncio.Task[None] | None = None
+        self._listening = False
+        self._announcing: set[asyncio.Task[None]] = set()
 
     def watched(self) -> list[str]:
         """The models someone waits on now (each with its poller)."""
         return list(self._models)
 
+    @property
+    def listening(self) -> bool:
+        """Whether this process hears other processes' announcements now."""
+        return self._listening
+
     def kick(self) -> None:
-        """A commit (or pin) through this process: every poller reads now, so its waiters hear of it at once."""
+        """Every poller reads now, so its waiters hear at once of whatever changed."""
         for w in self._models.values():
             w.kick.set()
+
+    def changed(self, model: str) -> None:
+        """What followers of `model` hold changed through this process (a commit, a pin, a deletion): its waiters
+        here hear of it at once, and the other processes on the catalog are told (in the background)."""
+        w = self._models.get(model)
+        if w is not None:
+            w.kick.set()
+        if self._announce is not None:
+            task = asyncio.get_running_loop().create_task(self._announcing_one(f"{self._token} {model}"))
+            self._announcing.add(task)
+            task.add_done_callback(self._announcing.discard)
+
+    async def aclose(self) -> None:
+        """Stop listening and wait for announcements under way (the service's shutdown)."""
+        if self._listen_task is not None:
+            self._listen_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._listen_task
+            self._listen_task = None
+        if self._announcing:
+            await asyncio.gather(*self._announcing, return_exceptions=True)
+
+    async def _announcing_one(self, payload: str) -> None:
+        try:
+            assert self._announce is not None, "only scheduled with one"
+            await self._announce(payload)
+        except errors.WeightsyncError as exc:  # the others find the change by polling
+            log.warning("announcing a change to followers elsewhere: %s", exc)
+
+    def _heard(self, payload: str) -> None:
+        """Another process's announcement: that model's poller, if any, reads now."""
+        token, _, model = payload.partition(" ")
+        if token == self._token:
+            return
+        w = self._models.get(model)
+        if w is not None:
+            w.kick.set()
+
+    def _listens(self, listening: bool) -> None:
+        """The listening connection began (or stopped) listening: every poller reads once, for what was
+        missed meanwhile (or to take up its own interval again)."""
+        self._listening = listening
+        self.kick()
+
+    def _ensure_listening(self) -> None:
+        if self._listen_task is not None or self._listener is None:
+            return
+        listener = self._listener(self._heard, self._listens)
+        if listener is None:
+            self._listener = None  # this catalog cannot announce: never asked again
+            return
+        self._listen_task = asyncio.get_running_loop().create_task(listener.run(), name="follow listener")
 
     async def wait(
         self, model: str, *, after: int | None, timeout: float, poll: float, absent_ok: bool
@@ -110,6 +207,7 @@ class FollowTargets:
             return number, exc
 
     def _join(self, model: str, poll: float) -> _Watched:
+        self._ensure_listening()
         w = self._models.get(model)
         if w is None:
             w = self._models[model] = _Watched()
@@ -127,10 +225,14 @@ class FollowTargets:
 
     async def _poller(self, model: str, w: _Watched) -> None:
         """Read what followers of `model` hold every (shortest) interval, or at once when kicked; on a change,
-        wake the waiters. The first read waits an interval: each waiter reads for itself as it begins."""
+        wake the waiters. The first read waits an interval: each waiter reads for itself as it begins. While
+        this process listens for announcements the interval is at least LISTENING_POLL_S."""
         while True:
+            interval = min(w.polls)
+            if self._listening:
+                interval = max(interval, LISTENING_POLL_S)
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(min(w.polls)):
+                async with asyncio.timeout(interval):
                     await w.kick.wait()
             w.kick.clear()  # a kick during the read below makes the next one follow at once
             try:
@@ -151,4 +253,4 @@ def _same(a: Reading, b: Reading) -> bool:
     return a == b
 
 
-__all__ = ["FollowTargets"]
+__all__ = ["LISTENING_POLL_S", "FollowTargets", "ListenerFactory", "Listening"]

@@ -122,7 +122,7 @@ def create_app(
             else:
                 async with extension(app):
                     yield
-            await app.state.ops.drain()  # commit records written after their commits' answers
+            await app.state.ops.aclose()  # commit records written after their commits' answers; the listener
         finally:
             await store.close()
             catalog.close()

@@ -59,6 +59,14 @@ class Settings(BaseSettings):
     watch_poll_s: float = Field(
         0.1, gt=0, le=10, description="Catalog poll interval of watch and events (one read per model for all of them)."
     )
+    announce: bool = Field(
+        True,
+        description=(
+            "PostgreSQL: tell the other processes on the catalog of commits, pins and deletions (NOTIFY), and hear "
+            "theirs on one LISTEN connection, so their followers hear at once. Off behind a pooler that does not "
+            "keep LISTEN (PgBouncer in transaction mode): followers of other processes then wait for the poll."
+        ),
+    )
     sse_keepalive_s: float = Field(15.0, gt=0, le=300)
     ui_stale_after_s: float = Field(
         300.0, gt=0, description="The dashboard marks a replica stale once it is this long behind the head (seconds)."
@@ -92,6 +100,7 @@ class Settings(BaseSettings):
             lease_ttl=timedelta(seconds=self.lease_ttl_s),
             max_object_bytes=self.max_object_size,
             hot_object_bytes=self.object_memory,
+            announce=self.announce,
         )
 
     def upload_cap(self) -> int:
