@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from weightsync import errors
-from weightsync.catalog import Catalog
+from weightsync.catalog import Catalog, make_engine
 from weightsync.catalog.notices import MAX_PAYLOAD
 
 pytestmark = pytest.mark.anyio
@@ -63,7 +63,8 @@ async def test_a_listener_of_an_unreachable_database_keeps_trying_and_says_so(ca
     from weightsync.catalog.notices import Listener
 
     states: list[bool] = []
-    listener = Listener("postgresql://postgres@127.0.0.1:1/none?connect_timeout=1", lambda _: None, states.append)
+    where = {"host": "127.0.0.1", "port": 1, "dbname": "none", "user": "postgres", "connect_timeout": 1}
+    listener = Listener(where, lambda _: None, states.append)
     task = asyncio.create_task(listener.run())
     await asyncio.sleep(0.5)
     assert not task.done() and states == []  # still trying, never listening
@@ -84,3 +85,68 @@ def test_announce_on_an_unreachable_postgresql_is_catalog_unavailable():
             announce(engine, "m")
     finally:
         engine.dispose()
+
+
+def test_the_listeners_options_are_the_engines_own_for_failover_urls_and_passwords_with_spaces():
+    """libpq reads a URL's text otherwise than the engine's dialect: built from the dialect, the listener
+    connects wherever the pool does (several hosts, a password with a space: both once broke it)."""
+    from sqlalchemy import create_engine
+
+    from weightsync.catalog.notices import listen_args
+
+    engine = create_engine(
+        "postgresql+psycopg://u:s3cret%20pass@/ws?host=h1:5432&host=h2:5433&target_session_attrs=read-write"
+    )
+    try:
+        args = listen_args(engine)
+    finally:
+        engine.dispose()
+    assert args == {
+        "dbname": "ws",
+        "user": "u",
+        "password": "s3cret pass",
+        "host": "h1,h2",
+        "port": "5432,5433",
+        "target_session_attrs": "read-write",
+    }
+    lite = create_engine("sqlite://")
+    try:
+        assert listen_args(lite) is None
+    finally:
+        lite.dispose()
+
+
+async def test_a_listener_connects_with_a_password_that_holds_a_space(db_url):
+    """A role whose password has a space, reached through a URL that quotes it (as the pool is)."""
+    import uuid
+
+    from sqlalchemy import text
+
+    if not db_url.startswith("postgresql"):
+        pytest.skip("SQLite has no listener")
+    role = f"ws_space_{uuid.uuid4().hex[:8]}"
+    admin = Catalog.open(db_url)
+    try:
+        with admin.engine.begin() as conn:
+            conn.execute(text(f"CREATE ROLE {role} LOGIN PASSWORD 'two words'"))
+        host_db = db_url.split("@", 1)[1]
+        spaced = Catalog(make_engine(f"postgresql+psycopg://{role}:two%20words@{host_db}"))  # no migration check
+        try:
+            states: list[bool] = []
+            listener = spaced.listener(lambda _: None, states.append)
+            assert listener is not None
+            task = asyncio.create_task(listener.run())
+            for _ in range(2000):
+                if states:
+                    break
+                await asyncio.sleep(0.005)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert states[:1] == [True]
+        finally:
+            spaced.close()
+    finally:
+        with admin.engine.begin() as conn:
+            conn.execute(text(f"DROP ROLE IF EXISTS {role}"))
+        admin.close()

@@ -249,3 +249,78 @@ async def test_with_announcements_off_a_process_neither_listens_nor_announces(ba
     finally:
         await quiet.aclose()
         catalog.close()
+
+
+# --- FollowTargets alone, its reads scripted (the orders a real catalog gives only by chance) ---------------------
+
+
+class _Head:
+    """A stand-in for a Target: the head version `n` (equal when `n` is)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def news_for(self, after: int | None) -> bool:
+        return after is None or self.n > after
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Head) and other.n == self.n
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+async def test_a_waiter_whose_read_overlapped_an_older_numbered_newer_reading_is_not_left_behind():
+    """The poller's read begins first but sees a commit a waiter's read, begun after it, did not (reads run in
+    threads): the waiter keeps its own, newer-numbered reading, and must still hear of the commit at once."""
+    from weightsync.ops.follow import FollowTargets
+
+    head = 1
+    gate = asyncio.Event()
+    script: list[asyncio.Event | None] = []  # per read, in order: an event it waits for before it reads
+
+    async def read(model: str):
+        hold = script.pop(0) if script else None
+        if hold is not None:
+            await hold.wait()
+        return _Head(head)
+
+    ft = FollowTargets(read)  # type: ignore[arg-type]
+    script.append(None)  # the first waiter's own read: v1
+    first = asyncio.ensure_future(ft.wait("m", after=1, timeout=30, poll=FAR, absent_ok=True))
+    await asyncio.sleep(0.05)
+    script.append(gate)  # the poller's next read: begins now, reads once the gate opens
+    ft.kick()
+    await asyncio.sleep(0.05)
+    script.append(None)  # the second waiter's own read, numbered after the poller's: still v1
+    second = asyncio.ensure_future(ft.wait("m", after=1, timeout=30, poll=FAR, absent_ok=True))
+    await asyncio.sleep(0.05)
+    head = 2  # committed between the two statements: the poller's read, begun first, sees it
+    gate.set()
+    got = await asyncio.wait_for(asyncio.gather(first, second), 10)  # not the FAR poll, not the 30 s timeout
+    assert [t.n for t in got] == [2, 2]
+    assert ft.watched() == []
+
+
+async def test_a_listener_that_failed_is_logged_and_started_again_by_the_next_waiter(caplog):
+    from weightsync.ops.follow import FollowTargets
+
+    runs: list[str] = []
+
+    class Flaky:
+        async def run(self) -> None:
+            runs.append("run")
+            if len(runs) == 1:
+                raise RuntimeError("listener bug")
+            await asyncio.Event().wait()  # listens until cancelled
+
+    async def read(model: str):
+        return _Head(1)
+
+    ft = FollowTargets(read, listener=lambda on_notice, on_listening: Flaky())  # type: ignore[arg-type]
+    assert await ft.wait("m", after=1, timeout=0.1, poll=FAR, absent_ok=True) is None
+    await asyncio.sleep(0.01)
+    assert runs == ["run"]
+    assert await ft.wait("m", after=1, timeout=0.1, poll=FAR, absent_ok=True) is None
+    assert runs == ["run", "run"]
+    assert any("listener failed" in r.getMessage() for r in caplog.records)
+    await ft.aclose()

@@ -36,6 +36,7 @@ async def small_ops(backends, clock):
     try:
         yield o
     finally:
+        await o.aclose()
         await store.close()
         catalog.close()
 

@@ -189,6 +189,7 @@ async def test_crash_inside_the_commit_transaction_leaves_nothing_visible(db, tm
         report = await fsck(ops, repair=True)
         assert report.ok
         assert (await fsck(ops)).problems == []
+        await ops.aclose()
         await ops.store.close()
         catalog.close()
     finally:

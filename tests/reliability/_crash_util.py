@@ -437,6 +437,7 @@ def open_ops(work: Path, env: Env, clock: Clock, *, migrate: bool = False, seque
 
 
 async def close_ops(ops) -> None:
+    await ops.aclose()
     await ops.store.close()
     ops.catalog.close()
 

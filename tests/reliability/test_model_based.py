@@ -165,6 +165,7 @@ class OpsMachine(RuleBasedStateMachine):
             if sys.exc_info()[0] is None:  # a failing step already reported; do not mask it
                 self.run(self._final_checks())
         finally:
+            self.run(self.ops.aclose())
             self.run(self.ops.store.close())
             self.ops.catalog.close()
             self.loop.close()
@@ -977,6 +978,7 @@ def test_resumed_begin_returns_the_pending_publish(tmp_path):
             again = await ops.begin_publish(MODEL, parent=1, publish_id=forced.publish_id)
             assert (again.publish_id, again.kind) == (forced.publish_id, "keyframe")
         finally:
+            await ops.aclose()
             await ops.store.close()
             ops.catalog.close()
 

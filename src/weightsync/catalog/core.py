@@ -618,8 +618,8 @@ class Catalog:
         self, on_notice: Callable[[str], None], on_listening: Callable[[bool], None]
     ) -> notices.Listener | None:
         """A listener for what :meth:`announce` sends, through a connection of its own (PostgreSQL), or None."""
-        conninfo = notices.listen_url(self.engine)
-        return None if conninfo is None else notices.Listener(conninfo, on_notice, on_listening)
+        connect = notices.listen_args(self.engine)
+        return None if connect is None else notices.Listener(connect, on_notice, on_listening)
 
     def lineage(self, model: str, number: int) -> list[Version]:
         """Return the chain from version ``number``'s keyframe to it, keyframe first.

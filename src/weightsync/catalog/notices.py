@@ -18,9 +18,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from typing import Any
 
 from sqlalchemy import Engine, func, select
-from sqlalchemy.engine import URL
 
 from .rows import db_errors
 
@@ -53,12 +53,16 @@ def announce(engine: Engine, payload: str) -> None:
         conn.execute(select(func.pg_notify(CHANNEL, payload)))
 
 
-def listen_url(engine: Engine) -> str | None:
-    """The libpq connection string of `engine`'s database for a listening connection, or None (not PostgreSQL)."""
+def listen_args(engine: Engine) -> dict[str, Any] | None:
+    """libpq's connection options of `engine`'s database for a listening connection, or None (not PostgreSQL).
+
+    Taken as the engine's own dialect makes them from its URL (several hosts of a failover URL, a
+    password with spaces, query options), not by turning the URL back into text.
+    """
     if engine.dialect.name != "postgresql":
         return None
-    url: URL = engine.url.set(drivername="postgresql")
-    return url.render_as_string(hide_password=False)
+    _, params = engine.dialect.create_connect_args(engine.url)
+    return {k: v for k, v in params.items() if k != "context"}  # psycopg's adapters: not a libpq option
 
 
 class Listener:
@@ -69,8 +73,11 @@ class Listener:
     stops. Both callbacks run on the event loop of :meth:`run`, which runs until cancelled.
     """
 
-    def __init__(self, conninfo: str, on_notice: Callable[[str], None], on_listening: Callable[[bool], None]) -> None:
-        self._conninfo = conninfo
+    def __init__(
+        self, connect: dict[str, Any], on_notice: Callable[[str], None], on_listening: Callable[[bool], None]
+    ) -> None:
+        """`connect`: libpq's connection options (:func:`listen_args`); KEEPALIVE's unless they set their own."""
+        self._connect = {**KEEPALIVE, **connect}
         self._on_notice = on_notice
         self._on_listening = on_listening
 
@@ -82,7 +89,7 @@ class Listener:
         failures = 0
         while True:
             try:
-                conninfo = psycopg.conninfo.make_conninfo(self._conninfo, **KEEPALIVE)
+                conninfo = psycopg.conninfo.make_conninfo("", **self._connect)
                 conn = await psycopg.AsyncConnection.connect(conninfo, autocommit=True)
                 async with conn:
                     await conn.execute(f"LISTEN {CHANNEL}")
@@ -100,4 +107,4 @@ class Listener:
             failures += 1
 
 
-__all__ = ["CHANNEL", "Listener", "announce", "listen_url"]
+__all__ = ["CHANNEL", "Listener", "announce", "listen_args"]

@@ -859,9 +859,8 @@ class Ops:
         self._followers.changed(model)
 
     async def aclose(self) -> None:
-        """At shutdown: commit records still being written are finished (:meth:`drain`), the followers' listening
-        connection closed and announcements under way sent."""
-        await self.drain()
+        """At shutdown (after :meth:`drain`, where commit records must be finished): the followers' listening
+        connection closed and announcements under way sent. The catalog may be closed after."""
         await self._followers.aclose()
 
     async def import_version(self, model: str, record: ImportedVersion, **settings: Any) -> Version:

@@ -12,6 +12,11 @@ cost one read per interval plus one when each begins to wait.
 A waiter's own first read is fresh (what it answers at once must not be older than its request:
 a stale pin would send a follower back). After that, it takes the poller's readings that began
 after its own read: each read is numbered when it starts, and a waiter keeps the newest it has.
+Reads run in worker threads, so a poller's read numbered before a waiter's may still see a later
+state of the catalog (a commit between the two statements). When a waiter's own read disagrees
+with the poller's newest, it cannot tell which is newer: it asks the poller for a reading at once,
+numbered after its own, which wakes the waiters whatever it finds (it would otherwise wake them
+only on a change, and the poller's reading had the change already).
 The poller's failed reads (the catalog unreachable) are not passed on: the waiters keep waiting
 and the next reading that succeeds tells them; their own first read reports such a failure.
 
@@ -71,6 +76,9 @@ class _Watched:
     """Set by a commit through this process: the poller reads at once."""
     reading: tuple[int, Reading] | None = None
     """The poller's newest reading, with the number it started under."""
+    recheck: bool = False
+    """A waiter's own first read disagreed with the poller's newest reading, numbered before it: the poller's
+    next reading wakes the waiters whatever it finds (module doc: reads that overlap)."""
     task: asyncio.Task[None] | None = None
 
 
@@ -126,8 +134,7 @@ class FollowTargets:
         """Stop listening and wait for announcements under way (the service's shutdown)."""
         if self._listen_task is not None:
             self._listen_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._listen_task
+            await asyncio.gather(self._listen_task, return_exceptions=True)  # a failure was logged as it restarted
             self._listen_task = None
         if self._announcing:
             await asyncio.gather(*self._announcing, return_exceptions=True)
@@ -155,8 +162,12 @@ class FollowTargets:
         self.kick()
 
     def _ensure_listening(self) -> None:
-        if self._listen_task is not None or self._listener is None:
+        """Start the listener (again, if it ended: it only ends by a fault of its own, which is logged)."""
+        task = self._listen_task
+        if self._listener is None or (task is not None and not task.done()):
             return
+        if task is not None and not task.cancelled() and task.exception() is not None:
+            log.error("the followers' listener failed; starting it again", exc_info=task.exception())
         listener = self._listener(self._heard, self._listens)
         if listener is None:
             self._listener = None  # this catalog cannot announce: never asked again
@@ -177,9 +188,18 @@ class FollowTargets:
         try:
             event = w.changed  # before the read: a change the poller finds from now on sets it
             number, reading = await self._reading(model)
+            asked: tuple[int, Reading] | None = None
             while True:
-                if w.reading is not None and w.reading[0] > number:
-                    number, reading = w.reading  # read after this waiter's newest: take it
+                seen = w.reading
+                if seen is not None and seen[0] > number:
+                    number, reading = seen  # read after this waiter's newest: take it
+                elif seen is not None and seen is not asked and not _same(seen[1], reading):
+                    # Read before this waiter's newest, yet it differs: the reads overlapped and either may be
+                    # the newer. Ask for a reading numbered after this one, which wakes the waiters even when
+                    # it finds what the poller's last one found.
+                    asked = seen
+                    w.recheck = True
+                    w.kick.set()
                 if isinstance(reading, errors.ModelNotFound):
                     if not absent_ok:
                         raise reading
@@ -235,14 +255,16 @@ class FollowTargets:
                 async with asyncio.timeout(interval):
                     await w.kick.wait()
             w.kick.clear()  # a kick during the read below makes the next one follow at once
+            recheck, w.recheck = w.recheck, False  # one asked for during the read: the next reading
             try:
                 number, reading = await self._reading(model)
             except errors.WeightsyncError as exc:  # the catalog unreachable: the next reading tells them
                 log.warning("following %s: %s", model, exc)
+                w.recheck = w.recheck or recheck
                 continue
             before = w.reading
             w.reading = (number, reading)
-            if before is None or not _same(before[1], reading):
+            if recheck or before is None or not _same(before[1], reading):
                 w.changed.set()
                 w.changed = asyncio.Event()
 

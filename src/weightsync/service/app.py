@@ -109,9 +109,10 @@ def create_app(
         )
         catalog = await asyncio.to_thread(open_catalog, settings)
         store = open_service_store(settings)
+        ops: Ops | None = None
         try:
             await open_store_now(store)
-            app.state.ops = Ops(catalog, store, settings.ops_settings())
+            ops = app.state.ops = Ops(catalog, store, settings.ops_settings())
             if tokens.anonymous:
                 log.warning("no tokens configured: anonymous development mode, answering on loopback only")
             else:
@@ -122,8 +123,10 @@ def create_app(
             else:
                 async with extension(app):
                     yield
-            await app.state.ops.aclose()  # commit records written after their commits' answers; the listener
+            await ops.drain()  # commit records written after their commits' answers
         finally:
+            if ops is not None:
+                await ops.aclose()  # the followers' listening connection, whatever ended the service
             await store.close()
             catalog.close()
 
