@@ -77,8 +77,8 @@ class _Watched:
     reading: tuple[int, Reading] | None = None
     """The poller's newest reading, with the number it started under."""
     recheck: bool = False
-    """A waiter's own first read disagreed with the poller's newest reading, numbered before it: the poller's
-    next reading wakes the waiters whatever it finds (module doc: reads that overlap)."""
+    """A waiter's reading disagreed with the poller's newest, numbered before it: the poller's next reading
+    wakes the waiters whatever it finds (module doc: reads that overlap)."""
     task: asyncio.Task[None] | None = None
 
 
