@@ -7,10 +7,12 @@ frames must decode identically through both.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -622,8 +624,25 @@ def test_fused_apply_past_the_end_writes_nothing(impl):
     assert all(np.array_equal(t, b) for t, b in zip(targets, before, strict=True))
 
 
+ALWAYS_DENSE = 1 << 40
+"""A dense_apply_every that takes every frame with a change to the dense blocks (count * it >= its elements)."""
+
+
+@contextlib.contextmanager
+def _dense_every(n: int) -> Iterator[None]:
+    need_native()
+    ext = kernels.EXTENSION
+    assert ext is not None
+    before = ext.dense_apply_every(n)
+    try:
+        yield
+    finally:
+        ext.dense_apply_every(before)
+
+
+@pytest.mark.parametrize("every", [0, ALWAYS_DENSE], ids=["sparse-loops", "dense-blocks"])
 @pytest.mark.parametrize("op", OPS)
-def test_sparse_apply_across_gaps_of_2_to_the_24_and_more_agrees(op):
+def test_sparse_apply_across_gaps_of_2_to_the_24_and_more_agrees(op, every):
     # The vector loop for 2-byte elements takes eight gaps of under 2^24 at a time; a larger
     # gap hands the run to the scalar loop mid-frame. Changes packed before, between and after
     # two such gaps, a piece edge inside the packed run: bytes and checksums as the reference's.
@@ -642,13 +661,83 @@ def test_sparse_apply_across_gaps_of_2_to_the_24_and_more_agrees(op):
     results = []
     for impl in (ref, nat):
         targets = [base[:cut].copy(), base[cut:].copy()]
-        sums = impl.apply_sparse_sums(targets, [5, 0], 2, op, len(positions), gaps, values, before=True, after=True)
+        with _dense_every(every):
+            sums = impl.apply_sparse_sums(targets, [5, 0], 2, op, len(positions), gaps, values, before=True, after=True)
         plain = base.copy()
         assert impl.apply_sparse(plain, 2, op, len(positions), gaps, values)
         assert np.array_equal(np.concatenate(targets), plain)
         results.append((plain, sums))
     assert np.array_equal(results[0][0], results[1][0])
     assert results[0][1] == results[1][1]
+
+
+@st.composite
+def dense_pieces(draw):
+    """(bases, news, starts) of 2-byte elements changed at a high density, cut into pieces: whole checksum
+    blocks, tails, piece edges inside a block, and changes of every size (the zigzag's both signs)."""
+    n = draw(st.sampled_from([1, 2047, 2048, 2049, 3 * 2048 + 17, 4 * 2048]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    base = rng.integers(0, 256, 2 * n, dtype=np.uint8)
+    new = base.copy()
+    density = draw(st.sampled_from([0.07, 0.2, 0.5, 1.0]))
+    idx = np.flatnonzero(rng.random(n) < density)
+    new.view(np.uint16)[idx] = rng.integers(0, 1 << 16, len(idx), dtype=np.uint16)
+    cuts = sorted({0, n, *draw(st.lists(st.integers(0, n), max_size=4))})
+    spans = [(2 * a, 2 * b) for a, b in zip(cuts, cuts[1:], strict=False)]
+    starts = [draw(st.integers(0, 1 << 40)) for _ in spans]
+    return [base[a:b] for a, b in spans], [new[a:b] for a, b in spans], starts
+
+
+@SETTINGS
+@given(dense_pieces(), st.booleans(), st.sampled_from(OPS), st.booleans(), st.booleans())
+def test_dense_blocks_patch_and_sum_like_the_sparse_loops_and_the_reference(p, add, op, before, after):
+    """A frame of 2-byte elements changing one element in a few: the dense blocks (scattered into a scratch
+    block, combined and summed in one pass) give the bytes and checksums of the sparse loops and of numpy."""
+    bases, news, starts = p
+    ref, nat = kernels.REFERENCE, need_native()
+    base, new = np.concatenate(bases), np.concatenate(news)
+    sparse = ref.encode_sparse(base, new, 2, add, len(base) // 2)
+    assert sparse is not None
+    gaps, values = list(sparse[0]), list(sparse[1])
+    results = []
+    for impl, every in ((ref, None), (nat, 0), (nat, ALWAYS_DENSE)):
+        targets = [b.copy() for b in bases]
+        with contextlib.nullcontext() if every is None else _dense_every(every):
+            sums = impl.apply_sparse_sums(
+                targets, starts, 2, op, len(gaps[0]), gaps, values, before=before, after=after
+            )
+        assert sums is not None
+        results.append(([t.tobytes() for t in targets], sums))
+    assert results[0] == results[1] == results[2]
+    if op == (kernels.OP_ADD if add else kernels.OP_XOR):
+        assert b"".join(results[2][0]) == new.tobytes()
+        undone = [bytearray(t) for t in results[2][0]]
+        targets = [np.frombuffer(u, dtype=np.uint8) for u in undone]
+        with _dense_every(ALWAYS_DENSE):  # and back (what undo_frame does)
+            nat.apply_sparse_sums(
+                targets,
+                starts,
+                2,
+                kernels.OP_SUB if add else kernels.OP_XOR,
+                len(gaps[0]),
+                gaps,
+                values,
+                before=False,
+                after=True,
+            )
+        assert b"".join(bytes(u) for u in undone) == base.tobytes()
+
+
+def test_dense_apply_every_is_read_and_set_and_refuses_a_negative():
+    need_native()
+    ext = kernels.EXTENSION
+    assert ext is not None
+    was = ext.dense_apply_every()
+    with _dense_every(3):
+        assert ext.dense_apply_every() == 3
+    assert ext.dense_apply_every() == was
+    with pytest.raises(ValueError):
+        ext.dense_apply_every(-5)
 
 
 def test_fused_kernels_reject_bad_arguments_before_touching_memory():

@@ -54,6 +54,9 @@
 #define WS_X86 1
 #include <immintrin.h>
 static int has_avx2; /* set once at import */
+/* Dense blocks from one change in this many elements of a frame (0: never); WEIGHTSYNC_DENSE_APPLY_EVERY
+ * at import, for measurements and tests. */
+static long dense_apply_every = 16;
 #endif
 
 typedef uint8_t u8;
@@ -583,6 +586,13 @@ static void apply_sparse_pieces(const Pieces *targets, int w, int op, int want, 
     const int L = w == 1 ? 1 : w / 2;
     const u64 per = SUM_BLOCK / w;
     const sparse_run_fn run = sparse_run_for(w, op);
+#ifdef WS_X86
+    /* Dense blocks (_kernels_loops.h) where the frame changes at least one element in DENSE_APPLY_EVERY. */
+    const u64 every = dense_apply_every > 0 ? (u64)dense_apply_every : 0; /* a frame holds < 2^30 elements: no overflow below */
+    const int dense = want && has_avx2 && w == 2 && op != OP_SET && every > 0 && s->count > 0 &&
+                      (every >= targets->elements || s->count * every >= targets->elements);
+    _Alignas(32) u16 scratch[SUM_BLOCK / 2];
+#endif
     u64 e0 = 0;
     for (Py_ssize_t i = 0; i < targets->n; i++) {
         u8 *t = piece(targets, i);
@@ -592,6 +602,33 @@ static void apply_sparse_pieces(const Pieces *targets, int w, int op, int want, 
             e0 += n;
             continue;
         }
+#ifdef WS_X86
+        if (dense) { /* the result summed from the block as written, not moved by each change */
+            for (u64 off = 0; off < n; off += per) {
+                const u64 m = n - off < per ? n - off : per;
+                if (s->k < s->count && s->pos < e0 + off + m) {
+                    memset(scratch, 0, m * 2);
+                    scatter_avx2_u16(scratch, e0 + off, e0 + off + m, s, op != OP_XOR);
+                    if (m == per) { /* a whole block: one pass */
+                        combine_block_sums_avx2(t + off * w, scratch, start + off, op, sums[i].before, sums[i].after);
+                        continue;
+                    }
+                    sum_range(t + off * w, m, w, start + off, sums[i].before);
+                    combine_avx2_u16(t + off * w, scratch, m, op);
+                    sum_range(t + off * w, m, w, start + off, sums[i].after);
+                } else {
+                    u64 block[1] = {0};
+                    sum_range(t + off * w, m, w, start + off, block);
+                    sums[i].before[0] += block[0];
+                    sums[i].after[0] += block[0];
+                }
+            }
+            sum_constant(start, n, constant, L, sums[i].before);
+            sum_constant(start, n, constant, L, sums[i].after);
+            e0 += n;
+            continue;
+        }
+#endif
         u64 fix[4] = {0, 0, 0, 0};
         s->fix = fix;
         s->woff = start - e0; /* checksum position = frame position + woff (mod 2^64) */
@@ -669,6 +706,24 @@ static void apply_dense_pieces(const Pieces *targets, int w, int op, int want, u
         sum_constant(start, n, constant, L, sums[i].after);
         e0 += n;
     }
+}
+
+/* dense_apply_every([n]) -> the setting before; with n, sets it (tests and measurements compare the two
+ * ways of applying a sparse frame; 0 keeps every frame on the sparse loops). */
+static PyObject *dense_apply_every_fn(PyObject *self, PyObject *args) {
+    long n = -1;
+    if (!PyArg_ParseTuple(args, "|l", &n)) return NULL;
+    if (n < -1) {
+        PyErr_SetString(PyExc_ValueError, "dense_apply_every takes n >= 0");
+        return NULL;
+    }
+#ifdef WS_X86
+    const long before = dense_apply_every;
+    if (n >= 0) dense_apply_every = n;
+    return PyLong_FromLong(before);
+#else
+    return PyLong_FromLong(0);
+#endif
 }
 
 /* apply_dense_sums(targets, starts, width, op, value_planes, constant, want) -> per target
@@ -1110,6 +1165,8 @@ static PyMethodDef methods[] = {
      "apply_dense_sums(targets, starts, width, op, value_planes, constant, want) -> [(before, after)]"},
     {"apply_sparse", apply_sparse, METH_VARARGS,
      "apply_sparse(target, width, op, count, gap_planes, value_planes) -> False if out of range"},
+    {"dense_apply_every", dense_apply_every_fn, METH_VARARGS,
+     "dense_apply_every([n]) -> the setting before: dense blocks from one change in n elements (0: never)"},
     {"apply_sparse_sums", apply_sparse_sums, METH_VARARGS,
      "apply_sparse_sums(targets, starts, width, op, count, gap_planes, value_planes, constant, want)"
      " -> [(before, after)], None if out of range"},
@@ -1143,6 +1200,8 @@ PyMODINIT_FUNC PyInit__kernels(void) {
     const char *portable = getenv("WEIGHTSYNC_KERNELS_PORTABLE");
     has_avx2 = __builtin_cpu_supports("avx2") && !(portable && strcmp(portable, "1") == 0);
     avx2 = has_avx2;
+    const char *every = getenv("WEIGHTSYNC_DENSE_APPLY_EVERY");
+    if (every != NULL && *every) dense_apply_every = strtol(every, NULL, 10);
 #endif
     PyObject *m = PyModule_Create(&module);
     if (m != NULL && (PyModule_AddIntConstant(m, "AVX2", avx2) < 0 ||

@@ -1055,6 +1055,115 @@ SPARSE_AVX2_U16(sparse_avx2_add_u16, sparse_add_u16, 1, cur + d)
 SPARSE_AVX2_U16(sparse_avx2_sub_u16, sparse_sub_u16, 1, cur - d)
 static const sparse_run_fn SPARSE_AVX2_FNS[4] = {sparse_avx2_set_u16, sparse_avx2_xor_u16, sparse_avx2_add_u16,
                                                  sparse_avx2_sub_u16};
+
+/* Dense blocks of 2-byte elements. Where a frame changes one element in a few (a MoE's routed experts:
+ * ~18 % of their elements in a step), patching each change in place (a read, a write and a checksum
+ * move per change) costs more than the block's memory: instead a block's changes are scattered into a
+ * zeroed scratch block of values (positions decoded eight at a time, as above: no target read, no
+ * checksum move), then one vector pass combines the block with it, and the caller sums the result,
+ * which is in L1 (apply_sparse_pieces). XOR, ADD and SUB; the values of ADD and SUB are zigzag-coded.
+ * Same bytes and checksums as the sparse loops (tests/codec/test_kernels.py). */
+static u64 scatter_u16(u16 *scratch, u64 b0, u64 limit, Changes *s, int zz) {
+    u64 k = s->k, pos = s->pos;
+    const u64 first = k, count = s->count;
+    const u8 *g0 = s->gaps[0], *g1 = s->gaps[1], *g2 = s->gaps[2], *g3 = s->gaps[3];
+    const u8 *v0 = s->vals[0], *v1 = s->vals[1];
+    while (k < count && pos < limit) {
+        const u16 v = (u16)(v0[k] | (v1[k] << 8));
+        scratch[pos - b0] = zz ? (u16)((u16)(v >> 1) ^ (u16)(0 - (v & 1))) : v;
+        if (++k < count) pos += 1 + ((u64)g0[k] | ((u64)g1[k] << 8) | ((u64)g2[k] << 16) | ((u64)g3[k] << 24));
+    }
+    s->k = k;
+    s->pos = pos;
+    return k - first;
+}
+
+__attribute__((target("avx2"))) static u64 scatter_avx2_u16(u16 *scratch, u64 b0, u64 limit, Changes *s, int zz) {
+    u64 k = s->k, pos = s->pos;
+    const u64 first = k, count = s->count;
+    const u8 *g0 = s->gaps[0], *g1 = s->gaps[1], *g2 = s->gaps[2], *g3 = s->gaps[3];
+    const u8 *v0 = s->vals[0], *v1 = s->vals[1];
+    u32 rel[8];
+    u16 val[8];
+    while (k + 9 <= count && pos < limit) {
+        if (!small8(g3, k + 1)) break; /* a gap of 2^24 or more: the scalar loop's */
+        const __m256i step = steps8(g0, g1, g2, k + 1), x = prefix8(step);
+        _mm256_storeu_si256((__m256i *)rel, _mm256_sub_epi32(x, step)); /* change k + j's position - pos */
+        const u64 room = limit - pos;
+        unsigned m = 8;
+        if (room <= rel[7]) {
+            m = 1;
+            while (m < 8 && rel[m] < room) m++;
+        }
+        __m128i v = _mm_or_si128(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(v0 + k))),
+                                 _mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(v1 + k))), 8));
+        if (zz)
+            v = _mm_xor_si128(_mm_srli_epi16(v, 1),
+                              _mm_sub_epi16(_mm_setzero_si128(), _mm_and_si128(v, _mm_set1_epi16(1))));
+        _mm_storeu_si128((__m128i *)val, v);
+        u16 *at = scratch + (pos - b0);
+        for (unsigned j = 0; j < m; j++) at[rel[j]] = val[j];
+        if (m < 8) {
+            pos += rel[m];
+            k += m;
+            break;
+        }
+        pos += (u32)_mm256_cvtsi256_si32(_mm256_permutevar8x32_epi32(x, _mm256_set1_epi32(7)));
+        k += 8;
+    }
+    s->k = k;
+    s->pos = pos;
+    if (k >= count || pos >= limit) return k - first;
+    _mm256_zeroupper();
+    return (k - first) + scatter_u16(scratch, b0, limit, s, zz);
+}
+
+/* A whole block (SUM_BLOCK bytes of 2-byte elements at position `elem`): t op= d in one pass, the
+ * block's checksum lane before (into before[0]) and after (into after[0]) taken from the registers. */
+__attribute__((target("avx2"))) static void combine_block_sums_avx2(u8 *t, const u16 *d, u64 elem, int op, u64 *before,
+                                                                   u64 *after) {
+    PairSums a, b;
+    pairs_start(&a);
+    pairs_start(&b);
+    for (int r = 0; r < PAIR_ROWS; r++) {
+        u8 *row = t + 64 * r;
+        PREFETCH_AHEAD(row);
+        const __m256i x0 = _mm256_loadu_si256((const __m256i *)row), x1 = _mm256_loadu_si256((const __m256i *)(row + 32));
+        const __m256i d0 = _mm256_loadu_si256((const __m256i *)(d + 32 * r)),
+                      d1 = _mm256_loadu_si256((const __m256i *)(d + 32 * r + 16));
+        pairs_row(&a, x0, x1);
+        const __m256i y0 = op == OP_XOR ? _mm256_xor_si256(x0, d0)
+                           : op == OP_ADD ? _mm256_add_epi16(x0, d0)
+                                          : _mm256_sub_epi16(x0, d0);
+        const __m256i y1 = op == OP_XOR ? _mm256_xor_si256(x1, d1)
+                           : op == OP_ADD ? _mm256_add_epi16(x1, d1)
+                                          : _mm256_sub_epi16(x1, d1);
+        _mm256_storeu_si256((__m256i *)row, y0);
+        _mm256_storeu_si256((__m256i *)(row + 32), y1);
+        pairs_row(&b, y0, y1);
+    }
+    before[0] += pairs_fold(&a, elem);
+    after[0] += pairs_fold(&b, elem);
+}
+
+/* t[i] op= d[i] for the m 2-byte elements of a block (op: XOR, ADD or SUB). */
+__attribute__((target("avx2"))) static void combine_avx2_u16(u8 *t, const u16 *d, u64 m, int op) {
+    u64 i = 0;
+    for (; i + 16 <= m; i += 16) {
+        const __m256i a = _mm256_loadu_si256((const __m256i *)(t + 2 * i));
+        const __m256i b = _mm256_loadu_si256((const __m256i *)(d + i));
+        const __m256i r = op == OP_XOR ? _mm256_xor_si256(a, b)
+                          : op == OP_ADD ? _mm256_add_epi16(a, b)
+                                         : _mm256_sub_epi16(a, b);
+        _mm256_storeu_si256((__m256i *)(t + 2 * i), r);
+    }
+    for (; i < m; i++) {
+        u16 a;
+        memcpy(&a, t + 2 * i, 2);
+        a = op == OP_XOR ? (u16)(a ^ d[i]) : op == OP_ADD ? (u16)(a + d[i]) : (u16)(a - d[i]);
+        memcpy(t + 2 * i, &a, 2);
+    }
+}
 #endif
 
 static const sparse_run_fn SPARSE_RUN_FNS[4][4] = {
