@@ -604,7 +604,7 @@ class Catalog:
     @property
     def announces(self) -> bool:
         """Whether :meth:`announce` reaches other processes (PostgreSQL) or does nothing (SQLite)."""
-        return self.engine.dialect.name == "postgresql"
+        return notices.announces(self.engine)
 
     def announce(self, payload: str) -> None:
         """Tell the other processes on this catalog that what followers hold changed (catalog/notices.py).

@@ -40,12 +40,17 @@ KEEPALIVE = {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5, "
 word (a host or network failure) is noticed in about 25 s and the connection made again."""
 
 
+def announces(engine: Engine) -> bool:
+    """Whether `engine`'s database can announce (PostgreSQL) or announce() does nothing there (SQLite)."""
+    return engine.dialect.name == "postgresql"
+
+
 def announce(engine: Engine, payload: str) -> None:
     """Send `payload` on :data:`CHANNEL` in a transaction of its own (PostgreSQL); nothing on other databases.
 
     ValueError for a payload over PostgreSQL's limit; CatalogUnavailable when the database is unreachable.
     """
-    if engine.dialect.name != "postgresql":
+    if not announces(engine):
         return
     if len(payload.encode()) > MAX_PAYLOAD:
         raise ValueError(f"a notification's payload holds at most {MAX_PAYLOAD} bytes")
@@ -59,7 +64,7 @@ def listen_args(engine: Engine) -> dict[str, Any] | None:
     Taken as the engine's own dialect makes them from its URL (several hosts of a failover URL, a
     password with spaces, query options), not by turning the URL back into text.
     """
-    if engine.dialect.name != "postgresql":
+    if not announces(engine):
         return None
     _, params = engine.dialect.create_connect_args(engine.url)
     return {k: v for k, v in params.items() if k != "context"}  # psycopg's adapters: not a libpq option
@@ -107,4 +112,4 @@ class Listener:
             failures += 1
 
 
-__all__ = ["CHANNEL", "Listener", "announce", "listen_args"]
+__all__ = ["CHANNEL", "Listener", "announce", "announces", "listen_args"]

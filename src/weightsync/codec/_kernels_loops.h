@@ -1062,7 +1062,9 @@ static const sparse_run_fn SPARSE_AVX2_FNS[4] = {sparse_avx2_set_u16, sparse_avx
  * zeroed scratch block of values (positions decoded eight at a time, as above: no target read, no
  * checksum move), then one vector pass combines the block with it, and the caller sums the result,
  * which is in L1 (apply_sparse_pieces). XOR, ADD and SUB; the values of ADD and SUB are zigzag-coded.
- * Same bytes and checksums as the sparse loops (tests/codec/test_kernels.py). */
+ * Same bytes and checksums as the sparse loops (tests/codec/test_kernels.py). The scatter is a loop of
+ * its own rather than the sparse loops above with SET's expression: those read each slot and move a
+ * checksum per change, which took back the whole gain (the 436 MB step's pass 38-40 against 29-30 ms). */
 static u64 scatter_u16(u16 *scratch, u64 b0, u64 limit, Changes *s, int zz) {
     u64 k = s->k, pos = s->pos;
     const u64 first = k, count = s->count;

@@ -232,11 +232,11 @@ class Ops:
         # The followers waiting in this process (watch, events), one catalog read per model per poll for all of
         # them; a local commit makes it read at once, and so does one through another process where the catalog
         # announces it (PostgreSQL), elsewhere it is found by the poll.
-        self._announces = self.settings.announce and catalog.announces
+        announces = self.settings.announce and catalog.announces
         self._followers = FollowTargets(
             lambda model: self._db(self.catalog.follow_target, model),
-            announce=(lambda payload: self._db(self.catalog.announce, payload)) if self._announces else None,
-            listener=self.catalog.listener if self._announces else None,
+            announce=(lambda payload: self._db(self.catalog.announce, payload)) if announces else None,
+            listener=self.catalog.listener if announces else None,
         )
 
     async def _db(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
