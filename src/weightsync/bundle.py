@@ -33,6 +33,9 @@ from weightsync.common import is_digest
 
 MEDIA_TYPE = "application/vnd.weightsync.plan-bundle"
 PUBLISH_MEDIA_TYPE = "application/vnd.weightsync.publish-bundle"
+CHECKED_HEADER = "Weightsync-Checked"
+"""A plan bundle's answer header, ``sha256``: the server checked every part's bytes against its name (docs/API.md
+"One request per update"), so a reader that trusts it may leave the objects unhashed."""
 MAGIC = b"WSPB"
 VERSION = 1
 _HEAD = struct.Struct("<4sB3x")
@@ -228,17 +231,18 @@ class Receiver:
             raise self._error(f"{self._what}: no {self._first}")
         return [(name, self._view[a : a + n], h) for name, a, n, h in self._done]
 
-    def finish(self) -> tuple[memoryview, dict[str, tuple[memoryview, str]]]:
-        """(the JSON part, {object name: (its bytes, their SHA-256 hex)}), as :meth:`parts` checks them."""
+    def finish(self) -> tuple[memoryview, dict[str, tuple[memoryview, str | None]]]:
+        """(the JSON part, {object name: (its bytes, their SHA-256 hex; None when not `hashed`)}), as :meth:`parts`
+        checks them."""
         json_part, pending = self.finish_pending()
         return json_part, {
             name: (data, h.result() if isinstance(h, Future) else h) for name, (data, h) in pending.items()
         }
 
-    def finish_pending(self) -> tuple[memoryview, dict[str, tuple[memoryview, str | Future[str]]]]:
+    def finish_pending(self) -> tuple[memoryview, dict[str, tuple[memoryview, str | Future[str] | None]]]:
         """:meth:`finish` without waiting for the hashing thread: a hash still being taken is a Future of it."""
         (_, json_part, _), *objects = self._parts()
-        return json_part, {name: (data, h or "") for name, data, h in objects}
+        return json_part, {name: (data, h) for name, data, h in objects}
 
 
 def _hash_step(hasher: Any, data: memoryview, last: bool) -> str | None:

@@ -27,11 +27,13 @@ SMALL = {"chunk_bytes": 16 << 10, "object_bytes": 48 << 10}
 class Recording(httpx.BaseTransport):
     """Passes requests to the server and records (method, path, query); `edit` may rewrite a plan's answer."""
 
-    def __init__(self, *, edit=None, strip_inline: bool = False) -> None:
+    def __init__(self, *, edit=None, strip_inline: bool = False, strip_checked: bool = False) -> None:
         self.inner = httpx.HTTPTransport()
         self.seen: list[tuple[str, str, str]] = []
         self.edit = edit
         self.strip_inline = strip_inline
+        self.strip_checked = strip_checked  # the answer does not say the server checked its parts (an older server)
+        self.checked: list[str | None] = []  # each plan answer's Weightsync-Checked, as the server sent it
         self._lock = threading.Lock()
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
@@ -40,11 +42,15 @@ class Recording(httpx.BaseTransport):
         with self._lock:
             self.seen.append((request.method, request.url.path, str(request.url.query, "ascii")))
         resp = self.inner.handle_request(request)
-        if self.edit is None or not request.url.path.endswith("/plan"):
+        if not request.url.path.endswith("/plan"):
+            return resp
+        self.checked.append(resp.headers.get(bundle.CHECKED_HEADER))
+        if self.edit is None and not self.strip_checked:
             return resp
         body = resp.read()
-        new = self.edit(resp.headers.get("content-type", ""), body)
-        headers = [(k, v) for k, v in resp.headers.items() if k.lower() != "content-length"]
+        new = body if self.edit is None else self.edit(resp.headers.get("content-type", ""), body)
+        dropped = {"content-length", *((bundle.CHECKED_HEADER.lower(),) if self.strip_checked else ())}
+        headers = [(k, v) for k, v in resp.headers.items() if k.lower() not in dropped]
         return httpx.Response(resp.status_code, headers=headers, content=new)
 
     def close(self) -> None:
@@ -89,30 +95,43 @@ def test_without_inline_or_above_it_the_plan_and_its_objects_are_separate_reques
             assert all(p.startswith("/v1/objects/") for p in paths[1:]), seen
 
 
-@pytest.mark.parametrize("damaged", ["last object", "manifest"])
-@pytest.mark.parametrize("ahead", [False, True])
-def test_an_object_damaged_in_the_bundle_is_fetched_again(server, model, caplog, monkeypatch, damaged, ahead) -> None:
-    """A byte flipped in the bundle's last object, or in its manifest (the first object part, decoded while
-    the objects after it hash): that object is fetched again, the rest used as they came. With `ahead`
-    (HASH_AHEAD made small) the objects are hashed on the process's hashing thread, their hashes still
-    being taken when the body has ended."""
-    if ahead:
-        monkeypatch.setattr(bundle, "HASH_AHEAD", 1024)
-    versions = _versions(server.url, model, 3)
+def _flipping(where: str, at: int = -1):
+    """An `edit` flipping one byte (at offset `at`) of the bundle's manifest ("manifest", its first object part)
+    or of its last object ("last object"); the names of the parts it spoiled, one per answer."""
     spoiled: list[str] = []
 
     def flip_a_byte(kind: str, body: bytes) -> bytes:
         assert kind.startswith(bundle.MEDIA_TYPE)
         (_, plan), *parts = bundle.parts(body)
         objects = {name: bytearray(data) for name, data in parts}
-        name = list(objects)[-1 if damaged == "last object" else 0]
-        objects[name][-1] ^= 1
+        name = list(objects)[-1 if where == "last object" else 0]
+        objects[name][at] ^= 1
         spoiled.append(name)
         return bundle.encode(bytes(plan), {n: bytes(d) for n, d in objects.items()})
 
-    transport = Recording(edit=flip_a_byte)
+    return flip_a_byte, spoiled
+
+
+@pytest.mark.parametrize("damaged", ["last object", "manifest"])
+@pytest.mark.parametrize("ahead", [False, True])
+@pytest.mark.parametrize("unvouched", ["older server", "disk cache"])
+def test_an_object_damaged_in_the_bundle_is_fetched_again(
+    server, model, caplog, monkeypatch, tmp_path, damaged, ahead, unvouched
+) -> None:
+    """A byte flipped in the bundle's last object, or in its manifest (the first object part, decoded while
+    the objects after it hash): that object is fetched again, the rest used as they came. With `ahead`
+    (HASH_AHEAD made small) the objects are hashed on the process's hashing thread, their hashes still
+    being taken when the body has ended. Every object is hashed as it arrives when the answer does not say
+    the server checked them (an older server) and when it goes to a cache on disk, whatever the answer says."""
+    if ahead:
+        monkeypatch.setattr(bundle, "HASH_AHEAD", 1024)
+    versions = _versions(server.url, model, 3)
+    flip_a_byte, spoiled = _flipping(damaged)
+    transport = Recording(edit=flip_a_byte, strip_checked=unvouched == "older server")
+    options = {"cache_dir": tmp_path / "cache"} if unvouched == "disk cache" else {}
     with caplog.at_level(logging.WARNING, logger="weightsync.client"):
-        per_prepare = _follow(server.url, model, versions, transport)
+        per_prepare = _follow(server.url, model, versions, transport, **options)
+    assert transport.checked == ["sha256"] * len(per_prepare)  # the server did check them
     for seen, name in zip(per_prepare, spoiled, strict=True):
         assert [p for _, p, _ in seen if p.startswith("/v1/objects/")] == [f"/v1/objects/{name}"], seen  # again
     assert "came with the plan with other bytes" in caplog.text
@@ -151,3 +170,93 @@ def test_bundle_path_in_tmp_is_not_left_behind(server, model, tmp_path: Path) ->
     cached = sorted(p.name for p in (tmp_path / "objects").iterdir())
     assert cached and all(len(n) == 64 for n in cached), cached  # whole objects only, no temporaries
     assert len(transport.seen) == 1
+
+
+def test_objects_the_server_checked_are_not_hashed_again_for_an_apply_that_checks_its_results(
+    server, model, tmp_path
+) -> None:
+    """An update's objects that came with the plan from a server that says it checked them (Weightsync-Checked)
+    go unhashed into a prepare's memory (`Prepared.unhashed_objects`), the manifests hashed all the same; the
+    apply with verification checks every result and leaves them so. Not so when the answer does not say it, or
+    when they go to a cache on disk; and a verify=False apply hashes them before its first write."""
+    versions = _versions(server.url, model, 3)
+    for options, strip, unhashed in (({}, False, True), ({}, True, False), ({"cache_dir": tmp_path}, False, False)):
+        transport = Recording(strip_checked=strip)
+        tensors = {k: v.clone() for k, v in versions[0].items()}
+        with Subscriber(
+            server.url, model, name="bundle", version=1, report=False, transport=transport, **options
+        ) as sub:
+            prepared = sub.prepare(2)
+            assert len(transport.seen) == 1 and transport.checked == ["sha256"]
+            objects = set().union(*(m.objects() for m in prepared.manifests))
+            assert objects
+            manifests = {d for d in prepared.unhashed_objects if d not in objects}
+            assert not manifests
+            assert set(prepared.unhashed_objects) == (objects if unhashed else set()), options
+            sub.apply(tensors, prepared)
+            assert set(prepared.unhashed_objects) == (objects if unhashed else set())
+            prepared = sub.prepare(3)
+            sub.apply(tensors, prepared, verify=False)
+            assert prepared.unhashed_objects == {}
+        for name, want in versions[2].items():
+            assert torch.equal(tensor_bits(tensors[name]), tensor_bits(want)), name
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_an_object_the_server_checked_damaged_on_the_way_fails_the_apply_and_changes_nothing(
+    server, model, verify
+) -> None:
+    """A byte flipped in a frame's values after the server checked the object (on the wire): the prepare takes
+    it unhashed; the apply with verification finds a result that fails its checksum and undoes every change
+    (ChecksumMismatch), without it the apply hashes the object first and refuses it (DigestMismatch) before
+    any write. The tensors hold v1, the subscriber says so, and the next prepare brings v2 whole."""
+    from weightsync import errors
+
+    versions = _versions(server.url, model, 2)
+    flip_a_byte, spoiled = _flipping("last object")
+    transport = Recording(edit=flip_a_byte)
+    tensors = {k: v.clone() for k, v in versions[0].items()}
+    with Subscriber(server.url, model, name="bundle", version=1, report=False, transport=transport) as sub:
+        prepared = sub.prepare(2)
+        assert spoiled and spoiled[0] in prepared.unhashed_objects
+        with pytest.raises(errors.ChecksumMismatch if verify else errors.DigestMismatch):
+            sub.apply(tensors, prepared, verify=verify)
+        assert sub.version == 1
+        for name, want in versions[0].items():
+            assert torch.equal(tensor_bits(tensors[name]), tensor_bits(want)), name
+        transport.edit = None
+        sub.apply(tensors, sub.prepare(2), verify=verify)
+        assert sub.version == 2
+    for name, want in versions[1].items():
+        assert torch.equal(tensor_bits(tensors[name]), tensor_bits(want)), name
+
+
+def test_an_object_the_server_checked_that_does_not_decode_is_fetched_again_at_prepare(server, model, caplog) -> None:
+    """A byte flipped in the first frame's header of an object the server checked: the prepare's decode refuses
+    it, the prepare then hashes what it took unhashed, fetches the damaged object again (checked) and decodes
+    again; the apply is bit-identical."""
+    versions = _versions(server.url, model, 3)
+    flip_a_byte, spoiled = _flipping("last object", at=0)
+    transport = Recording(edit=flip_a_byte)
+    tensors = {k: v.clone() for k, v in versions[0].items()}
+    with caplog.at_level(logging.WARNING, logger="weightsync.client"):
+        with Subscriber(server.url, model, name="bundle", version=1, report=False, transport=transport) as sub:
+            prepared = sub.prepare(3)  # two steps: decoded at the prepare
+            assert prepared.unhashed_objects == {}
+            sub.apply(tensors, prepared)
+    assert [p for _, p, _ in transport.seen if p.startswith("/v1/objects/")] == [f"/v1/objects/{spoiled[0]}"]
+    assert "came with the plan with other bytes" in caplog.text
+    for name, want in versions[2].items():
+        assert torch.equal(tensor_bits(tensors[name]), tensor_bits(want)), name
+
+
+def test_a_plan_with_a_keyframe_step_has_its_objects_hashed_at_the_prepare(server, model) -> None:
+    """A plan that starts a chain replaces tensors whole (a failed result cannot be undone): its objects are
+    hashed as they come, whatever the answer says."""
+    versions = _versions(server.url, model, 1)
+    transport = Recording()
+    with Subscriber(server.url, model, name="bundle", report=False, transport=transport) as sub:
+        prepared = sub.prepare(1)
+    assert len(transport.seen) == 1 and transport.checked == ["sha256"]
+    assert prepared.base is None and prepared.unhashed_objects == {}
+    assert prepared.manifests and versions

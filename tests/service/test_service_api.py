@@ -579,20 +579,28 @@ def test_plan_with_inline_objects_is_one_answer_holding_the_plan_and_every_objec
                 memory[d] = reader.get(f"/v1/objects/{d}").content
     monkeypatch.setattr(Ops, "held", lambda self, digest: memory.get(digest))
     guard = [True]
+    streamed: list[str] = []
 
-    def unread(real):
+    def unread(real, name):
         def call(self, digest, *args, **kwargs):
             if guard[0] and digest in memory:
                 raise AssertionError(f"the store was read for {digest}, which the server holds")
+            if guard[0] and name == "read_object":
+                streamed.append(digest)
             return real(self, digest, *args, **kwargs)
 
         return call
 
-    for name in ("read_whole", "stat_object", "read_object"):
-        monkeypatch.setattr(Ops, name, unread(getattr(Ops, name)))
+    for name in ("read_whole_checked", "stat_object", "read_object"):
+        monkeypatch.setattr(Ops, name, unread(getattr(Ops, name), name))
     r = reader.get(f"/v1/models/{model}/plan", params={"have": 1, "inline": plain["bytes"]})
     guard[0] = False
     assert r.status_code == 200 and r.headers["content-type"] == bundle.MEDIA_TYPE
+    # Every part held, or read whole and hashed here: the answer says the server checked them all; one streamed
+    # from the store unread: it does not.
+    assert r.headers.get(bundle.CHECKED_HEADER) == (None if streamed else "sha256")
+    if held == "all":
+        assert not streamed
     assert int(r.headers["content-length"]) == len(r.content)
     got = list(bundle.parts(r.content))
     plan = json.loads(bytes(got[0][1]))
@@ -713,3 +721,32 @@ def test_a_plan_carries_small_objects_from_the_servers_memory_unless_it_keeps_no
     assert frames and set(frames) <= set(second.uploaded)
     intact = [hashlib.sha256(objects[d]).hexdigest() == d for d in frames]
     assert all(intact) if memory else not any(intact)
+    # From memory, the server says it checked them; read from the store unhashed (it keeps nothing), it does not.
+    assert r.headers.get(bundle.CHECKED_HEADER) == ("sha256" if memory else None)
+
+
+@pytest.mark.parametrize("damaged", [False, True])
+def test_a_bundle_says_its_parts_were_checked_only_when_each_hashed_to_its_name_here(tmp_path, versions, damaged):
+    """A server that did not take the upload reads the target's objects whole and hashes them (to keep them):
+    when every part hashes to its name the bundle says so (Weightsync-Checked: sha256); one damaged on disk
+    still goes to the reader, whose own check refuses it, and the bundle does not say so."""
+    from weightsync import bundle
+
+    with running(Settings(data=tmp_path / "data")) as url, httpx.Client(base_url=url) as c:
+        _, second = publish_chain(c, "m", versions[:2])
+    frames = [d for d in second.uploaded if d != second.manifest]
+    assert frames
+    if damaged:
+        for path in (tmp_path / "data" / "store" / "objects").rglob("*"):
+            if path.is_file() and path.name == frames[0]:
+                path.chmod(0o644)
+                data = bytearray(path.read_bytes())
+                data[len(data) // 2] ^= 0x40
+                path.write_bytes(bytes(data))
+    with running(Settings(data=tmp_path / "data")) as url, httpx.Client(base_url=url) as c:
+        r = c.get("/v1/models/m/plan", params={"have": 1, "inline": 1 << 20})
+    assert r.status_code == 200 and r.headers["content-type"].startswith(bundle.MEDIA_TYPE)
+    objects = {name: bytes(data) for name, data in list(bundle.parts(r.content))[1:]}
+    assert set(frames) <= set(objects)
+    assert (hashlib.sha256(objects[frames[0]]).hexdigest() == frames[0]) is not damaged
+    assert r.headers.get(bundle.CHECKED_HEADER) == (None if damaged else "sha256")

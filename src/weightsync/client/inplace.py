@@ -16,6 +16,7 @@ for v1 xxh3-128 through pinned host buffers.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -101,6 +102,18 @@ class Prepared:
     """The tensors this update is for (None: all of the version's)."""
     partial_objects: list[str] = field(default_factory=list, repr=False)
     """Objects read from byte ranges (not checked against their SHA-256; a failed check drops them)."""
+    unhashed_objects: dict[str, memoryview] = field(default_factory=dict, repr=False)
+    """Objects that came from a server that checked them, not hashed here yet (client/pull.py `fetch_update`):
+    `apply` hashes them before its first write unless it checks every result (`verify`, no whole
+    replacement), where a damaged byte fails the result's check and is undone."""
+
+    def check_objects(self) -> None:
+        """Hash the objects taken unhashed (:attr:`unhashed_objects`) against their names; DigestMismatch if one
+        came with other bytes (nothing is changed)."""
+        for digest, data in self.unhashed_objects.items():
+            if hashlib.sha256(data).hexdigest() != digest:
+                raise errors.DigestMismatch(f"object {digest} came with the plan with other bytes; nothing was changed")
+        self.unhashed_objects = {}
 
     def decode_frames(self, threads: int | None = None) -> None:
         """Decode the frames this update kept (if any) into per-tensor changes: what tensors off the host need
@@ -502,6 +515,8 @@ def apply(
     if prepared.base != version:
         raise errors.BaseMismatch(f"update applies to v{prepared.base}, but the tensors hold v{version}")
     held = _held(tensors, prepared, strict)
+    if prepared.unhashed_objects and (not verify or any(u.replace is not None for u in prepared.updates.values())):
+        prepared.check_objects()  # what no result check covers is checked before the first write
     if prepared.frames is not None:
         touched = {name: held[name] for name in prepared.updates if name in held}
         if frames_apply.on_host(touched):

@@ -221,7 +221,7 @@ class Ops:
         # Small objects' bytes as written or read whole, for the plans that follow (ops/hot.py).
         self._hot = HotObjects(self.settings.hot_object_bytes, HOT_OBJECT_BYTES)
         # Whole reads under way (read_whole), by digest: concurrent readers of one object share one store read.
-        self._whole_reads: dict[str, asyncio.Task[bytes]] = {}
+        self._whole_reads: dict[str, asyncio.Task[tuple[bytes, bool]]] = {}
         # Manifests being parsed as they are uploaded (_warm_manifest), by digest.
         self._manifest_loads: dict[str, asyncio.Future[_Parsed]] = {}
         # Committed versions' manifest digests by (model, number): a number is never given twice in a
@@ -1195,9 +1195,15 @@ class Ops:
         after a commit, at a server that did not take the upload), and a caller that goes away (its
         request cancelled) does not end it for the others.
         """
+        return (await self.read_whole_checked(digest))[0]
+
+    async def read_whole_checked(self, digest: str) -> tuple[bytes, bool]:
+        """:meth:`read_whole`, and whether this process checked that the bytes hash to `digest` (those it
+        keeps in memory, and those it hashed on this read to keep them; not an object larger than the
+        memory keeps, whose bytes go unhashed to a reader that checks them)."""
         data = self._hot.get(digest)
         if data is not None:
-            return data
+            return data, True
         task = self._whole_reads.get(digest)
         if task is None:
             task = asyncio.get_running_loop().create_task(self._read_into_memory(digest))
@@ -1205,19 +1211,19 @@ class Ops:
             task.add_done_callback(lambda t: self._read_done(digest, t))
         return await asyncio.shield(task)
 
-    async def _read_into_memory(self, digest: str) -> bytes:
+    async def _read_into_memory(self, digest: str) -> tuple[bytes, bool]:
         async with self._sem:
             data = await self.store.get(digest)
         if len(data) > self._hot.largest:
-            return data
+            return data, False
         # Kept only when they are the object's bytes (damaged ones still go to the caller, whose reader checks
         # them, but not to every plan after it), and when no delete_object ran since this read began.
         intact = await sha256_hex_async(data) == digest
         if intact and self._whole_reads.get(digest) is asyncio.current_task():
             self._hot.put(digest, data)
-        return data
+        return data, intact
 
-    def _read_done(self, digest: str, task: asyncio.Task[bytes]) -> None:
+    def _read_done(self, digest: str, task: asyncio.Task[tuple[bytes, bool]]) -> None:
         if self._whole_reads.get(digest) is task:
             del self._whole_reads[digest]
         if not task.cancelled():

@@ -8,6 +8,10 @@ thread each, on the filesystem; a round trip each, on S3).
 
 Objects are immutable (named by their SHA-256), so an entry is never stale; an object the
 server deletes (GC) is dropped first. Only the event loop's thread touches the cache.
+
+Every entry hashes to its name (the store computed the digest of what it wrote, or the read
+that kept it hashed it): a plan bundle whose parts all come from here, or were hashed on
+reading, says so to its reader (``Weightsync-Checked``), who may then skip hashing them.
 """
 
 from __future__ import annotations

@@ -207,9 +207,9 @@ class _PiecesResponse(Response):
     """An answer whose body, all in hand, is sent as its pieces (:func:`_coalesced`): the large ones (objects
     held in memory) are handed to the transport as they are, not copied into one body first."""
 
-    def __init__(self, pieces: list[bytes], length: int, media_type: str) -> None:
+    def __init__(self, pieces: list[bytes], length: int, media_type: str, headers: dict[str, str]) -> None:
         self._pieces = pieces
-        super().__init__(media_type=media_type, headers={"Content-Length": str(length)})
+        super().__init__(media_type=media_type, headers={"Content-Length": str(length), **headers})
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
@@ -264,11 +264,16 @@ async def plan_bundle(ops: Ops, out: PlanOut) -> Response:
     if sum(n for _, n in kept) <= budget_of_memory:
         preload.update(d for d, _ in kept if d not in held)
 
+    vouched = set(held)  # the objects whose bytes this process checked against their names (ops/hot.py)
+
     async def read(digest: str) -> bytes | None:
         try:
-            return await ops.read_whole(digest)
+            data, intact = await ops.read_whole_checked(digest)
         except errors.ObjectNotFound:
             return None
+        if intact:
+            vouched.add(digest)
+        return data
 
     async def size_of(digest: str) -> int | None:
         try:
@@ -286,10 +291,12 @@ async def plan_bundle(ops: Ops, out: PlanOut) -> Response:
     after = [d for d in wanted if d not in first and (d in in_hand or d in streamed)]
     pieces = bundle.chunks(out.model_dump_json().encode(), first, first=bundle.PLAN)
     head = sum(map(len, pieces))
+    # Every part checked here (none streamed from the store unread): the reader may skip its own hashing.
+    checked = {bundle.CHECKED_HEADER: "sha256"} if not streamed and vouched.issuperset(in_hand) else {}
     if not after:  # all of it in hand: no streaming machinery (its task group costs the small answer)
         if head < _JOINED_PIECE:
-            return Response(b"".join(pieces), media_type=bundle.MEDIA_TYPE)
-        return _PiecesResponse(pieces, head, bundle.MEDIA_TYPE)
+            return Response(b"".join(pieces), media_type=bundle.MEDIA_TYPE, headers=checked)
+        return _PiecesResponse(pieces, head, bundle.MEDIA_TYPE, checked)
     sizes = {d: len(in_hand[d]) if d in in_hand else streamed[d] for d in after}
     total = head + sum(bundle.part_overhead(d) + n for d, n in sizes.items())
 
@@ -304,7 +311,7 @@ async def plan_bundle(ops: Ops, out: PlanOut) -> Response:
             async for chunk in ops.read_object(digest):
                 yield chunk
 
-    return StreamingResponse(body(), media_type=bundle.MEDIA_TYPE, headers={"Content-Length": str(total)})
+    return StreamingResponse(body(), media_type=bundle.MEDIA_TYPE, headers={"Content-Length": str(total), **checked})
 
 
 # --- publishing -----------------------------------------------------------------------------
