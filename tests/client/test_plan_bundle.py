@@ -173,12 +173,22 @@ def test_bundle_path_in_tmp_is_not_left_behind(server, model, tmp_path: Path) ->
 
 
 def test_objects_the_server_checked_are_not_hashed_again_for_an_apply_that_checks_its_results(
-    server, model, tmp_path
+    server, model, tmp_path, monkeypatch
 ) -> None:
     """An update's objects that came with the plan from a server that says it checked them (Weightsync-Checked)
     go unhashed into a prepare's memory (`Prepared.unhashed_objects`), the manifests hashed all the same; the
-    apply with verification checks every result and leaves them so. Not so when the answer does not say it, or
-    when they go to a cache on disk; and a verify=False apply hashes them before its first write."""
+    apply with verification checks every result and does not hash them. Not so when the answer does not say it,
+    or when they go to a cache on disk; and a verify=False apply hashes them before its first write."""
+    from weightsync.client.inplace import Prepared
+
+    hashed: list[set[str]] = []
+    real = Prepared.damaged_objects
+
+    def spy(self):
+        hashed.append(set(self.unhashed_objects))
+        return real(self)
+
+    monkeypatch.setattr(Prepared, "damaged_objects", spy)
     versions = _versions(server.url, model, 3)
     for options, strip, unhashed in (({}, False, True), ({}, True, False), ({"cache_dir": tmp_path}, False, False)):
         transport = Recording(strip_checked=strip)
@@ -194,10 +204,12 @@ def test_objects_the_server_checked_are_not_hashed_again_for_an_apply_that_check
             assert not manifests
             assert set(prepared.unhashed_objects) == (objects if unhashed else set()), options
             sub.apply(tensors, prepared)
-            assert set(prepared.unhashed_objects) == (objects if unhashed else set())
+            assert hashed == [] and prepared.unhashed_objects == {}  # not hashed, and not kept once applied
             prepared = sub.prepare(3)
+            taken = set(prepared.unhashed_objects)
             sub.apply(tensors, prepared, verify=False)
-            assert prepared.unhashed_objects == {}
+            assert hashed == ([taken] if unhashed else []) and prepared.unhashed_objects == {}
+            hashed.clear()
         for name, want in versions[2].items():
             assert torch.equal(tensor_bits(tensors[name]), tensor_bits(want)), name
 
@@ -207,9 +219,9 @@ def test_an_object_the_server_checked_damaged_on_the_way_fails_the_apply_and_cha
     server, model, verify
 ) -> None:
     """A byte flipped in a frame's values after the server checked the object (on the wire): the prepare takes
-    it unhashed; the apply with verification finds a result that fails its checksum and undoes every change
-    (ChecksumMismatch), without it the apply hashes the object first and refuses it (DigestMismatch) before
-    any write. The tensors hold v1, the subscriber says so, and the next prepare brings v2 whole."""
+    it unhashed; the apply with verification finds a result that fails its checksum and undoes every change,
+    without it the apply hashes the object first and refuses it before any write; either way a DigestMismatch
+    names the damaged object. The tensors hold v1, the subscriber says so, and the next prepare brings v2 whole."""
     from weightsync import errors
 
     versions = _versions(server.url, model, 2)
@@ -219,7 +231,8 @@ def test_an_object_the_server_checked_damaged_on_the_way_fails_the_apply_and_cha
     with Subscriber(server.url, model, name="bundle", version=1, report=False, transport=transport) as sub:
         prepared = sub.prepare(2)
         assert spoiled and spoiled[0] in prepared.unhashed_objects
-        with pytest.raises(errors.ChecksumMismatch if verify else errors.DigestMismatch):
+        then = "every change was undone" if verify else "nothing was changed"
+        with pytest.raises(errors.DigestMismatch, match=f"{spoiled[0]} came with the plan with other bytes; {then}"):
             sub.apply(tensors, prepared, verify=verify)
         assert sub.version == 1
         for name, want in versions[0].items():
@@ -251,12 +264,57 @@ def test_an_object_the_server_checked_that_does_not_decode_is_fetched_again_at_p
 
 
 def test_a_plan_with_a_keyframe_step_has_its_objects_hashed_at_the_prepare(server, model) -> None:
-    """A plan that starts a chain replaces tensors whole (a failed result cannot be undone): its objects are
-    hashed as they come, whatever the answer says."""
-    versions = _versions(server.url, model, 1)
-    transport = Recording()
-    with Subscriber(server.url, model, name="bundle", report=False, transport=transport) as sub:
-        prepared = sub.prepare(1)
-    assert len(transport.seen) == 1 and transport.checked == ["sha256"]
-    assert prepared.base is None and prepared.unhashed_objects == {}
-    assert prepared.manifests and versions
+    """A plan that starts a new chain replaces tensors whole (a failed result cannot be undone): its objects are
+    hashed as they come, whatever the answer says; so are a first version's (from nothing)."""
+    from weightsync.client import Publisher
+
+    versions = _versions(server.url, model, 2)
+    with Publisher(server.url, model, **SMALL) as pub:
+        assert pub.publish(versions[1], keyframe=True).kind == "keyframe"
+    for have in (2, None):
+        transport = Recording()
+        with Subscriber(server.url, model, name="bundle", version=have, report=False, transport=transport) as sub:
+            prepared = sub.prepare(3)
+        assert len(transport.seen) == 1 and transport.checked == ["sha256"]
+        assert [s.kind for s in prepared.manifests][-1:] == ["keyframe"] and prepared.unhashed_objects == {}
+        assert any(u.replace is not None for u in prepared.updates.values())
+
+
+def test_a_damaged_manifest_is_fetched_again_even_from_a_server_that_checked_it(server, model, caplog) -> None:
+    """The manifests hold the checksums every result is checked against: hashed whatever the answer says."""
+    versions = _versions(server.url, model, 3)
+    flip_a_byte, spoiled = _flipping("manifest")
+    transport = Recording(edit=flip_a_byte)
+    with caplog.at_level(logging.WARNING, logger="weightsync.client"):
+        per_prepare = _follow(server.url, model, versions, transport)
+    assert transport.checked == ["sha256"] * len(per_prepare)
+    for seen, name in zip(per_prepare, spoiled, strict=True):
+        assert [p for _, p, _ in seen if p.startswith("/v1/objects/")] == [f"/v1/objects/{name}"], seen
+
+
+def test_a_delta_that_adds_a_tensor_has_its_objects_hashed_at_the_prepare(server, model, caplog) -> None:
+    """A tensor new in a delta is a whole replacement, which an apply cannot undo: the objects the server checked
+    are hashed at the prepare, off the apply's path, and one damaged on the way is fetched again."""
+    from weightsync.client import Publisher
+
+    trainer = TinyTrainer(seed=3)
+    with Publisher(server.url, model, **SMALL) as pub:
+        trainer.step()
+        first = {k: v.clone() for k, v in trainer.export().items()}
+        pub.publish(first)
+        trainer.step()
+        added = torch.arange(96, dtype=torch.float32).reshape(8, 12).to(torch.bfloat16)
+        grown = {**{k: v.clone() for k, v in trainer.export().items()}, "added.weight": added}
+        assert pub.publish(grown).kind == "delta"
+    flip_a_byte, spoiled = _flipping("last object")
+    transport = Recording(edit=flip_a_byte)
+    tensors = {k: v.clone() for k, v in first.items()} | {"added.weight": torch.zeros(8, 12, dtype=torch.bfloat16)}
+    with caplog.at_level(logging.WARNING, logger="weightsync.client"):
+        with Subscriber(server.url, model, name="bundle", version=1, report=False, transport=transport) as sub:
+            prepared = sub.prepare(2)
+            assert prepared.updates["added.weight"].replace is not None and prepared.unhashed_objects == {}
+            sub.apply(tensors, prepared)
+    assert [p for _, p, _ in transport.seen if p.startswith("/v1/objects/")] == [f"/v1/objects/{spoiled[0]}"]
+    assert "came with the plan with other bytes" in caplog.text
+    for name, want in grown.items():
+        assert torch.equal(tensor_bits(tensors[name]), tensor_bits(want)), name

@@ -107,13 +107,21 @@ class Prepared:
     `apply` hashes them before its first write unless it checks every result (`verify`, no whole
     replacement), where a damaged byte fails the result's check and is undone."""
 
-    def check_objects(self) -> None:
-        """Hash the objects taken unhashed (:attr:`unhashed_objects`) against their names; DigestMismatch if one
-        came with other bytes (nothing is changed)."""
-        for digest, data in self.unhashed_objects.items():
-            if hashlib.sha256(data).hexdigest() != digest:
-                raise errors.DigestMismatch(f"object {digest} came with the plan with other bytes; nothing was changed")
-        self.unhashed_objects = {}
+    def damaged_objects(self) -> list[str]:
+        """The objects taken unhashed (:attr:`unhashed_objects`) whose bytes do not hash to their names; the others
+        are no longer unhashed."""
+        damaged = [d for d, data in self.unhashed_objects.items() if hashlib.sha256(data).hexdigest() != d]
+        self.unhashed_objects = {d: self.unhashed_objects[d] for d in damaged}
+        return damaged
+
+    def check_objects(self, then: str = "nothing was changed") -> None:
+        """Hash the objects taken unhashed against their names; DigestMismatch (saying `then`) if one came with
+        other bytes: the update must be prepared again."""
+        damaged = self.damaged_objects()
+        if damaged:
+            raise errors.DigestMismatch(
+                f"object {damaged[0]} came with the plan with other bytes; {then}: prepare the update again"
+            )
 
     def decode_frames(self, threads: int | None = None) -> None:
         """Decode the frames this update kept (if any) into per-tensor changes: what tensors off the host need
@@ -121,7 +129,13 @@ class Prepared:
         if self.frames is None:
             return
         blobs = {f.ref: f.blob for f in self.frames}
-        self.updates, _ = decode_updates(self.manifests, lambda ref: blobs[ref], pool_of(threads), select=self.select)
+        try:
+            self.updates, _ = decode_updates(
+                self.manifests, lambda ref: blobs[ref], pool_of(threads), select=self.select
+            )
+        except errors.FormatError:
+            self.check_objects()  # an object taken unhashed that came damaged is named as such
+            raise
         self.frames = None
 
     @property
@@ -520,7 +534,12 @@ def apply(
     if prepared.frames is not None:
         touched = {name: held[name] for name in prepared.updates if name in held}
         if frames_apply.on_host(touched):
-            return _apply_frames(prepared, touched, verify)
+            try:
+                return _apply_frames(prepared, touched, verify)
+            except errors.FormatError:
+                # Every change undone (or none made): an object taken unhashed that came damaged is named as such.
+                prepared.check_objects("every change was undone")
+                raise
         prepared.decode_frames()  # tensors elsewhere: decoded changes, staged at the apply
     work = [(u, held[name]) for name, u in prepared.updates.items() if name in held]
     hasher = hasher if hasher is not None else HostHasher()

@@ -223,7 +223,7 @@ def prepare_update(
     cache = options.cache()
     # Objects kept in this prepare's memory alone may come unhashed from a server that checked them: the apply
     # checks the results (or hashes them first). A cache on disk outlives the apply: what goes in is hashed.
-    trust = cache is None
+    trust = cache is None and have is not None  # from nothing: a keyframe's objects, hashed as they arrive
     cache = cache or ObjectCache(None)
     plan, manifests, partial, timings, unhashed = fetch_update(
         api,
@@ -253,6 +253,13 @@ def prepare_update(
             select=select,
         )
 
+    def refetch(damaged: list[str]) -> Prepared:
+        """Bytes the server checked, damaged on their way here: fetched again (checked), the update decoded again."""
+        log.warning("objects %s came with the plan with other bytes: fetching them again", ", ".join(damaged))
+        cache.discard(damaged)
+        fetch_plan(api, cache, plan, pool, range_bytes=options.range_bytes, meter=meter)
+        return decode()
+
     try:
         try:
             prepared = decode()
@@ -260,17 +267,20 @@ def prepare_update(
             damaged = [d for d, data in unhashed.items() if hashlib.sha256(data).hexdigest() != d]
             if not damaged:
                 raise
-            # Bytes the server checked, damaged on their way here: fetched again (checked), the update decoded again.
-            log.warning("objects %s came with the plan with other bytes: fetching them again", ", ".join(damaged))
-            cache.discard(damaged)
             unhashed = {}  # every other one hashed to its name just now
-            fetch_plan(api, cache, plan, pool, range_bytes=options.range_bytes, meter=meter)
-            prepared = decode()
+            prepared = refetch(damaged)
+        prepared.unhashed_objects = unhashed
+        # A whole replacement (a tensor new in a delta) cannot be undone if its result fails: what it was
+        # decoded from is checked now, off the apply's path.
+        if unhashed and any(u.replace is not None for u in prepared.updates.values()):
+            damaged = prepared.damaged_objects()
+            if damaged:
+                prepared = refetch(damaged)
+            prepared.unhashed_objects = {}
     except errors.WeightsyncError:
         cache.drop_parts(partial)  # a range that does not decode is fetched again by the next prepare
         raise
     prepared.partial_objects = partial
-    prepared.unhashed_objects = unhashed
     timings["decode_s"] = prepared.seconds
     prepared.seconds = time.perf_counter() - t0
     return prepared, timings

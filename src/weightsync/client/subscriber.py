@@ -260,6 +260,7 @@ class Subscriber:
                     self.version = None  # replaced whole: the tensors hold neither version
                 raise
             self.version = prepared.target
+            prepared.unhashed_objects = {}  # applied: the bundle's buffer is not kept for them
             self.timings["apply_s"] = time.perf_counter() - t0
             self._ledger.applied(
                 prepared.target,
