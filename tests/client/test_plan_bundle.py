@@ -318,3 +318,32 @@ def test_a_delta_that_adds_a_tensor_has_its_objects_hashed_at_the_prepare(server
     assert "came with the plan with other bytes" in caplog.text
     for name, want in grown.items():
         assert torch.equal(tensor_bits(tensors[name]), tensor_bits(want)), name
+
+
+@pytest.mark.parametrize("at", [-1, -7, -40], ids=["last", "7th-last", "40th-last"])
+def test_a_damaged_object_in_an_update_decoded_at_prepare_never_becomes_a_wrong_weight(server, model, at) -> None:
+    """Two steps at once are decoded at the prepare (no frames kept): a byte flipped in the last object the server
+    checked either fails that decode (the object is fetched again) or decodes to other changes, which the apply's
+    result check refuses, undoing every change, and names the object (DigestMismatch). Never other weights."""
+    from weightsync import errors
+
+    versions = _versions(server.url, model, 3)
+    flip_a_byte, spoiled = _flipping("last object", at=at)
+    transport = Recording(edit=flip_a_byte)
+    tensors = {k: v.clone() for k, v in versions[0].items()}
+    with Subscriber(server.url, model, name="bundle", version=1, report=False, transport=transport) as sub:
+        prepared = sub.prepare(3)
+        assert prepared.frames is None
+        refetched = [p for _, p, _ in transport.seen if p.startswith("/v1/objects/")]
+        if refetched:  # the decode refused it
+            assert refetched == [f"/v1/objects/{spoiled[0]}"] and prepared.unhashed_objects == {}
+            sub.apply(tensors, prepared)
+            want = versions[2]
+        else:
+            assert spoiled[0] in prepared.unhashed_objects
+            with pytest.raises(errors.DigestMismatch, match=f"{spoiled[0]} .* every change was undone"):
+                sub.apply(tensors, prepared)
+            assert sub.version == 1
+            want = versions[0]
+    for name, bits in want.items():
+        assert torch.equal(tensor_bits(tensors[name]), tensor_bits(bits)), name

@@ -521,6 +521,28 @@ def apply(
     new chain): then they hold neither version and must be loaded afresh (the message
     says which). The pause runs from the first write until the result check passed.
     """
+    if prepared.unhashed_objects and (not verify or any(u.replace is not None for u in prepared.updates.values())):
+        prepared.check_objects()  # what no result check covers is checked before the first write
+    try:
+        return _apply(tensors, prepared, model=model, version=version, verify=verify, strict=strict, hasher=hasher)
+    except errors.FormatError:
+        # With objects taken unhashed left, the apply checked every result and undid every change (no whole
+        # replacement): one of them that came damaged is named as such.
+        prepared.check_objects("every change was undone")
+        raise
+
+
+def _apply(
+    tensors: Mapping[str, Any],
+    prepared: Prepared,
+    *,
+    model: str,
+    version: int | None,
+    verify: bool,
+    strict: bool,
+    hasher: HostHasher | None,
+) -> Applied:
+    """:func:`apply` past the objects' checks."""
     from weightsync.client.tensors import byte_view, copy_pieces, host_bytes, torch_module
 
     torch = torch_module()
@@ -529,17 +551,10 @@ def apply(
     if prepared.base != version:
         raise errors.BaseMismatch(f"update applies to v{prepared.base}, but the tensors hold v{version}")
     held = _held(tensors, prepared, strict)
-    if prepared.unhashed_objects and (not verify or any(u.replace is not None for u in prepared.updates.values())):
-        prepared.check_objects()  # what no result check covers is checked before the first write
     if prepared.frames is not None:
         touched = {name: held[name] for name in prepared.updates if name in held}
         if frames_apply.on_host(touched):
-            try:
-                return _apply_frames(prepared, touched, verify)
-            except errors.FormatError:
-                # Every change undone (or none made): an object taken unhashed that came damaged is named as such.
-                prepared.check_objects("every change was undone")
-                raise
+            return _apply_frames(prepared, touched, verify)
         prepared.decode_frames()  # tensors elsewhere: decoded changes, staged at the apply
     work = [(u, held[name]) for name, u in prepared.updates.items() if name in held]
     hasher = hasher if hasher is not None else HostHasher()
