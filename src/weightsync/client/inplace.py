@@ -78,6 +78,11 @@ class TensorUpdate:
         return sum(len(op) for op in self.ops)
 
 
+def damaged_objects(objects: Mapping[str, memoryview]) -> list[str]:
+    """Of `objects` (digest → bytes), those whose bytes do not hash (SHA-256) to their names."""
+    return [d for d, data in objects.items() if hashlib.sha256(data).hexdigest() != d]
+
+
 @dataclass
 class Prepared:
     """An update from version `base` (what the tensors hold; None: nothing) to `target`, decoded and ready."""
@@ -110,7 +115,7 @@ class Prepared:
     def damaged_objects(self) -> list[str]:
         """The objects taken unhashed (:attr:`unhashed_objects`) whose bytes do not hash to their names; the others
         are no longer unhashed."""
-        damaged = [d for d, data in self.unhashed_objects.items() if hashlib.sha256(data).hexdigest() != d]
+        damaged = damaged_objects(self.unhashed_objects)
         self.unhashed_objects = {d: self.unhashed_objects[d] for d in damaged}
         return damaged
 
@@ -523,26 +528,6 @@ def apply(
     """
     if prepared.unhashed_objects and (not verify or any(u.replace is not None for u in prepared.updates.values())):
         prepared.check_objects()  # what no result check covers is checked before the first write
-    try:
-        return _apply(tensors, prepared, model=model, version=version, verify=verify, strict=strict, hasher=hasher)
-    except errors.FormatError:
-        # With objects taken unhashed left, the apply checked every result and undid every change (no whole
-        # replacement): one of them that came damaged is named as such.
-        prepared.check_objects("every change was undone")
-        raise
-
-
-def _apply(
-    tensors: Mapping[str, Any],
-    prepared: Prepared,
-    *,
-    model: str,
-    version: int | None,
-    verify: bool,
-    strict: bool,
-    hasher: HostHasher | None,
-) -> Applied:
-    """:func:`apply` past the objects' checks."""
     from weightsync.client.tensors import byte_view, copy_pieces, host_bytes, torch_module
 
     torch = torch_module()

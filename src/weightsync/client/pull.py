@@ -17,7 +17,6 @@ fetch phase, in-place updates) and by :class:`~weightsync.client.Publisher`
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import shutil
@@ -179,7 +178,7 @@ def fetch_update(
         trusted = all(s.kind == "delta" for s in plan.steps)
         objects = checked(inlined, in_objects, trusted=trusted)
         if trusted:
-            unhashed = {d: v for d, v in objects.items() if inlined[d][1] is None and d not in came}
+            unhashed = {d: v for d, v in objects.items() if inlined[d][1] is None}
         _keep_inlined(cache, came | objects)
         fetch_plan(api, cache, plan, pool, range_bytes=range_bytes, meter=meter)
         manifests = [early.get(s.manifest) or load_manifest(cache, s.manifest) for s in plan.steps]
@@ -264,7 +263,7 @@ def prepare_update(
         try:
             prepared = decode()
         except errors.FormatError:
-            damaged = [d for d, data in unhashed.items() if hashlib.sha256(data).hexdigest() != d]
+            damaged = inplace.damaged_objects(unhashed)
             if not damaged:
                 raise
             unhashed = {}  # every other one hashed to its name just now
