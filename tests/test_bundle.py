@@ -178,3 +178,37 @@ def test_an_unhashed_receiver_gives_the_same_parts_and_no_hashes(plan: bytes, da
     got_plan, pending = r.finish_pending()
     assert bytes(got_plan) == plan
     assert {n: (bytes(d), h) for n, (d, h) in pending.items()} == {n: (d, None) for n, d in objects.items()}
+
+
+@given(plan=st.binary(max_size=200), datas=blobs, data=st.data(), hashed=st.booleans())
+def test_a_body_received_into_the_buffer_gives_what_feeding_gives(
+    plan: bytes, datas: list[bytes], data, hashed
+) -> None:
+    """A reader that receives straight into the buffer (`space`, then `took`: the client's direct path), in any
+    pieces, gets the parts and hashes that feeding the same body gives."""
+    objects = _named(datas)
+    body = bundle.encode(plan, objects)
+    r = bundle.Receiver(size=len(body), hasher=_HASHER, hashed=hashed)
+    at = 0
+    for cut in [*sorted(data.draw(st.lists(st.integers(0, len(body)), max_size=8))), len(body)]:
+        space = r.space()
+        assert space is not None and len(space) == len(body) - at
+        space[: cut - at] = body[at:cut]
+        r.took(cut - at)
+        at = cut
+    got_plan, got = r.finish()
+    assert bytes(got_plan) == plan
+    want = {n: (d, hashlib.sha256(d).hexdigest() if hashed else None) for n, d in objects.items()}
+    assert {n: (bytes(d), h) for n, (d, h) in got.items()} == want
+
+
+def test_took_more_than_the_buffer_holds_and_space_without_a_length_are_refused() -> None:
+    body = bundle.encode(b"{}", _named([b"abc"]))
+    r = bundle.Receiver(size=len(body))
+    with pytest.raises(ValueError, match="left"):
+        r.took(len(body) + 1)
+    with pytest.raises(ValueError, match="left"):
+        r.took(-1)
+    assert bundle.Receiver().space() is None
+    with pytest.raises(ValueError):
+        bundle.Receiver().took(0)

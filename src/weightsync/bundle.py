@@ -154,6 +154,22 @@ class Receiver:
             raise self._error(f"{self._what}: longer than its {self._size} bytes")
         else:
             self._view[self._len : self._len + n] = chunk
+        self._took(n)
+
+    def space(self) -> memoryview | None:
+        """The rest of a sized body's buffer, for a reader that receives straight into it and then calls
+        :meth:`took`: no copy between the socket and the buffer. None without a `size`."""
+        return None if self._size is None else self._view[self._len :]
+
+    def took(self, n: int) -> None:
+        """`n` bytes were received at the start of :meth:`space`: parse and hash them as :meth:`feed` would."""
+        if self._size is None or not 0 <= n <= self._size - self._len:
+            raise ValueError(
+                f"took({n}): the buffer has {0 if self._size is None else self._size - self._len} bytes left"
+            )
+        self._took(n)
+
+    def _took(self, n: int) -> None:
         self._len += n
         if not self._headed:
             if self._len < _HEAD.size:

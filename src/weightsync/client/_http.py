@@ -26,9 +26,10 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
+import numpy as np
 
 from weightsync import __version__, bundle, errors
-from weightsync.client import models
+from weightsync.client import _direct, models
 from weightsync.client._pool import check_cancelled, hash_pool, pause
 from weightsync.client.wire import Retry, TokenBucket, problem_error
 from weightsync.codec.manifest import DIGEST_KINDS
@@ -109,14 +110,11 @@ def server_timing(headers: httpx.Headers) -> dict[str, float]:
 _TIMING_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
 
 
-def _bundle_length(resp: httpx.Response, inline: int) -> int | None:
+def _bundle_length(resp: httpx.Response | _direct.DirectResponse, inline: int) -> int | None:
     """A plan bundle's length from its header, when the bytes arrive as sent and the length is one a bundle
     of at most `inline` object bytes can have (the receiver then lays them out in one buffer of that size)."""
-    length = resp.headers.get("content-length", "")
-    if resp.headers.get("content-encoding", "identity") != "identity" or not length.isdigit():
-        return None
-    n = int(length)
-    return n if n <= inline + (1 << 20) else None  # + the plan's JSON and the parts' headers
+    n = _identity_length(resp)
+    return n if n is not None and n <= inline + (1 << 20) else None  # + the plan's JSON and the parts' headers
 
 
 class Api:
@@ -167,6 +165,19 @@ class Api:
         self._http = httpx.Client(
             base_url=self.server, headers=headers, timeout=t, limits=limits, transport=transport, verify=verify
         )
+        self._direct = (
+            _direct.Direct(
+                self.server,
+                connect_timeout=min(timeout, 10.0),
+                read_timeout=timeout,
+                tls=verify or None,
+                keep=limits.max_keepalive_connections or 1,
+            )
+            if _direct.usable(self.server, transport)
+            else None
+        )
+        """Large answers (plan bundles, object ranges) are read through this, straight into their buffers
+        (:mod:`weightsync.client._direct`); None where it would not behave as httpx: a transport injected, a proxy."""
         self._bare_args: dict[str, Any] = {"timeout": t, "limits": limits, "transport": transport}
         self._bare_client: httpx.Client | None = None
         self._bare_lock = threading.Lock()
@@ -182,6 +193,8 @@ class Api:
 
     def close(self) -> None:
         self._http.close()
+        if self._direct is not None:
+            self._direct.close()
         with self._bare_lock:
             if self._bare_client is not None:
                 self._bare_client.close()
@@ -205,17 +218,22 @@ class Api:
         content: Callable[[], Any] | None = None,
         ok: tuple[int, ...] = (200, 201, 204),
         not_found: type[errors.WeightsyncError] = errors.ModelNotFound,
-        stream_to: Callable[[httpx.Response], Any] | None = None,
+        stream_to: Callable[[Any], Any] | None = None,
         bare: bool = False,
         timeout: float | None = None,
+        large: bool = False,
     ) -> Any:
         """Send with retries; return the response (or `stream_to(response)`'s result for streamed bodies).
 
         `content` is a factory so every attempt gets a fresh body iterator.
         Transient failures are retried; the last one raises ServerUnavailable.
-        Other errors raise their named exception at once.
+        Other errors raise their named exception at once. A `large` streamed answer to our server
+        comes through :mod:`~weightsync.client._direct` where it is usable: `stream_to` then gets a
+        :class:`~weightsync.client._direct.DirectResponse` (``headers``, ``iter_bytes``, ``readinto``),
+        and an error answer takes httpx's path as an httpx Response.
         """
         client = self._bare if bare else self._http
+        direct = self._direct if large and stream_to is not None and not bare else None
         last: str = ""
         retry_after: str | None = None
         for attempt in range(self.retry.attempts):
@@ -234,7 +252,12 @@ class Api:
                     content=content() if content is not None else None,
                     timeout=httpx.USE_CLIENT_DEFAULT if timeout is None else timeout,
                 )
-                resp = client.send(req, stream=stream_to is not None)
+                resp: Any
+                if direct is not None:
+                    answer = direct.send(req, timeout=timeout)
+                    resp = answer if answer.status_code in ok else answer.buffered(req)
+                else:
+                    resp = client.send(req, stream=stream_to is not None)
                 try:
                     if resp.status_code in ok:
                         if stream_to is not None:
@@ -356,7 +379,7 @@ class Api:
         """
         params = {**_plan_params(have, want, holder), "inline": inline}
 
-        def consume(resp: httpx.Response) -> tuple[str, bundle.Receiver | bytearray]:
+        def consume(resp: httpx.Response | _direct.DirectResponse) -> tuple[str, bundle.Receiver | bytearray]:
             if timings is not None:
                 timings.update(server_timing(resp.headers))
             kind = resp.headers.get("content-type", "")
@@ -364,6 +387,11 @@ class Api:
             if kind.startswith(bundle.MEDIA_TYPE):
                 vouched = trust_checked and resp.headers.get(bundle.CHECKED_HEADER, "").strip().lower() == "sha256"
                 sink = bundle.Receiver(size=_bundle_length(resp, inline), hasher=hash_pool(), hashed=not vouched)
+                space = sink.space()
+                if isinstance(resp, _direct.DirectResponse) and space is not None:
+                    # Received straight into the bundle's buffer: the Receiver parses and hashes it in place.
+                    self._receive_into(resp, space, sink.took)
+                    return kind, sink
             for chunk in resp.iter_bytes():
                 check_cancelled()
                 if self.limiter is not None:
@@ -376,7 +404,7 @@ class Api:
 
         path = f"/v1/models/{model}/plan"
         kind, sink = self.request(
-            "GET", path, params=params, ok=(200,), stream_to=consume, not_found=errors.VersionNotFound
+            "GET", path, params=params, ok=(200,), stream_to=consume, not_found=errors.VersionNotFound, large=True
         )
         if isinstance(sink, bytearray):
             try:
@@ -628,7 +656,8 @@ class Api:
         """Stream object bytes [start, end) into `sink` (rate-limited); returns the bytes received.
 
         A retried attempt restarts the range, so `sink` must accept a restart:
-        it is called with ``b""`` (meaning "discard what you have") before each attempt.
+        it is called with ``b""`` (meaning "discard what you have") before each attempt. A chunk may be
+        a view of a buffer that the next chunk overwrites: `sink` copies what it keeps.
         """
         headers = {}
         if start or end is not None:
@@ -654,7 +683,74 @@ class Api:
             ok=(200, 206),
             stream_to=consume,
             not_found=errors.ObjectNotFound,
+            large=True,
         )
+
+    def read_object(self, digest: str, *, start: int = 0, end: int | None = None) -> memoryview:
+        """Object bytes [start, end) (rate-limited, counted by `on_bytes`) in one buffer of their length when the
+        answer states it, received straight into it where :mod:`~weightsync.client._direct` is usable."""
+        headers = {}
+        if start or end is not None:
+            headers["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
+
+        def consume(resp: httpx.Response | _direct.DirectResponse) -> memoryview:
+            length = _identity_length(resp)
+            if length is None:  # no length stated (or an encoding): gathered as it comes
+                gathered = bytearray()
+                for chunk in resp.iter_bytes():
+                    self._took(len(chunk))
+                    gathered += chunk
+                return memoryview(gathered).toreadonly()
+            buf = np.empty(length, dtype=np.uint8).data  # its pages touched once, by the bytes arriving
+            if isinstance(resp, _direct.DirectResponse):
+                self._receive_into(resp, buf, None)
+            else:
+                at = 0
+                for chunk in resp.iter_bytes():
+                    if at + len(chunk) > length:
+                        raise errors.BadResponse(f"GET /v1/objects/{digest}: longer than its {length} bytes")
+                    self._took(len(chunk))
+                    buf[at : at + len(chunk)] = chunk
+                    at += len(chunk)
+                buf = buf[:at]
+            return buf.toreadonly()
+
+        return self.request(
+            "GET",
+            f"/v1/objects/{digest}",
+            headers=headers,
+            ok=(200, 206),
+            stream_to=consume,
+            not_found=errors.ObjectNotFound,
+            large=True,
+        )
+
+    def _took(self, n: int) -> None:
+        """`n` object bytes arrived: stop here if the transfer was cancelled, pay the rate limit, count them."""
+        check_cancelled()
+        if self.limiter is not None:
+            self.limiter.acquire(n)
+        if self.on_bytes is not None:
+            self.on_bytes(n)
+
+    def _receive_into(self, resp: _direct.DirectResponse, buf: memoryview, took: Callable[[int], None] | None) -> None:
+        """Receive `resp`'s body into `buf`, READ_BYTES per read (rate-limited, cancellable between reads; counted
+        by `on_bytes` unless `took` is given: a plan bundle counts its objects once received); `took(n)` after
+        each. `buf` is the answer's stated length: http.client reads no further, and raises at a shorter end."""
+        at = 0
+        while at < len(buf):
+            n = resp.readinto(buf[at : at + READ_BYTES])
+            if not n:
+                break
+            check_cancelled()
+            if self.limiter is not None:
+                self.limiter.acquire(n)
+            if took is None:
+                if self.on_bytes is not None:
+                    self.on_bytes(n)
+            else:
+                took(n)
+            at += n
 
     def head_object(self, digest: str) -> int:
         resp = self.request("HEAD", f"/v1/objects/{digest}", not_found=errors.ObjectNotFound, ok=(200,))
@@ -732,6 +828,14 @@ def _begin_fields(
     if objects is not None:
         body["objects"] = [{"digest": d, "size": n} for d, n in objects]
     return body
+
+
+def _identity_length(resp: httpx.Response | _direct.DirectResponse) -> int | None:
+    """The body's length from its Content-Length, when its bytes arrive as sent (no content encoding)."""
+    length = resp.headers.get("content-length", "")
+    if resp.headers.get("content-encoding", "identity") != "identity" or not length.isdigit():
+        return None
+    return int(length)
 
 
 def _problem_member(resp: httpx.Response, name: str) -> Any:

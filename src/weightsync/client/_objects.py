@@ -84,7 +84,7 @@ class ObjectCache:
     def __init__(self, root: Path | None) -> None:
         self.root = root
         self._mem: dict[str, bytes | memoryview] = {}
-        self._mem_parts: dict[tuple[str, int, int], bytes] = {}
+        self._mem_parts: dict[tuple[str, int, int], bytes | memoryview] = {}
         self._verified: set[str] = set()
         self._lock = threading.Lock()
         if root is not None:
@@ -260,18 +260,10 @@ class ObjectCache:
 
     def _fetch_range(self, api: Api, digest: str, start: int, end: int) -> None:
         if self.root is None:
-            buf = bytearray()
-
-            def sink(chunk: bytes) -> None:
-                if not chunk:
-                    buf.clear()
-                else:
-                    buf.extend(chunk)
-
-            api.get_object(digest, sink, start=start, end=end if end > start else None)
-            _check_range_length(digest, start, end, len(buf))
+            data = api.read_object(digest, start=start, end=end if end > start else None)
+            _check_range_length(digest, start, end, len(data))
             with self._lock:
-                self._mem_parts[(digest, start, end)] = bytes(buf)
+                self._mem_parts[(digest, start, end)] = data
             return
         parts = self._parts_dir(digest)
         parts.mkdir(exist_ok=True)

@@ -1,0 +1,234 @@
+"""Large answers (plan bundles, object ranges) read straight into the buffers they stay in, with http.client.
+
+httpx hands every byte of an answer's body through four user-space copies before our code sees it
+(httpcore's socket read, h11's receive buffer, the slice h11 hands out as data, httpx's chunk); the
+bundle's Receiver then copied it once more. On the 2-core box a 13.8 MB plan bundle cost the client
+8.3 ms of CPU that way against 2.8 ms read by the standard library's ``http.client`` with ``readinto``
+into the one buffer the bytes stay in (run AK's probe, docs/SCALE-RUNS.md). So the GETs whose answers
+are large go through here; every other request, and every answer that is an error, stays with httpx.
+
+:class:`Direct` speaks HTTP/1.1 to the one server of an :class:`~weightsync.client._http.Api`, with the
+request httpx built (its URL, query and headers: User-Agent, Authorization) and the Api's TLS context
+and timeouts: the connect timeout for connecting, the read timeout for every receive. It keeps idle
+connections for reuse (one whose server closed it is dropped before use, and a request the server
+closed a reused connection under is sent once more on a new one: a GET is safe to repeat). It asks
+for ``Accept-Encoding: identity``: the bodies are compressed objects already. Failures are raised as
+httpx's own exceptions (ConnectError, ConnectTimeout, ReadTimeout, ReadError, RemoteProtocolError),
+so the Api's one retry loop treats both paths alike; an answer that ends before its Content-Length
+is a RemoteProtocolError, as with httpx. The Api uses it only where it behaves as httpx would: no
+transport injected, and no proxy in the environment for the server's URL (httpx honours
+``HTTP(S)_PROXY``/``ALL_PROXY``/``NO_PROXY``; http.client does not). ``WEIGHTSYNC_HTTP_DIRECT=0``
+turns it off.
+"""
+
+from __future__ import annotations
+
+import http.client
+import os
+import select
+import ssl
+import threading
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+
+ENV_SWITCH = "WEIGHTSYNC_HTTP_DIRECT"
+
+
+def usable(server: str, transport: Any) -> bool:
+    """Whether a client of `server` may read large answers directly: no injected transport, not turned off
+    (``WEIGHTSYNC_HTTP_DIRECT=0``), and no proxy from the environment that httpx would send it through."""
+    if transport is not None or os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    parts = urlsplit(server)
+    proxies = urllib.request.getproxies_environment()
+    if not (proxies.get(parts.scheme) or proxies.get("all")):
+        return True
+    return bool(urllib.request.proxy_bypass(parts.netloc))
+
+
+class Direct:
+    """HTTP/1.1 GETs to one server with a pool of idle connections. Thread-safe (a connection serves one
+    request at a time)."""
+
+    def __init__(
+        self, server: str, *, connect_timeout: float, read_timeout: float, tls: ssl.SSLContext | None, keep: int
+    ) -> None:
+        parts = urlsplit(server)
+        self._host = parts.hostname or ""
+        self._https = parts.scheme == "https"
+        self._port = parts.port or (443 if self._https else 80)
+        if self._https and tls is None:
+            raise ValueError("an https server needs a TLS context")
+        self._tls = tls
+        self._connect_timeout, self._read_timeout = connect_timeout, read_timeout
+        self._keep = keep
+        self._idle: list[http.client.HTTPConnection] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+    def send(self, request: httpx.Request, *, timeout: float | None = None) -> DirectResponse:
+        """Send `request` (a GET or HEAD without a body) and return its answer with the body still to read."""
+        target = request.url.raw_path.decode("ascii")
+        headers = [(k, "identity" if k.lower() == "accept-encoding" else v) for k, v in request.headers.multi_items()]
+        if not any(k.lower() == "accept-encoding" for k, _ in headers):
+            headers.append(("Accept-Encoding", "identity"))
+        while True:
+            conn, reused = self._connection()
+            try:
+                if conn.sock is None:
+                    _connect(conn)
+                assert conn.sock is not None
+                conn.sock.settimeout(self._read_timeout if timeout is None else timeout)
+                conn.putrequest(request.method, target, skip_host=True, skip_accept_encoding=True)
+                for k, v in headers:
+                    conn.putheader(k, v)
+                conn.endheaders()
+                answer = conn.getresponse()
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) as exc:
+                conn.close()
+                if reused:  # the server closed an idle connection as we sent: once more on a new one
+                    continue
+                raise httpx.RemoteProtocolError(_describe(exc)) from exc
+            except (OSError, http.client.HTTPException) as exc:
+                conn.close()
+                raise _transport_error(exc) from exc
+            except BaseException:  # httpx's errors from connecting, an interrupt
+                conn.close()
+                raise
+            return DirectResponse(self, conn, answer)
+
+    def _connection(self) -> tuple[http.client.HTTPConnection, bool]:
+        """An idle connection the server has not closed (and True), or a new one, not yet connected (and False)."""
+        with self._lock:
+            while self._idle:
+                conn = self._idle.pop()
+                if _idle_ok(conn):
+                    return conn, True
+                conn.close()
+        if self._https:
+            return http.client.HTTPSConnection(
+                self._host, self._port, timeout=self._connect_timeout, context=self._tls
+            ), False
+        return http.client.HTTPConnection(self._host, self._port, timeout=self._connect_timeout), False
+
+    def _release(self, conn: http.client.HTTPConnection, reusable: bool) -> None:
+        with self._lock:
+            if reusable and not self._closed and len(self._idle) < self._keep:
+                self._idle.append(conn)
+                return
+        conn.close()
+
+
+class DirectResponse:
+    """An answer whose body is read with :meth:`readinto` (or :meth:`iter_bytes`, :meth:`read`); :meth:`close`
+    hands the connection back for reuse when the body was read to its end, and closes it otherwise."""
+
+    def __init__(self, pool: Direct, conn: http.client.HTTPConnection, answer: http.client.HTTPResponse) -> None:
+        self._pool, self._conn, self._answer = pool, conn, answer
+        self.status_code = answer.status
+        self.headers = httpx.Headers(answer.getheaders())
+        length = self.headers.get("content-length", "")
+        chunked = "chunked" in self.headers.get("transfer-encoding", "").lower()
+        self._length = int(length) if length.isdigit() and not chunked else None
+        self._got = 0
+        self._ended = answer.isclosed()  # a HEAD, a 204, an empty body
+        self._released = False
+
+    @property
+    def ended(self) -> bool:
+        """Whether the body was read to its end."""
+        return self._ended
+
+    def readinto(self, view: memoryview) -> int:
+        """Receive up to ``len(view)`` bytes of the body into `view` (fewer only at its end); 0 at its end."""
+        if self._ended or not len(view):
+            return 0
+        try:
+            n = self._answer.readinto(view)
+        except (OSError, http.client.HTTPException) as exc:
+            self._conn.close()
+            raise _transport_error(exc) from exc
+        self._got += n
+        if n == 0 or self._answer.isclosed():
+            self._ended = True
+            if self._length is not None and self._got < self._length:
+                self._conn.close()
+                raise httpx.RemoteProtocolError(
+                    f"the server closed the connection {self._length - self._got} bytes before the answer's end"
+                )
+        return n
+
+    def iter_bytes(self, size: int = 1 << 20) -> Iterator[memoryview]:
+        """The body in pieces of up to `size` bytes, each a view of one buffer that the next piece overwrites."""
+        buf = memoryview(bytearray(size))
+        while n := self.readinto(buf):
+            yield buf[:n]
+
+    def read(self) -> bytes:
+        """The rest of the body."""
+        return b"".join(bytes(piece) for piece in self.iter_bytes())
+
+    def buffered(self, request: httpx.Request) -> httpx.Response:
+        """The answer, body read, as an httpx Response (an error answer takes the path httpx answers take)."""
+        try:
+            content = self.read()
+        finally:
+            self.close()
+        return httpx.Response(self.status_code, headers=self.headers, content=content, request=request)
+
+    def close(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        if not self._ended and self._length == self._got:  # a body of no bytes, never read: it has ended
+            self._answer.close()
+            self._ended = True
+        if not self._ended:
+            self._answer.close()
+            self._conn.close()
+        self._pool._release(self._conn, self._ended)
+
+
+def _connect(conn: http.client.HTTPConnection) -> None:
+    try:
+        conn.connect()
+    except TimeoutError as exc:
+        raise httpx.ConnectTimeout(_describe(exc)) from exc
+    except OSError as exc:  # refused, unreachable, name not found, TLS handshake (ssl.SSLError)
+        raise httpx.ConnectError(_describe(exc)) from exc
+
+
+def _idle_ok(conn: http.client.HTTPConnection) -> bool:
+    """An idle connection is fit to reuse unless its socket is readable: the server closed it (or sent bytes
+    nobody asked for)."""
+    sock = conn.sock
+    if sock is None:
+        return True  # closed after a ``Connection: close`` answer: the next request connects again
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return not poller.poll(0)
+
+
+def _transport_error(exc: OSError | http.client.HTTPException) -> httpx.TransportError:
+    """httpx's exception for a failure of http.client or the socket."""
+    if isinstance(exc, TimeoutError):
+        return httpx.ReadTimeout(_describe(exc))
+    if isinstance(exc, http.client.HTTPException):
+        return httpx.RemoteProtocolError(_describe(exc))
+    return httpx.ReadError(_describe(exc))
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

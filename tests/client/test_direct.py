@@ -1,0 +1,312 @@
+"""Large answers read straight into their buffers (client/_direct.py): the same bytes as through httpx, and the
+same retries, errors, limits and cancellation, against a real server and a loopback server that misbehaves
+on cue."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from weightsync import errors
+from weightsync.client import Publisher, _direct
+from weightsync.client._http import Api
+from weightsync.client._pool import Cancelled, _current, pool_of, run_all
+from weightsync.client.wire import Retry, TokenBucket
+
+ONE = Retry(attempts=1)
+TWO = Retry(attempts=2, base=0.0, cap=0.0)
+Answer = Callable[[socket.socket], bool]
+"""Writes one answer on the connection; whether the connection stays open for the next request."""
+
+
+class Scripted:
+    """A loopback HTTP/1.1 server answering the n-th request with ``answers[n]`` (keep-alive between them)."""
+
+    def __init__(self, answers: list[Answer]) -> None:
+        self.answers = list(answers)
+        self.requests: list[str] = []
+        self.accepted = 0
+        self.conns: list[socket.socket] = []
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            self.conns.append(conn)
+            t = threading.Thread(target=self._serve, args=(conn,), daemon=True)
+            self._threads.append(t)
+            t.start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            buf = b""
+            while True:
+                while b"\r\n\r\n" not in buf:
+                    try:
+                        got = conn.recv(65536)
+                    except OSError:
+                        return
+                    if not got:
+                        return
+                    buf += got
+                head, _, buf = buf.partition(b"\r\n\r\n")
+                self.requests.append(head.decode("latin-1"))
+                if not self.answers or not self.answers.pop(0)(conn):
+                    return
+
+    def close(self) -> None:
+        self._sock.close()
+        for c in self.conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+@pytest.fixture
+def scripted() -> Iterator[Callable[[list[Answer]], Scripted]]:
+    made: list[Scripted] = []
+
+    def make(answers: list[Answer]) -> Scripted:
+        made.append(Scripted(answers))
+        return made[-1]
+
+    yield make
+    for s in made:
+        s.close()
+
+
+def ok(body: bytes, status: int = 200, *, headers: str = "", keep: bool = True) -> Answer:
+    def answer(conn: socket.socket) -> bool:
+        head = f"HTTP/1.1 {status} X\r\nContent-Length: {len(body)}\r\n{headers}\r\n".encode()
+        conn.sendall(head + body)
+        return keep
+
+    return answer
+
+
+def cut(body: bytes, sent: int, *, hold: threading.Event | None = None, rest: bool = False) -> Answer:
+    """The whole body's Content-Length, `sent` bytes of it, then (with `hold`) nothing until it is set, then (with
+    `rest`) the rest of the body; then the connection closes."""
+
+    def answer(conn: socket.socket) -> bool:
+        conn.sendall(f"HTTP/1.1 200 X\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body[:sent])
+        if hold is not None:
+            hold.wait(30)
+        if rest:
+            try:
+                conn.sendall(body[sent:])
+            except OSError:
+                pass
+        return False
+
+    return answer
+
+
+def problem(status: int, code: str, *, headers: str = "") -> Answer:
+    body = f'{{"type": "https://weightsync.dev/problems/{code}", "title": "{code}", "status": {status}}}'.encode()
+    return ok(body, status, headers=f"Content-Type: application/problem+json\r\n{headers}")
+
+
+DATA = np.random.default_rng(7).integers(0, 256, 3 << 20, dtype=np.uint8).tobytes()
+DIGEST = "ab" * 32
+
+
+def test_the_direct_path_reads_what_httpx_reads(server, model: str, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plan bundles and object ranges from a real server: byte for byte the same through either path."""
+    rng = np.random.default_rng(3)
+    tensors = {f"w{i}": rng.integers(0, 256, n, dtype=np.uint8) for i, n in enumerate((5 << 20, 777, 0))}
+    save_file(tensors, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text('{"a": 1}')
+    with Publisher(server.url, model) as pub:
+        pub.publish(tmp_path)
+    seen: list[tuple] = []
+    for direct in ("1", "0"):
+        monkeypatch.setenv(_direct.ENV_SWITCH, direct)
+        with Api(server.url) as api:
+            assert (api._direct is not None) is (direct == "1")
+            counted: list[int] = []
+            api.on_bytes = counted.append
+            plan, objects = api.get_plan_bundle(model, have=None, inline=64 << 20)
+            got = {d: bytes(v) for d, (v, h) in objects.items()}
+            assert all(hashlib.sha256(v).hexdigest() == d for d, v in got.items())
+            assert sum(counted) == sum(len(v) for v in got.values())
+            big = max(got, key=lambda d: len(got[d]))
+            counted.clear()
+            whole = api.read_object(big)
+            part = api.read_object(big, start=1000, end=(3 << 20) + 5)
+            assert sum(counted) == len(whole) + len(part)
+            pieces = bytearray()
+
+            def sink(chunk: memoryview | bytes, pieces: bytearray = pieces) -> None:
+                pieces[:] = pieces + chunk if chunk else b""
+
+            api.get_object(big, sink, start=17)
+            assert bytes(whole) == got[big] and bytes(part) == got[big][1000 : (3 << 20) + 5]
+            assert bytes(pieces) == got[big][17:]
+            seen.append((plan.target, got, bytes(whole)))
+    assert seen[0] == seen[1]
+
+
+def test_a_body_cut_short_is_retried_and_the_retry_read_whole(scripted) -> None:
+    srv = scripted([cut(DATA, 1 << 20), ok(DATA)])
+    with Api(srv.url, retry=TWO) as api:
+        assert api._direct is not None
+        assert bytes(api.read_object(DIGEST)) == DATA
+    assert len(srv.requests) == 2
+
+
+def test_a_body_cut_short_with_no_retry_left_is_server_unavailable(scripted) -> None:
+    srv = scripted([cut(DATA, 1 << 20)])
+    with Api(srv.url, retry=ONE) as api, pytest.raises(errors.ServerUnavailable, match="RemoteProtocolError"):
+        api.read_object(DIGEST)
+
+
+def test_connections_are_reused_and_one_the_server_closed_is_replaced(scripted) -> None:
+    srv = scripted([ok(DATA), ok(DATA[:10], keep=False), ok(DATA[5:9])])
+    with Api(srv.url, retry=ONE) as api:  # no retry: a stale connection must not cost an attempt
+        assert bytes(api.read_object(DIGEST)) == DATA
+        assert bytes(api.read_object(DIGEST)) == DATA[:10]  # same connection; the server closes it after
+        assert srv.accepted == 1
+        for _ in range(500):  # the server has closed its end
+            if srv.conns[0].fileno() == -1:
+                break
+            time.sleep(0.01)
+        assert bytes(api.read_object(DIGEST)) == DATA[5:9]
+    assert srv.accepted == 2
+
+
+def test_a_stalled_body_is_a_read_timeout(scripted) -> None:
+    hold = threading.Event()
+    srv = scripted([cut(DATA, 1000, hold=hold)])
+    try:
+        with Api(srv.url, retry=ONE, timeout=0.3) as api, pytest.raises(errors.ServerUnavailable, match="ReadTimeout"):
+            api.read_object(DIGEST)
+    finally:
+        hold.set()
+
+
+def test_error_answers_map_to_named_errors_and_transient_ones_are_retried(scripted) -> None:
+    srv = scripted(
+        [problem(404, "object_not_found"), problem(503, "unavailable", headers="Retry-After: 0\r\n"), ok(DATA)]
+    )
+    with Api(srv.url, retry=TWO) as api:
+        with pytest.raises(errors.ObjectNotFound):
+            api.read_object(DIGEST)
+        assert bytes(api.read_object(DIGEST, start=0, end=len(DATA))) == DATA
+    assert srv.accepted == 1  # an error answer's body is read: the connection serves the next request
+    assert "range: bytes=0-3145727" in srv.requests[2].lower()
+
+
+def test_a_refused_connection_is_server_unavailable() -> None:
+    sock = socket.create_server(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    with (
+        Api(f"http://127.0.0.1:{port}", retry=TWO) as api,
+        pytest.raises(errors.ServerUnavailable, match="ConnectError"),
+    ):
+        api.read_object(DIGEST)
+
+
+def test_requests_carry_the_clients_headers_and_ask_for_no_encoding(scripted) -> None:
+    srv = scripted([ok(DATA[:100])])
+    with Api(srv.url, "tok-1", retry=ONE) as api:
+        api.read_object(DIGEST, start=5, end=105)
+    head = srv.requests[0].lower().split("\r\n")
+    assert head[0] == f"get /v1/objects/{DIGEST} http/1.1"
+    assert "authorization: bearer tok-1" in head and "accept-encoding: identity" in head
+    assert any(h.startswith("user-agent: weightsync/") for h in head)
+    assert any(h.startswith("host: 127.0.0.1:") for h in head)
+
+
+def test_received_bytes_pay_the_rate_limit(scripted) -> None:
+    class Counting(TokenBucket):
+        paid = 0
+
+        def acquire(self, n: int) -> None:
+            Counting.paid += n
+            super().acquire(n)
+
+    srv = scripted([ok(DATA), ok(DATA)])
+    with Api(srv.url, retry=ONE, limiter=Counting(rate=1 << 40)) as api:
+        api.read_object(DIGEST)
+        api.get_object(DIGEST, lambda c: None)
+    assert Counting.paid == 2 * len(DATA)
+
+
+def test_a_stopped_batch_stops_a_read_between_two_pieces(scripted) -> None:
+    """A transfer of a batch that another job's failure stopped ends at its next piece, not at its body's end."""
+    hold = threading.Event()
+    scope: list = []
+
+    def release_when_stopped() -> None:
+        for _ in range(3000):
+            if scope and scope[0].stopped():
+                break
+            time.sleep(0.01)
+        hold.set()
+
+    srv = scripted([cut(DATA, 1 << 20, hold=hold, rest=True)])  # 1 MiB, then the rest once the batch stopped
+    got: list[int] = []
+    with Api(srv.url, retry=ONE) as api:
+        api.on_bytes = got.append
+        first = threading.Event()
+
+        def job(i: int) -> None:
+            if i == 0:
+                api.on_bytes = lambda n: (got.append(n), first.set())
+                api.read_object(DIGEST)
+            else:
+                first.wait(30)
+                scope.append(_current())
+                threading.Thread(target=release_when_stopped, daemon=True).start()
+                raise errors.InvalidArgument("the other job failed")
+
+        with pytest.raises((errors.InvalidArgument, Cancelled)) as failure:
+            run_all(pool_of(2), job, [0, 1])
+    assert isinstance(failure.value, errors.InvalidArgument)
+    assert sum(got) == 1 << 20  # the first piece; the read after it found the batch stopped
+
+
+@pytest.mark.parametrize(
+    ("env", "direct"),
+    [
+        ({}, True),
+        ({"HTTP_PROXY": "http://proxy.example:3128"}, False),
+        ({"ALL_PROXY": "http://proxy.example:3128"}, False),
+        ({"HTTPS_PROXY": "http://proxy.example:3128"}, True),  # another scheme's proxy
+        ({"HTTP_PROXY": "http://proxy.example:3128", "NO_PROXY": "weightsync.test"}, True),
+        ({_direct.ENV_SWITCH: "0"}, False),
+    ],
+)
+def test_the_direct_path_is_used_only_where_httpx_would_go_direct(env: dict, direct: bool, monkeypatch) -> None:
+    for name in list(os.environ):
+        if name.lower().endswith("_proxy") or name == _direct.ENV_SWITCH:
+            monkeypatch.delenv(name)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert _direct.usable("http://weightsync.test:8400", None) is direct
+    with Api("http://weightsync.test:8400") as api:
+        assert (api._direct is not None) is direct
+
+
+def test_an_injected_transport_keeps_every_request_on_httpx() -> None:
+    import httpx
+
+    assert not _direct.usable("http://weightsync.test", httpx.MockTransport(lambda r: httpx.Response(200)))
