@@ -334,7 +334,7 @@ class ObjectCache:
                 cursor = b
             if h.hexdigest() != digest:
                 return cursor
-            self._mem[digest] = b"".join(chunks)
+            self._mem[digest] = chunks[0] if len(chunks) == 1 else b"".join(chunks)  # one part: kept, not copied
         else:
             sink = _FileSink(self._path(digest))
             try:
