@@ -6,17 +6,21 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import socket
+import ssl
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
 
+import httpx
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
 from weightsync import errors
-from weightsync.client import Publisher, _direct
+from weightsync.client import Publisher, _direct, _http
 from weightsync.client._http import Api
 from weightsync.client._pool import Cancelled, _current, pool_of, run_all
 from weightsync.client.wire import Retry, TokenBucket
@@ -30,8 +34,9 @@ Answer = Callable[[socket.socket], bool]
 class Scripted:
     """A loopback HTTP/1.1 server answering the n-th request with ``answers[n]`` (keep-alive between them)."""
 
-    def __init__(self, answers: list[Answer]) -> None:
+    def __init__(self, answers: list[Answer], tls: ssl.SSLContext | None = None) -> None:
         self.answers = list(answers)
+        self.tls = tls
         self.requests: list[str] = []
         self.accepted = 0
         self.conns: list[socket.socket] = []
@@ -47,6 +52,12 @@ class Scripted:
             except OSError:
                 return
             self.accepted += 1
+            if self.tls is not None:
+                try:
+                    conn = self.tls.wrap_socket(conn, server_side=True)
+                except OSError:  # a client that refused our certificate
+                    conn.close()
+                    continue
             self.conns.append(conn)
             t = threading.Thread(target=self._serve, args=(conn,), daemon=True)
             self._threads.append(t)
@@ -70,20 +81,22 @@ class Scripted:
                     return
 
     def close(self) -> None:
-        self._sock.close()
-        for c in self.conns:
+        for c in [self._sock, *self.conns]:  # a shutdown wakes a thread blocked in accept() or recv()
             try:
                 c.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+        self._sock.close()
+        for t in self._threads:
+            t.join(10)
 
 
 @pytest.fixture
 def scripted() -> Iterator[Callable[[list[Answer]], Scripted]]:
     made: list[Scripted] = []
 
-    def make(answers: list[Answer]) -> Scripted:
-        made.append(Scripted(answers))
+    def make(answers: list[Answer], tls: ssl.SSLContext | None = None) -> Scripted:
+        made.append(Scripted(answers, tls))
         return made[-1]
 
     yield make
@@ -225,9 +238,9 @@ def test_a_refused_connection_is_server_unavailable() -> None:
 
 
 def test_requests_carry_the_clients_headers_and_ask_for_no_encoding(scripted) -> None:
-    srv = scripted([ok(DATA[:100])])
+    srv = scripted([ok(DATA[5:105], 206)])
     with Api(srv.url, "tok-1", retry=ONE) as api:
-        api.read_object(DIGEST, start=5, end=105)
+        assert bytes(api.read_object(DIGEST, start=5, end=105)) == DATA[5:105]
     head = srv.requests[0].lower().split("\r\n")
     assert head[0] == f"get /v1/objects/{DIGEST} http/1.1"
     assert "authorization: bearer tok-1" in head and "accept-encoding: identity" in head
@@ -285,28 +298,171 @@ def test_a_stopped_batch_stops_a_read_between_two_pieces(scripted) -> None:
 
 
 @pytest.mark.parametrize(
-    ("env", "direct"),
+    ("env", "server", "direct"),
     [
-        ({}, True),
-        ({"HTTP_PROXY": "http://proxy.example:3128"}, False),
-        ({"ALL_PROXY": "http://proxy.example:3128"}, False),
-        ({"HTTPS_PROXY": "http://proxy.example:3128"}, True),  # another scheme's proxy
-        ({"HTTP_PROXY": "http://proxy.example:3128", "NO_PROXY": "weightsync.test"}, True),
-        ({_direct.ENV_SWITCH: "0"}, False),
+        ({}, "http://weightsync.test:8400", True),
+        ({"HTTP_PROXY": "http://proxy.example:3128"}, "http://weightsync.test:8400", False),
+        ({"ALL_PROXY": "http://proxy.example:3128"}, "http://weightsync.test:8400", False),
+        ({"HTTPS_PROXY": "http://proxy.example:3128"}, "http://weightsync.test:8400", True),  # another scheme's
+        (
+            {"HTTP_PROXY": "http://proxy.example:3128", "NO_PROXY": "weightsync.test"},
+            "http://weightsync.test:8400",
+            True,
+        ),
+        # httpx reads a leading dot as "subdomains only": the domain itself still goes through the proxy
+        (
+            {"HTTP_PROXY": "http://proxy.example:3128", "NO_PROXY": ".weightsync.test"},
+            "http://weightsync.test:8400",
+            False,
+        ),
+        ({"HTTP_PROXY": "http://proxy.example:3128", "NO_PROXY": ".weightsync.test"}, "http://a.weightsync.test", True),
+        ({}, "http://alice:s3cret@weightsync.test:8400", False),  # httpx sends these as Basic auth
+        ({_direct.ENV_SWITCH: "0"}, "http://weightsync.test:8400", False),
     ],
 )
-def test_the_direct_path_is_used_only_where_httpx_would_go_direct(env: dict, direct: bool, monkeypatch) -> None:
+def test_the_direct_path_is_used_only_where_httpx_would_go_direct(
+    env: dict, server: str, direct: bool, monkeypatch
+) -> None:
     for name in list(os.environ):
         if name.lower().endswith("_proxy") or name == _direct.ENV_SWITCH:
             monkeypatch.delenv(name)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    assert _direct.usable("http://weightsync.test:8400", None) is direct
-    with Api("http://weightsync.test:8400") as api:
-        assert (api._direct is not None) is direct
+    with httpx.Client() as client:
+        assert _direct.usable(client, server, None) is direct
 
 
 def test_an_injected_transport_keeps_every_request_on_httpx() -> None:
-    import httpx
+    transport = httpx.MockTransport(lambda r: httpx.Response(200))
+    with Api("http://weightsync.test:8400", transport=transport) as api:
+        assert api._direct is None
 
-    assert not _direct.usable("http://weightsync.test", httpx.MockTransport(lambda r: httpx.Response(200)))
+
+def test_a_closed_client_sends_nothing_more(scripted) -> None:
+    srv = scripted([ok(DATA[:10])])
+    api = Api(srv.url, retry=ONE)
+    assert bytes(api.read_object(DIGEST)) == DATA[:10]
+    api.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        api.read_object(DIGEST)
+    assert len(srv.requests) == 1
+
+
+def raw(text: str, keep: bool = True) -> Answer:
+    """An answer written as given (status line, headers and body: whatever framing the test needs)."""
+
+    def answer(conn: socket.socket) -> bool:
+        conn.sendall(text.encode())
+        return keep
+
+    return answer
+
+
+def test_a_chunked_body_is_taken_as_framed_whatever_its_content_length_says(scripted) -> None:
+    """A Content-Length beside Transfer-Encoding says nothing: the body is the chunks, never a buffer of that
+    length filled with whatever memory held."""
+    srv = scripted(
+        [raw("HTTP/1.1 206 X\r\nContent-Length: 4096\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n")]
+    )
+    with Api(srv.url, retry=ONE) as api:
+        assert bytes(api.read_object(DIGEST, start=0, end=4096)) == b"hello"
+
+
+def test_a_chunked_body_cut_short_is_refused(scripted) -> None:
+    srv = scripted([raw("HTTP/1.1 200 X\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhel", keep=False)])
+    with Api(srv.url, retry=ONE) as api, pytest.raises(errors.ServerUnavailable, match="RemoteProtocolError"):
+        api.read_object(DIGEST)
+
+
+def test_a_body_cut_short_is_refused_whatever_its_headers_look_like(scripted) -> None:
+    """Two equal Content-Length headers (which httpx's header view joins): still framed by the length, and a body
+    that ends before it is refused, not taken short."""
+    srv = scripted(
+        [raw("HTTP/1.1 200 X\r\nContent-Length: 1000\r\nContent-Length: 1000\r\n\r\n" + "x" * 10, keep=False)]
+    )
+    with Api(srv.url, retry=ONE) as api, pytest.raises(errors.ServerUnavailable, match="RemoteProtocolError"):
+        api.read_object(DIGEST)
+
+
+def test_a_range_answered_as_the_whole_object_or_longer_is_refused(scripted) -> None:
+    srv = scripted([ok(DATA[:100]), ok(DATA[:100], 206), ok(DATA[:100])])
+    with Api(srv.url, retry=ONE) as api:
+        with pytest.raises(errors.BadResponse, match="not 206"):
+            api.read_object(DIGEST, start=10, end=110)  # a 200: the bytes from 0, not from 10
+        with pytest.raises(errors.BadResponse, match="100 bytes answered for a range of 50"):
+            api.read_object(DIGEST, start=10, end=60)
+        with pytest.raises(errors.BadResponse, match="not 206"):
+            api.get_object(DIGEST, lambda c: None, start=10)
+
+
+def test_an_answer_with_connection_close_is_followed_by_a_new_connection(scripted) -> None:
+    srv = scripted([ok(DATA[:10], headers="Connection: close\r\n", keep=False), ok(DATA[:20])])
+    with Api(srv.url, retry=ONE) as api:
+        assert bytes(api.read_object(DIGEST)) == DATA[:10]
+        assert bytes(api.read_object(DIGEST)) == DATA[:20]
+    assert srv.accepted == 2
+
+
+def test_a_connection_idle_past_its_expiry_is_not_used(scripted) -> None:
+    """A connection a middlebox dropped without a word looks open: one idle longer than the expiry is closed
+    instead of waiting a read timeout for an answer that never comes."""
+    hold = threading.Event()
+
+    def then_silent(conn: socket.socket) -> bool:  # answers, then never reads this connection again
+        ok(DATA[:10])(conn)
+        hold.wait(30)
+        return False
+
+    srv = scripted([then_silent, ok(DATA[:20])])
+    pool = _direct.Direct(srv.url, connect_timeout=5, read_timeout=5, tls=None, keep=4, expiry=0.0)
+    try:
+        for want in (DATA[:10], DATA[:20]):
+            answer = pool.send(httpx.Request("GET", f"{srv.url}/v1/objects/{DIGEST}"))
+            assert answer.read() == want
+            answer.close()
+    finally:
+        hold.set()
+        pool.close()
+    assert srv.accepted == 2
+
+
+def test_idle_connections_are_checked_without_poll(scripted, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where select has no poll (Windows), an idle connection is checked with select() and reused."""
+    import select
+
+    monkeypatch.delattr(select, "poll")
+    srv = scripted([ok(DATA[:10]), ok(DATA[:20])])
+    with Api(srv.url, retry=ONE) as api:
+        assert bytes(api.read_object(DIGEST)) == DATA[:10]
+        assert bytes(api.read_object(DIGEST)) == DATA[:20]
+    assert srv.accepted == 1
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
+def test_https_uses_the_clients_certificate_store_and_refuses_an_unknown_certificate(
+    scripted, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_tls.load_cert_chain(cert, key)
+    srv = scripted([ok(DATA), ok(DATA[:5])], tls=server_tls)
+    url = srv.url.replace("http://", "https://")
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))  # httpx's default context trusts it
+    _http._tls_context.cache_clear()
+    try:
+        with Api(url, retry=ONE) as api:
+            assert api._direct is not None
+            assert bytes(api.read_object(DIGEST)) == DATA
+            assert bytes(api.read_object(DIGEST)) == DATA[:5]
+        assert srv.accepted == 1
+        monkeypatch.delenv("SSL_CERT_FILE")
+        _http._tls_context.cache_clear()
+        with Api(url, retry=ONE) as api, pytest.raises(errors.ServerUnavailable, match="ConnectError"):
+            api.read_object(DIGEST)
+    finally:
+        _http._tls_context.cache_clear()

@@ -16,9 +16,8 @@ for ``Accept-Encoding: identity``: the bodies are compressed objects already. Fa
 httpx's own exceptions (ConnectError, ConnectTimeout, ReadTimeout, ReadError, RemoteProtocolError),
 so the Api's one retry loop treats both paths alike; an answer that ends before its Content-Length
 is a RemoteProtocolError, as with httpx. The Api uses it only where it behaves as httpx would: no
-transport injected, and no proxy in the environment for the server's URL (httpx honours
-``HTTP(S)_PROXY``/``ALL_PROXY``/``NO_PROXY``; http.client does not). ``WEIGHTSYNC_HTTP_DIRECT=0``
-turns it off.
+transport injected, no credentials in the URL, and httpx's own routing of the server's URL going
+to no proxy (:func:`usable`). ``WEIGHTSYNC_HTTP_DIRECT=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ import os
 import select
 import ssl
 import threading
-import urllib.request
+import time
 from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlsplit
@@ -38,16 +37,25 @@ import httpx
 ENV_SWITCH = "WEIGHTSYNC_HTTP_DIRECT"
 
 
-def usable(server: str, transport: Any) -> bool:
-    """Whether a client of `server` may read large answers directly: no injected transport, not turned off
-    (``WEIGHTSYNC_HTTP_DIRECT=0``), and no proxy from the environment that httpx would send it through."""
+def usable(client: httpx.Client, server: str, transport: Any) -> bool:
+    """Whether `client` (an Api's, for `server`) may have its large answers read directly: not turned off
+    (``WEIGHTSYNC_HTTP_DIRECT=0``), no injected transport, no credentials in the URL (httpx sends them as
+    Basic auth), and httpx itself would reach `server` with its own transport, not a proxy's (its rules:
+    ``HTTP(S)_PROXY``, ``ALL_PROXY``, ``NO_PROXY``, the system's settings). Where httpx no longer tells
+    (its routing is not public API), large answers stay with it."""
     if transport is not None or os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
         return False
     parts = urlsplit(server)
-    proxies = urllib.request.getproxies_environment()
-    if not (proxies.get(parts.scheme) or proxies.get("all")):
-        return True
-    return bool(urllib.request.proxy_bypass(parts.netloc))
+    if parts.username is not None or parts.password is not None:
+        return False
+    route = getattr(client, "_transport_for_url", None)
+    own = getattr(client, "_transport", None)
+    if route is None or own is None:
+        return False
+    try:
+        return route(httpx.URL(server)) is own
+    except Exception:  # noqa: BLE001 - a changed private signature: stay with httpx
+        return False
 
 
 class Direct:
@@ -55,7 +63,14 @@ class Direct:
     request at a time)."""
 
     def __init__(
-        self, server: str, *, connect_timeout: float, read_timeout: float, tls: ssl.SSLContext | None, keep: int
+        self,
+        server: str,
+        *,
+        connect_timeout: float,
+        read_timeout: float,
+        tls: ssl.SSLContext | None,
+        keep: int,
+        expiry: float | None = 5.0,
     ) -> None:
         parts = urlsplit(server)
         self._host = parts.hostname or ""
@@ -65,8 +80,11 @@ class Direct:
             raise ValueError("an https server needs a TLS context")
         self._tls = tls
         self._connect_timeout, self._read_timeout = connect_timeout, read_timeout
-        self._keep = keep
-        self._idle: list[http.client.HTTPConnection] = []
+        self._keep, self._expiry = keep, expiry
+        # Idle connections and when each was handed back: one idle longer than `expiry` (httpx's keepalive_expiry)
+        # is closed, not used: a middlebox may have dropped it without a word, and a request sent on it would
+        # wait a whole read timeout.
+        self._idle: list[tuple[http.client.HTTPConnection, float]] = []
         self._lock = threading.Lock()
         self._closed = False
 
@@ -74,11 +92,13 @@ class Direct:
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, []
-        for conn in idle:
+        for conn, _ in idle:
             conn.close()
 
     def send(self, request: httpx.Request, *, timeout: float | None = None) -> DirectResponse:
         """Send `request` (a GET or HEAD without a body) and return its answer with the body still to read."""
+        if self._closed:
+            raise RuntimeError("the client has been closed")
         target = request.url.raw_path.decode("ascii")
         headers = [(k, "identity" if k.lower() == "accept-encoding" else v) for k, v in request.headers.multi_items()]
         if not any(k.lower() == "accept-encoding" for k, _ in headers):
@@ -110,10 +130,11 @@ class Direct:
 
     def _connection(self) -> tuple[http.client.HTTPConnection, bool]:
         """An idle connection the server has not closed (and True), or a new one, not yet connected (and False)."""
+        now = time.monotonic()
         with self._lock:
             while self._idle:
-                conn = self._idle.pop()
-                if _idle_ok(conn):
+                conn, since = self._idle.pop()
+                if (self._expiry is None or now - since <= self._expiry) and _idle_ok(conn):
                     return conn, True
                 conn.close()
         if self._https:
@@ -123,9 +144,11 @@ class Direct:
         return http.client.HTTPConnection(self._host, self._port, timeout=self._connect_timeout), False
 
     def _release(self, conn: http.client.HTTPConnection, reusable: bool) -> None:
+        """Keep `conn` for the next request if its answer was read to the end and it is still open (not after
+        an answer with ``Connection: close``); close it otherwise."""
         with self._lock:
-            if reusable and not self._closed and len(self._idle) < self._keep:
-                self._idle.append(conn)
+            if reusable and conn.sock is not None and not self._closed and len(self._idle) < self._keep:
+                self._idle.append((conn, time.monotonic()))
                 return
         conn.close()
 
@@ -138,11 +161,7 @@ class DirectResponse:
         self._pool, self._conn, self._answer = pool, conn, answer
         self.status_code = answer.status
         self.headers = httpx.Headers(answer.getheaders())
-        length = self.headers.get("content-length", "")
-        chunked = "chunked" in self.headers.get("transfer-encoding", "").lower()
-        self._length = int(length) if length.isdigit() and not chunked else None
-        self._got = 0
-        self._ended = answer.isclosed()  # a HEAD, a 204, an empty body
+        self._ended = answer.isclosed()
         self._released = False
 
     @property
@@ -159,13 +178,15 @@ class DirectResponse:
         except (OSError, http.client.HTTPException) as exc:
             self._conn.close()
             raise _transport_error(exc) from exc
-        self._got += n
         if n == 0 or self._answer.isclosed():
             self._ended = True
-            if self._length is not None and self._got < self._length:
+            # http.client frames the body as it parsed the headers (Content-Length, chunked, until close) and
+            # counts down what its length leaves; at a connection closed early it returns 0 without a word.
+            left = self._answer.length
+            if left:
                 self._conn.close()
                 raise httpx.RemoteProtocolError(
-                    f"the server closed the connection {self._length - self._got} bytes before the answer's end"
+                    f"the server closed the connection {left} bytes before the answer's end"
                 )
         return n
 
@@ -191,7 +212,7 @@ class DirectResponse:
         if self._released:
             return
         self._released = True
-        if not self._ended and self._length == self._got:  # a body of no bytes, never read: it has ended
+        if not self._ended and self._answer.length == 0:  # a body of no bytes, never read: it has ended
             self._answer.close()
             self._ended = True
         if not self._ended:
@@ -214,10 +235,12 @@ def _idle_ok(conn: http.client.HTTPConnection) -> bool:
     nobody asked for)."""
     sock = conn.sock
     if sock is None:
-        return True  # closed after a ``Connection: close`` answer: the next request connects again
-    poller = select.poll()
-    poller.register(sock, select.POLLIN)
-    return not poller.poll(0)
+        return False
+    if hasattr(select, "poll"):
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        return not poller.poll(0)
+    return not select.select([sock], [], [], 0)[0]  # Windows: no poll (and no limit on descriptor numbers)
 
 
 def _transport_error(exc: OSError | http.client.HTTPException) -> httpx.TransportError:

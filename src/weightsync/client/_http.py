@@ -172,8 +172,9 @@ class Api:
                 read_timeout=timeout,
                 tls=verify or None,
                 keep=limits.max_keepalive_connections or 1,
+                expiry=limits.keepalive_expiry,
             )
-            if _direct.usable(self.server, transport)
+            if _direct.usable(self._http, self.server, transport)
             else None
         )
         """Large answers (plan bundles, object ranges) are read through this, straight into their buffers
@@ -652,7 +653,9 @@ class Api:
 
     # --- reading objects ----------------------------------------------------------------
 
-    def get_object(self, digest: str, sink: Callable[[bytes], None], *, start: int = 0, end: int | None = None) -> int:
+    def get_object(
+        self, digest: str, sink: Callable[[bytes | memoryview], None], *, start: int = 0, end: int | None = None
+    ) -> int:
         """Stream object bytes [start, end) into `sink` (rate-limited); returns the bytes received.
 
         A retried attempt restarts the range, so `sink` must accept a restart:
@@ -663,7 +666,8 @@ class Api:
         if start or end is not None:
             headers["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
 
-        def consume(resp: httpx.Response) -> int:
+        def consume(resp: httpx.Response | _direct.DirectResponse) -> int:
+            _check_range_answer(resp, digest, start, end)
             sink(b"")
             n = 0
             for chunk in resp.iter_bytes(UPLOAD_CHUNK):
@@ -694,6 +698,7 @@ class Api:
             headers["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
 
         def consume(resp: httpx.Response | _direct.DirectResponse) -> memoryview:
+            _check_range_answer(resp, digest, start, end)
             length = _identity_length(resp)
             if length is None:  # no length stated (or an encoding): gathered as it comes
                 gathered = bytearray()
@@ -701,6 +706,10 @@ class Api:
                     self._took(len(chunk))
                     gathered += chunk
                 return memoryview(gathered).toreadonly()
+            if end is not None and length > end - start:
+                raise errors.BadResponse(
+                    f"GET /v1/objects/{digest}: {length} bytes answered for a range of {end - start}"
+                )
             buf = np.empty(length, dtype=np.uint8).data  # its pages touched once, by the bytes arriving
             if isinstance(resp, _direct.DirectResponse):
                 self._receive_into(resp, buf, None)
@@ -736,7 +745,8 @@ class Api:
     def _receive_into(self, resp: _direct.DirectResponse, buf: memoryview, took: Callable[[int], None] | None) -> None:
         """Receive `resp`'s body into `buf`, READ_BYTES per read (rate-limited, cancellable between reads; counted
         by `on_bytes` unless `took` is given: a plan bundle counts its objects once received); `took(n)` after
-        each. `buf` is the answer's stated length: http.client reads no further, and raises at a shorter end."""
+        each. `buf` is the answer's stated length (its Content-Length, no Transfer-Encoding): http.client reads
+        no further, and a body that ends short is RemoteProtocolError (retried)."""
         at = 0
         while at < len(buf):
             n = resp.readinto(buf[at : at + READ_BYTES])
@@ -751,6 +761,8 @@ class Api:
             else:
                 took(n)
             at += n
+        if at != len(buf):
+            raise httpx.RemoteProtocolError(f"the answer ended after {at} of its {len(buf)} bytes")
 
     def head_object(self, digest: str) -> int:
         resp = self.request("HEAD", f"/v1/objects/{digest}", not_found=errors.ObjectNotFound, ok=(200,))
@@ -831,11 +843,27 @@ def _begin_fields(
 
 
 def _identity_length(resp: httpx.Response | _direct.DirectResponse) -> int | None:
-    """The body's length from its Content-Length, when its bytes arrive as sent (no content encoding)."""
+    """The body's length from its Content-Length, when its bytes arrive as sent: no content encoding, and no
+    transfer encoding (which frames the body instead; its Content-Length, if any, says nothing)."""
     length = resp.headers.get("content-length", "")
-    if resp.headers.get("content-encoding", "identity") != "identity" or not length.isdigit():
+    if (
+        resp.headers.get("content-encoding", "identity") != "identity"
+        or "transfer-encoding" in resp.headers
+        or not length.isdigit()
+    ):
         return None
     return int(length)
+
+
+def _check_range_answer(
+    resp: httpx.Response | _direct.DirectResponse, digest: str, start: int, end: int | None
+) -> None:
+    """A range that does not start at 0 must be answered as one (206): a 200 is the whole object from its first
+    byte, which would be taken for the bytes from `start` on (BadResponse)."""
+    if start and resp.status_code != 206:
+        raise errors.BadResponse(
+            f"GET /v1/objects/{digest}: range from byte {start} answered {resp.status_code}, not 206"
+        )
 
 
 def _problem_member(resp: httpx.Response, name: str) -> Any:
