@@ -525,7 +525,14 @@ def apply(
     the tensors hold `version` again, unless the update replaced some tensor whole (a
     new chain): then they hold neither version and must be loaded afresh (the message
     says which). The pause runs from the first write until the result check passed.
+
+    Without `verify` an update is applied unchecked only where its objects' bytes were checked: hashed
+    whole against their names (before the first write, for those taken unhashed). One read from byte
+    ranges (:attr:`Prepared.partial_objects`: a tensor selection) cannot be hashed, and the checks of
+    its results are all that would catch a range damaged on the way: it is verified all the same.
     """
+    if prepared.partial_objects:
+        verify = True  # nothing else checks bytes read from ranges
     if prepared.unhashed_objects and (not verify or any(u.replace is not None for u in prepared.updates.values())):
         prepared.check_objects()  # what no result check covers is checked before the first write
     from weightsync.client.tensors import byte_view, copy_pieces, host_bytes, torch_module

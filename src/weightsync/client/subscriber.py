@@ -240,6 +240,8 @@ class Subscriber:
         device (client/inplace.py): a result that fails raises ChecksumMismatch with
         the changes undone, so :attr:`version` stays (unless a tensor was replaced
         whole: then :attr:`version` becomes None and the caller must reload).
+        An update read from byte ranges (a tensor selection: the ranges cannot be
+        hashed against their objects' names) is verified even with ``verify=False``.
 
         The returned pause runs from the first write until the result check passed.
         Tensors must be contiguous.
