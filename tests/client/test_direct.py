@@ -13,6 +13,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -466,3 +467,70 @@ def test_https_uses_the_clients_certificate_store_and_refuses_an_unknown_certifi
             api.read_object(DIGEST)
     finally:
         _http._tls_context.cache_clear()
+
+
+@pytest.mark.parametrize("direct", ["1", "0"])
+def test_watch_sees_every_piece_in_order_and_a_restart_before_each_attempt(scripted, direct, monkeypatch) -> None:
+    monkeypatch.setenv(_direct.ENV_SWITCH, direct)
+    srv = scripted([cut(DATA, 1 << 20), ok(DATA)])
+    seen: list[bytes] = []
+    with Api(srv.url, retry=TWO) as api:
+        assert (api._direct is not None) is (direct == "1")
+        got = api.read_object(DIGEST, watch=lambda piece: seen.append(bytes(piece)))
+    restarts = [i for i, piece in enumerate(seen) if not piece]
+    assert len(restarts) == 2, "one restart before each of the two attempts"
+    assert b"".join(seen[restarts[-1] + 1 :]) == bytes(got) == DATA
+
+
+def _object_of(server_url: str, model: str, tmp_path: Path) -> tuple[str, int]:
+    """Publish a version and return its largest object (digest, size)."""
+    rng = np.random.default_rng(5)
+    save_file({"w": rng.integers(0, 256, 3 << 20, dtype=np.uint8)}, tmp_path / "model.safetensors")
+    with Publisher(server_url, model) as pub:
+        pub.publish(tmp_path / "model.safetensors")
+    with Api(server_url) as api:
+        plan = api.get_plan(model, have=None)
+    return max(((o.digest, o.size) for s in plan.steps for o in s.objects), key=lambda o: o[1])
+
+
+class _FlipFirstRange(httpx.BaseTransport):
+    """Real HTTP, with one byte of every object range that starts at 0 flipped on the way."""
+
+    def __init__(self) -> None:
+        self.inner = httpx.HTTPTransport()
+        self.flipped = 0
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        resp = self.inner.handle_request(request)
+        if "/v1/objects/" not in request.url.path or not request.headers.get("range", "").startswith("bytes=0-"):
+            return resp
+        body = bytearray(resp.read())
+        body[len(body) // 3] ^= 0x01
+        self.flipped += 1
+        headers = [(k, v) for k, v in resp.headers.items() if k.lower() != "content-length"]
+        return httpx.Response(resp.status_code, headers=headers, content=bytes(body))
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+@pytest.mark.parametrize("range_bytes", [64 << 20, 1 << 20])  # the object in one range, and in several
+def test_an_object_hashed_as_its_first_range_arrives_is_checked_whole(server, model, tmp_path, range_bytes) -> None:
+    """In memory, an object's first range is hashed as it arrives and the join goes on from there: the object is
+    byte for byte, and a byte flipped in that first range is still a DigestMismatch."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from weightsync.client._objects import ObjectCache
+
+    digest, size = _object_of(server.url, model, tmp_path)
+    assert size > 2 << 20
+    with Api(server.url) as api, ThreadPoolExecutor(4) as pool:
+        want = bytes(api.read_object(digest))
+        cache = ObjectCache(None)
+        cache.fetch(api, {digest: size}, pool, range_bytes=range_bytes)
+        assert bytes(cache.read(digest)) == want
+    flip = _FlipFirstRange()
+    with Api(server.url, retry=ONE, transport=flip) as api, ThreadPoolExecutor(4) as pool:
+        with pytest.raises(errors.DigestMismatch):
+            ObjectCache(None).fetch(api, {digest: size}, pool, range_bytes=range_bytes)
+    assert flip.flipped >= 1

@@ -690,20 +690,36 @@ class Api:
             large=True,
         )
 
-    def read_object(self, digest: str, *, start: int = 0, end: int | None = None) -> memoryview:
+    def read_object(
+        self,
+        digest: str,
+        *,
+        start: int = 0,
+        end: int | None = None,
+        watch: Callable[[memoryview | bytes], None] | None = None,
+    ) -> memoryview:
         """Object bytes [start, end) (rate-limited, counted by `on_bytes`) in one buffer of their length when the
-        answer states it, received straight into it where :mod:`~weightsync.client._direct` is usable."""
+        answer states it, received straight into it where :mod:`~weightsync.client._direct` is usable.
+
+        `watch` sees the bytes as they arrive, in order (to hash them while the rest is on its way): each piece
+        once, and ``b""`` before each attempt (a retried one starts the range over)."""
         headers = {}
         if start or end is not None:
             headers["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
 
         def consume(resp: httpx.Response | _direct.DirectResponse) -> memoryview:
             _check_range_answer(resp, digest, start, end)
+            if watch is not None:
+                watch(b"")
             length = _identity_length(resp)
             if length is None:  # no length stated (or an encoding): gathered as it comes
                 gathered = bytearray()
                 for chunk in resp.iter_bytes():
-                    self._took(len(chunk))
+                    self._pay(len(chunk))
+                    if self.on_bytes is not None:
+                        self.on_bytes(len(chunk))
+                    if watch is not None:
+                        watch(chunk)
                     gathered += chunk
                 return memoryview(gathered).toreadonly()
             if end is not None and length > end - start:
@@ -711,16 +727,25 @@ class Api:
                     f"GET /v1/objects/{digest}: {length} bytes answered for a range of {end - start}"
                 )
             buf = np.empty(length, dtype=np.uint8).data  # its pages touched once, by the bytes arriving
+            at = 0
+
+            def took(n: int) -> None:
+                nonlocal at
+                if self.on_bytes is not None:
+                    self.on_bytes(n)
+                if watch is not None:
+                    watch(buf[at : at + n])
+                at += n
+
             if isinstance(resp, _direct.DirectResponse):
-                self._receive_into(resp, buf, None)
+                self._receive_into(resp, buf, took)
             else:
-                at = 0
                 for chunk in resp.iter_bytes():
                     if at + len(chunk) > length:
                         raise errors.BadResponse(f"GET /v1/objects/{digest}: longer than its {length} bytes")
-                    self._took(len(chunk))
+                    self._pay(len(chunk))
                     buf[at : at + len(chunk)] = chunk
-                    at += len(chunk)
+                    took(len(chunk))
                 buf = buf[:at]
             return buf.toreadonly()
 
@@ -734,32 +759,23 @@ class Api:
             large=True,
         )
 
-    def _took(self, n: int) -> None:
-        """`n` object bytes arrived: stop here if the transfer was cancelled, pay the rate limit, count them."""
+    def _pay(self, n: int) -> None:
+        """`n` object bytes arrived: stop here if the transfer was cancelled, and pay the rate limit."""
         check_cancelled()
         if self.limiter is not None:
             self.limiter.acquire(n)
-        if self.on_bytes is not None:
-            self.on_bytes(n)
 
-    def _receive_into(self, resp: _direct.DirectResponse, buf: memoryview, took: Callable[[int], None] | None) -> None:
-        """Receive `resp`'s body into `buf`, READ_BYTES per read (rate-limited, cancellable between reads; counted
-        by `on_bytes` unless `took` is given: a plan bundle counts its objects once received); `took(n)` after
-        each. `buf` is the answer's stated length (its Content-Length, no Transfer-Encoding): http.client reads
-        no further, and a body that ends short is RemoteProtocolError (retried)."""
+    def _receive_into(self, resp: _direct.DirectResponse, buf: memoryview, took: Callable[[int], None]) -> None:
+        """Receive `resp`'s body into `buf`, READ_BYTES per read (rate-limited, cancellable between reads), then
+        `took(n)` after each. `buf` is the answer's stated length (its Content-Length, no Transfer-Encoding):
+        http.client reads no further, and a body that ends short is RemoteProtocolError (retried)."""
         at = 0
         while at < len(buf):
             n = resp.readinto(buf[at : at + READ_BYTES])
             if not n:
                 break
-            check_cancelled()
-            if self.limiter is not None:
-                self.limiter.acquire(n)
-            if took is None:
-                if self.on_bytes is not None:
-                    self.on_bytes(n)
-            else:
-                took(n)
+            self._pay(n)
+            took(n)
             at += n
         if at != len(buf):
             raise httpx.RemoteProtocolError(f"the answer ended after {at} of its {len(buf)} bytes")

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -85,6 +86,7 @@ class ObjectCache:
         self.root = root
         self._mem: dict[str, bytes | memoryview] = {}
         self._mem_parts: dict[tuple[str, int, int], bytes | memoryview] = {}
+        self._mem_hashed: dict[tuple[str, int, int], Any] = {}  # first parts' SHA-256, taken as they arrived
         self._verified: set[str] = set()
         self._lock = threading.Lock()
         if root is not None:
@@ -103,6 +105,7 @@ class ObjectCache:
         """Drop every cached object and part (only for a checkout's own cache, under its lock)."""
         self._mem.clear()
         self._mem_parts.clear()
+        self._mem_hashed.clear()
         if self.root is not None and self.root.is_dir():
             shutil.rmtree(self.root, ignore_errors=True)
 
@@ -260,10 +263,24 @@ class ObjectCache:
 
     def _fetch_range(self, api: Api, digest: str, start: int, end: int) -> None:
         if self.root is None:
-            data = api.read_object(digest, start=start, end=end if end > start else None)
+            # An object's first range is hashed as it arrives (the join resumes from there): a one-range object's
+            # SHA-256 is taken while its bytes are on their way, not after.
+            hasher = [hashlib.sha256()]
+
+            def watch(piece: memoryview | bytes) -> None:
+                if piece:
+                    hasher[0].update(piece)
+                else:  # an attempt starts (again)
+                    hasher[0] = hashlib.sha256()
+
+            data = api.read_object(
+                digest, start=start, end=end if end > start else None, watch=watch if not start else None
+            )
             _check_range_length(digest, start, end, len(data))
             with self._lock:
                 self._mem_parts[(digest, start, end)] = data
+                if not start:
+                    self._mem_hashed[(digest, start, end)] = hasher[0]
             return
         parts = self._parts_dir(digest)
         parts.mkdir(exist_ok=True)
@@ -330,7 +347,12 @@ class ObjectCache:
             chunks = []
             for a, b, skip in chain:
                 chunks.append(self._mem_parts[(digest, a, b)][skip:])
-                h.update(chunks[-1])
+                with self._lock:
+                    ahead = self._mem_hashed.get((digest, a, b)) if not a and not skip else None
+                if ahead is not None:  # the first part, hashed as it arrived
+                    h = ahead.copy()
+                else:
+                    h.update(chunks[-1])
                 cursor = b
             if h.hexdigest() != digest:
                 return cursor
@@ -362,6 +384,7 @@ class ObjectCache:
             with self._lock:
                 for key in [k for k in self._mem_parts if k[0] == digest]:
                     del self._mem_parts[key]
+                    self._mem_hashed.pop(key, None)
         else:
             shutil.rmtree(self._parts_dir(digest), ignore_errors=True)
 
