@@ -534,3 +534,19 @@ def test_an_object_hashed_as_its_first_range_arrives_is_checked_whole(server, mo
         with pytest.raises(errors.DigestMismatch):
             ObjectCache(None).fetch(api, {digest: size}, pool, range_bytes=range_bytes)
     assert flip.flipped >= 1
+
+
+def test_a_selections_ranges_are_not_hashed(server, model, tmp_path) -> None:
+    """Ranges read for a tensor selection are never joined into their object: no SHA-256 is taken of them (it
+    would be CPU on the selection's critical path for nothing), and their bytes are the object's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from weightsync.client._objects import ObjectCache
+
+    digest, size = _object_of(server.url, model, tmp_path)
+    with Api(server.url) as api, ThreadPoolExecutor(4) as pool:
+        want = bytes(api.read_object(digest))
+        cache = ObjectCache(None)
+        cache.fetch_extents(api, {digest: [(0, 1 << 20)]}, pool)
+        assert bytes(cache.read_part(digest, 0, 1 << 20)) == want[: 1 << 20]
+        assert not cache._mem_hashed

@@ -184,7 +184,7 @@ class ObjectCache:
         jobs = []
         for digest, extent in todo:
             jobs.extend(self._ranges(digest, 0, extent, range_bytes))
-        run_all(pool, lambda job: self._fetch_range(api, *job), [j for j in jobs if j is not None])
+        run_all(pool, lambda job: self._fetch_range(api, *job, whole=True), [j for j in jobs if j is not None])
         run_all(pool, lambda t: self._assemble(api, t[0], t[1], range_bytes), todo)
         return stats
 
@@ -261,10 +261,12 @@ class ObjectCache:
             gaps.append((cursor, end))
         return [(digest, a, min(a + range_bytes, b)) for g0, b in gaps for a in range(g0, b, range_bytes)]
 
-    def _fetch_range(self, api: Api, digest: str, start: int, end: int) -> None:
+    def _fetch_range(self, api: Api, digest: str, start: int, end: int, *, whole: bool = False) -> None:
+        """Fetch the part [start, end) of an object; `whole`: one of the parts the object is joined from."""
         if self.root is None:
-            # An object's first range is hashed as it arrives (the join resumes from there): a one-range object's
-            # SHA-256 is taken while its bytes are on their way, not after.
+            # The first range of an object to be joined is hashed as it arrives (the join resumes from there): a
+            # one-range object's SHA-256 is taken while its bytes are on their way, not after. Ranges of a
+            # selection (fetch_extents) are never joined: not hashed.
             hasher = [hashlib.sha256()]
 
             def watch(piece: memoryview | bytes) -> None:
@@ -274,12 +276,12 @@ class ObjectCache:
                     hasher[0] = hashlib.sha256()
 
             data = api.read_object(
-                digest, start=start, end=end if end > start else None, watch=watch if not start else None
+                digest, start=start, end=end if end > start else None, watch=watch if whole and not start else None
             )
             _check_range_length(digest, start, end, len(data))
             with self._lock:
                 self._mem_parts[(digest, start, end)] = data
-                if not start:
+                if whole and not start:
                     self._mem_hashed[(digest, start, end)] = hasher[0]
             return
         parts = self._parts_dir(digest)
@@ -321,7 +323,7 @@ class ObjectCache:
             # The frames use only a prefix of this object: fetch the rest to check the digest.
             for job in self._ranges(digest, cursor, size, range_bytes):
                 if job is not None:
-                    self._fetch_range(api, *job)
+                    self._fetch_range(api, *job, whole=True)
         self._drop_parts(digest)
         raise errors.DigestMismatch(f"object {digest} was received with other bytes")
 
