@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import httpx
@@ -38,6 +38,7 @@ log = logging.getLogger("weightsync.client")
 READ_FORMATS = ",".join(str(v) for v in sorted(DIGEST_KINDS))
 """The manifest formats this client reads, as the plan's ``formats`` query (FORMAT §5.4)."""
 
+T = TypeVar("T")
 DEFAULT_SERVER = "http://127.0.0.1:8400"
 _RETRY_STATUS = {429, 500, 502, 503, 504}
 UPLOAD_CHUNK = 256 << 10
@@ -394,9 +395,7 @@ class Api:
                     self._receive_into(resp, space, sink.took)
                     return kind, sink
             for chunk in resp.iter_bytes():
-                check_cancelled()
-                if self.limiter is not None:
-                    self.limiter.acquire(len(chunk))
+                self._pay(len(chunk))
                 if isinstance(sink, bytearray):
                     sink += chunk
                 else:
@@ -662,33 +661,19 @@ class Api:
         it is called with ``b""`` (meaning "discard what you have") before each attempt. A chunk may be
         a view of a buffer that the next chunk overwrites: `sink` copies what it keeps.
         """
-        headers = {}
-        if start or end is not None:
-            headers["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
 
         def consume(resp: httpx.Response | _direct.DirectResponse) -> int:
-            _check_range_answer(resp, digest, start, end)
             sink(b"")
             n = 0
             for chunk in resp.iter_bytes(UPLOAD_CHUNK):
-                check_cancelled()
-                if self.limiter is not None:
-                    self.limiter.acquire(len(chunk))
+                self._pay(len(chunk))
                 sink(chunk)
                 n += len(chunk)
                 if self.on_bytes is not None:
                     self.on_bytes(len(chunk))
             return n
 
-        return self.request(
-            "GET",
-            f"/v1/objects/{digest}",
-            headers=headers,
-            ok=(200, 206),
-            stream_to=consume,
-            not_found=errors.ObjectNotFound,
-            large=True,
-        )
+        return self._get_range(digest, start, end, consume)
 
     def read_object(
         self,
@@ -703,12 +688,14 @@ class Api:
 
         `watch` sees the bytes as they arrive, in order (to hash them while the rest is on its way): each piece
         once, and ``b""`` before each attempt (a retried one starts the range over)."""
-        headers = {}
-        if start or end is not None:
-            headers["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
+
+        def arrived(piece: memoryview | bytes) -> None:
+            if self.on_bytes is not None:
+                self.on_bytes(len(piece))
+            if watch is not None:
+                watch(piece)
 
         def consume(resp: httpx.Response | _direct.DirectResponse) -> memoryview:
-            _check_range_answer(resp, digest, start, end)
             if watch is not None:
                 watch(b"")
             length = _identity_length(resp)
@@ -716,10 +703,7 @@ class Api:
                 gathered = bytearray()
                 for chunk in resp.iter_bytes():
                     self._pay(len(chunk))
-                    if self.on_bytes is not None:
-                        self.on_bytes(len(chunk))
-                    if watch is not None:
-                        watch(chunk)
+                    arrived(chunk)
                     gathered += chunk
                 return memoryview(gathered).toreadonly()
             if end is not None and length > end - start:
@@ -731,10 +715,7 @@ class Api:
 
             def took(n: int) -> None:
                 nonlocal at
-                if self.on_bytes is not None:
-                    self.on_bytes(n)
-                if watch is not None:
-                    watch(buf[at : at + n])
+                arrived(buf[at : at + n])
                 at += n
 
             if isinstance(resp, _direct.DirectResponse):
@@ -749,12 +730,25 @@ class Api:
                 buf = buf[:at]
             return buf.toreadonly()
 
+        return self._get_range(digest, start, end, consume)
+
+    def _get_range(self, digest: str, start: int, end: int | None, consume: Callable[[Any], T]) -> T:
+        """getObject for bytes [start, end) (the whole object from `start` when `end` is None), its body given to
+        `consume`; a range from byte N answered as the whole object is BadResponse (:func:`_check_range_answer`)."""
+        headers = {}
+        if start or end is not None:
+            headers["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
+
+        def checked_consume(resp: httpx.Response | _direct.DirectResponse) -> T:
+            _check_range_answer(resp, digest, start, end)
+            return consume(resp)
+
         return self.request(
             "GET",
             f"/v1/objects/{digest}",
             headers=headers,
             ok=(200, 206),
-            stream_to=consume,
+            stream_to=checked_consume,
             not_found=errors.ObjectNotFound,
             large=True,
         )
