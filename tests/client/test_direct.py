@@ -18,6 +18,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.numpy import save_file
 
 from weightsync import errors
@@ -550,3 +552,141 @@ def test_a_selections_ranges_are_not_hashed(server, model, tmp_path) -> None:
         cache.fetch_extents(api, {digest: [(0, 1 << 20)]}, pool)
         assert bytes(cache.read_part(digest, 0, 1 << 20)) == want[: 1 << 20]
         assert not cache._mem_hashed
+
+
+@pytest.mark.parametrize("direct", ["1", "0"])
+def test_a_range_read_into_a_buffer_fills_it_and_says_the_objects_size(scripted, direct, monkeypatch) -> None:
+    """`into` receives the answer in place (the returned view is that memory) and `sized` hears the whole object's
+    size from a 206's Content-Range or a 200's length; an answer of another length than `into` is BadResponse and
+    an answer that states no size says none."""
+    monkeypatch.setenv(_direct.ENV_SWITCH, direct)
+    srv = scripted(
+        [
+            ok(DATA[100:300], 206, headers=f"Content-Range: bytes 100-299/{len(DATA)}\r\n"),
+            ok(DATA[:50]),
+            ok(DATA[100:300], 206, headers=f"Content-Range: bytes 100-299/{len(DATA)}\r\n"),
+            ok(DATA[100:300], 206),
+        ]
+    )
+    with Api(srv.url, retry=ONE) as api:
+        assert (api._direct is not None) is (direct == "1")
+        buf = np.zeros(400, dtype=np.uint8)
+        sizes: list[int] = []
+        got = api.read_object(DIGEST, start=100, end=300, into=buf.data[100:300], sized=sizes.append)
+        assert bytes(got) == DATA[100:300] == buf[100:300].tobytes()
+        assert np.shares_memory(np.frombuffer(got, dtype=np.uint8), buf)
+        assert not buf[:100].any() and not buf[300:].any()
+        assert sizes == [len(DATA)]
+        assert bytes(api.read_object(DIGEST, into=np.empty(50, np.uint8).data, sized=sizes.append)) == DATA[:50]
+        assert sizes == [len(DATA), 50]  # a 200 is the whole object: its length is the size
+        with pytest.raises(errors.BadResponse, match="200 bytes answered for a range of 150"):
+            api.read_object(DIGEST, start=100, end=250, into=np.empty(150, np.uint8).data)
+        api.read_object(DIGEST, start=100, end=300, sized=sizes.append)
+        assert sizes == [len(DATA), 50], "no Content-Range: no size"
+
+
+def test_an_object_read_as_ranges_in_memory_lands_in_one_buffer(server, model, tmp_path) -> None:
+    """The ranges of an object fetched into memory are read into one buffer of its size: the object is that buffer,
+    byte for byte, not a copy joined from its ranges."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from weightsync.client._objects import ObjectCache
+
+    digest, size = _object_of(server.url, model, tmp_path)
+    with Api(server.url) as api, ThreadPoolExecutor(4) as pool:
+        want = bytes(api.read_object(digest))
+        cache = ObjectCache(None)
+        stats = cache.fetch(api, {digest: size}, pool, range_bytes=1 << 20)
+        got = cache.read(digest)
+    assert stats.fetched == 1 and stats.unhashed == {}
+    assert bytes(got) == want
+    assert isinstance(got.obj, np.ndarray) and got.obj.nbytes == size  # one buffer: the ranges' views of it
+
+
+@pytest.mark.parametrize("range_bytes", [64 << 20, 1 << 20])
+def test_a_trusted_object_read_whole_as_ranges_is_kept_unhashed(server, model, tmp_path, range_bytes) -> None:
+    """`trusted` objects whose answers say the fetched extent is all of them are kept as they came, unhashed (a
+    flipped byte stays: the caller's later checks must catch it); manifests and objects of which only a prefix
+    was asked for (the tail is fetched to check the whole), or whose size no answer stated, are hashed."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from weightsync.client._objects import ObjectCache
+
+    digest, size = _object_of(server.url, model, tmp_path)
+    with Api(server.url) as api, ThreadPoolExecutor(4) as pool:
+        want = bytes(api.read_object(digest))
+        cache = ObjectCache(None)
+        assert cache.fetch(api, {digest: size}, pool, range_bytes=range_bytes, trusted=[digest]).unhashed.keys() == {
+            digest
+        }
+        assert bytes(cache.read(digest)) == want
+        prefix = ObjectCache(None)
+        assert prefix.fetch(api, {digest: size - 7}, pool, range_bytes=range_bytes, trusted=[digest]).unhashed == {}
+        assert bytes(prefix.read(digest)) == want  # the tail fetched, the whole hashed
+        on_disk = ObjectCache(tmp_path / "cache")
+        assert on_disk.fetch(api, {digest: size}, pool, range_bytes=range_bytes, trusted=[digest]).unhashed == {}
+    flip = _FlipFirstRange()
+    with Api(server.url, retry=ONE, transport=flip) as api, ThreadPoolExecutor(4) as pool:
+        cache = ObjectCache(None)
+        assert cache.fetch(api, {digest: size}, pool, range_bytes=range_bytes, trusted=[digest]).unhashed.keys() == {
+            digest
+        }
+        assert bytes(cache.read(digest)) != want and hashlib.sha256(cache.read(digest)).hexdigest() != digest
+        with pytest.raises(errors.DigestMismatch):
+            ObjectCache(None).fetch(api, {digest: size}, pool, range_bytes=range_bytes)  # not trusted: checked
+    unsized = _NoContentRange()
+    with Api(server.url, transport=unsized) as api, ThreadPoolExecutor(4) as pool:
+        cache = ObjectCache(None)
+        assert cache.fetch(api, {digest: size}, pool, range_bytes=range_bytes, trusted=[digest]).unhashed == {}
+        assert bytes(cache.read(digest)) == want
+    assert unsized.stripped >= 1
+
+
+class _NoContentRange(httpx.BaseTransport):
+    """Real HTTP, with every object answer's Content-Range left out (a server or proxy that does not say it)."""
+
+    def __init__(self) -> None:
+        self.inner = httpx.HTTPTransport()
+        self.stripped = 0
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        resp = self.inner.handle_request(request)
+        if "content-range" not in resp.headers:
+            return resp
+        self.stripped += 1
+        headers = [(k, v) for k, v in resp.headers.items() if k.lower() != "content-range"]
+        return httpx.Response(resp.status_code, headers=headers, content=resp.read())
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+@given(
+    size=st.integers(1, 300),
+    cuts=st.lists(st.integers(0, 300), max_size=6),
+    gap=st.sampled_from(["none", "hole", "other buffer", "reversed"]),
+)
+@settings(max_examples=200, deadline=None)
+def test_parts_are_joined_without_a_copy_only_when_they_lie_one_after_another(size, cuts, gap) -> None:
+    """`_joined` gives the parts' bytes in order, always; it is a view of their buffer (no copy) exactly when the
+    parts lie one after another in one buffer, else a copy."""
+    from weightsync.client._objects import _joined
+
+    buf = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    bounds = sorted({0, size, *(c for c in cuts if c < size)})
+    view = buf.data.toreadonly()
+    chunks: list[memoryview | bytes] = [view[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    adjacent = True
+    if gap == "hole" and len(chunks) > 1 and len(chunks[0]) > 1:
+        chunks[0] = chunks[0][:-1]  # a byte left out between the first two
+        adjacent = False
+    elif gap == "other buffer" and len(chunks) > 1:
+        chunks[-1] = bytes(chunks[-1])
+        adjacent = False
+    elif gap == "reversed" and len(chunks) > 1:
+        chunks.reverse()
+        adjacent = False
+    got = _joined(chunks)
+    assert bytes(got) == b"".join(bytes(c) for c in chunks)
+    shares = isinstance(got, memoryview) and np.shares_memory(np.frombuffer(got, dtype=np.uint8), buf)
+    assert shares is adjacent

@@ -682,12 +682,17 @@ class Api:
         start: int = 0,
         end: int | None = None,
         watch: Callable[[memoryview | bytes], None] | None = None,
+        into: memoryview | None = None,
+        sized: Callable[[int], None] | None = None,
     ) -> memoryview:
         """Object bytes [start, end) (rate-limited, counted by `on_bytes`) in one buffer of their length when the
         answer states it, received straight into it where :mod:`~weightsync.client._direct` is usable.
 
         `watch` sees the bytes as they arrive, in order (to hash them while the rest is on its way): each piece
-        once, and ``b""`` before each attempt (a retried one starts the range over)."""
+        once, and ``b""`` before each attempt (a retried one starts the range over). `into`: a writable buffer
+        the answer must fill exactly (BadResponse if it is another length), received into and returned (the
+        ranges of one object read into slices of one buffer need no join). `sized` is told the whole
+        object's size where the answer says it (a 206's Content-Range, or a whole object's length)."""
 
         def arrived(piece: memoryview | bytes) -> None:
             if self.on_bytes is not None:
@@ -699,18 +704,29 @@ class Api:
             if watch is not None:
                 watch(b"")
             length = _identity_length(resp)
+            if sized is not None:
+                total = _object_size(resp, length)
+                if total is not None:
+                    sized(total)
             if length is None:  # no length stated (or an encoding): gathered as it comes
                 gathered = bytearray()
                 for chunk in resp.iter_bytes():
                     self._pay(len(chunk))
                     arrived(chunk)
                     gathered += chunk
-                return memoryview(gathered).toreadonly()
-            if end is not None and length > end - start:
-                raise errors.BadResponse(
-                    f"GET /v1/objects/{digest}: {length} bytes answered for a range of {end - start}"
-                )
-            buf = np.empty(length, dtype=np.uint8).data  # its pages touched once, by the bytes arriving
+                if into is None:
+                    return memoryview(gathered).toreadonly()
+                if len(gathered) != len(into):
+                    raise errors.BadResponse(
+                        f"GET /v1/objects/{digest}: {len(gathered)} bytes answered for a range of {len(into)}"
+                    )
+                into[:] = gathered
+                return into.toreadonly()
+            asked = len(into) if into is not None else None if end is None else end - start
+            if asked is not None and (length > asked or into is not None and length != asked):
+                raise errors.BadResponse(f"GET /v1/objects/{digest}: {length} bytes answered for a range of {asked}")
+            # A buffer of its own has its pages touched once, by the bytes arriving.
+            buf = into if into is not None else np.empty(length, dtype=np.uint8).data
             at = 0
 
             def took(n: int) -> None:
@@ -863,6 +879,15 @@ def _identity_length(resp: httpx.Response | _direct.DirectResponse) -> int | Non
     ):
         return None
     return int(length)
+
+
+def _object_size(resp: httpx.Response | _direct.DirectResponse, length: int | None) -> int | None:
+    """The whole object's size as an answer to getObject states it: a 206's ``Content-Range: bytes a-b/size``,
+    or a 200's length (the whole object); None where it says neither."""
+    if resp.status_code == 200:
+        return length
+    total = resp.headers.get("content-range", "").rpartition("/")[2].strip()
+    return int(total) if total.isdigit() else None
 
 
 def _check_range_answer(
