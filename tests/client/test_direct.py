@@ -555,34 +555,54 @@ def test_a_selections_ranges_are_not_hashed(server, model, tmp_path) -> None:
 
 
 @pytest.mark.parametrize("direct", ["1", "0"])
-def test_a_range_read_into_a_buffer_fills_it_and_says_the_objects_size(scripted, direct, monkeypatch) -> None:
-    """`into` receives the answer in place (the returned view is that memory) and `sized` hears the whole object's
-    size from a 206's Content-Range or a 200's length; an answer of another length than `into` is BadResponse and
-    an answer that states no size says none."""
+def test_a_range_read_into_a_buffer_fills_it(scripted, direct, monkeypatch) -> None:
+    """`into` receives the answer in place (the returned view is that memory, nothing around it touched); an answer
+    of another length than `into` is BadResponse."""
     monkeypatch.setenv(_direct.ENV_SWITCH, direct)
     srv = scripted(
         [
             ok(DATA[100:300], 206, headers=f"Content-Range: bytes 100-299/{len(DATA)}\r\n"),
             ok(DATA[:50]),
-            ok(DATA[100:300], 206, headers=f"Content-Range: bytes 100-299/{len(DATA)}\r\n"),
             ok(DATA[100:300], 206),
         ]
     )
     with Api(srv.url, retry=ONE) as api:
         assert (api._direct is not None) is (direct == "1")
         buf = np.zeros(400, dtype=np.uint8)
-        sizes: list[int] = []
-        got = api.read_object(DIGEST, start=100, end=300, into=buf.data[100:300], sized=sizes.append)
+        got = api.read_object(DIGEST, start=100, end=300, into=buf.data[100:300])
         assert bytes(got) == DATA[100:300] == buf[100:300].tobytes()
         assert np.shares_memory(np.frombuffer(got, dtype=np.uint8), buf)
         assert not buf[:100].any() and not buf[300:].any()
-        assert sizes == [len(DATA)]
-        assert bytes(api.read_object(DIGEST, into=np.empty(50, np.uint8).data, sized=sizes.append)) == DATA[:50]
-        assert sizes == [len(DATA), 50]  # a 200 is the whole object: its length is the size
+        assert bytes(api.read_object(DIGEST, into=np.empty(50, np.uint8).data)) == DATA[:50]
         with pytest.raises(errors.BadResponse, match="200 bytes answered for a range of 150"):
             api.read_object(DIGEST, start=100, end=250, into=np.empty(150, np.uint8).data)
-        api.read_object(DIGEST, start=100, end=300, sized=sizes.append)
-        assert sizes == [len(DATA), 50], "no Content-Range: no size"
+
+
+@pytest.mark.parametrize("direct", ["1", "0"])
+def test_a_206_holding_other_bytes_than_asked_for_is_refused(scripted, direct, monkeypatch) -> None:
+    """A 206 whose Content-Range says it holds other bytes than the range asked for (a relay or proxy that answers
+    from byte 0, or past the range) is BadResponse on every reader, not bytes taken for the range; one clipped at
+    the object's end, or open-ended, is what was asked for."""
+    monkeypatch.setenv(_direct.ENV_SWITCH, direct)
+    size = len(DATA)
+    srv = scripted(
+        [
+            ok(DATA[:200], 206, headers=f"Content-Range: bytes 0-199/{size}\r\n"),
+            ok(DATA[100:400], 206, headers=f"Content-Range: bytes 100-399/{size}\r\n"),
+            ok(DATA[:200], 206, headers=f"Content-Range: bytes 0-199/{size}\r\n"),
+            ok(DATA[size - 10 :], 206, headers=f"Content-Range: bytes {size - 10}-{size - 1}/{size}\r\n"),
+            ok(DATA[5:], 206, headers=f"Content-Range: bytes 5-{size - 1}/{size}\r\n"),
+        ]
+    )
+    with Api(srv.url, retry=ONE) as api:
+        with pytest.raises(errors.BadResponse, match="bytes 100-299 asked for, 'bytes 0-199/"):
+            api.read_object(DIGEST, start=100, end=300)
+        with pytest.raises(errors.BadResponse, match="bytes 100-299 asked for, 'bytes 100-399/"):
+            api.read_object(DIGEST, start=100, end=300)
+        with pytest.raises(errors.BadResponse, match="asked for"):
+            api.get_object(DIGEST, lambda c: None, start=100, end=300)
+        assert bytes(api.read_object(DIGEST, start=size - 10, end=size + 90)) == DATA[size - 10 :]
+        assert bytes(api.read_object(DIGEST, start=5)) == DATA[5:]
 
 
 def test_an_object_read_as_ranges_in_memory_lands_in_one_buffer(server, model, tmp_path) -> None:
@@ -598,67 +618,23 @@ def test_an_object_read_as_ranges_in_memory_lands_in_one_buffer(server, model, t
         cache = ObjectCache(None)
         stats = cache.fetch(api, {digest: size}, pool, range_bytes=1 << 20)
         got = cache.read(digest)
-    assert stats.fetched == 1 and stats.unhashed == {}
+    assert stats.fetched == 1
     assert bytes(got) == want
     assert isinstance(got.obj, np.ndarray) and got.obj.nbytes == size  # one buffer: the ranges' views of it
 
 
-@pytest.mark.parametrize("range_bytes", [64 << 20, 1 << 20])
-def test_a_trusted_object_read_whole_as_ranges_is_kept_unhashed(server, model, tmp_path, range_bytes) -> None:
-    """`trusted` objects whose answers say the fetched extent is all of them are kept as they came, unhashed (a
-    flipped byte stays: the caller's later checks must catch it); manifests and objects of which only a prefix
-    was asked for (the tail is fetched to check the whole), or whose size no answer stated, are hashed."""
+def test_an_empty_object_is_fetched_into_memory(server) -> None:
+    """An object of no bytes (no range to read into a buffer) is held, and checked, all the same."""
     from concurrent.futures import ThreadPoolExecutor
 
     from weightsync.client._objects import ObjectCache
 
-    digest, size = _object_of(server.url, model, tmp_path)
-    with Api(server.url) as api, ThreadPoolExecutor(4) as pool:
-        want = bytes(api.read_object(digest))
+    empty = hashlib.sha256(b"").hexdigest()
+    with Api(server.url) as api, ThreadPoolExecutor(2) as pool:
+        api.put_object(empty, b"")
         cache = ObjectCache(None)
-        assert cache.fetch(api, {digest: size}, pool, range_bytes=range_bytes, trusted=[digest]).unhashed.keys() == {
-            digest
-        }
-        assert bytes(cache.read(digest)) == want
-        prefix = ObjectCache(None)
-        assert prefix.fetch(api, {digest: size - 7}, pool, range_bytes=range_bytes, trusted=[digest]).unhashed == {}
-        assert bytes(prefix.read(digest)) == want  # the tail fetched, the whole hashed
-        on_disk = ObjectCache(tmp_path / "cache")
-        assert on_disk.fetch(api, {digest: size}, pool, range_bytes=range_bytes, trusted=[digest]).unhashed == {}
-    flip = _FlipFirstRange()
-    with Api(server.url, retry=ONE, transport=flip) as api, ThreadPoolExecutor(4) as pool:
-        cache = ObjectCache(None)
-        assert cache.fetch(api, {digest: size}, pool, range_bytes=range_bytes, trusted=[digest]).unhashed.keys() == {
-            digest
-        }
-        assert bytes(cache.read(digest)) != want and hashlib.sha256(cache.read(digest)).hexdigest() != digest
-        with pytest.raises(errors.DigestMismatch):
-            ObjectCache(None).fetch(api, {digest: size}, pool, range_bytes=range_bytes)  # not trusted: checked
-    unsized = _NoContentRange()
-    with Api(server.url, transport=unsized) as api, ThreadPoolExecutor(4) as pool:
-        cache = ObjectCache(None)
-        assert cache.fetch(api, {digest: size}, pool, range_bytes=range_bytes, trusted=[digest]).unhashed == {}
-        assert bytes(cache.read(digest)) == want
-    assert unsized.stripped >= 1
-
-
-class _NoContentRange(httpx.BaseTransport):
-    """Real HTTP, with every object answer's Content-Range left out (a server or proxy that does not say it)."""
-
-    def __init__(self) -> None:
-        self.inner = httpx.HTTPTransport()
-        self.stripped = 0
-
-    def handle_request(self, request: httpx.Request) -> httpx.Response:
-        resp = self.inner.handle_request(request)
-        if "content-range" not in resp.headers:
-            return resp
-        self.stripped += 1
-        headers = [(k, v) for k, v in resp.headers.items() if k.lower() != "content-range"]
-        return httpx.Response(resp.status_code, headers=headers, content=resp.read())
-
-    def close(self) -> None:
-        self.inner.close()
+        assert cache.fetch(api, {empty: 0}, pool).fetched == 1
+        assert bytes(cache.read(empty)) == b""
 
 
 @given(

@@ -232,7 +232,7 @@ def test_an_object_the_server_checked_damaged_on_the_way_fails_the_apply_and_cha
         prepared = sub.prepare(2)
         assert spoiled and spoiled[0] in prepared.unhashed_objects
         then = "every change was undone" if verify else "nothing was changed"
-        with pytest.raises(errors.DigestMismatch, match=f"{spoiled[0]} was received with other bytes; {then}"):
+        with pytest.raises(errors.DigestMismatch, match=f"{spoiled[0]} came with the plan with other bytes; {then}"):
             sub.apply(tensors, prepared, verify=verify)
         assert sub.version == 1
         for name, want in versions[0].items():
@@ -258,7 +258,7 @@ def test_an_object_the_server_checked_that_does_not_decode_is_fetched_again_at_p
             assert prepared.unhashed_objects == {}
             sub.apply(tensors, prepared)
     assert [p for _, p, _ in transport.seen if p.startswith("/v1/objects/")] == [f"/v1/objects/{spoiled[0]}"]
-    assert "were received with other bytes" in caplog.text
+    assert "came with the plan with other bytes" in caplog.text
     for name, want in versions[2].items():
         assert torch.equal(tensor_bits(tensors[name]), tensor_bits(want)), name
 
@@ -315,7 +315,7 @@ def test_a_delta_that_adds_a_tensor_has_its_objects_hashed_at_the_prepare(server
             assert prepared.updates["added.weight"].replace is not None and prepared.unhashed_objects == {}
             sub.apply(tensors, prepared)
     assert [p for _, p, _ in transport.seen if p.startswith("/v1/objects/")] == [f"/v1/objects/{spoiled[0]}"]
-    assert "were received with other bytes" in caplog.text
+    assert "came with the plan with other bytes" in caplog.text
     for name, want in grown.items():
         assert torch.equal(tensor_bits(tensors[name]), tensor_bits(want)), name
 

@@ -683,7 +683,6 @@ class Api:
         end: int | None = None,
         watch: Callable[[memoryview | bytes], None] | None = None,
         into: memoryview | None = None,
-        sized: Callable[[int], None] | None = None,
     ) -> memoryview:
         """Object bytes [start, end) (rate-limited, counted by `on_bytes`) in one buffer of their length when the
         answer states it, received straight into it where :mod:`~weightsync.client._direct` is usable.
@@ -691,8 +690,7 @@ class Api:
         `watch` sees the bytes as they arrive, in order (to hash them while the rest is on its way): each piece
         once, and ``b""`` before each attempt (a retried one starts the range over). `into`: a writable buffer
         the answer must fill exactly (BadResponse if it is another length), received into and returned (the
-        ranges of one object read into slices of one buffer need no join). `sized` is told the whole
-        object's size where the answer says it (a 206's Content-Range, or a whole object's length)."""
+        ranges of one object read into slices of one buffer need no join)."""
 
         def arrived(piece: memoryview | bytes) -> None:
             if self.on_bytes is not None:
@@ -704,10 +702,6 @@ class Api:
             if watch is not None:
                 watch(b"")
             length = _identity_length(resp)
-            if sized is not None:
-                total = _object_size(resp, length)
-                if total is not None:
-                    sized(total)
             if length is None:  # no length stated (or an encoding): gathered as it comes
                 gathered = bytearray()
                 for chunk in resp.iter_bytes():
@@ -881,24 +875,26 @@ def _identity_length(resp: httpx.Response | _direct.DirectResponse) -> int | Non
     return int(length)
 
 
-def _object_size(resp: httpx.Response | _direct.DirectResponse, length: int | None) -> int | None:
-    """The whole object's size as an answer to getObject states it: a 206's ``Content-Range: bytes a-b/size``,
-    or a 200's length (the whole object); None where it says neither."""
-    if resp.status_code == 200:
-        return length
-    total = resp.headers.get("content-range", "").rpartition("/")[2].strip()
-    return int(total) if total.isdigit() else None
-
-
 def _check_range_answer(
     resp: httpx.Response | _direct.DirectResponse, digest: str, start: int, end: int | None
 ) -> None:
     """A range that does not start at 0 must be answered as one (206): a 200 is the whole object from its first
-    byte, which would be taken for the bytes from `start` on (BadResponse)."""
+    byte, which would be taken for the bytes from `start` on (BadResponse). A 206 that says which bytes it holds
+    (Content-Range) must hold those asked for: from `start`, and to `end` unless the object ends first."""
     if start and resp.status_code != 206:
         raise errors.BadResponse(
             f"GET /v1/objects/{digest}: range from byte {start} answered {resp.status_code}, not 206"
         )
+    said = resp.headers.get("content-range", "") if resp.status_code == 206 else ""
+    first, _, rest = said.removeprefix("bytes ").partition("-")
+    last, _, size = rest.partition("/")
+    if first.strip().isdigit() and last.strip().isdigit():
+        a, b = int(first), int(last) + 1
+        ends = end if end is None or not size.strip().isdigit() else min(end, int(size))
+        if a != start or ends is not None and b != ends:
+            raise errors.BadResponse(
+                f"GET /v1/objects/{digest}: bytes {start}-{'' if end is None else end - 1} asked for, {said!r} answered"
+            )
 
 
 def _problem_member(resp: httpx.Response, name: str) -> Any:

@@ -8,8 +8,7 @@ frames of an object (pull --adopt of a directory holding part of a version)
 fetches just their ranges (`fetch_extents`) and reads them out of the parts;
 each frame is then checked by the decode, as the whole object's SHA-256 cannot be.
 Without a root the cache is a dict in memory (for `prepare`, which decodes
-straight from memory): an object's ranges are read into one buffer of its size,
-and objects a caller's later checks cover may be kept unhashed (`fetch`'s `trusted`).
+straight from memory): an object's ranges are read into one buffer of its size.
 """
 
 from __future__ import annotations
@@ -18,9 +17,9 @@ import hashlib
 import os
 import shutil
 import threading
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,9 +39,6 @@ class FetchStats:
     """Objects downloaded (at least partly) by this call."""
     cached: int = 0
     """Objects the cache already held."""
-    unhashed: dict[str, memoryview] = field(default_factory=dict)
-    """Objects fetched whole into memory and kept as they came, not checked against their names (`fetch`'s
-    `trusted`): the caller's later checks must cover them, or hash them (:attr:`inplace.Prepared.unhashed_objects`)."""
 
 
 def _sha256_file(path: Path) -> str:
@@ -91,7 +87,6 @@ class ObjectCache:
         self._mem: dict[str, bytes | memoryview] = {}
         self._mem_parts: dict[tuple[str, int, int], bytes | memoryview] = {}
         self._mem_hashed: dict[tuple[str, int, int], Any] = {}  # first parts' SHA-256, taken as they arrived
-        self._mem_sizes: dict[str, int] = {}  # whole sizes, as the answers to range reads stated them
         self._verified: set[str] = set()
         self._lock = threading.Lock()
         if root is not None:
@@ -111,7 +106,6 @@ class ObjectCache:
         self._mem.clear()
         self._mem_parts.clear()
         self._mem_hashed.clear()
-        self._mem_sizes.clear()
         if self.root is not None and self.root.is_dir():
             shutil.rmtree(self.root, ignore_errors=True)
 
@@ -151,7 +145,6 @@ class ObjectCache:
     def discard(self, digests: list[str]) -> None:
         for d in digests:
             self._mem.pop(d, None)
-            self._mem_sizes.pop(d, None)
             if self.root is not None:
                 self._path(d).unlink(missing_ok=True)
                 shutil.rmtree(self.root / f"{d}.parts", ignore_errors=True)
@@ -171,21 +164,13 @@ class ObjectCache:
         return False
 
     def fetch(
-        self,
-        api: Api,
-        objects: dict[str, int],
-        pool: ThreadPoolExecutor,
-        *,
-        range_bytes: int = DEFAULT_RANGE_BYTES,
-        trusted: Collection[str] = (),
+        self, api: Api, objects: dict[str, int], pool: ThreadPoolExecutor, *, range_bytes: int = DEFAULT_RANGE_BYTES
     ) -> FetchStats:
         """Make every object in `objects` (digest → extent to fetch) present and verified.
 
         Ranges of all missing objects are fetched concurrently on `pool` (in memory, each object's into
-        one buffer of its extent); each object is then assembled and checked against its SHA-256 name.
-        In memory, an object of `trusted` whose answers say the extent is all of it is kept unhashed
-        instead (listed in the stats' ``unhashed``), for a caller whose later checks cover its bytes
-        (client/pull.py `fetch_update`): the hashing of a large update (~2 GB/s a core) is then not done.
+        one buffer of its extent, which then is the object: no join); each object is then assembled and
+        checked against its SHA-256 name.
         """
         stats = FetchStats()
         todo: list[tuple[str, int]] = []
@@ -197,7 +182,6 @@ class ObjectCache:
         stats.fetched = len(todo)
         if not todo:
             return stats
-        trust = set(trusted) if self.root is None else set()
         buffers: dict[str, memoryview] = {}
         jobs: list[tuple[str, int, int]] = []
         for digest, extent in todo:
@@ -206,15 +190,8 @@ class ObjectCache:
                 buffers[digest] = np.empty(extent, dtype=np.uint8).data  # its ranges land in it: joined as they come
             jobs.extend(ranges)
 
-        def fetch_range(job: tuple[str, int, int]) -> None:
-            digest, start, end = job
-            self._fetch_range(
-                api, digest, start, end, whole=True, into=buffers.get(digest), hash_ahead=digest not in trust
-            )
-
-        run_all(pool, fetch_range, jobs)
-        kept = run_all(pool, lambda t: self._assemble(api, t[0], t[1], range_bytes, trusted=t[0] in trust), todo)
-        stats.unhashed = {d: memoryview(self._mem[d]) for (d, _), unhashed in zip(todo, kept, strict=True) if unhashed}
+        run_all(pool, lambda job: self._fetch_range(api, *job, whole=True, into=buffers.get(job[0])), jobs)
+        run_all(pool, lambda t: self._assemble(api, t[0], t[1], range_bytes), todo)
         return stats
 
     def fetch_extents(
@@ -299,16 +276,14 @@ class ObjectCache:
         *,
         whole: bool = False,
         into: memoryview | None = None,
-        hash_ahead: bool = True,
     ) -> None:
-        """Fetch the part [start, end) of an object; `whole`: one of the parts the object is joined from. In memory:
-        `into`, the object's buffer, receives the part at its place; `hash_ahead`: the first part is hashed as it
-        arrives (not for an object that will be kept unhashed)."""
+        """Fetch the part [start, end) of an object; `whole`: one of the parts the object is joined from. In memory,
+        `into` (the object's buffer) receives the part at its place."""
         if self.root is None:
             # The first range of an object to be joined is hashed as it arrives (the join resumes from there): a
             # one-range object's SHA-256 is taken while its bytes are on their way, not after. Ranges of a
             # selection (fetch_extents) are never joined: not hashed.
-            ahead = whole and not start and hash_ahead
+            ahead = whole and not start
             hasher = [hashlib.sha256()]
 
             def watch(piece: memoryview | bytes) -> None:
@@ -317,17 +292,12 @@ class ObjectCache:
                 else:  # an attempt starts (again)
                     hasher[0] = hashlib.sha256()
 
-            def sized(total: int) -> None:
-                with self._lock:
-                    self._mem_sizes[digest] = total
-
             data = api.read_object(
                 digest,
                 start=start,
                 end=end if end > start else None,
                 watch=watch if ahead else None,
                 into=into[start:end] if into is not None and end > start else None,
-                sized=sized if whole else None,
             )
             _check_range_length(digest, start, end, len(data))
             with self._lock:
@@ -360,16 +330,12 @@ class ObjectCache:
             out.append((int(a), int(b)))
         return sorted(out)
 
-    def _assemble(self, api: Api, digest: str, extent: int, range_bytes: int, *, trusted: bool = False) -> bool:
-        """Join the parts, check the digest; an object longer than the frames' extent gets its tail fetched.
-        `trusted` (in memory): kept unhashed when the answers said the extent is the whole object; returns whether
-        it was."""
-        if trusted and self._keep_unhashed(digest, extent):
-            return True
+    def _assemble(self, api: Api, digest: str, extent: int, range_bytes: int) -> None:
+        """Join the parts, check the digest; an object longer than the frames' extent gets its tail fetched."""
         for attempt in range(2):
             cursor = self._join(digest)
             if cursor < 0:
-                return False
+                return
             if attempt:
                 break
             size = api.head_object(digest)
@@ -381,18 +347,6 @@ class ObjectCache:
                     self._fetch_range(api, *job, whole=True)
         self._drop_parts(digest)
         raise errors.DigestMismatch(f"object {digest} was received with other bytes")
-
-    def _keep_unhashed(self, digest: str, extent: int) -> bool:
-        """In memory: keep the object as its parts hold it, unhashed, if they tile all of it (its size as the range
-        answers stated it); whether it was kept."""
-        with self._lock:
-            size = self._mem_sizes.get(digest)
-        chain = self._chain(digest)
-        if not extent or size != extent or not chain or chain[-1][1] != extent:
-            return False
-        self._mem[digest] = _joined([self._mem_parts[(digest, a, b)][skip:] for a, b, skip in chain])
-        self._drop_parts(digest)
-        return True
 
     def _chain(self, digest: str) -> list[tuple[int, int, int]]:
         """Parts that tile [0, n) in order, as (start, end, skip): `skip` bytes of the part are already covered."""
@@ -461,8 +415,8 @@ class ObjectCache:
 def _joined(chunks: list[Any]) -> bytes | memoryview:
     """The bytes of `chunks` in order: one chunk, or chunks lying one after another in one buffer (the ranges of an
     object read into it), as a view, not copied; others joined into a copy."""
-    if len(chunks) == 1:
-        return chunks[0]
+    if len(chunks) <= 1:
+        return chunks[0] if chunks else b""
     views = [memoryview(c) for c in chunks]
     owner = views[0].obj
     if isinstance(owner, np.ndarray) and all(v.obj is owner for v in views):

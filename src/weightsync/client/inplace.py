@@ -125,7 +125,7 @@ class Prepared:
         damaged = self.damaged_objects()
         if damaged:
             raise errors.DigestMismatch(
-                f"object {damaged[0]} was received with other bytes; {then}: prepare the update again"
+                f"object {damaged[0]} came with the plan with other bytes; {then}: prepare the update again"
             )
 
     def decode_frames(self, threads: int | None = None) -> None:

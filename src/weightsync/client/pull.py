@@ -102,17 +102,9 @@ class FetchOptions:
 
 
 def fetch_plan(
-    api: Api,
-    cache: ObjectCache,
-    plan: Plan,
-    pool: ThreadPoolExecutor,
-    *,
-    range_bytes: int,
-    meter: Meter,
-    unhashed: bool = False,
+    api: Api, cache: ObjectCache, plan: Plan, pool: ThreadPoolExecutor, *, range_bytes: int, meter: Meter
 ) -> FetchStats:
-    """Make every manifest and object extent of `plan`'s steps present and verified in `cache`; with `unhashed`
-    (`cache` in memory), its objects, not its manifests, may be kept unhashed (`ObjectCache.fetch`'s `trusted`)."""
+    """Make every manifest and object extent of `plan`'s steps present and verified in `cache`."""
     manifests, objects = step_objects(plan.steps)
     meter.total = plan.bytes
     # Manifests and objects in one batch: every request of a small update in flight at once
@@ -120,8 +112,7 @@ def fetch_plan(
     wanted = dict(objects)
     for digest, size in manifests.items():
         wanted[digest] = max(size, wanted.get(digest, 0))
-    trusted = [d for d in objects if d not in manifests] if unhashed else []
-    return cache.fetch(api, wanted, pool, range_bytes=range_bytes, trusted=trusted)
+    return cache.fetch(api, wanted, pool, range_bytes=range_bytes)
 
 
 def load_manifest(cache: ObjectCache, digest: str) -> Manifest:
@@ -142,7 +133,7 @@ def fetch_update(
     meter: Meter,
     select: Callable[[str], bool] | None = None,
     inline: int = 0,
-    results_checked: bool = False,
+    trust_checked: bool = False,
 ) -> tuple[Plan, list[Manifest], list[str], dict[str, float], dict[str, memoryview]]:
     """The plan from `have` to `want` (None: head) and every manifest and object it needs, verified in `cache`.
 
@@ -155,14 +146,12 @@ def fetch_update(
     SHA-256 (that needs the whole object); the decode and the apply check every selected
     tensor's base and result instead.
 
-    With `results_checked` (`cache` in memory, for an apply that checks its results), the objects of an
-    update of deltas are not hashed here where the hash would be the client's own work on the update's
-    path: those that came with the plan from a server that checked them (``Weightsync-Checked``;
-    `Api.get_plan_bundle`; others in a bundle are hashed as they arrive, overlapping the transfer), and
-    those read as ranges, whole (a larger update: the hash of hundreds of MB, ~2 GB/s a core). They are
-    returned as unhashed, for the apply to hash if it will not check every result
-    (:attr:`inplace.Prepared.unhashed_objects`). A plan with a keyframe step has them hashed here all the
-    same (a failed check of a whole replacement cannot be undone). The manifests are always hashed.
+    With `trust_checked` too (`cache` in memory, for an apply that checks its results), the objects of an
+    update of deltas that came with the plan from a server that checked them (``Weightsync-Checked``)
+    are not hashed here (`Api.get_plan_bundle`): they are returned as unhashed, for the apply to hash
+    if it will not check every result (:attr:`inplace.Prepared.unhashed_objects`). A plan with a
+    keyframe step has them hashed here all the same (a failed check of a whole replacement cannot be
+    undone). The manifests are always hashed.
 
     Returns (plan, its steps' manifests in order, the objects read from ranges, timings: plan_s
     and download_s, and server_plan_s when the plan came with its objects from a server that says,
@@ -173,7 +162,7 @@ def fetch_update(
     server: dict[str, float] = {}
     if select is None and inline:
         plan, inlined = api.get_plan_bundle(
-            model, have=have, want=want, holder=holder, inline=inline, timings=server, trust_checked=results_checked
+            model, have=have, want=want, holder=holder, inline=inline, timings=server, trust_checked=trust_checked
         )
     else:
         plan = api.get_plan(model, have=have, want=want, holder=holder)
@@ -191,11 +180,7 @@ def fetch_update(
         if trusted:
             unhashed = {d: v for d, v in objects.items() if inlined[d][1] is None}
         _keep_inlined(cache, came | objects)
-        # Those read as ranges (a larger update) likewise: the result checks cover them as they cover the bundle's.
-        got = fetch_plan(
-            api, cache, plan, pool, range_bytes=range_bytes, meter=meter, unhashed=trusted and results_checked
-        )
-        unhashed |= got.unhashed
+        fetch_plan(api, cache, plan, pool, range_bytes=range_bytes, meter=meter)
         manifests = [early.get(s.manifest) or load_manifest(cache, s.manifest) for s in plan.steps]
     else:
         manifests, _ = _fetch_manifests(api, cache, plan, pool, range_bytes=range_bytes, meter=meter)
@@ -235,9 +220,8 @@ def prepare_update(
     """
     t0 = time.perf_counter()
     cache = options.cache()
-    # Objects kept in this prepare's memory alone may be taken unhashed (from a server that checked them, or read
-    # as ranges): the apply checks the results (or hashes them first). A cache on disk outlives the apply: what
-    # goes in is hashed.
+    # Objects kept in this prepare's memory alone may come unhashed from a server that checked them: the apply
+    # checks the results (or hashes them first). A cache on disk outlives the apply: what goes in is hashed.
     trust = cache is None and have is not None  # from nothing: a keyframe's objects, hashed as they arrive
     cache = cache or ObjectCache(None)
     plan, manifests, partial, timings, unhashed = fetch_update(
@@ -252,7 +236,7 @@ def prepare_update(
         meter=meter,
         select=select,
         inline=options.inline_bytes,
-        results_checked=trust,
+        trust_checked=trust,
     )
 
     def decode() -> Prepared:
@@ -270,7 +254,7 @@ def prepare_update(
 
     def refetch(damaged: list[str]) -> Prepared:
         """Bytes the server checked, damaged on their way here: fetched again (checked), the update decoded again."""
-        log.warning("objects %s were received with other bytes: fetching them again", ", ".join(damaged))
+        log.warning("objects %s came with the plan with other bytes: fetching them again", ", ".join(damaged))
         cache.discard(damaged)
         fetch_plan(api, cache, plan, pool, range_bytes=options.range_bytes, meter=meter)
         return decode()
