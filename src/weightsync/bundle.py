@@ -35,7 +35,7 @@ MEDIA_TYPE = "application/vnd.weightsync.plan-bundle"
 PUBLISH_MEDIA_TYPE = "application/vnd.weightsync.publish-bundle"
 CHECKED_HEADER = "Weightsync-Checked"
 """A plan bundle's answer header, ``sha256``: the server checked every part's bytes against its name (docs/API.md
-"One request per update"), so a reader that trusts it may leave the objects unhashed."""
+"One request per update"); the reference client hashes the objects all the same (docs/FORMAT.md §10.3)."""
 MAGIC = b"WSPB"
 VERSION = 1
 _HEAD = struct.Struct("<4sB3x")

@@ -88,7 +88,7 @@ def test_an_update_read_as_ranges_is_bit_identical_version_after_version(server,
             transport.reads.clear()
             prepared = sub.prepare(v)
             objects = set().union(*(m.objects() for m in prepared.manifests))
-            assert objects and prepared.unhashed_objects == {}
+            assert objects
             assert any(transport.reads.count(d) > 1 for d in objects), "an object read in several ranges"
             sub.apply(tensors, prepared)
             assert sub.version == v

@@ -359,7 +359,6 @@ class Api:
         holder: str | None = None,
         inline: int,
         timings: dict[str, float] | None = None,
-        trust_checked: bool = False,
     ) -> tuple[models.Plan, dict[str, tuple[memoryview, str | Future[str] | None]]]:
         """The plan and, when its bytes are at most `inline`, its manifests and objects in the same answer.
 
@@ -372,12 +371,9 @@ class Api:
         Bytes received are rate-limited; `on_bytes` counts the objects' bytes. `timings` gets the
         server's phases (``server_plan_s``, from its Server-Timing header).
 
-        With `trust_checked`, a bundle whose server says it checked every part against its name
-        (``Weightsync-Checked: sha256``: parts it held in memory or hashed on reading them) is not hashed
-        here: its hashes are None, and :func:`checked` hashes such an object only when asked to. For a
-        caller whose later checks catch damaged bytes anyway (an in-place apply with verification checks
-        every result against the manifest's checksums; the manifests are always hashed), this takes the
-        hashing (~2 GB/s a core) off the update's critical path.
+        Every part is hashed, whether or not the server says it checked them (``Weightsync-Checked``): the
+        apply's result checks do not cover every damaged frame (docs/FORMAT.md §10.3), so the bytes are
+        checked here, after their transfer.
         """
         params = {**_plan_params(have, want, holder), "inline": inline}
 
@@ -387,8 +383,7 @@ class Api:
             kind = resp.headers.get("content-type", "")
             sink: bundle.Receiver | bytearray = bytearray()
             if kind.startswith(bundle.MEDIA_TYPE):
-                vouched = trust_checked and resp.headers.get(bundle.CHECKED_HEADER, "").strip().lower() == "sha256"
-                sink = bundle.Receiver(size=_bundle_length(resp, inline), hasher=hash_pool(), hashed=not vouched)
+                sink = bundle.Receiver(size=_bundle_length(resp, inline), hasher=hash_pool())
                 space = sink.space()
                 if isinstance(resp, _direct.DirectResponse) and space is not None:
                     # Received straight into the bundle's buffer: the Receiver parses and hashes it in place.
@@ -808,12 +803,11 @@ class Api:
 
 
 def checked(
-    received: dict[str, tuple[memoryview, str | Future[str] | None]], digests: Iterable[str], *, trusted: bool = False
+    received: dict[str, tuple[memoryview, str | Future[str] | None]], digests: Iterable[str]
 ) -> dict[str, memoryview]:
     """Of `digests`, the objects of `received` (:meth:`Api.get_plan_bundle`) whose bytes hash to their names,
-    waiting for hashes still being taken. One that came unhashed (its server checked it) is hashed now, or with
-    `trusted` taken as it came. One that came with other bytes is left out, with a warning: the caller fetches
-    it again."""
+    waiting for hashes still being taken (one that came without a hash is hashed now). One that came with
+    other bytes is left out, with a warning: the caller fetches it again."""
     out = {}
     for digest in digests:
         got = received.get(digest)
@@ -821,9 +815,6 @@ def checked(
             continue
         data, sha256 = got
         if sha256 is None:
-            if trusted:
-                out[digest] = data
-                continue
             sha256 = hashlib.sha256(data).hexdigest()
         if (sha256.result() if isinstance(sha256, Future) else sha256) == digest:
             out[digest] = data

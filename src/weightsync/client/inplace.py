@@ -16,7 +16,6 @@ for v1 xxh3-128 through pinned host buffers.
 
 from __future__ import annotations
 
-import hashlib
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -78,11 +77,6 @@ class TensorUpdate:
         return sum(len(op) for op in self.ops)
 
 
-def damaged_objects(objects: Mapping[str, memoryview]) -> list[str]:
-    """Of `objects` (digest → bytes), those whose bytes do not hash (SHA-256) to their names."""
-    return [d for d, data in objects.items() if hashlib.sha256(data).hexdigest() != d]
-
-
 @dataclass
 class Prepared:
     """An update from version `base` (what the tensors hold; None: nothing) to `target`, decoded and ready."""
@@ -107,26 +101,6 @@ class Prepared:
     """The tensors this update is for (None: all of the version's)."""
     partial_objects: list[str] = field(default_factory=list, repr=False)
     """Objects read from byte ranges (not checked against their SHA-256; a failed check drops them)."""
-    unhashed_objects: dict[str, memoryview] = field(default_factory=dict, repr=False)
-    """Objects that came from a server that checked them, not hashed here yet (client/pull.py `fetch_update`):
-    `apply` hashes them before its first write unless it checks every result (`verify`, no whole
-    replacement), where a damaged byte fails the result's check and is undone."""
-
-    def damaged_objects(self) -> list[str]:
-        """The objects taken unhashed (:attr:`unhashed_objects`) whose bytes do not hash to their names; the others
-        are no longer unhashed."""
-        damaged = damaged_objects(self.unhashed_objects)
-        self.unhashed_objects = {d: self.unhashed_objects[d] for d in damaged}
-        return damaged
-
-    def check_objects(self, then: str = "nothing was changed") -> None:
-        """Hash the objects taken unhashed against their names; DigestMismatch (saying `then`) if one came with
-        other bytes: the update must be prepared again."""
-        damaged = self.damaged_objects()
-        if damaged:
-            raise errors.DigestMismatch(
-                f"object {damaged[0]} came with the plan with other bytes; {then}: prepare the update again"
-            )
 
     def decode_frames(self, threads: int | None = None) -> None:
         """Decode the frames this update kept (if any) into per-tensor changes: what tensors off the host need
@@ -134,13 +108,7 @@ class Prepared:
         if self.frames is None:
             return
         blobs = {f.ref: f.blob for f in self.frames}
-        try:
-            self.updates, _ = decode_updates(
-                self.manifests, lambda ref: blobs[ref], pool_of(threads), select=self.select
-            )
-        except errors.FormatError:
-            self.check_objects()  # an object taken unhashed that came damaged is named as such
-            raise
+        self.updates, _ = decode_updates(self.manifests, lambda ref: blobs[ref], pool_of(threads), select=self.select)
         self.frames = None
 
     @property
@@ -527,14 +495,12 @@ def apply(
     says which). The pause runs from the first write until the result check passed.
 
     Without `verify` an update is applied unchecked only where its objects' bytes were checked: hashed
-    whole against their names (before the first write, for those taken unhashed). One read from byte
+    whole against their names. One read from byte
     ranges (:attr:`Prepared.partial_objects`: a tensor selection) cannot be hashed, and the checks of
     its results are all that would catch a range damaged on the way: it is verified all the same.
     """
     if prepared.partial_objects:
         verify = True  # nothing else checks bytes read from ranges
-    if prepared.unhashed_objects and (not verify or any(u.replace is not None for u in prepared.updates.values())):
-        prepared.check_objects()  # what no result check covers is checked before the first write
     from weightsync.client.tensors import byte_view, copy_pieces, host_bytes, torch_module
 
     torch = torch_module()

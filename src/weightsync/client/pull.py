@@ -133,8 +133,7 @@ def fetch_update(
     meter: Meter,
     select: Callable[[str], bool] | None = None,
     inline: int = 0,
-    trust_checked: bool = False,
-) -> tuple[Plan, list[Manifest], list[str], dict[str, float], dict[str, memoryview]]:
+) -> tuple[Plan, list[Manifest], list[str], dict[str, float]]:
     """The plan from `have` to `want` (None: head) and every manifest and object it needs, verified in `cache`.
 
     With `inline` (bytes; not with `select`), an update of at most that many bytes comes in the plan's
@@ -146,39 +145,29 @@ def fetch_update(
     SHA-256 (that needs the whole object); the decode and the apply check every selected
     tensor's base and result instead.
 
-    With `trust_checked` too (`cache` in memory, for an apply that checks its results), the objects of an
-    update of deltas that came with the plan from a server that checked them (``Weightsync-Checked``)
-    are not hashed here (`Api.get_plan_bundle`): they are returned as unhashed, for the apply to hash
-    if it will not check every result (:attr:`inplace.Prepared.unhashed_objects`). A plan with a
-    keyframe step has them hashed here all the same (a failed check of a whole replacement cannot be
-    undone). The manifests are always hashed.
+    Every object that came with the plan, or was read whole, is checked against its SHA-256 before it is
+    used, whatever the server says it checked: the apply's result checks do not cover every damaged frame
+    (docs/FORMAT.md §10.3).
 
     Returns (plan, its steps' manifests in order, the objects read from ranges, timings: plan_s
-    and download_s, and server_plan_s when the plan came with its objects from a server that says,
-    the objects taken unhashed).
+    and download_s, and server_plan_s when the plan came with its objects from a server that says).
     """
     t0 = time.perf_counter()
     inlined: dict[str, tuple[memoryview, str | Future[str] | None]] = {}
     server: dict[str, float] = {}
     if select is None and inline:
-        plan, inlined = api.get_plan_bundle(
-            model, have=have, want=want, holder=holder, inline=inline, timings=server, trust_checked=trust_checked
-        )
+        plan, inlined = api.get_plan_bundle(model, have=have, want=want, holder=holder, inline=inline, timings=server)
     else:
         plan = api.get_plan(model, have=have, want=want, holder=holder)
     timings = {"plan_s": time.perf_counter() - t0, **server}
     t = time.perf_counter()
     partial: list[str] = []
-    unhashed: dict[str, memoryview] = {}
     if select is None:
         # The manifests come first in the plan's answer: they are decoded while its objects still hash.
         in_manifests, in_objects = step_objects(plan.steps)
         came = checked(inlined, in_manifests)
         early = {digest: Manifest.decode(bytes(data)) for digest, data in came.items()}
-        trusted = all(s.kind == "delta" for s in plan.steps)
-        objects = checked(inlined, in_objects, trusted=trusted)
-        if trusted:
-            unhashed = {d: v for d, v in objects.items() if inlined[d][1] is None}
+        objects = checked(inlined, in_objects)
         _keep_inlined(cache, came | objects)
         fetch_plan(api, cache, plan, pool, range_bytes=range_bytes, meter=meter)
         manifests = [early.get(s.manifest) or load_manifest(cache, s.manifest) for s in plan.steps]
@@ -188,12 +177,11 @@ def fetch_update(
         extents, _ = _fetch_frames(api, cache, refs, pool, range_bytes=range_bytes, meter=meter)
         partial = [d for d in extents if not cache.has(d)]
     timings["download_s"] = time.perf_counter() - t
-    return plan, manifests, partial, timings, unhashed
+    return plan, manifests, partial, timings
 
 
 def _keep_inlined(cache: ObjectCache, objects: dict[str, memoryview]) -> None:
-    """Put the objects that came with the plan, checked against their names (`_http.checked`, or by a server
-    trusted to), into `cache`."""
+    """Put the objects that came with the plan, checked against their names (`_http.checked`), into `cache`."""
     for digest, data in objects.items():
         if not cache.has(digest):
             cache.put_checked(digest, data)
@@ -219,12 +207,8 @@ def prepare_update(
     With `select`, the update of the selected tensors, from only the frames that change them.
     """
     t0 = time.perf_counter()
-    cache = options.cache()
-    # Objects kept in this prepare's memory alone may come unhashed from a server that checked them: the apply
-    # checks the results (or hashes them first). A cache on disk outlives the apply: what goes in is hashed.
-    trust = cache is None and have is not None  # from nothing: a keyframe's objects, hashed as they arrive
-    cache = cache or ObjectCache(None)
-    plan, manifests, partial, timings, unhashed = fetch_update(
+    cache = options.cache() or ObjectCache(None)
+    plan, manifests, partial, timings = fetch_update(
         api,
         model,
         cache,
@@ -236,11 +220,9 @@ def prepare_update(
         meter=meter,
         select=select,
         inline=options.inline_bytes,
-        trust_checked=trust,
     )
-
-    def decode() -> Prepared:
-        return inplace.prepare(
+    try:
+        prepared = inplace.prepare(
             manifests,
             object_reader(cache),
             model=model,
@@ -251,31 +233,6 @@ def prepare_update(
             bytes_received=meter.bytes,
             select=select,
         )
-
-    def refetch(damaged: list[str]) -> Prepared:
-        """Bytes the server checked, damaged on their way here: fetched again (checked), the update decoded again."""
-        log.warning("objects %s came with the plan with other bytes: fetching them again", ", ".join(damaged))
-        cache.discard(damaged)
-        fetch_plan(api, cache, plan, pool, range_bytes=options.range_bytes, meter=meter)
-        return decode()
-
-    try:
-        try:
-            prepared = decode()
-        except errors.FormatError:
-            damaged = inplace.damaged_objects(unhashed)
-            if not damaged:
-                raise
-            unhashed = {}  # every other one hashed to its name just now
-            prepared = refetch(damaged)
-        prepared.unhashed_objects = unhashed
-        # A whole replacement (a tensor new in a delta) cannot be undone if its result fails: what it was
-        # decoded from is checked now, off the apply's path.
-        if unhashed and any(u.replace is not None for u in prepared.updates.values()):
-            damaged = prepared.damaged_objects()
-            if damaged:
-                prepared = refetch(damaged)
-            prepared.unhashed_objects = {}
     except errors.WeightsyncError:
         cache.drop_parts(partial)  # a range that does not decode is fetched again by the next prepare
         raise

@@ -256,17 +256,12 @@ class Subscriber:
                 cache = self.options.cache()
                 if cache is not None and prepared.partial_objects:
                     cache.drop_parts(prepared.partial_objects)  # ranges the checks refused: fetched again next time
-                if prepared.unhashed_objects:
-                    # Left unhashed, they were covered by the result checks (no whole replacement): every change
-                    # was undone, and one of them that came damaged is named as such.
-                    prepared.check_objects("every change was undone")
                 if not isinstance(exc, errors.ChecksumMismatch):
                     raise
                 if any(u.replace is not None for u in prepared.updates.values()):
                     self.version = None  # replaced whole: the tensors hold neither version
                 raise
             self.version = prepared.target
-            prepared.unhashed_objects = {}  # applied: the bundle's buffer is not kept for them
             self.timings["apply_s"] = time.perf_counter() - t0
             self._ledger.applied(
                 prepared.target,
