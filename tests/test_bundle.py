@@ -166,8 +166,8 @@ def test_a_body_longer_or_shorter_than_its_length_is_refused() -> None:
 
 @given(plan=st.binary(max_size=200), datas=blobs, data=st.data())
 def test_an_unhashed_receiver_gives_the_same_parts_and_no_hashes(plan: bytes, datas: list[bytes], data) -> None:
-    """hashed=False (a bundle whose server checked its parts, for a reader that trusts it): the same parts however
-    the body arrives, each object's hash None (not a hash of nothing: a reader must not take it for one)."""
+    """hashed=False (a whole body read by `parts`): the same parts however the body arrives, each object's hash
+    None (not a hash of nothing: a reader must not take it for one)."""
     objects = _named(datas)
     body = bundle.encode(plan, objects)
     r = bundle.Receiver(size=len(body), hasher=_HASHER, hashed=False)
@@ -212,3 +212,36 @@ def test_took_more_than_the_buffer_holds_and_space_without_a_length_are_refused(
     assert bundle.Receiver().space() is None
     with pytest.raises(ValueError):
         bundle.Receiver().took(0)
+
+
+@given(plan=st.binary(max_size=200), datas=blobs, data=st.data())
+def test_parts_named_unhashed_are_left_to_their_reader_and_the_others_hashed(plan: bytes, datas: list[bytes], data):
+    """`unhashed` (the parts a reader checks by their transfer digest): those parts come with no hash, every
+    other object part with its SHA-256, however the body arrives."""
+    objects = _named(datas)
+    skip = set(data.draw(st.sets(st.sampled_from(sorted(objects)))) if objects else set())
+    body = bundle.encode(plan, objects)
+    r = bundle.Receiver(size=len(body), hasher=_HASHER, unhashed=skip)
+    at = 0
+    for cut in [*sorted(data.draw(st.lists(st.integers(0, len(body)), max_size=8))), len(body)]:
+        r.feed(body[at:cut])
+        at = cut
+    _, got = r.finish()
+    want = {n: (d, None if n in skip else hashlib.sha256(d).hexdigest()) for n, d in objects.items()}
+    assert {n: (bytes(d), h) for n, (d, h) in got.items()} == want
+
+
+@given(datas=blobs, junk=st.lists(st.text(max_size=120), max_size=4))
+def test_transfer_digests_round_trip_and_malformed_entries_are_left_out(datas: list[bytes], junk: list[str]) -> None:
+    """XXH3_HEADER's value: what `format_transfer_digests` writes parses back whole; an entry that is not an object's
+    name and 32 lowercase hex digits is left out (its part is then hashed), never an error."""
+    digests = {n: bundle.transfer_digest(d) for n, d in _named(datas).items()}
+    value = bundle.format_transfer_digests(digests)
+    assert bundle.parse_transfer_digests(value) == digests
+    mixed = ",".join([value, *(j.replace(",", ";") for j in junk)]) if value else ",".join(junk)
+    parsed = bundle.parse_transfer_digests(mixed)
+    assert {k: v for k, v in parsed.items() if k in digests} == digests
+    for name, value_ in parsed.items():
+        assert len(name) == 64 and len(value_) == 32 and set(value_) <= set("0123456789abcdef")
+    assert bundle.parse_transfer_digests("x=y, ,=,abc") == {}
+    assert bundle.parse_transfer_digests(f"{'a' * 64}={'G' * 32}") == {}

@@ -13,7 +13,9 @@ instead of begin, uploads and commit. The body is
 
 The first part holds JSON and is named ``plan`` (the plan as getPlan answers it) or ``publish``
 (publishVersion's request); each other part is named by an object's SHA-256 (64 hex) and holds
-the whole object. Readers check every object against its name, as for any object read. Shared by
+the whole object. Readers check every object against its name, as for any object read, or, for the
+parts a plan bundle's answer names an xxh3-128 for (XXH3_HEADER: taken by a server that checked those
+bytes against their names), by that digest. Shared by
 the service and the client: this module imports nothing of weightsync but the errors and the
 digest check.
 """
@@ -22,11 +24,12 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Collection, Iterator
 from concurrent.futures import Executor, Future
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from weightsync import errors
 from weightsync.common import is_digest
@@ -36,6 +39,13 @@ PUBLISH_MEDIA_TYPE = "application/vnd.weightsync.publish-bundle"
 CHECKED_HEADER = "Weightsync-Checked"
 """A plan bundle's answer header, ``sha256``: the server checked every part's bytes against its name (docs/API.md
 "One request per update"); the reference client hashes the objects all the same (docs/FORMAT.md §10.3)."""
+XXH3_HEADER = "Weightsync-Xxh3"
+"""With ``Weightsync-Checked``: ``name=xxh3-128 hex`` of the bundle's largest parts (up to XXH3_PARTS), comma-
+separated, taken by the server of the bytes it checked against their names. A reader checks those parts' transfer
+with it (~10+ GB/s) instead of hashing them (SHA-256): the two checks together are the server's SHA-256 and a
+128-bit check of the way between (docs/API.md "One request per update")."""
+XXH3_PARTS = 64
+"""The most parts a bundle's XXH3_HEADER names (its largest): the header stays a few KiB."""
 MAGIC = b"WSPB"
 VERSION = 1
 _HEAD = struct.Struct("<4sB3x")
@@ -45,6 +55,27 @@ PLAN = "plan"
 PUBLISH = "publish"
 MAX_INLINE = 64 << 20
 """The most object bytes a server puts in one answer (a larger update is fetched the usual way)."""
+
+
+def transfer_digest(data: bytes | memoryview) -> str:
+    """The XXH3_HEADER value of a part's bytes: their xxh3-128, hex."""
+    return xxhash.xxh3_128_hexdigest(data)
+
+
+def format_transfer_digests(digests: dict[str, str]) -> str:
+    """XXH3_HEADER's value for `digests` (part name → :func:`transfer_digest`)."""
+    return ",".join(f"{name}={value}" for name, value in digests.items())
+
+
+def parse_transfer_digests(value: str) -> dict[str, str]:
+    """XXH3_HEADER's entries (part name → xxh3-128 hex); any entry that is not an object's name and a 32-hex value is
+    left out (its part is hashed as any other)."""
+    out = {}
+    for entry in value.split(","):
+        name, _, digest = entry.strip().partition("=")
+        if is_digest(name) and len(digest) == 32 and all(c in "0123456789abcdef" for c in digest):
+            out[name] = digest
+    return out
 
 
 def head() -> bytes:
@@ -104,7 +135,8 @@ class Receiver:
     the name without another pass over the bytes, and the hashing runs while the rest of the
     body is still on its way. However the body is cut into chunks, the same parts and the same
     `error`s on anything malformed (raised by ``feed`` as soon as it shows, or by ``finish``);
-    :func:`parts` reads a whole body with it, unhashed (``hashed=False``).
+    :func:`parts` reads a whole body with it, unhashed (``hashed=False``); the parts named in `unhashed`
+    come with no hash (their reader checks them by their XXH3_HEADER digest instead).
 
     With `size` (the body's length, known from its header) the bytes land in one buffer of that
     size, never copied again (a longer body is `error`). With `hasher` too (an executor of **one**
@@ -127,6 +159,7 @@ class Receiver:
         hashed: bool = True,
         size: int | None = None,
         hasher: Executor | None = None,
+        unhashed: Collection[str] = (),
     ) -> None:
         self._size = size
         # Without a size, a growing bytearray; with one, a buffer of that size (np.empty: its pages are touched
@@ -135,6 +168,7 @@ class Receiver:
         self._view = memoryview(self._buf) if size is None else np.empty(size, dtype=np.uint8).data
         self._len = 0  # bytes received
         self._first, self._error, self._hashed = first, error, hashed
+        self._unhashed = frozenset(unhashed)  # parts not hashed (SHA-256): their reader checks them another way
         self._what = f"{first} bundle"
         self._headed = False  # the magic and version checked
         self._at = _HEAD.size  # where the next part's header starts
@@ -225,7 +259,7 @@ class Receiver:
             raise self._error(f"{self._what}: a part name is not ASCII") from None
         (size,) = _SIZE.unpack_from(buf, at + _NAME.size + n)
         _check_name(name, not self._done, self._first, self._what, self._error)
-        hasher = hashlib.sha256() if self._done and self._hashed else None
+        hasher = hashlib.sha256() if self._done and self._hashed and name not in self._unhashed else None
         self._part = (name, at + _NAME.size + n + _SIZE.size, size, hasher)
         self._hashed_to = self._part[1]
         return True

@@ -27,13 +27,15 @@ SMALL = {"chunk_bytes": 16 << 10, "object_bytes": 48 << 10}
 class Recording(httpx.BaseTransport):
     """Passes requests to the server and records (method, path, query); `edit` may rewrite a plan's answer."""
 
-    def __init__(self, *, edit=None, strip_inline: bool = False, strip_checked: bool = False) -> None:
+    def __init__(self, *, edit=None, strip_inline: bool = False, strip_checked: bool = False, xxh3=None) -> None:
         self.inner = httpx.HTTPTransport()
         self.seen: list[tuple[str, str, str]] = []
         self.edit = edit
         self.strip_inline = strip_inline
         self.strip_checked = strip_checked  # the answer does not say the server checked its parts (an older server)
         self.checked: list[str | None] = []  # each plan answer's Weightsync-Checked, as the server sent it
+        self.xxh3: list[dict[str, str]] = []  # each plan answer's Weightsync-Xxh3 entries, as the server sent them
+        self.edit_xxh3 = xxh3  # rewrites those entries (a dict → a dict) before the client sees them
         self._lock = threading.Lock()
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
@@ -45,12 +47,20 @@ class Recording(httpx.BaseTransport):
         if not request.url.path.endswith("/plan"):
             return resp
         self.checked.append(resp.headers.get(bundle.CHECKED_HEADER))
-        if self.edit is None and not self.strip_checked:
+        sent = bundle.parse_transfer_digests(resp.headers.get(bundle.XXH3_HEADER, ""))
+        self.xxh3.append(sent)
+        if self.edit is None and not self.strip_checked and self.edit_xxh3 is None:
             return resp
         body = resp.read()
         new = body if self.edit is None else self.edit(resp.headers.get("content-type", ""), body)
-        dropped = {"content-length", *((bundle.CHECKED_HEADER.lower(),) if self.strip_checked else ())}
+        dropped = {
+            "content-length",
+            *((bundle.CHECKED_HEADER.lower(), bundle.XXH3_HEADER.lower()) if self.strip_checked else ()),
+            *((bundle.XXH3_HEADER.lower(),) if self.edit_xxh3 is not None else ()),
+        }
         headers = [(k, v) for k, v in resp.headers.items() if k.lower() not in dropped]
+        if self.edit_xxh3 is not None:
+            headers.append((bundle.XXH3_HEADER, bundle.format_transfer_digests(self.edit_xxh3(sent))))
         return httpx.Response(resp.status_code, headers=headers, content=new)
 
     def close(self) -> None:
@@ -133,6 +143,8 @@ def test_an_object_damaged_in_the_bundle_is_fetched_again(
     with caplog.at_level(logging.WARNING, logger="weightsync.client"):
         per_prepare = _follow(server.url, model, versions, transport, **options)
     assert transport.checked == ["sha256"] * len(per_prepare)  # the server did check them
+    if unvouched == "server checked":  # the damaged part was one its transfer digest named
+        assert all(name in sent for sent, name in zip(transport.xxh3, spoiled, strict=True))
     for seen, name in zip(per_prepare, spoiled, strict=True):
         assert [p for _, p, _ in seen if p.startswith("/v1/objects/")] == [f"/v1/objects/{name}"], seen  # again
     assert "came with the plan with other bytes" in caplog.text
@@ -264,3 +276,48 @@ def test_a_damaged_object_from_a_server_that_checked_it_never_becomes_a_wrong_we
         assert sub.version == 1 + steps
     for name, bits in versions[steps].items():
         assert torch.equal(tensor_bits(tensors[name]), tensor_bits(bits)), name
+
+
+def test_parts_the_server_checked_are_checked_by_their_transfer_digest_not_hashed(server, model, monkeypatch) -> None:
+    """A bundle whose server checked its parts names their xxh3-128 (Weightsync-Xxh3): the client checks each part
+    that way and takes no SHA-256 of them, and the apply is bit-identical; an answer that does not name them (an
+    older server) has every part hashed."""
+    hashed: list[int] = []
+    real = bundle.hashlib
+
+    class Counting:
+        @staticmethod
+        def sha256(*args):
+            hashed.append(1)
+            return real.sha256(*args)
+
+    monkeypatch.setattr(bundle, "hashlib", Counting)
+    versions = _versions(server.url, model, 3)
+    for strip, expect_hashing in ((False, False), (True, True)):
+        hashed.clear()
+        transport = Recording(strip_checked=strip)
+        _follow(server.url, model, versions, transport)
+        assert all(transport.xxh3) and transport.checked == ["sha256", "sha256"]
+        assert bool(hashed) is expect_hashing, (strip, len(hashed))
+
+
+@pytest.mark.parametrize("how", ["another digest", "a malformed entry"])
+def test_a_transfer_digest_that_does_not_match_has_its_part_fetched_again(server, model, caplog, how) -> None:
+    """The bytes intact, the xxh3 the answer names for the largest part changed on the way (another digest: the part
+    is left out and fetched again, checked) or made malformed (the entry is ignored and the part hashed instead);
+    either way the apply is bit-identical."""
+    versions = _versions(server.url, model, 3)
+    spoiled: list[str] = []
+
+    def edit(sent: dict[str, str]) -> dict[str, str]:
+        name = next(iter(sent))
+        spoiled.append(name)
+        return {**sent, name: ("0" * 32 if sent[name] != "0" * 32 else "1" * 32) if how == "another digest" else "zz"}
+
+    transport = Recording(xxh3=edit)
+    with caplog.at_level(logging.WARNING, logger="weightsync.client"):
+        per_prepare = _follow(server.url, model, versions, transport)
+    for seen, name in zip(per_prepare, spoiled, strict=True):
+        fetched = [p for _, p, _ in seen if p.startswith("/v1/objects/")]
+        assert fetched == ([f"/v1/objects/{name}"] if how == "another digest" else []), seen
+    assert ("came with the plan with other bytes" in caplog.text) is (how == "another digest")

@@ -124,6 +124,27 @@ def test_the_least_recently_used_go_first_within_the_budget():
     assert hot.get("a") is None and hot.held_bytes == 5
 
 
+def test_each_kept_object_has_its_transfer_digest_while_it_is_kept():
+    """The xxh3-128 a plan bundle names (Weightsync-Xxh3) is taken of an entry's bytes as it is kept, and goes with
+    it: evicted, dropped or never kept, there is none."""
+    from weightsync import bundle
+
+    hot = HotObjects(budget=10, largest=HOT_OBJECT_BYTES)
+    for name in "abc":
+        hot.put(name, name.encode() * 3)
+    assert {n: hot.transfer_digest(n) for n in "abc"} == {n: bundle.transfer_digest(n.encode() * 3) for n in "abc"}
+    hot.put("d", b"dd")  # "a" goes
+    hot.drop("b")
+    hot.put("e", b"e" * 11)  # not kept
+    assert [hot.transfer_digest(n) for n in "abcde"] == [
+        None,
+        None,
+        bundle.transfer_digest(b"ccc"),
+        bundle.transfer_digest(b"dd"),
+        None,
+    ]
+
+
 def test_a_zero_budget_keeps_nothing():
     hot = HotObjects(budget=0, largest=HOT_OBJECT_BYTES)
     hot.put(hashlib.sha256(b"x").hexdigest(), b"x")

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+import xxhash
 from _service_http import files_of, ok, problem, publish, publish_chain, pull
 from _service_util import JSON_CAP, ServerThread, running
 
@@ -599,6 +600,7 @@ def test_plan_with_inline_objects_is_one_answer_holding_the_plan_and_every_objec
     # Every part held, or read whole and hashed here: the answer says the server checked them all; one streamed
     # from the store unread: it does not.
     assert r.headers.get(bundle.CHECKED_HEADER) == (None if streamed else "sha256")
+    _transfer_digests_match(r)
     if held == "all":
         assert not streamed
     assert int(r.headers["content-length"]) == len(r.content)
@@ -723,6 +725,7 @@ def test_a_plan_carries_small_objects_from_the_servers_memory_unless_it_keeps_no
     assert all(intact) if memory else not any(intact)
     # From memory, the server says it checked them; read from the store unhashed (it keeps nothing), it does not.
     assert r.headers.get(bundle.CHECKED_HEADER) == ("sha256" if memory else None)
+    _transfer_digests_match(r)
 
 
 @pytest.mark.parametrize("damaged", [False, True])
@@ -750,3 +753,19 @@ def test_a_bundle_says_its_parts_were_checked_only_when_each_hashed_to_its_name_
     assert set(frames) <= set(objects)
     assert (hashlib.sha256(objects[frames[0]]).hexdigest() == frames[0]) is not damaged
     assert r.headers.get(bundle.CHECKED_HEADER) == (None if damaged else "sha256")
+    _transfer_digests_match(r)
+
+
+def _transfer_digests_match(r: httpx.Response) -> None:
+    """A bundle the server says it checked names the xxh3-128 of its largest parts (all of them here), each that
+    of the bytes sent (Weightsync-Xxh3); one it does not say it checked names none."""
+    from weightsync import bundle
+
+    named = bundle.parse_transfer_digests(r.headers.get(bundle.XXH3_HEADER, ""))
+    if r.headers.get(bundle.CHECKED_HEADER) != "sha256":
+        assert bundle.XXH3_HEADER not in r.headers
+        return
+    parts = {name: bytes(data) for name, data in list(bundle.parts(r.content))[1:]}
+    assert parts and set(named) == set(parts), "every part, fewer than XXH3_PARTS here"
+    for name, data in parts.items():
+        assert named[name] == bundle.transfer_digest(data) == xxhash.xxh3_128_hexdigest(data), name

@@ -1182,6 +1182,10 @@ class Ops:
         """An object's bytes if this process holds them in memory (ops/hot.py), else None; no store read."""
         return self._hot.get(digest)
 
+    def transfer_digest(self, digest: str) -> str | None:
+        """The xxh3-128 of an object this process holds in memory, taken when it was kept (ops/hot.py), else None."""
+        return self._hot.transfer_digest(digest)
+
     @property
     def memory(self) -> tuple[int, int]:
         """What this process keeps of objects in memory (ops/hot.py): (bytes in all, bytes of the largest)."""

@@ -11,12 +11,16 @@ server deletes (GC) is dropped first. Only the event loop's thread touches the c
 
 Every entry hashes to its name (the store computed the digest of what it wrote, or the read
 that kept it hashed it): a plan bundle whose parts all come from here, or were hashed on
-reading, says so to its reader (``Weightsync-Checked``), who may then skip hashing them.
+reading, says so to its reader (``Weightsync-Checked``), with the xxh3-128 of its largest parts
+(``Weightsync-Xxh3``), taken here as each entry is kept, right after that check: the reader
+checks those parts' way across with it instead of hashing them.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+
+from weightsync.bundle import transfer_digest
 
 
 class HotObjects:
@@ -30,6 +34,7 @@ class HotObjects:
         self.budget = max(0, budget)
         self.largest = min(largest, self.budget)
         self._entries: OrderedDict[str, bytes] = OrderedDict()
+        self._xxh3: dict[str, str] = {}  # each entry's transfer digest (weightsync.bundle.transfer_digest)
         self._bytes = 0
 
     def __len__(self) -> int:
@@ -49,13 +54,20 @@ class HotObjects:
         """Keep `data`, which the caller checked hashes to `digest` (the store computed it, or named it)."""
         if len(data) > self.largest or digest in self._entries:
             return
-        self._entries[digest] = bytes(data)  # bytes are immutable: no copy when they are bytes already
+        self._entries[digest] = kept = bytes(data)  # bytes are immutable: no copy when they are bytes already
+        self._xxh3[digest] = transfer_digest(kept)
         self._bytes += len(data)
         while self._bytes > self.budget:
-            _, gone = self._entries.popitem(last=False)
+            name, gone = self._entries.popitem(last=False)
+            self._xxh3.pop(name, None)
             self._bytes -= len(gone)
+
+    def transfer_digest(self, digest: str) -> str | None:
+        """The xxh3-128 of a kept entry's bytes, taken when it was kept; None if it is not kept."""
+        return self._xxh3.get(digest)
 
     def drop(self, digest: str) -> None:
         gone = self._entries.pop(digest, None)
+        self._xxh3.pop(digest, None)
         if gone is not None:
             self._bytes -= len(gone)

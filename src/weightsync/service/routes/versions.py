@@ -291,8 +291,14 @@ async def plan_bundle(ops: Ops, out: PlanOut) -> Response:
     after = [d for d in wanted if d not in first and (d in in_hand or d in streamed)]
     pieces = bundle.chunks(out.model_dump_json().encode(), first, first=bundle.PLAN)
     head = sum(map(len, pieces))
-    # Every part checked here (none streamed from the store unread): the reader may skip its own hashing.
-    checked = {bundle.CHECKED_HEADER: "sha256"} if not streamed and vouched.issuperset(in_hand) else {}
+    # Every part checked here (none streamed from the store unread): said so, with the xxh3 of the largest parts,
+    # taken of the bytes checked (ops/hot.py, as each was kept; here, of one read whole for this plan), which the
+    # reader checks their way across with instead of hashing them (weightsync/bundle.py XXH3_HEADER).
+    checked = {}
+    if not streamed and vouched.issuperset(in_hand):
+        biggest = sorted(in_hand, key=lambda d: len(in_hand[d]), reverse=True)[: bundle.XXH3_PARTS]
+        xxh3 = {d: ops.transfer_digest(d) or bundle.transfer_digest(in_hand[d]) for d in biggest}
+        checked = {bundle.CHECKED_HEADER: "sha256", bundle.XXH3_HEADER: bundle.format_transfer_digests(xxh3)}
     if not after:  # all of it in hand: no streaming machinery (its task group costs the small answer)
         if head < _JOINED_PIECE:
             return Response(b"".join(pieces), media_type=bundle.MEDIA_TYPE, headers=checked)
