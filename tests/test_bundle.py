@@ -66,12 +66,12 @@ _HASHER = ThreadPoolExecutor(1, thread_name_prefix="test-bundle-hash")
 
 
 def _received(
-    body: bytes, cuts: list[int], size: int | None = None, *, hasher: bool = False
-) -> tuple[bytes, dict[str, tuple[bytes, str]]]:
-    """`body` fed to a Receiver (of `size`, the length its header would give) in the pieces `cuts` make, then
-    finished; with `hasher`, hashed on a thread it is given and finished without waiting (the futures are
-    resolved here)."""
-    r = bundle.Receiver(size=size, hasher=_HASHER if hasher else None)
+    body: bytes, cuts: list[int], size: int | None = None, *, hasher: bool = False, **options
+) -> tuple[bytes, dict[str, tuple[bytes, str | None]]]:
+    """`body` fed to a Receiver (of `size`, the length its header would give; `options` its others) in the pieces
+    `cuts` make, then finished; with `hasher`, hashed on a thread it is given and finished without waiting (the
+    futures are resolved here)."""
+    r = bundle.Receiver(size=size, hasher=_HASHER if hasher else None, **options)
     at = 0
     for cut in [*sorted(cuts), len(body)]:
         r.feed(body[at:cut])
@@ -170,14 +170,10 @@ def test_an_unhashed_receiver_gives_the_same_parts_and_no_hashes(plan: bytes, da
     None (not a hash of nothing: a reader must not take it for one)."""
     objects = _named(datas)
     body = bundle.encode(plan, objects)
-    r = bundle.Receiver(size=len(body), hasher=_HASHER, hashed=False)
-    at = 0
-    for cut in [*sorted(data.draw(st.lists(st.integers(0, len(body)), max_size=8))), len(body)]:
-        r.feed(body[at:cut])
-        at = cut
-    got_plan, pending = r.finish_pending()
-    assert bytes(got_plan) == plan
-    assert {n: (bytes(d), h) for n, (d, h) in pending.items()} == {n: (d, None) for n, d in objects.items()}
+    cuts = data.draw(st.lists(st.integers(0, len(body)), max_size=8))
+    got_plan, got = _received(body, cuts, len(body), hasher=True, hashed=False)
+    assert got_plan == plan
+    assert got == {n: (d, None) for n, d in objects.items()}
 
 
 @given(plan=st.binary(max_size=200), datas=blobs, data=st.data(), hashed=st.booleans())
@@ -221,14 +217,9 @@ def test_parts_named_unhashed_are_left_to_their_reader_and_the_others_hashed(pla
     objects = _named(datas)
     skip = set(data.draw(st.sets(st.sampled_from(sorted(objects)))) if objects else set())
     body = bundle.encode(plan, objects)
-    r = bundle.Receiver(size=len(body), hasher=_HASHER, unhashed=skip)
-    at = 0
-    for cut in [*sorted(data.draw(st.lists(st.integers(0, len(body)), max_size=8))), len(body)]:
-        r.feed(body[at:cut])
-        at = cut
-    _, got = r.finish()
-    want = {n: (d, None if n in skip else hashlib.sha256(d).hexdigest()) for n, d in objects.items()}
-    assert {n: (bytes(d), h) for n, (d, h) in got.items()} == want
+    cuts = data.draw(st.lists(st.integers(0, len(body)), max_size=8))
+    _, got = _received(body, cuts, len(body), hasher=True, unhashed=skip)
+    assert got == {n: (d, None if n in skip else hashlib.sha256(d).hexdigest()) for n, d in objects.items()}
 
 
 @given(datas=blobs, junk=st.lists(st.text(max_size=120), max_size=4))
