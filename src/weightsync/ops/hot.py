@@ -33,8 +33,8 @@ class HotObjects:
     def __init__(self, budget: int, largest: int) -> None:
         self.budget = max(0, budget)
         self.largest = min(largest, self.budget)
-        self._entries: OrderedDict[str, bytes] = OrderedDict()
-        self._xxh3: dict[str, str] = {}  # each entry's transfer digest (weightsync.bundle.transfer_digest)
+        # Each entry's bytes and their transfer digest (weightsync.bundle.transfer_digest), taken as it was kept.
+        self._entries: OrderedDict[str, tuple[bytes, str]] = OrderedDict()
         self._bytes = 0
 
     def __len__(self) -> int:
@@ -45,29 +45,29 @@ class HotObjects:
         return self._bytes
 
     def get(self, digest: str) -> bytes | None:
-        data = self._entries.get(digest)
-        if data is not None:
-            self._entries.move_to_end(digest)
-        return data
+        entry = self._entries.get(digest)
+        if entry is None:
+            return None
+        self._entries.move_to_end(digest)
+        return entry[0]
 
     def put(self, digest: str, data: bytes) -> None:
         """Keep `data`, which the caller checked hashes to `digest` (the store computed it, or named it)."""
         if len(data) > self.largest or digest in self._entries:
             return
-        self._entries[digest] = kept = bytes(data)  # bytes are immutable: no copy when they are bytes already
-        self._xxh3[digest] = transfer_digest(kept)
-        self._bytes += len(data)
+        kept = bytes(data)  # bytes are immutable: no copy when they are bytes already
+        self._entries[digest] = (kept, transfer_digest(kept))
+        self._bytes += len(kept)
         while self._bytes > self.budget:
-            name, gone = self._entries.popitem(last=False)
-            self._xxh3.pop(name, None)
+            _, (gone, _) = self._entries.popitem(last=False)
             self._bytes -= len(gone)
 
     def transfer_digest(self, digest: str) -> str | None:
         """The xxh3-128 of a kept entry's bytes, taken when it was kept; None if it is not kept."""
-        return self._xxh3.get(digest)
+        entry = self._entries.get(digest)
+        return None if entry is None else entry[1]
 
     def drop(self, digest: str) -> None:
-        gone = self._entries.pop(digest, None)
-        self._xxh3.pop(digest, None)
-        if gone is not None:
-            self._bytes -= len(gone)
+        entry = self._entries.pop(digest, None)
+        if entry is not None:
+            self._bytes -= len(entry[0])
