@@ -84,7 +84,27 @@ def _single(data: np.ndarray) -> Checkpoint:
 
 
 def _in_memory(ck: Checkpoint) -> Checkpoint:
-    return Checkpoint([CheckpointFile(f.layout, np.array(f.data)) for f in ck.files], single_file=ck.single_file)
+    """A copy of `ck` in new buffers of our own, copied in pieces on the process's CPU pool."""
+    files, copies = _fresh_copy_jobs(ck)
+    run_all(cpu_pool(), _copy_piece, copies)
+    return Checkpoint(files, single_file=ck.single_file)
+
+
+def _fresh_copy_jobs(ck: Checkpoint) -> tuple[list[CheckpointFile], list[tuple[np.ndarray, np.ndarray]]]:
+    """New buffers for `ck`'s files (not yet filled), and the copy jobs that fill them: pieces of at most
+    _COPY_PIECE bytes, so a large file is copied on every core (one thread copies pages it has never
+    touched at a fraction of the memory's speed)."""
+    files = [CheckpointFile(f.layout, np.empty(f.data.size, dtype=np.uint8)) for f in ck.files]
+    jobs = [
+        (mine.data[a:b], theirs.data[a:b])
+        for mine, theirs in zip(files, ck.files, strict=True)
+        for a, b in _pieces([(0, theirs.data.size)])
+    ]
+    return files, jobs
+
+
+def _copy_piece(job: tuple[np.ndarray, np.ndarray]) -> None:
+    np.copyto(job[0], job[1])
 
 
 def _same_sizes(a: Checkpoint, b: Checkpoint) -> bool:
@@ -229,7 +249,10 @@ class BaseKeeper:
         self.pool = pool
         self._base: Base | None = None
         self._early: tuple[list[CheckpointFile], Future[Any]] | None = None
-        """The next base's files being copied or patched into the held base's buffers (:meth:`overwrite_early`)."""
+        """The next base's files being copied or patched into the held base's buffers, or copied into new ones
+        (:meth:`overwrite_early`)."""
+        self._fresh = False
+        """Whether that copy goes into new buffers (the base held before it stays held until the commit)."""
         self._undo: tuple[Base, list[Callable[[], Any]]] | None = None
         """While an early patch runs: the base it patches and the jobs that undo it (:meth:`abandon_early`)."""
         self._patching: Future[Any] | None = None
@@ -321,6 +344,7 @@ class BaseKeeper:
     def _settle(self) -> list[CheckpointFile] | None:
         """Wait for an early copy, if one runs; its files (None: none ran, or it failed)."""
         early, self._early = self._early, None
+        self._fresh = False
         if early is None:
             return None
         files, done = early
@@ -370,26 +394,39 @@ class BaseKeeper:
         self._early = (_in_buffers(old.checkpoint, checkpoint), done)
 
     def overwrite_early(
-        self, checkpoint: Checkpoint, owned: bool, manifest: Manifest, objects: Mapping[str, bytes] | None = None
+        self,
+        checkpoint: Checkpoint,
+        owned: bool,
+        manifest: Manifest,
+        objects: Mapping[str, bytes] | None = None,
+        *,
+        patch: bool = True,
     ) -> bool:
-        """Start making `checkpoint` the next base in the held base's own buffers now, in the background, while
-        its publish is in flight; :meth:`remember` then only waits for it. True when it started.
+        """Start making `checkpoint` the next base now, in the background, while its publish is in flight;
+        :meth:`remember` then only waits for it. True when it started.
 
         A format 2 delta on the held base whose frames are all deltas and apply in place (`patchable`;
-        `objects`: its packed frames) is patched into them: a publish that does not commit calls
-        :meth:`abandon_early`, which undoes every frame (XOR undoes itself, SUB undoes ADD), so the
-        base is held again. Other versions of the same sizes are copied in: a publish that does not
-        commit leaves nothing held then (the next one is a keyframe or a catch-up). Either way, from
-        here until then :meth:`held` is None. Only for a base held in memory as our own copy, from
-        bytes not ours; a delta whose frames cannot all be undone is patched after the commit instead.
+        `objects`: its packed frames) is patched into the held base's buffers: a publish that does not
+        commit calls :meth:`abandon_early`, which undoes every frame (XOR undoes itself, SUB undoes
+        ADD), so the base is held again. Without `patch`, such a delta is left to :meth:`remember`
+        (patched after the commit, in the background). Other versions of the held base's sizes are
+        copied into its buffers: a publish that does not commit leaves nothing held then (the next one
+        is a keyframe or a catch-up). Either way, from here until then :meth:`held` is None. Without a
+        base of our own of those sizes, the version is copied into new buffers, and the base held
+        (if any) stays held until the commit; a publish that does not commit drops the copy. Only
+        into memory (no cache directory), from bytes not ours; a delta whose frames cannot all be
+        undone is patched after the commit instead.
         """
         self._ready()
         old = self._base
-        if self.checkout is not None or owned or old is None or not old.own:
+        if self.checkout is not None or owned:
             return False
-        if not _same_sizes(old.checkpoint, checkpoint):
-            return False
-        if manifest.parent == old.state.number and patchable(old.checkpoint, checkpoint, manifest):
+        fresh = old is None or not old.own or not _same_sizes(old.checkpoint, checkpoint)
+        if old is None or fresh:
+            files, copies = _fresh_copy_jobs(checkpoint)
+        elif manifest.parent == old.state.number and patchable(old.checkpoint, checkpoint, manifest):
+            if not patch:
+                return False
             jobs = patch_jobs(old.checkpoint, manifest, objects or {})
             undo = patch_jobs(old.checkpoint, manifest, objects or {}, undo=True)
             if jobs is None or undo is None or not all(f.delta for f in manifest.frames):
@@ -398,20 +435,22 @@ class BaseKeeper:
             files = _in_buffers(old.checkpoint, checkpoint)
             self._early = (files, self.pool.submit(lambda: run_all(cpu_pool(), lambda job: job(), jobs)))
             return True
-        files, copies = self._copy_jobs(old, checkpoint, manifest)
-        self._base = None
-
-        def copy() -> None:
-            run_all(cpu_pool(), lambda job: np.copyto(job[0], job[1]), copies)
-
-        self._early = (files, self.pool.submit(copy))
+        else:
+            files, copies = self._copy_jobs(old, checkpoint, manifest)
+            self._base = None
+        self._early = (files, self.pool.submit(lambda: run_all(cpu_pool(), _copy_piece, copies)))
+        self._fresh = fresh
         return True
 
     def abandon_early(self) -> None:
         """The publish that :meth:`overwrite_early` started for did not commit (or may not have): an early patch
-        is undone, so the base it patched is held again; an early copy is dropped (nothing held)."""
+        is undone, so the base it patched is held again; a copy into new buffers is dropped (the base held
+        before stays held); a copy into the base's buffers is dropped (nothing held)."""
         undo, self._undo = self._undo, None
+        fresh = self._fresh
         files = self._settle()
+        if fresh:
+            return
         if undo is None or files is None:  # a copy, or a patch that failed part way: its bytes are unknown
             self.forget()
             return
@@ -472,7 +511,7 @@ class BaseKeeper:
                 self._base = Base(state, checkpoint)
             elif old is not None and old.own and _same_sizes(old.checkpoint, checkpoint):
                 files, jobs = self._copy_jobs(old, checkpoint, manifest)
-                run_all(cpu_pool(), lambda job: np.copyto(job[0], job[1]), jobs)
+                run_all(cpu_pool(), _copy_piece, jobs)
                 self._base = Base(state, Checkpoint(files, single_file=checkpoint.single_file), own=True)
             else:
                 self._base = Base(state, _in_memory(checkpoint), own=True)

@@ -314,6 +314,14 @@ class Publisher:
             else:
                 # The formats the server reads (one that predates format 2 says nothing: format 1 only).
                 self._formats = tuple(begun.formats or [MANIFEST_V1])
+                copying = False
+
+                def keep_while_uploading(packed: upload.Packed) -> None:
+                    # The next base is copied while the objects upload (a delta on the held base is patched
+                    # after the commit, in the background, as before); undone below unless the version commits.
+                    nonlocal copying
+                    copying = self._base.overwrite_early(checkpoint, owned, packed.manifest, patch=False)
+
                 try:
                     done = upload.commit(
                         self.api,
@@ -329,8 +337,11 @@ class Publisher:
                         timings=timings,
                         part=self.part,
                         wait=wait,
+                        before_upload=keep_while_uploading,
                     )
                 except BaseException:
+                    if copying:
+                        self._base.abandon_early()
                     if self.part is None:  # a part's group is shared: it expires if this rank never arrives
                         self._abort(begun.publish_id)
                     raise

@@ -208,14 +208,16 @@ def commit(
     part: tuple[int, int] | None = None,
     wait: bool = True,
     poll_s: float = 0.1,
+    before_upload: Callable[[Packed], None] | None = None,
 ) -> Committed:
     """Upload what the server lacks of the version (a delta on `base` when the server asked for one), commit.
 
     `packed` (from `begin`) is used when it is what the server asked for (kind and parent),
     with the objects check that came with the begin; otherwise `pack_for(base or None,
-    parent)` encodes anew and the objects are checked now. Raises what the API raises
-    (RemovesContent: the version drops files or tensors of its parent, without
-    `allow_removals`); the caller aborts the pending publish.
+    parent)` encodes anew and the objects are checked now. `before_upload` is called with the
+    version as packed, once it is final, right before the uploads (the publisher starts keeping
+    the next base then). Raises what the API raises (RemovesContent: the version drops files or
+    tensors of its parent, without `allow_removals`); the caller aborts the pending publish.
     """
     use = base if begun.kind == "delta" and base is not None else None
     if use is not None and begun.parent_manifest not in (None, use.state.manifest):
@@ -236,6 +238,8 @@ def commit(
     t = time.perf_counter()
     if checked is None:
         checked = api.check_objects(model, begun.publish_id, packed.listed())
+    if before_upload is not None:
+        before_upload(packed)
     missing = set(checked.missing)
     uploads = checked.uploads or {}
     todo = [(d, b) for d, b in packed.objects.items() if d in missing]

@@ -1,0 +1,155 @@
+"""A publish in three requests copies the publisher's next base while its objects upload.
+
+Real server, real transport; the transport below records the requests and, where a test says so,
+refuses object uploads (the server never sees them).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from _client_util import TinyTrainer, tensor_bits, tree_bytes, write_version  # noqa: E402
+
+from weightsync import errors  # noqa: E402
+from weightsync.client import Publisher, Subscriber  # noqa: E402
+from weightsync.client import base as base_mod  # noqa: E402
+from weightsync.client.wire import Retry  # noqa: E402
+
+
+class Uploads(httpx.BaseTransport):
+    """Passes requests on, recording (method, path); while `refuse` is set, object uploads fail unsent."""
+
+    def __init__(self) -> None:
+        self.inner = httpx.HTTPTransport()
+        self.seen: list[tuple[str, str]] = []
+        self.refuse = False
+        self._lock = threading.Lock()
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        with self._lock:
+            self.seen.append((request.method, request.url.path))
+        if self.refuse and request.method == "PUT" and request.url.path.startswith("/v1/objects/"):
+            raise httpx.ConnectError("refused by the test")
+        return self.inner.handle_request(request)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def puts(self) -> int:
+        with self._lock:
+            return sum(1 for m, p in self.seen if m == "PUT" and p.startswith("/v1/objects/"))
+
+
+def held_bytes(pub: Publisher) -> dict[str, bytes] | None:
+    held = pub._base.held()
+    return None if held is None else {f.layout.path: bytes(f.data) for f in held.checkpoint.files}
+
+
+def follow(url: str, model: str, want: dict) -> None:
+    """A fresh subscriber pulls the head: bit-identical to `want`."""
+    got = {k: torch.zeros_like(v) for k, v in want.items()}
+    with Subscriber(url, model, name="early-copy-check", report=False) as sub:
+        sub.apply(got, sub.prepare())
+    for name, t in want.items():
+        assert torch.equal(tensor_bits(got[name]), tensor_bits(t)), name
+
+
+def test_a_first_keyframe_s_base_is_copied_while_it_uploads_and_owes_nothing_to_the_file(
+    server, model, tmp_path
+) -> None:
+    """A fresh publisher's keyframe in three requests: the next base is copied into buffers of its own after
+    the objects are checked and before any upload; once the publish returns, the file may be overwritten
+    (a trainer saving its next step in place) and the next delta is still exact."""
+    trainer, rec = TinyTrainer(seed=21), Uploads()
+    calls: list[int] = []
+    real = base_mod.BaseKeeper.overwrite_early
+
+    def spy(self, *args, **kwargs):
+        calls.append(rec.puts())
+        return real(self, *args, **kwargs)
+
+    path = write_version(tmp_path / "ckpt", trainer.export())
+    with Publisher(server.url, model, transport=rec, inline_bytes=0) as pub:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(base_mod.BaseKeeper, "overwrite_early", spy)
+            assert pub.publish(path).kind == "keyframe"
+        assert calls == [0]  # started before the first upload
+        held = pub._base.held()
+        assert held is not None and held.own
+        assert held_bytes(pub) == tree_bytes(path)
+        trainer.step()
+        write_version(tmp_path / "ckpt", trainer.export())  # the same files, rewritten in place
+        r = pub.publish(path)
+        assert (r.kind, r.parent) == ("delta", 1)
+        assert held_bytes(pub) == tree_bytes(path)
+    follow(server.url, model, trainer.export())
+
+
+def test_an_upload_that_fails_drops_the_new_copy_and_keeps_the_base_held_before(server, model, tmp_path) -> None:
+    """The next version has other sizes than the base (a tensor added): its copy goes into new buffers while
+    it uploads, and an upload that fails drops only that copy; the base held before stays held, so the
+    next publish is still a delta on it, exact to the bit."""
+    trainer, rec = TinyTrainer(seed=22), Uploads()
+    first = trainer.export()
+    with Publisher(server.url, model, transport=rec, inline_bytes=0, retry=Retry(attempts=1)) as pub:
+        v0 = write_version(tmp_path / "v0", first)
+        pub.publish(v0)
+        before = held_bytes(pub)
+        trainer.step()
+        grown = {**trainer.export(), "extra": torch.arange(64, dtype=torch.float32)}
+        v1 = write_version(tmp_path / "v1", grown)
+        rec.refuse = True
+        with pytest.raises(errors.ServerUnavailable):
+            pub.publish(v1)
+        assert pub._base._early is None  # the copy was waited for and dropped
+        assert held_bytes(pub) == before
+        rec.refuse = False
+        r = pub.publish(v1)
+        assert (r.kind, r.parent) == ("delta", 1)
+        assert held_bytes(pub) == tree_bytes(v1)
+    follow(server.url, model, grown)
+
+
+def test_a_keyframe_copied_into_the_base_s_buffers_leaves_nothing_held_when_it_fails(server, model, tmp_path) -> None:
+    """A keyframe of the base's sizes is copied into the base's own buffers while it uploads: an upload that
+    fails leaves no half-copied base (nothing held: the next publish is a keyframe, exact to the bit)."""
+    trainer, rec = TinyTrainer(seed=23), Uploads()
+    with Publisher(server.url, model, transport=rec, inline_bytes=0, retry=Retry(attempts=1)) as pub:
+        pub.publish(write_version(tmp_path / "v0", trainer.export()))
+        trainer.step()
+        v1 = write_version(tmp_path / "v1", trainer.export())
+        rec.refuse = True
+        with pytest.raises(errors.ServerUnavailable):
+            pub.publish(v1, keyframe=True)
+        assert pub._base.held() is None
+        rec.refuse = False
+        r = pub.publish(v1)
+        assert (r.kind, r.parent) == ("keyframe", 1)
+        assert held_bytes(pub) == tree_bytes(v1)
+    follow(server.url, model, trainer.export())
+
+
+def test_a_base_copied_afresh_is_every_byte_of_the_version(tmp_path) -> None:
+    """The copy into new buffers is cut into pieces for the CPU pool: every file, every byte, in order,
+    whatever its size against the pieces (empty, one byte, a piece and a bit)."""
+    import numpy as np
+
+    from weightsync.codec.checkpoint import Checkpoint
+
+    rng = np.random.default_rng(5)
+    root = tmp_path / "ck"
+    root.mkdir()
+    sizes = {"a.bin": 0, "b.bin": 1, "c.bin": base_mod._COPY_PIECE + 7, "d.bin": 3 * base_mod._COPY_PIECE}
+    for name, n in sizes.items():
+        (root / name).write_bytes(rng.integers(0, 256, n, dtype=np.uint8).tobytes())
+    ck = Checkpoint.open(root)
+    copied = base_mod._in_memory(ck)
+    assert [f.layout.path for f in copied.files] == [f.layout.path for f in ck.files]
+    for mine, theirs in zip(copied.files, ck.files, strict=True):
+        assert mine.data.tobytes() == theirs.data.tobytes()
+        assert not np.shares_memory(mine.data, theirs.data)
