@@ -12,6 +12,7 @@ none of its frames holds a change. `weightsync.codec.encoder` drives these.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
@@ -160,7 +161,10 @@ class Job:
         chunk_bytes: int,
         per_file: bool = False,
         keep: bool = False,
+        on_frame: Callable[[EncodedFrame], None] | None = None,
     ) -> None:
+        self.on_frame = on_frame
+        """Called with each frame, in order, as soon as it and those before it are made (V2Job, a keyframe)."""
         self.level = level
         self.chunk_bytes = chunk_bytes
         self.per_file = per_file
@@ -221,6 +225,47 @@ class Job:
     def whole(self, p: Piece) -> bool:
         """Whether `p` covers its segment entirely."""
         return p.offset == 0 and p.length == self.entries[p.file][p.seg].segment.length
+
+
+class InOrder:
+    """Hands `count` results, made on any threads in any order, to `hand_on` in their order, each as soon as it
+    and every one before it are in. One thread at a time hands on (the one whose result completed a run;
+    results that come meanwhile are handed on by it), so `hand_on` is never called twice at once.
+    A `hand_on` that raises stops the handing on (the encode it belongs to fails)."""
+
+    def __init__(self, count: int, hand_on: Callable[[EncodedFrame], None]) -> None:
+        self._ready: dict[int, EncodedFrame] = {}
+        self._next = 0
+        self._count = count
+        self._handing = False
+        self._hand_on = hand_on
+        self._lock = threading.Lock()
+
+    def done(self, k: int, result: EncodedFrame) -> None:
+        """Result `k` is made; hand on what is in order, unless another thread is handing on."""
+        with self._lock:
+            self._ready[k] = result
+            if self._handing:
+                return
+            self._handing = True
+        try:
+            while True:
+                with self._lock:
+                    run = []
+                    while self._next in self._ready:
+                        run.append(self._ready.pop(self._next))
+                        self._next += 1
+                    if not run:
+                        self._handing = False
+                        return
+                for item in run:
+                    self._hand_on(item)
+        except BaseException:
+            with self._lock:
+                self._ready.clear()
+                self._next = self._count + 1  # nothing more is handed on
+                self._handing = False
+            raise
 
 
 class V1Job(Job):
@@ -357,7 +402,19 @@ class V2Job(Job):
             blob = encode_key(data, plan.dtype, level=level, version=VERSION_2)
             return self.frame(plan, blob), sums, False
 
-        results = list(pool.map(run, plans))
+        if self.on_frame is None:
+            results = list(pool.map(run, plans))
+        else:
+            if any(plan.delta for plan in plans):  # a delta frame may yet be dropped (below): not final when made
+                raise ValueError("frames are handed on as they are made only in a keyframe encode")
+            in_order = InOrder(len(plans), self.on_frame)
+
+            def run_handing_on(k: int) -> tuple[EncodedFrame, PieceSums, bool]:
+                got = run(plans[k])
+                in_order.done(k, got[0])
+                return got
+
+            results = list(pool.map(run_handing_on, range(len(plans))))
         # A segment in frames of its own whose frames hold no change equals its base: no frame (FORMAT §5.3).
         unchanged: dict[tuple[int, int], bool] = {}
         for plan, (_, _, none) in zip(plans, results, strict=True):

@@ -125,6 +125,7 @@ class Encoder:
         base_kind: str | None = None,
         keyframe: bool = False,
         keep_base: bool = False,
+        on_frame: Callable[[EncodedFrame], None] | None = None,
     ) -> Encoded:
         """Encode `new`, as deltas against `base` wherever a segment has a counterpart.
 
@@ -144,6 +145,12 @@ class Encoder:
         the base, so its buffers hold `new`'s bytes afterwards (``Encoded.kept``; FORMAT v2
         only). A publisher keeps its next base so, with no second pass and no copy. Elsewhere
         the base is left alone (``kept`` False). After an exception the base may hold either.
+
+        ``on_frame``: called with each frame as soon as it and every frame before it are made, in
+        their order, from the encode's threads (never twice at once): the frames of ``Encoded.frames``,
+        so a caller can pack and upload them while the rest encode (``pack.Packer``). Only for a
+        keyframe in format 2 (a delta's frames of a segment that did not change are dropped once all
+        are made): ValueError otherwise, before any work. An exception it raises fails the encode.
         """
         if keyframe:
             base = None
@@ -152,6 +159,8 @@ class Encoder:
                 f"the base version's manifest has {base_kind} digests, this encoder writes {self.digest_kind}: "
                 "a chain never mixes formats, publish a keyframe"
             )
+        if on_frame is not None and (self.format_version != VERSION_2 or base is not None):
+            raise ValueError("on_frame: frames are handed on as they are made only in a format 2 keyframe encode")
         base_files = self._match_files(new, base)
         entries = self._entries(new, base_files, base_digests or {})
         new_arrays = [f.data for f in new.files]
@@ -165,6 +174,7 @@ class Encoder:
             chunk_bytes=self.chunk_bytes,
             per_file=self.frames_per_file,
             keep=keep,
+            on_frame=on_frame,
         )
         if self.pool is not None:
             frames, digested = job.run(self.pool)

@@ -1,0 +1,126 @@
+"""A keyframe packed as it encodes: frames handed on in order while the rest encode (`Encoder.encode`'s
+`on_frame`), objects made as soon as their last frame is in (`pack.Packer`), the same objects as `pack`."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from _ckpt import safetensors_file
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from weightsync.codec import Checkpoint, Encoder
+from weightsync.codec.encode_jobs import EncodedFrame, InOrder
+from weightsync.codec.pack import Packer, pack
+
+
+def _frame(n: int, tag: int) -> EncodedFrame:
+    return EncodedFrame(bytes([tag % 256]) * n, False, "U8", n, ())
+
+
+def _checkpoint(seed: int, tensors: int = 5, elements: int = 3000) -> Checkpoint:
+    rng = np.random.default_rng(seed)
+    body = {f"t{i}": ("BF16", (elements,), rng.integers(0, 256, 2 * elements, dtype=np.uint8)) for i in range(tensors)}
+    return Checkpoint.from_bytes({"m.safetensors": safetensors_file(body)})
+
+
+@given(st.lists(st.integers(0, 300), max_size=30), st.integers(1, 700))
+@settings(max_examples=200, deadline=None)
+def test_the_packer_makes_the_objects_pack_makes_handing_on_all_but_the_last(sizes, target) -> None:
+    class Frames:  # what pack and Packer.finish read of an encode: its frames, located
+        def __init__(self, frames):
+            self.frames = frames
+
+        def with_locations(self, locate):
+            return [locate(i, fr) for i, fr in enumerate(self.frames)]
+
+    frames = [_frame(n, i) for i, n in enumerate(sizes)]
+    want_where, want = pack(Frames(frames), target_bytes=target)
+    handed = []
+    packer = Packer(target_bytes=target, on_object=handed.append)
+    for fr in frames:
+        packer.add(fr)
+    where, got = packer.finish(Frames(frames))
+    assert where == want_where
+    assert [(o.digest, o.data) for o in got] == [(o.digest, o.data) for o in want]
+    assert handed == got[:-1]
+    assert b"".join(o.data for o in got) == b"".join(fr.data for fr in frames)
+
+
+def test_a_packer_refuses_an_encode_whose_frames_it_was_not_given() -> None:
+    class Frames:
+        frames = [_frame(3, 0), _frame(4, 1)]
+
+    packer = Packer(target_bytes=10)
+    packer.add(Frames.frames[0])
+    with pytest.raises(ValueError, match="1 frames packed, the encode made 2"):
+        packer.finish(Frames())
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_a_keyframe_s_frames_are_handed_on_in_order_and_are_its_frames(threads: int) -> None:
+    ck = _checkpoint(7)
+    seen: list[EncodedFrame] = []
+    callers: set[int] = set()
+
+    def on_frame(fr: EncodedFrame) -> None:
+        callers.add(threading.get_ident())
+        seen.append(fr)
+
+    plain = Encoder(threads=threads, chunk_bytes=1024).encode(ck)
+    handed = Encoder(threads=threads, chunk_bytes=1024).encode(ck, on_frame=on_frame)
+    assert len(plain.frames) > 8
+    assert [fr.data for fr in seen] == [fr.data for fr in handed.frames] == [fr.data for fr in plain.frames]
+    assert handed.manifest.encode() == plain.manifest.encode()
+
+
+def test_frames_are_handed_on_only_for_a_format_2_keyframe() -> None:
+    base, new = _checkpoint(1), _checkpoint(2)
+    with pytest.raises(ValueError, match="keyframe"):
+        Encoder(format_version=2).encode(new, base, on_frame=lambda fr: None)
+    with pytest.raises(ValueError, match="keyframe"):
+        Encoder(format_version=1).encode(new, on_frame=lambda fr: None)
+    got = []
+    Encoder(format_version=2, chunk_bytes=1024).encode(new, base, keyframe=True, on_frame=got.append)
+    assert got
+
+
+def test_a_hand_on_that_raises_fails_the_encode_and_nothing_follows_it() -> None:
+    ck = _checkpoint(3)
+    seen = []
+
+    def on_frame(fr: EncodedFrame) -> None:
+        seen.append(fr)
+        if len(seen) == 3:
+            raise OSError("upload refused")
+
+    with pytest.raises(OSError, match="upload refused"):
+        Encoder(threads=2, chunk_bytes=1024).encode(ck, on_frame=on_frame)
+    assert len(seen) == 3
+
+
+@given(st.integers(1, 40), st.integers(0, 2**32 - 1))
+@settings(max_examples=40, deadline=None)
+def test_results_made_in_any_order_on_any_threads_are_handed_on_in_order_once_one_at_a_time(count, seed) -> None:
+    order = list(range(count))
+    random.Random(seed).shuffle(order)
+    got: list[int] = []
+    inside = threading.Lock()
+
+    def hand_on(fr: EncodedFrame) -> None:
+        assert inside.acquire(blocking=False), "handed on twice at once"
+        try:
+            time.sleep(0.0002)
+            got.append(fr.raw_len)
+        finally:
+            inside.release()
+
+    in_order = InOrder(count, hand_on)
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda k: in_order.done(k, EncodedFrame(b"", False, "U8", k, ())), order))
+    assert got == list(range(count))
