@@ -1,4 +1,5 @@
-"""A publish in three requests copies the publisher's next base while its objects upload.
+"""A publish in three requests overlaps its steps: a keyframe's objects upload while it encodes, and the
+publisher's next base is copied while the objects upload.
 
 Real server, real transport; the transport below records the requests and, where a test says so,
 refuses object uploads (the server never sees them).
@@ -19,6 +20,7 @@ from weightsync import errors  # noqa: E402
 from weightsync.client import Publisher, Subscriber  # noqa: E402
 from weightsync.client import base as base_mod  # noqa: E402
 from weightsync.client.wire import Retry  # noqa: E402
+from weightsync.codec import pack as pack_mod  # noqa: E402
 
 
 class Uploads(httpx.BaseTransport):
@@ -43,6 +45,10 @@ class Uploads(httpx.BaseTransport):
     def puts(self) -> int:
         with self._lock:
             return sum(1 for m, p in self.seen if m == "PUT" and p.startswith("/v1/objects/"))
+
+    def checks(self) -> int:
+        with self._lock:
+            return sum(1 for m, p in self.seen if m == "POST" and p.endswith("/objects"))
 
 
 def held_bytes(pub: Publisher) -> dict[str, bytes] | None:
@@ -153,3 +159,73 @@ def test_a_base_copied_afresh_is_every_byte_of_the_version(tmp_path) -> None:
     for mine, theirs in zip(copied.files, ck.files, strict=True):
         assert mine.data.tobytes() == theirs.data.tobytes()
         assert not np.shares_memory(mine.data, theirs.data)
+
+
+def wide(seed: int) -> dict:
+    """A state_dict of ~1.5 MB that changes little from step to step: many frames of 64 KiB."""
+    g = torch.Generator().manual_seed(seed)
+    return {f"w{i}": torch.randn(256, 768, generator=g).to(torch.bfloat16) for i in range(4)}
+
+
+def test_a_keyframe_s_objects_upload_while_it_encodes_and_arrive_bit_identical(server, model, tmp_path) -> None:
+    """Objects of 256 KiB, frames of 64 KiB: each object but the last is checked and uploaded as soon as it is
+    packed. The last frame is held back until an upload has gone out, which only an upload made during the
+    encode can satisfy; then the last object goes with the manifest, and a subscriber gets every bit."""
+    rec = Uploads()
+    sd = wide(31)
+    went_early = threading.Event()
+    real_add = pack_mod.Packer.add
+    added = []
+
+    def add(self, frame):
+        added.append(frame)
+        # A late frame (the count is a lower bound) waits for an upload made meanwhile.
+        if len(added) == frames_expected and _wait(lambda: rec.puts() > 0):
+            went_early.set()
+        return real_add(self, frame)
+
+    v0 = write_version(tmp_path / "v0", sd)
+    frames_expected = (v0 / "model.safetensors").stat().st_size // (64 << 10)
+    with Publisher(
+        server.url, model, transport=rec, inline_bytes=0, chunk_bytes=64 << 10, object_bytes=256 << 10
+    ) as pub:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(pack_mod.Packer, "add", add)
+            r = pub.publish(v0)
+    assert r.kind == "keyframe" and went_early.is_set()
+    objects = r.objects_total - 1  # less the manifest
+    assert objects >= 5
+    assert rec.puts() == objects + 1  # each data object once, and the manifest
+    assert rec.checks() == objects  # one per streamed object, then the last one with the manifest
+    follow(server.url, model, sd)
+
+
+def _wait(cond, timeout: float = 20.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.005)
+    return False
+
+
+def test_a_keyframe_whose_upload_fails_while_it_encodes_commits_nothing(server, model, tmp_path) -> None:
+    """An object upload refused while the keyframe encodes fails the publish: nothing is committed, the
+    publisher holds no half-made base, and the same publish again goes through, exact to the bit."""
+    rec = Uploads()
+    sd = wide(32)
+    v0 = write_version(tmp_path / "v0", sd)
+    options = dict(transport=rec, inline_bytes=0, chunk_bytes=64 << 10, object_bytes=256 << 10)
+    with Publisher(server.url, model, retry=Retry(attempts=1), **options) as pub:
+        rec.refuse = True
+        with pytest.raises(errors.ServerUnavailable):
+            pub.publish(v0)
+        assert pub._base.held() is None and pub._base._early is None
+        assert pub.api.head(model) is None
+        rec.refuse = False
+        r = pub.publish(v0)
+        assert (r.version, r.kind) == (1, "keyframe")
+        assert held_bytes(pub) == tree_bytes(v0)
+    follow(server.url, model, sd)

@@ -384,6 +384,12 @@ class PublishResult:
 
     `bytes_received` is what a publisher whose base was behind the head downloaded
     to catch up before diffing (``on_mismatch="download"``); usually 0.
+
+    `timings` (seconds): ``begin_s``, ``encode_s`` (encode and pack), ``upload_s`` (the uploads; a
+    version in one request: that request, its commit included), ``commit_s``, ``cache_s`` (keeping
+    the next base), and the server's phases where it said them (``server_*``). A keyframe that
+    uploads as it encodes counts those uploads in ``encode_s`` and only what is left after it in
+    ``upload_s``.
     """
 
     model: str

@@ -21,7 +21,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from pathlib import Path
@@ -38,9 +38,9 @@ from weightsync.client.state import CheckoutState
 from weightsync.client.tensors import SnapshotBuffers, snapshot_state_dict
 from weightsync.client.wire import Retry, TokenBucket
 from weightsync.codec.encoder import DEFAULT_CHUNK, Encoder
-from weightsync.codec.manifest import DIGEST_KINDS
+from weightsync.codec.manifest import DIGEST_KINDS, Manifest
 from weightsync.codec.manifest import VERSION as MANIFEST_V1
-from weightsync.codec.pack import DEFAULT_OBJECT_BYTES
+from weightsync.codec.pack import DEFAULT_OBJECT_BYTES, PackedObject
 from weightsync.common import gc_paused, model_path_name
 
 log = logging.getLogger("weightsync.client")
@@ -230,7 +230,12 @@ class Publisher:
             warnings: list[str] = []
             checkpoint, owned = snapshot(source, warnings=warnings)
 
-            def pack_for(base: Base | None, parent: int | None, keep: bool = False) -> upload.Packed:
+            def pack_for(
+                base: Base | None,
+                parent: int | None,
+                keep: bool = False,
+                on_object: Callable[[PackedObject], None] | None = None,
+            ) -> upload.Packed:
                 return upload.pack_version(
                     self.encoder,
                     checkpoint,
@@ -244,6 +249,7 @@ class Publisher:
                     forget_base=self._base.forget,
                     timings=timings,
                     keep_base=keep and self._base.may_keep(checkpoint, owned),
+                    on_object=on_object,
                 )
 
             def inline(held: Base, packed: upload.Packed) -> upload.Committed | PublishBegin | None:
@@ -316,11 +322,11 @@ class Publisher:
                 self._formats = tuple(begun.formats or [MANIFEST_V1])
                 copying = False
 
-                def keep_while_uploading(packed: upload.Packed) -> None:
+                def keep_while_uploading(manifest: Manifest | None) -> None:
                     # The next base is copied while the objects upload (a delta on the held base is patched
                     # after the commit, in the background, as before); undone below unless the version commits.
                     nonlocal copying
-                    copying = self._base.overwrite_early(checkpoint, owned, packed.manifest, patch=False)
+                    copying = self._base.overwrite_early(checkpoint, owned, manifest, patch=False)
 
                 try:
                     done = upload.commit(

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,8 +26,9 @@ from weightsync.client.models import PublishBegin
 from weightsync.client.pull import Meter
 from weightsync.codec.checkpoint import Checkpoint, tensor_names
 from weightsync.codec.encoder import Encoder
+from weightsync.codec.manifest import VERSION_2 as MANIFEST_V2
 from weightsync.codec.manifest import Manifest
-from weightsync.codec.pack import pack
+from weightsync.codec.pack import PackedObject, Packer, pack
 from weightsync.common import removal_message, removed_content
 
 log = logging.getLogger("weightsync.client")
@@ -63,8 +65,13 @@ def pack_version(
     timings: dict[str, float],
     version: int,
     keep_base: bool = False,
+    on_object: Callable[[PackedObject], None] | None = None,
 ) -> Packed:
     """Encode `checkpoint` in manifest format `version` (a delta on `base`, a keyframe without one), pack it.
+
+    ``on_object``: a format 2 keyframe hands each data object to it as soon as the object is packed,
+    while later frames still encode (``Encoder.encode``'s `on_frame` into a ``pack.Packer``), so it
+    can be uploaded meanwhile; other encodes hand on nothing (the caller uploads ``Packed.objects``).
 
     A base whose bytes are not the version it claims (the encoder hashed them), or that is
     stored in another format (a chain never mixes formats), is forgotten through
@@ -80,8 +87,15 @@ def pack_version(
         base = None  # a format change starts a new chain
     keep = keep_base and base is not None
     encoded = None
+    manifest: Manifest | None = None
+    objects: list[PackedObject] = []
     try:
-        encoded = encoder.encode(checkpoint, base.checkpoint if base else None, keep_base=keep)
+        if on_object is not None and base is None and version == MANIFEST_V2:
+            packer = Packer(target_bytes=object_bytes, on_object=on_object)
+            encoded = encoder.encode(checkpoint, None, on_frame=packer.add)
+            manifest, objects = packer.finish(encoded)
+        else:
+            encoded = encoder.encode(checkpoint, base.checkpoint if base else None, keep_base=keep)
         if base is not None:
             try:  # the encoder hashed the base bytes: they must be the version we think we hold
                 check_bases(encoded.manifest, base.state.tree(Path(".")))
@@ -89,7 +103,8 @@ def pack_version(
                 log.warning("publisher base does not match v%s (%s): publishing a keyframe", base.state.number, exc)
                 forget_base()
                 encoded = encoder.encode(checkpoint, None, keyframe=True)
-        manifest, objects = pack(encoded, target_bytes=object_bytes)
+        if manifest is None:
+            manifest, objects = pack(encoded, target_bytes=object_bytes)
         manifest.model, manifest.parent, manifest.step = model, parent, step
         manifest.metadata = dict(metadata or {})
         manifest_bytes = manifest.encode()
@@ -201,22 +216,24 @@ def commit(
     packed: Packed | None,
     *,
     checkpoint: Checkpoint,
-    pack_for: Callable[[Base | None, int | None], Packed],
+    pack_for: Callable[..., Packed],
     allow_removals: bool,
     meter: Meter,
     timings: dict[str, float],
     part: tuple[int, int] | None = None,
     wait: bool = True,
     poll_s: float = 0.1,
-    before_upload: Callable[[Packed], None] | None = None,
+    before_upload: Callable[[Manifest | None], None] | None = None,
 ) -> Committed:
     """Upload what the server lacks of the version (a delta on `base` when the server asked for one), commit.
 
     `packed` (from `begin`) is used when it is what the server asked for (kind and parent),
     with the objects check that came with the begin; otherwise `pack_for(base or None,
-    parent)` encodes anew and the objects are checked now. `before_upload` is called with the
-    version as packed, once it is final, right before the uploads (the publisher starts keeping
-    the next base then). Raises what the API raises (RemovesContent: the version drops files or
+    parent)` encodes anew and the objects are checked now; a keyframe encoded here has its data
+    objects checked and uploaded as they are packed, while the rest encodes (``_encode_uploading``).
+    `before_upload` is called right before the first upload (the publisher starts keeping the next
+    base then): with the version's manifest, or None for a keyframe whose objects upload as it
+    encodes (its manifest is not made yet). Raises what the API raises (RemovesContent: the version drops files or
     tensors of its parent, without `allow_removals`); the caller aborts the pending publish.
     """
     use = base if begun.kind == "delta" and base is not None else None
@@ -232,20 +249,32 @@ def commit(
         and (begun.kind == "keyframe" or use is not None)
     )
     checked = begun.checked() if fits else None
+    streamed: set[str] = set()
+    uploaded: set[str] = set()  # of those, the ones the store lacked
     if packed is None or not fits:
-        packed = pack_for(use, begun.parent)
+        if use is None:
+            # A keyframe: each data object is checked and uploaded as soon as it is packed, while the
+            # frames after it encode (the encode and the upload overlap).
+            if before_upload is not None:
+                before_upload(None)
+                before_upload = None
+            packed, streamed, uploaded = _encode_uploading(
+                api, pool, model, begun.publish_id, meter, use, begun.parent, pack_for
+            )
+        else:
+            packed = pack_for(use, begun.parent)
 
     t = time.perf_counter()
     if checked is None:
-        checked = api.check_objects(model, begun.publish_id, packed.listed())
+        checked = api.check_objects(model, begun.publish_id, [x for x in packed.listed() if x[0] not in streamed])
     if before_upload is not None:
-        before_upload(packed)
+        before_upload(packed.manifest)
     missing = set(checked.missing)
     uploads = checked.uploads or {}
-    todo = [(d, b) for d, b in packed.objects.items() if d in missing]
+    todo = [(d, b) for d, b in packed.objects.items() if d in missing and d not in streamed]
     if packed.digest in missing:
         todo.append((packed.digest, packed.manifest_bytes))
-    meter.total = sum(len(b) for _, b in todo)
+    meter.total = meter.bytes + sum(len(b) for _, b in todo)
     api.on_bytes = meter
     try:
         # Data objects and the manifest at once (DESIGN invariant 2: all of them before the commit).
@@ -258,13 +287,70 @@ def commit(
         number, digest = commit_part(api, model, begun.publish_id, part, packed.digest, allow_removals, wait, poll_s)
         timings["commit_s"] = time.perf_counter() - t
         # The version's manifest digest (the merge's), and this part's manifest: the files this rank holds.
-        return Committed(number, digest, packed.manifest, len(packed.objects) + 1, len(todo), packed.objects)
+        return Committed(
+            number, digest, packed.manifest, len(packed.objects) + 1, len(todo) + len(uploaded), packed.objects
+        )
     key = hashlib.sha256(f"{model}\0{begun.publish_id}\0{packed.digest}".encode()).hexdigest()[:32]
     number = api.commit_publish(
         model, begun.publish_id, manifest=packed.digest, idempotency_key=key, allow_removals=allow_removals
     ).number
     timings["commit_s"] = time.perf_counter() - t
-    return Committed(number, packed.digest, packed.manifest, len(packed.objects) + 1, len(todo), packed.objects)
+    return Committed(
+        number, packed.digest, packed.manifest, len(packed.objects) + 1, len(todo) + len(uploaded), packed.objects
+    )
+
+
+def _encode_uploading(
+    api: Api,
+    pool: ThreadPoolExecutor,
+    model: str,
+    publish_id: str,
+    meter: Meter,
+    base: Base | None,
+    parent: int | None,
+    pack_for: Callable[..., Packed],
+) -> tuple[Packed, set[str], set[str]]:
+    """`pack_for(base, parent)` with each data object but the last (``pack.Packer``) checked (held for the
+    publish, a presigned upload where the store gives one) and uploaded on `pool` as soon as it is packed;
+    returns once those are stored, with their digests and those of them the store lacked (uploaded), the
+    first failure raised after the uploads in flight have returned (one that fails while frames still
+    encode stops the encode)."""
+    lock = threading.Lock()
+    futures: list[Future[None]] = []
+    sent: set[str] = set()
+    uploaded: set[str] = set()
+
+    def upload(obj: PackedObject) -> None:
+        checked = api.check_objects(model, publish_id, [(obj.digest, len(obj.data))])
+        if obj.digest in checked.missing:
+            api.put_object(obj.digest, obj.data, (checked.uploads or {}).get(obj.digest))
+            with lock:
+                uploaded.add(obj.digest)
+
+    def hand_on(obj: PackedObject) -> None:
+        with lock:
+            failed = next((e for f in futures if f.done() and (e := f.exception()) is not None), None)
+            if failed is not None:  # stop the encode: the publish fails anyway
+                raise failed
+            meter.total += len(obj.data)
+            sent.add(obj.digest)
+            futures.append(pool.submit(upload, obj))
+
+    api.on_bytes = meter
+    try:
+        try:
+            packed = pack_for(base, parent, on_object=hand_on)
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
+        finally:
+            wait(futures)
+        for f in futures:
+            f.result()
+    finally:
+        api.on_bytes = None
+    return packed, sent, uploaded
 
 
 def refuse_removals(base: Base, checkpoint: Checkpoint) -> None:
