@@ -302,8 +302,18 @@ def check(live_sets: dict[str, dict[str, Any]], vdir: Path, device: str) -> None
                 raise AssertionError(f"{path}: {name} is not bit-identical to {vdir}")
 
 
-def run(versions: list[Path], device: str, threads: int, log: Any = print, *, keyframes: bool = True) -> dict[str, Any]:
+def run(
+    versions: list[Path],
+    device: str,
+    threads: int,
+    log: Any = print,
+    *,
+    keyframes: bool = True,
+    server_workers: int = 1,
+) -> dict[str, Any]:
     """Every path on every version (v0 seeds, v1 warms up); per-version rows and the page-cache check.
+
+    `server_workers`: the embedded server's worker processes (``weightsync serve --workers``).
 
     The paths take turns going first (weightsync on odd versions, the alternatives on even ones), so
     that what one leaves behind (dirty pages, the server's background work) hits both alike.
@@ -311,7 +321,8 @@ def run(versions: list[Path], device: str, threads: int, log: Any = print, *, ke
     from benchmarks._serve import serve
 
     rows: list[dict[str, float]] = []
-    with tempfile.TemporaryDirectory(prefix="weightsync-scale-bench-") as tmp, serve(Path(tmp)) as url:
+    args = ["--workers", str(server_workers)] if server_workers > 1 else []
+    with tempfile.TemporaryDirectory(prefix="weightsync-scale-bench-") as tmp, serve(Path(tmp), args=args) as url:
         ws = Weightsync(url, versions[0], device, keyframes=keyframes)
         others = Alternatives(versions[0], device, threads)
         try:
@@ -439,7 +450,8 @@ def describe(r: dict[str, Any]) -> str:
     return (
         f"Model: {what}; {r['model_bytes'] / 1e6:.1f} MB in {r['tensors']} tensors; {100 * density:.2f} % of"
         f" elements changed per version (median). Live tensors on {r['device']}, torch intra-op threads:"
-        f" {r['torch_threads']}. {r['versions']} versions after a warm-up. Machine: {r['machine']}."
+        f" {r['torch_threads']}. Server worker processes: {r.get('server_workers', 1)}."
+        f" {r['versions']} versions after a warm-up. Machine: {r['machine']}."
         f" Run: {r['when']}, code {r['code']}."
     )
 
@@ -454,6 +466,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="XOR + zstd-1 threads (all cores)")
     ap.add_argument("--torch-threads", type=int, help="torch's intra-op threads for the whole run (default: torch's)")
     ap.add_argument("--no-keyframes", action="store_true", help="skip the keyframe publishes (each stays stored)")
+    ap.add_argument(
+        "--server-workers",
+        type=int,
+        default=1,
+        help="worker processes of the embedded server (weightsync serve --workers; one process takes "
+        "~0.45 GB/s of uploads on the 2-core VM, its event loop's HTTP parsing the limit)",
+    )
     ap.add_argument("--label", help="output name scale_<label>.{json,md} (default: the model and the device)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--cache", type=Path, default=ROOT / "benchmarks" / ".cache", help="generated models")
@@ -477,7 +496,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         name = args.case or "bf16-lr1e-6"
         dirs, info = corpus_source(name, count)
-    result = run(dirs, device, args.threads, keyframes=not args.no_keyframes)
+    if args.server_workers < 1:
+        ap.error("--server-workers must be at least 1")
+    result = run(dirs, device, args.threads, keyframes=not args.no_keyframes, server_workers=args.server_workers)
     rows = result["rows"]
     result |= summarize(rows) | info
     headers = [read_safetensors_header(f)[0] for f in files(dirs[0])]
@@ -490,6 +511,7 @@ def main(argv: list[str] | None = None) -> int:
         "changed_elements": statistics.median(info["changed_fraction"][1:] or [float("nan")]) * elements,
         "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
         "threads": args.threads,
+        "server_workers": args.server_workers,
         "torch_threads": torch.get_num_threads(),
         "versions": len(rows),
         "bit_identical": True,

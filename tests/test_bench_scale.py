@@ -34,13 +34,14 @@ PATHS = (
 
 
 def test_bench_scale_runs_every_path_on_a_generated_model(tmp_path: Path) -> None:
-    args = ["bench", "scale", "--model-bytes", "3M", "--versions", "3", "--device", "cpu"]
+    args = ["bench", "scale", "--model-bytes", "3M", "--versions", "3", "--device", "cpu", "--server-workers", "2"]
     args += ["--out", str(tmp_path / "out"), "--cache", str(tmp_path / "cache"), "--label", "tiny"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
 
     report = json.loads((tmp_path / "out" / "scale_tiny.json").read_text())
     assert report["bit_identical"] is True  # the bench raises before writing anything otherwise
+    assert report["server_workers"] == 2 and "Server worker processes: 2." in result.output
     assert report["versions"] == 3 and len(report["rows"]) == 3
     assert report["llama"]["layers"] >= 1 and len(report["changed_fraction"]) == 4
     for key in PATHS:
@@ -63,6 +64,11 @@ def test_bench_scale_runs_every_path_on_a_generated_model(tmp_path: Path) -> Non
     assert report["elements"] > 0 and 0 < report["changed_elements"] < report["elements"]
     assert "eviction_took_effect" in report["page_cache"]
     assert "weightsync" in (tmp_path / "out" / "scale_tiny.md").read_text()
+
+
+def test_bench_scale_refuses_a_server_of_no_workers(tmp_path: Path) -> None:
+    result = CliRunner().invoke(app, ["bench", "scale", "--model-bytes", "3M", "--server-workers", "0"])
+    assert result.exit_code != 0 and "--server-workers must be at least 1" in result.output
 
 
 @pytest.mark.parametrize(
