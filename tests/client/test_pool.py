@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from weightsync.client._pool import (
+    Batch,
     Cancelled,
     HelpingPool,
     check_cancelled,
@@ -262,3 +263,69 @@ def _jobs_on_the_pools() -> list[int]:
     return [
         pool().submit(lambda i=i: i).result(10) for i, pool in enumerate([cpu_pool, hash_pool, lambda: pool_of(1)], 1)
     ]
+
+
+def test_a_batch_fed_one_job_at_a_time_runs_them_all_and_finishes_after_the_last() -> None:
+    done: list[int] = []
+    with ThreadPoolExecutor(3) as pool:
+        batch = Batch(pool)
+        for i in range(10):
+            batch.submit(done.append, i)
+        batch.finish()
+    assert sorted(done) == list(range(10))
+
+
+def test_a_batch_s_failure_stops_its_jobs_in_flight_and_refuses_more() -> None:
+    """One job fails while two others wait: both are stopped (their waits raise Cancelled), a submit after
+    the failure raises it (whoever feeds the batch stops), and finish raises it, not a Cancelled."""
+    stopped: list[int] = []
+    waiting = threading.Barrier(3)
+    failed = threading.Event()
+
+    def job(i: int) -> None:
+        waiting.wait(LONG_S)
+        if i == 0:
+            failed.set()
+            raise ValueError("upload 0 refused")
+        try:
+            pause(LONG_S)
+        except Cancelled:
+            stopped.append(i)
+            raise
+
+    with ThreadPoolExecutor(3) as pool:
+        batch = Batch(pool)
+        for i in range(3):
+            batch.submit(job, i)
+        assert failed.wait(LONG_S)
+        for _ in range(int(LONG_S / 0.01)):  # the failure is the batch's once its future is done
+            if batch.failure() is not None:
+                break
+            threading.Event().wait(0.01)
+        with pytest.raises(ValueError, match="upload 0 refused"):
+            batch.submit(job, 3)
+        with pytest.raises(ValueError, match="upload 0 refused"):
+            batch.finish()
+    assert sorted(stopped) == [1, 2]
+
+
+def test_a_stopped_batch_cancels_what_has_not_started_and_waits_for_what_has() -> None:
+    ran: list[int] = []
+    started = threading.Event()
+
+    def job(i: int) -> None:
+        ran.append(i)
+        started.set()
+        try:
+            pause(LONG_S)
+        except Cancelled:
+            ran.append(-i - 1)  # what a job does after its stop is over before stop() returns
+            raise
+
+    with ThreadPoolExecutor(1) as pool:
+        batch = Batch(pool)
+        for i in range(4):
+            batch.submit(job, i)
+        assert started.wait(LONG_S)
+        batch.stop()
+        assert ran == [0, -1]  # the one in flight stopped and finished; the others never ran

@@ -68,23 +68,30 @@ def follow(url: str, model: str, want: dict) -> None:
 def test_a_first_keyframe_s_base_is_copied_while_it_uploads_and_owes_nothing_to_the_file(
     server, model, tmp_path
 ) -> None:
-    """A fresh publisher's keyframe in three requests: the next base is copied into buffers of its own after
-    the objects are checked and before any upload; once the publish returns, the file may be overwritten
-    (a trainer saving its next step in place) and the next delta is still exact."""
+    """A fresh publisher's keyframe in three requests (one data object: nothing uploads while it encodes):
+    the next base is copied into buffers of its own once it is encoded and before any upload, and the
+    copy is what the publisher holds after (it copies nothing after the commit); once the publish
+    returns, the file may be overwritten (a trainer saving its next step in place) and the next delta
+    is still exact."""
     trainer, rec = TinyTrainer(seed=21), Uploads()
-    calls: list[int] = []
+    calls: list[tuple[int, bool]] = []
     real = base_mod.BaseKeeper.overwrite_early
 
     def spy(self, *args, **kwargs):
-        calls.append(rec.puts())
-        return real(self, *args, **kwargs)
+        puts = rec.puts()
+        calls.append((puts, real(self, *args, **kwargs)))
+        return calls[-1][1]
+
+    def no_copy_after(ck):
+        raise AssertionError("the base was copied after the commit")
 
     path = write_version(tmp_path / "ckpt", trainer.export())
     with Publisher(server.url, model, transport=rec, inline_bytes=0) as pub:
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(base_mod.BaseKeeper, "overwrite_early", spy)
+            mp.setattr(base_mod, "_in_memory", no_copy_after)
             assert pub.publish(path).kind == "keyframe"
-        assert calls == [0]  # started before the first upload
+        assert calls == [(0, True)]  # started before the first upload
         held = pub._base.held()
         assert held is not None and held.own
         assert held_bytes(pub) == tree_bytes(path)
@@ -102,6 +109,14 @@ def test_an_upload_that_fails_drops_the_new_copy_and_keeps_the_base_held_before(
     next publish is still a delta on it, exact to the bit."""
     trainer, rec = TinyTrainer(seed=22), Uploads()
     first = trainer.export()
+    started: list[tuple[bool, bool]] = []
+    real = base_mod.BaseKeeper.overwrite_early
+
+    def spy(self, *args, **kwargs):
+        got = real(self, *args, **kwargs)
+        started.append((got, self._fresh))
+        return got
+
     with Publisher(server.url, model, transport=rec, inline_bytes=0, retry=Retry(attempts=1)) as pub:
         v0 = write_version(tmp_path / "v0", first)
         pub.publish(v0)
@@ -110,8 +125,10 @@ def test_an_upload_that_fails_drops_the_new_copy_and_keeps_the_base_held_before(
         grown = {**trainer.export(), "extra": torch.arange(64, dtype=torch.float32)}
         v1 = write_version(tmp_path / "v1", grown)
         rec.refuse = True
-        with pytest.raises(errors.ServerUnavailable):
+        with pytest.MonkeyPatch.context() as mp, pytest.raises(errors.ServerUnavailable):
+            mp.setattr(base_mod.BaseKeeper, "overwrite_early", spy)
             pub.publish(v1)
+        assert started == [(True, True)]  # a copy into new buffers was under way
         assert pub._base._early is None  # the copy was waited for and dropped
         assert held_bytes(pub) == before
         rec.refuse = False
@@ -212,16 +229,38 @@ def _wait(cond, timeout: float = 20.0) -> bool:
 
 
 def test_a_keyframe_whose_upload_fails_while_it_encodes_commits_nothing(server, model, tmp_path) -> None:
-    """An object upload refused while the keyframe encodes fails the publish: nothing is committed, the
-    publisher holds no half-made base, and the same publish again goes through, exact to the bit."""
+    """An object upload refused while the keyframe encodes fails the publish and stops the encode at its next
+    object (the frames are held back until the refusal is in, so the encode cannot finish first): nothing
+    is committed, the publisher holds no half-made base, and the same publish again goes through, exact
+    to the bit."""
     rec = Uploads()
     sd = wide(32)
     v0 = write_version(tmp_path / "v0", sd)
+    frames = (v0 / "model.safetensors").stat().st_size // (64 << 10)  # at least: frames of 64 KiB at most
     options = dict(transport=rec, inline_bytes=0, chunk_bytes=64 << 10, object_bytes=256 << 10)
     with Publisher(server.url, model, retry=Retry(attempts=1), **options) as pub:
+        jobs: list = []
+        submit = pub._pool.submit
+
+        def recorded(*args, **kwargs):
+            jobs.append(submit(*args, **kwargs))
+            return jobs[-1]
+
+        real_add = pack_mod.Packer.add
+        added: list[int] = []
+
+        def add(self, frame):
+            real_add(self, frame)
+            added.append(len(jobs))
+            if added.count(1) == 1:  # the first object just went: wait for its refusal
+                assert _wait(lambda: jobs[0].done() and jobs[0].exception() is not None)
+
         rec.refuse = True
-        with pytest.raises(errors.ServerUnavailable):
+        with pytest.MonkeyPatch.context() as mp, pytest.raises(errors.ServerUnavailable):
+            mp.setattr(pub._pool, "submit", recorded)
+            mp.setattr(pack_mod.Packer, "add", add)
             pub.publish(v0)
+        assert len(jobs) == 1 and len(added) < frames  # no second upload: the encode stopped
         assert pub._base.held() is None and pub._base._early is None
         assert pub.api.head(model) is None
         rec.refuse = False

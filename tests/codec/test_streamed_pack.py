@@ -79,6 +79,38 @@ def test_a_keyframe_s_frames_are_handed_on_in_order_and_are_its_frames(threads: 
     assert handed.manifest.encode() == plain.manifest.encode()
 
 
+def test_each_frame_is_handed_on_as_soon_as_it_is_made_not_after_the_encode(monkeypatch) -> None:
+    """On one thread the frames are made one after another: each is handed on before the next is made."""
+    from weightsync.codec import encode_jobs
+
+    made: list[int] = []
+    real = encode_jobs.encode_key
+
+    def counted(*args, **kwargs):
+        made.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(encode_jobs, "encode_key", counted)
+    seen: list[int] = []
+    encoded = Encoder(threads=1, chunk_bytes=1024).encode(_checkpoint(9), on_frame=lambda fr: seen.append(len(made)))
+    assert len(encoded.frames) > 8
+    assert seen == list(range(1, len(encoded.frames) + 1))
+
+
+def test_the_publishers_helping_pool_hands_frames_on_in_order() -> None:
+    """The publisher's encode runs on a HelpingPool (the calling thread takes jobs from the back): the order
+    handed on is still the frames' own."""
+    from weightsync.client._pool import HelpingPool, cpu_pool
+
+    ck = _checkpoint(11, tensors=8)
+    seen: list[EncodedFrame] = []
+    handed = Encoder(chunk_bytes=1024, pool=HelpingPool(cpu_pool())).encode(ck, on_frame=seen.append)
+    assert [fr.data for fr in seen] == [fr.data for fr in handed.frames]
+    assert [fr.data for fr in handed.frames] == [
+        fr.data for fr in Encoder(threads=1, chunk_bytes=1024).encode(ck).frames
+    ]
+
+
 def test_frames_are_handed_on_only_for_a_format_2_keyframe() -> None:
     base, new = _checkpoint(1), _checkpoint(2)
     with pytest.raises(ValueError, match="keyframe"):

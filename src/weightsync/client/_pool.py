@@ -202,6 +202,76 @@ def run_all(pool: Executor, fn: Callable[[T], Any], items: Iterable[T], *, calle
         raise
 
 
+class Batch:
+    """A batch whose jobs are submitted one at a time, as their inputs come (uploads of objects packed while
+    an encode goes on), with :func:`run_all`'s all-or-nothing rule: the first failure, an interrupt of the
+    waiting thread or :meth:`stop` stops the jobs in flight (their waits raise Cancelled) and cancels
+    those not started. Thread-safe: jobs may be submitted from any thread, also from the pool's."""
+
+    def __init__(self, pool: Executor) -> None:
+        self.pool = pool
+        self.scope = _Scope(_current())
+        self._futures: list[Future[Any]] = []
+        self._lock = threading.Lock()
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any) -> None:
+        """Run ``fn(*args)`` in the batch; the batch's first failure instead once one is known."""
+        failed = self.failure()
+        if failed is not None:
+            raise failed
+        scope = self.scope
+
+        def job() -> Any:
+            outer = _current()
+            _local.scope = scope
+            try:
+                check_cancelled()
+                return fn(*args)
+            finally:
+                _local.scope = outer
+
+        future = self.pool.submit(job)
+        future.add_done_callback(self._done)
+        with self._lock:
+            self._futures.append(future)
+
+    def _done(self, future: Future[Any]) -> None:
+        if not future.cancelled() and future.exception() is not None:
+            self.scope.event.set()  # the others stop at their next check
+
+    def failure(self) -> BaseException | None:
+        """The batch's first failure so far (None: none yet): known as soon as the job that failed is done."""
+        with self._lock:
+            futures = list(self._futures)
+        return _first_failure(futures)
+
+    def finish(self) -> None:
+        """Wait for every job; on a failure (or an interrupt of this wait) stop the rest and raise it."""
+        try:
+            while True:
+                with self._lock:
+                    futures = list(self._futures)
+                wait(futures, return_when=FIRST_EXCEPTION)
+                failed = _first_failure(futures)
+                if failed is not None:
+                    raise failed
+                with self._lock:
+                    if len(self._futures) == len(futures):  # none submitted meanwhile
+                        return
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        """Stop the jobs in flight, cancel the others, and wait until none runs."""
+        self.scope.event.set()
+        with self._lock:
+            futures = list(self._futures)
+        for f in futures:
+            f.cancel()
+        wait(futures)
+
+
 class HelpingPool(Executor):
     """`pool` for a caller that waits on each batch anyway (the publisher's encode, whose `Encoder` only maps):
     ``map`` is :func:`run_all` with the calling thread helping, so a batch starts without waiting for the

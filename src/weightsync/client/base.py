@@ -397,7 +397,7 @@ class BaseKeeper:
         self,
         checkpoint: Checkpoint,
         owned: bool,
-        manifest: Manifest | None,
+        manifest: Manifest,
         objects: Mapping[str, bytes] | None = None,
         *,
         patch: bool = True,
@@ -408,8 +408,7 @@ class BaseKeeper:
         A format 2 delta on the held base whose frames are all deltas and apply in place (`patchable`;
         `objects`: its packed frames) is patched into the held base's buffers: a publish that does not
         commit calls :meth:`abandon_early`, which undoes every frame (XOR undoes itself, SUB undoes
-        ADD), so the base is held again. `manifest` None: a keyframe whose manifest is not made yet
-        (copied whole). Without `patch`, such a delta is left to :meth:`remember`
+        ADD), so the base is held again. Without `patch`, such a delta is left to :meth:`remember`
         (patched after the commit, in the background). Other versions of the held base's sizes are
         copied into its buffers: a publish that does not commit leaves nothing held then (the next one
         is a keyframe or a catch-up). Either way, from here until then :meth:`held` is None. Without a

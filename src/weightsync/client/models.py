@@ -388,8 +388,8 @@ class PublishResult:
     `timings` (seconds): ``begin_s``, ``encode_s`` (encode and pack), ``upload_s`` (the uploads; a
     version in one request: that request, its commit included), ``commit_s``, ``cache_s`` (keeping
     the next base), and the server's phases where it said them (``server_*``). A keyframe that
-    uploads as it encodes counts those uploads in ``encode_s`` and only what is left after it in
-    ``upload_s``.
+    uploads as it encodes counts the uploads made meanwhile in ``encode_s`` and those that outlast
+    the encode in ``upload_s``.
     """
 
     model: str

@@ -322,11 +322,13 @@ class Publisher:
                 self._formats = tuple(begun.formats or [MANIFEST_V1])
                 copying = False
 
-                def keep_while_uploading(manifest: Manifest | None) -> None:
+                def keep_while_uploading(manifest: Manifest) -> None:
                     # The next base is copied while the objects upload (a delta on the held base is patched
                     # after the commit, in the background, as before); undone below unless the version commits.
+                    # Not for a part not waited for: it holds no base after (its version is not known yet).
                     nonlocal copying
-                    copying = self._base.overwrite_early(checkpoint, owned, manifest, patch=False)
+                    if self.part is None or wait:
+                        copying = self._base.overwrite_early(checkpoint, owned, manifest, patch=False)
 
                 try:
                     done = upload.commit(

@@ -12,14 +12,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from weightsync import errors
 from weightsync.client._http import Api
-from weightsync.client._pool import run_all
+from weightsync.client._pool import Batch, run_all
 from weightsync.client.base import Base, BaseKeeper
 from weightsync.client.decode import check_bases
 from weightsync.client.models import PublishBegin
@@ -223,7 +223,7 @@ def commit(
     part: tuple[int, int] | None = None,
     wait: bool = True,
     poll_s: float = 0.1,
-    before_upload: Callable[[Manifest | None], None] | None = None,
+    before_upload: Callable[[Manifest], None] | None = None,
 ) -> Committed:
     """Upload what the server lacks of the version (a delta on `base` when the server asked for one), commit.
 
@@ -231,9 +231,9 @@ def commit(
     with the objects check that came with the begin; otherwise `pack_for(base or None,
     parent)` encodes anew and the objects are checked now; a keyframe encoded here has its data
     objects checked and uploaded as they are packed, while the rest encodes (``_encode_uploading``).
-    `before_upload` is called right before the first upload (the publisher starts keeping the next
-    base then): with the version's manifest, or None for a keyframe whose objects upload as it
-    encodes (its manifest is not made yet). Raises what the API raises (RemovesContent: the version drops files or
+    `before_upload` is called with the version's manifest once the version is encoded, before the
+    uploads (or, for such a keyframe, while they go on): the publisher starts keeping the next base
+    then. Raises what the API raises (RemovesContent: the version drops files or
     tensors of its parent, without `allow_removals`); the caller aborts the pending publish.
     """
     use = base if begun.kind == "delta" and base is not None else None
@@ -251,16 +251,18 @@ def commit(
     checked = begun.checked() if fits else None
     streamed: set[str] = set()
     uploaded: set[str] = set()  # of those, the ones the store lacked
+    waited = 0.0  # seconds spent on them after the encode
     if packed is None or not fits:
         if use is None:
             # A keyframe: each data object is checked and uploaded as soon as it is packed, while the
-            # frames after it encode (the encode and the upload overlap).
-            if before_upload is not None:
-                before_upload(None)
-                before_upload = None
+            # frames after it encode (the encode and the upload overlap); the uploads that outlast the
+            # encode count in upload_s.
+            t = time.perf_counter()
             packed, streamed, uploaded = _encode_uploading(
-                api, pool, model, begun.publish_id, meter, use, begun.parent, pack_for
+                api, pool, model, begun.publish_id, meter, use, begun.parent, pack_for, before_upload
             )
+            waited = time.perf_counter() - t - timings.get("encode_s", 0.0)
+            before_upload = None
         else:
             packed = pack_for(use, begun.parent)
 
@@ -281,7 +283,7 @@ def commit(
         run_all(pool, lambda it: api.put_object(it[0], it[1], uploads.get(it[0])), todo)
     finally:
         api.on_bytes = None
-    timings["upload_s"] = time.perf_counter() - t
+    timings["upload_s"] = time.perf_counter() - t + waited
     t = time.perf_counter()
     if part is not None:
         number, digest = commit_part(api, model, begun.publish_id, part, packed.digest, allow_removals, wait, poll_s)
@@ -309,14 +311,16 @@ def _encode_uploading(
     base: Base | None,
     parent: int | None,
     pack_for: Callable[..., Packed],
+    before_upload: Callable[[Manifest], None] | None,
 ) -> tuple[Packed, set[str], set[str]]:
     """`pack_for(base, parent)` with each data object but the last (``pack.Packer``) checked (held for the
-    publish, a presigned upload where the store gives one) and uploaded on `pool` as soon as it is packed;
-    returns once those are stored, with their digests and those of them the store lacked (uploaded), the
-    first failure raised after the uploads in flight have returned (one that fails while frames still
-    encode stops the encode)."""
+    publish, a presigned upload where the store gives one) and uploaded on `pool` as soon as it is packed,
+    in one batch (``_pool.Batch``: a failure or an interrupt stops every upload in flight, and a failure
+    stops the encode at its next object). `before_upload` is called once the encode is done, while those
+    uploads go on. Returns once they are stored, with their digests and those of them the store lacked
+    (uploaded)."""
     lock = threading.Lock()
-    futures: list[Future[None]] = []
+    batch = Batch(pool)
     sent: set[str] = set()
     uploaded: set[str] = set()
 
@@ -329,25 +333,20 @@ def _encode_uploading(
 
     def hand_on(obj: PackedObject) -> None:
         with lock:
-            failed = next((e for f in futures if f.done() and (e := f.exception()) is not None), None)
-            if failed is not None:  # stop the encode: the publish fails anyway
-                raise failed
             meter.total += len(obj.data)
             sent.add(obj.digest)
-            futures.append(pool.submit(upload, obj))
+        batch.submit(upload, obj)  # raises the batch's failure once there is one: the encode stops
 
     api.on_bytes = meter
     try:
         try:
             packed = pack_for(base, parent, on_object=hand_on)
+            if before_upload is not None:
+                before_upload(packed.manifest)
+            batch.finish()
         except BaseException:
-            for f in futures:
-                f.cancel()
+            batch.stop()
             raise
-        finally:
-            wait(futures)
-        for f in futures:
-            f.result()
     finally:
         api.on_bytes = None
     return packed, sent, uploaded
