@@ -122,6 +122,17 @@ def _current() -> _Scope | None:
     return getattr(_local, "scope", None)
 
 
+def _in_scope(scope: _Scope, fn: Callable[..., Any], *args: Any) -> Any:
+    """Run ``fn(*args)`` as a job of the batch whose scope is `scope` (not at all once the batch is stopped)."""
+    outer = _current()
+    _local.scope = scope
+    try:
+        check_cancelled()
+        return fn(*args)
+    finally:
+        _local.scope = outer
+
+
 def check_cancelled() -> None:
     """Raise Cancelled if the batch the calling job belongs to was stopped (a no-op outside a batch)."""
     scope = _current()
@@ -163,13 +174,7 @@ def run_all(pool: Executor, fn: Callable[[T], Any], items: Iterable[T], *, calle
     scope = _Scope(_current())
 
     def job(item: T) -> Any:
-        outer = _current()
-        _local.scope = scope
-        try:
-            check_cancelled()
-            return fn(item)
-        finally:
-            _local.scope = outer
+        return _in_scope(scope, fn, item)
 
     items = list(items)
     futures = [pool.submit(job, item) for item in items]
@@ -219,18 +224,7 @@ class Batch:
         failed = self.failure()
         if failed is not None:
             raise failed
-        scope = self.scope
-
-        def job() -> Any:
-            outer = _current()
-            _local.scope = scope
-            try:
-                check_cancelled()
-                return fn(*args)
-            finally:
-                _local.scope = outer
-
-        future = self.pool.submit(job)
+        future = self.pool.submit(_in_scope, self.scope, fn, *args)
         future.add_done_callback(self._done)
         with self._lock:
             self._futures.append(future)

@@ -30,6 +30,7 @@ from weightsync.client.decode import HeldFile, Tree
 from weightsync.client.models import Version
 from weightsync.client.pull import Meter, pull
 from weightsync.client.state import CheckoutState
+from weightsync.client.tensors import copy_pieces
 from weightsync.codec.checkpoint import Checkpoint, CheckpointFile, layout_of
 from weightsync.codec.frame import apply_frame_pieces, undo_frame
 from weightsync.codec.manifest import VERSION_2 as MANIFEST_V2
@@ -86,25 +87,21 @@ def _single(data: np.ndarray) -> Checkpoint:
 def _in_memory(ck: Checkpoint) -> Checkpoint:
     """A copy of `ck` in new buffers of our own, copied in pieces on the process's CPU pool."""
     files, copies = _fresh_copy_jobs(ck)
-    run_all(cpu_pool(), _copy_piece, copies)
+    _copy(copies)
     return Checkpoint(files, single_file=ck.single_file)
 
 
 def _fresh_copy_jobs(ck: Checkpoint) -> tuple[list[CheckpointFile], list[tuple[np.ndarray, np.ndarray]]]:
-    """New buffers for `ck`'s files (not yet filled), and the copy jobs that fill them: pieces of at most
-    _COPY_PIECE bytes, so a large file is copied on every core (one thread copies pages it has never
-    touched at a fraction of the memory's speed)."""
+    """New buffers for `ck`'s files (not yet filled), and the (destination, source) pairs that fill them."""
     files = [CheckpointFile(f.layout, np.empty(f.data.size, dtype=np.uint8)) for f in ck.files]
-    jobs = [
-        (mine.data[a:b], theirs.data[a:b])
-        for mine, theirs in zip(files, ck.files, strict=True)
-        for a, b in _pieces([(0, theirs.data.size)])
-    ]
-    return files, jobs
+    return files, [(mine.data, theirs.data) for mine, theirs in zip(files, ck.files, strict=True)]
 
 
-def _copy_piece(job: tuple[np.ndarray, np.ndarray]) -> None:
-    np.copyto(job[0], job[1])
+def _copy(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    """Copy (destination, source) pairs in pieces of at most _COPY_PIECE bytes on the process's CPU pool, so a
+    large file is copied on every core (one thread copies pages it has never touched at a fraction of the
+    memory's speed)."""
+    copy_pieces(pairs, cpu_pool(), piece=_COPY_PIECE)
 
 
 def _same_sizes(a: Checkpoint, b: Checkpoint) -> bool:
@@ -442,7 +439,7 @@ class BaseKeeper:
         else:
             files, copies = self._copy_jobs(old, checkpoint, manifest)
             self._base = None
-        self._early = (files, self.pool.submit(lambda: run_all(cpu_pool(), _copy_piece, copies)))
+        self._early = (files, self.pool.submit(_copy, copies))
         self._fresh = fresh
         return True
 
@@ -515,7 +512,7 @@ class BaseKeeper:
                 self._base = Base(state, checkpoint)
             elif old is not None and old.own and _same_sizes(old.checkpoint, checkpoint):
                 files, jobs = self._copy_jobs(old, checkpoint, manifest)
-                run_all(cpu_pool(), _copy_piece, jobs)
+                _copy(jobs)
                 self._base = Base(state, Checkpoint(files, single_file=checkpoint.single_file), own=True)
             else:
                 self._base = Base(state, _in_memory(checkpoint), own=True)
