@@ -169,6 +169,19 @@ def tensor_bits(t):
     return t.detach().contiguous().view(-1).view(torch.uint8)
 
 
+def follow(url: str, model: str, want: dict, *, name: str = "follow-check") -> None:
+    """A fresh subscriber (named `name`) pulls the head into zeroed tensors: bit-identical to `want`."""
+    import torch
+
+    from weightsync.client import Subscriber
+
+    got = {k: torch.zeros_like(v) for k, v in want.items()}
+    with Subscriber(url, model, name=name, report=False) as sub:
+        sub.apply(got, sub.prepare())
+    for key, t in want.items():
+        assert torch.equal(tensor_bits(got[key]), tensor_bits(t)), key
+
+
 def write_version(root: Path, state_dict: dict, *, config: bytes = b'{"hidden": 256}\n') -> Path:
     """A checkpoint directory: model.safetensors plus a config file."""
     from weightsync.client.tensors import serialize_state_dict

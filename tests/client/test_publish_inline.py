@@ -16,9 +16,9 @@ torch = pytest.importorskip("torch")
 
 from _client_util import (  # noqa: E402
     TinyTrainer,
+    follow,
     start_server,
     stop_server,
-    tensor_bits,
     tree_bytes,
     write_version,
 )
@@ -82,15 +82,6 @@ def kinds(seen: list[tuple[str, str]]) -> list[str]:
     return out
 
 
-def follow(url: str, model: str, want: dict) -> None:
-    """A fresh subscriber pulls the head: bit-identical to `want`."""
-    got = {k: torch.zeros_like(v) for k, v in want.items()}
-    with Subscriber(url, model, name="inline-check", report=False) as sub:
-        sub.apply(got, sub.prepare())
-    for name, t in want.items():
-        assert torch.equal(tensor_bits(got[name]), tensor_bits(t)), name
-
-
 def test_a_small_delta_is_one_request_and_arrives_bit_identical(server, model) -> None:
     trainer, rec = TinyTrainer(seed=11), Recording()
     with Publisher(server.url, model, transport=rec) as pub:
@@ -107,7 +98,7 @@ def test_a_small_delta_is_one_request_and_arrives_bit_identical(server, model) -
             server_side = [r.timings[f"server_{p}_s"] for p in ("store", "commit")]
             assert all(s >= 0 for s in server_side) and sum(server_side) <= r.timings["upload_s"]
             assert "server_begin_s" not in r.timings
-    follow(server.url, model, trainer.export())
+    follow(server.url, model, trainer.export(), name="inline-check")
     with Subscriber(server.url, model, name="timed", report=False) as sub:
         got = {k: torch.zeros_like(v) for k, v in trainer.export().items()}
         sub.apply(got, sub.prepare())  # a keyframe: the plan's objects come with it
@@ -125,7 +116,7 @@ def test_inline_bytes_zero_or_too_small_takes_three_requests(server, model) -> N
             assert pub.publish(trainer.export()).kind == "delta"
             seen = kinds(rec.take())
             assert "publishVersion" not in seen and seen[0] == "begin" and seen[-1] == "commit" and "put" in seen
-        follow(server.url, name, trainer.export())
+        follow(server.url, name, trainer.export(), name="inline-check")
     with pytest.raises(ValueError):
         Publisher(server.url, model, inline_bytes=-1)
 
@@ -141,7 +132,7 @@ def test_an_older_server_is_asked_once_then_three_requests(server, model) -> Non
             seen = kinds(rec.take())
             assert seen.count("publishVersion") == (1 if expect_probe else 0)
             assert seen[-1] == "commit"
-    follow(server.url, model, trainer.export())
+    follow(server.url, model, trainer.export(), name="inline-check")
 
 
 def test_a_lost_answer_is_retried_and_replayed_not_published_twice(server, model) -> None:
@@ -159,7 +150,7 @@ def test_a_lost_answer_is_retried_and_replayed_not_published_twice(server, model
         assert pub.publish(trainer.export()).version == 3  # and the publisher goes on from it
     with Api(server.url) as api:
         assert [v.number for v in api.list_versions(model)] == [1, 2, 3]
-    follow(server.url, model, trainer.export())
+    follow(server.url, model, trainer.export(), name="inline-check")
 
 
 @pytest.mark.parametrize("source", ["state_dict", "path"])
@@ -199,7 +190,7 @@ def test_when_the_chain_policy_wants_a_keyframe_the_publisher_sends_one(server, 
         trainer.step()
         assert pub.publish(v := version(4)).kind == "delta"
         base_is(v)
-    follow(server.url, model, trainer.export())
+    follow(server.url, model, trainer.export(), name="inline-check")
 
 
 def test_a_stale_base_catches_up_and_a_removal_is_refused_before_sending(server, model) -> None:
@@ -216,7 +207,7 @@ def test_a_stale_base_catches_up_and_a_removal_is_refused_before_sending(server,
         with pytest.raises(errors.RemovesContent):
             a.publish(smaller)
         assert "publishVersion" not in kinds(rec.take())
-    follow(server.url, model, trainer.export())
+    follow(server.url, model, trainer.export(), name="inline-check")
 
 
 def test_a_lost_answer_keeps_the_base_whole_and_the_same_publish_again_replays_as_a_delta(
@@ -334,6 +325,6 @@ def test_a_body_over_the_server_s_cap_goes_in_three_requests_and_is_not_tried_ag
                 assert pub.publish(trainer.export()).kind == "delta"
                 seen = kinds(rec.take())
                 assert seen.count("publishVersion") == (1 if expect_try else 0) and seen[-1] == "commit"
-        follow(srv.url, "capped", trainer.export())
+        follow(srv.url, "capped", trainer.export(), name="inline-check")
     finally:
         stop_server(srv)

@@ -14,10 +14,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from _client_util import TinyTrainer, tensor_bits, tree_bytes, write_version  # noqa: E402
+from _client_util import TinyTrainer, follow, tree_bytes, write_version  # noqa: E402
 
 from weightsync import errors  # noqa: E402
-from weightsync.client import Publisher, Subscriber  # noqa: E402
+from weightsync.client import Publisher  # noqa: E402
 from weightsync.client import base as base_mod  # noqa: E402
 from weightsync.client.wire import Retry  # noqa: E402
 from weightsync.codec import pack as pack_mod  # noqa: E402
@@ -56,15 +56,6 @@ def held_bytes(pub: Publisher) -> dict[str, bytes] | None:
     return None if held is None else {f.layout.path: bytes(f.data) for f in held.checkpoint.files}
 
 
-def follow(url: str, model: str, want: dict) -> None:
-    """A fresh subscriber pulls the head: bit-identical to `want`."""
-    got = {k: torch.zeros_like(v) for k, v in want.items()}
-    with Subscriber(url, model, name="early-copy-check", report=False) as sub:
-        sub.apply(got, sub.prepare())
-    for name, t in want.items():
-        assert torch.equal(tensor_bits(got[name]), tensor_bits(t)), name
-
-
 def test_a_first_keyframe_s_base_is_copied_while_it_uploads_and_owes_nothing_to_the_file(
     server, model, tmp_path
 ) -> None:
@@ -100,7 +91,7 @@ def test_a_first_keyframe_s_base_is_copied_while_it_uploads_and_owes_nothing_to_
         r = pub.publish(path)
         assert (r.kind, r.parent) == ("delta", 1)
         assert held_bytes(pub) == tree_bytes(path)
-    follow(server.url, model, trainer.export())
+    follow(server.url, model, trainer.export(), name="early-copy-check")
 
 
 def test_an_upload_that_fails_drops_the_new_copy_and_keeps_the_base_held_before(server, model, tmp_path) -> None:
@@ -135,7 +126,7 @@ def test_an_upload_that_fails_drops_the_new_copy_and_keeps_the_base_held_before(
         r = pub.publish(v1)
         assert (r.kind, r.parent) == ("delta", 1)
         assert held_bytes(pub) == tree_bytes(v1)
-    follow(server.url, model, grown)
+    follow(server.url, model, grown, name="early-copy-check")
 
 
 def test_a_keyframe_copied_into_the_base_s_buffers_leaves_nothing_held_when_it_fails(server, model, tmp_path) -> None:
@@ -154,7 +145,7 @@ def test_a_keyframe_copied_into_the_base_s_buffers_leaves_nothing_held_when_it_f
         r = pub.publish(v1)
         assert (r.kind, r.parent) == ("keyframe", 1)
         assert held_bytes(pub) == tree_bytes(v1)
-    follow(server.url, model, trainer.export())
+    follow(server.url, model, trainer.export(), name="early-copy-check")
 
 
 def test_a_base_copied_afresh_is_every_byte_of_the_version(tmp_path) -> None:
@@ -214,7 +205,7 @@ def test_a_keyframe_s_objects_upload_while_it_encodes_and_arrive_bit_identical(s
     assert objects >= 5
     assert rec.puts() == objects + 1  # each data object once, and the manifest
     assert rec.checks() == objects  # one per streamed object, then the last one with the manifest
-    follow(server.url, model, sd)
+    follow(server.url, model, sd, name="early-copy-check")
 
 
 def _wait(cond, timeout: float = 20.0) -> bool:
@@ -267,4 +258,4 @@ def test_a_keyframe_whose_upload_fails_while_it_encodes_commits_nothing(server, 
         r = pub.publish(v0)
         assert (r.version, r.kind) == (1, "keyframe")
         assert held_bytes(pub) == tree_bytes(v0)
-    follow(server.url, model, sd)
+    follow(server.url, model, sd, name="early-copy-check")
