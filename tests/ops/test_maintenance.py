@@ -16,6 +16,7 @@ from test_publish import files_of, publish_all
 from weightsync import errors
 from weightsync.catalog import Catalog
 from weightsync.ops import fsck, gc, rebuild_catalog
+from weightsync.ops.records import record_of
 
 pytestmark = pytest.mark.anyio
 
@@ -247,6 +248,46 @@ async def test_gc_finishes_what_a_dead_gc_tombstoned(ops, clock, versions):
     assert not {i.digest for i in garbage} & await stored(ops)
     assert await ops.object_records(marked) == {}
     assert (await fsck(ops, read_data=True)).problems == []
+
+
+async def test_commit_records_are_known_by_their_versions_not_by_catalog_rows(ops, clock, versions):
+    """A commit record goes to the store only: the catalog gets no objects row for it (its digest follows from
+    its version's row). fsck counts it as known, GC keeps it while its version lives and deletes it with its
+    version; a row an older server wrote for one changes none of that."""
+    await ops.create_model("m", keep_last=1, keyframe_interval=1)  # every version a keyframe: v1 can go
+    await publish_all(ops, versions[:2])
+    await ops.drain()
+    v1, v2 = await ops.list_versions("m", limit=None)
+    r1, r2 = record_of(v1).digest, record_of(v2).digest
+    assert {r1, r2} <= await stored(ops)
+    assert await ops.object_records([r1, r2]) == {}
+    assert (await fsck(ops)).problems == []
+    await ops.record_object(r2, len(record_of(v2).encode()))  # as servers before session 38 recorded them
+    assert (await fsck(ops)).problems == []
+    clock.advance(hours=2)
+    report = await gc(ops, grace=timedelta(0))
+    assert report.versions_deleted == {"m": [1]}
+    left = await stored(ops)
+    assert r1 not in left and r2 in left
+    assert (await fsck(ops)).problems == []
+    got = await ops.materialize("m", 2)
+    assert {p: a.tobytes() for p, a in got.files.items()} == files_of(versions[1])
+
+
+async def test_fsck_repairs_a_missing_commit_record_without_a_catalog_row(ops, versions):
+    """A commit record lost (a crash between the commit and the record's write) is rewritten by fsck --repair,
+    into the store only; the next fsck finds nothing."""
+    (v1,) = await publish_all(ops, versions[:1])
+    await ops.drain()
+    digest = record_of(v1).digest
+    await ops.store.delete(digest)
+    report = await fsck(ops)
+    assert [(p.code, p.digest, p.repaired) for p in report.problems] == [("missing-commit-record", digest, False)]
+    report = await fsck(ops, repair=True)
+    assert [(p.code, p.repaired) for p in report.problems] == [("missing-commit-record", True)]
+    assert digest in await stored(ops)
+    assert await ops.object_records([digest]) == {}
+    assert (await fsck(ops)).problems == []
 
 
 async def test_model_settings_through_ops(ops, versions):

@@ -182,10 +182,12 @@ async def fsck(
             )
     stored = {info.digest: info async for info in ops.store.list()}
     verified: set[str] = set()
+    records: set[str] = set()  # the commit records of the versions checked: known by their versions' rows
     for m in await ops.list_models():
         versions = await ops.list_versions(m.name, limit=None)
         for v in versions:
             report.versions_checked += 1
+            records.add(record_of(v).digest)
             try:
                 manifest = await ops.load_manifest(committed(v)[1])
             except errors.WeightsyncError as exc:
@@ -238,8 +240,8 @@ async def fsck(
                 await ops.materialize(m.name, m.head)
             except errors.WeightsyncError as exc:
                 report.problems.append(Problem("unmaterializable", str(exc), m.name, m.head))
-    known = await ops.object_records(list(stored))
-    unrecorded = [d for d in stored if d not in known]
+    known = await ops.object_records([d for d in stored if d not in records])
+    unrecorded = [d for d in stored if d not in known and d not in records]
     # Orphans first: recording an unrecorded object would restart its grace period.
     orphans = await sweep(ops, grace=grace, dry_run=not repair)
     deleted = {o.digest for o in orphans.deleted}
