@@ -21,6 +21,7 @@ from weightsync.client import Publisher  # noqa: E402
 from weightsync.client import base as base_mod  # noqa: E402
 from weightsync.client.wire import Retry  # noqa: E402
 from weightsync.codec import pack as pack_mod  # noqa: E402
+from weightsync.codec.manifest import Manifest  # noqa: E402
 
 
 class Uploads(httpx.BaseTransport):
@@ -259,3 +260,192 @@ def test_a_keyframe_whose_upload_fails_while_it_encodes_commits_nothing(server, 
         assert (r.version, r.kind) == (1, "keyframe")
         assert held_bytes(pub) == tree_bytes(v0)
     follow(server.url, model, sd, name="early-copy-check")
+
+
+def stepped(sd: dict, seed: int, fraction: float = 0.5) -> dict:
+    """`sd` after a step that moves `fraction` of the elements of w0's second half and of w1 and w2 (a delta of
+    several 256 KiB objects). w3 stays as it was (its frames of 64 KiB are all dropped) and w0's first half too
+    (its frames wait for a later one of w0 to show a change)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for k, t in sd.items():
+        moved = torch.rand(t.shape, generator=g) < fraction
+        if k == "w3":
+            moved[:] = False
+        elif k == "w0":
+            moved[: t.shape[0] // 2] = False
+        out[k] = torch.where(moved, torch.randn(t.shape, generator=g).to(t.dtype), t)
+    return out
+
+
+def test_a_delta_after_a_delta_of_several_objects_uploads_its_objects_while_it_encodes(server, model, tmp_path) -> None:
+    """A delta that spans several objects is followed by deltas that begin first (no encode before the begin) and
+    check and upload each object but the last as soon as it is packed, during the encode (the last frame is held
+    back until an upload has gone out); a delta of one object goes back to encoding first. Every version arrives
+    bit-identical."""
+    rec = Uploads()
+    sds = [wide(41)]
+    for i in range(3):
+        sds.append(stepped(sds[-1], 100 + i))
+    sds.append(stepped(sds[-1], 200, fraction=0.0005))  # a small step: one object
+    dirs = [write_version(tmp_path / f"v{i}", sd) for i, sd in enumerate(sds)]
+    # Deltas of ~0.5 MB: above the one-request size (inline_bytes), so they stream once one spans several objects.
+    options = dict(transport=rec, chunk_bytes=64 << 10, object_bytes=256 << 10, inline_bytes=128 << 10)
+    went_early = threading.Event()
+    real_add = pack_mod.Packer.add
+    added: list = []
+    frames_expected = [0]
+
+    def add(self, frame):
+        added.append(frame)
+        if len(added) == frames_expected[0] and _wait(lambda: rec.puts() > puts_before[0]):
+            went_early.set()
+        return real_add(self, frame)
+
+    puts_before = [0]
+    with Publisher(server.url, model, **options) as pub:
+        assert pub.publish(dirs[0]).kind == "keyframe"
+        pub.api.update_model(model, max_chain_ratio=100.0)  # these steps' deltas are large: keep the chain going
+        first = pub.publish(dirs[1])  # encoded before its begin (nothing says it will be large yet)
+        assert first.kind == "delta" and first.objects_total - 1 >= 2
+        assert pub._stream_deltas
+        for i in (2, 3):
+            start = len(rec.seen)
+            added.clear()
+            # The last frame (w0's, w1's and w2's 18 frames are kept, w3's dropped) waits for an upload made meanwhile.
+            frames_expected[0] = 18
+            puts_before[0] = rec.puts()
+            went_early.clear()
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(pack_mod.Packer, "add", add)
+                r = pub.publish(dirs[i])
+            assert r.kind == "delta" and went_early.is_set(), i
+            objects = r.objects_total - 1
+            assert objects >= 2
+            mine = rec.seen[start:]
+            begin = mine.index(("POST", f"/v1/models/{model}/publishes"))
+            first_put = next(j for j, (m, p) in enumerate(mine) if m == "PUT")
+            assert begin < first_put  # begun before any object went
+            assert sum(1 for m, p in mine if m == "POST" and p.endswith("/objects")) == objects
+            assert sum(1 for m, p in mine if m == "PUT") == objects + 1
+            follow(server.url, model, sds[i], name=f"stream-check-{i}")
+        last = pub.publish(dirs[4])
+        assert last.kind == "delta" and last.objects_total == 2 and not pub._stream_deltas
+    follow(server.url, model, sds[4], name="stream-check-4")
+
+
+def _streaming_publisher(
+    server, model: str, tmp_path, rec: Uploads, seed: int, **options
+) -> tuple[Publisher, list, list]:
+    """A publisher that has published a keyframe and a delta of several objects (so its next delta streams), the
+    state_dicts of five versions and their directories (`seed`: a test's own, so that the objects it uploads are
+    not in the shared store already)."""
+    sds = [wide(seed)]
+    for i in range(4):
+        sds.append(stepped(sds[-1], seed * 10 + i))
+    dirs = [write_version(tmp_path / f"v{i}", sd) for i, sd in enumerate(sds)]
+    pub = Publisher(
+        server.url,
+        model,
+        transport=rec,
+        chunk_bytes=64 << 10,
+        object_bytes=128 << 10,
+        inline_bytes=64 << 10,
+        **options,
+    )
+    assert pub.publish(dirs[0]).kind == "keyframe"
+    pub.api.update_model(model, max_chain_ratio=100.0)
+    assert pub.publish(dirs[1]).kind == "delta" and pub._stream_deltas
+    return pub, sds, dirs
+
+
+def test_a_streamed_delta_whose_upload_fails_commits_nothing_and_keeps_the_base(server, model, tmp_path) -> None:
+    """An object upload refused while a streamed delta encodes fails the publish and stops the encode at its next
+    object (the frames are held back until the refusal is in, so the encode cannot finish first): nothing is
+    committed, the base held is still the last version (the encode did not write into it), and the same publish
+    again goes through as a delta, exact to the bit."""
+    rec = Uploads()
+    pub, sds, dirs = _streaming_publisher(server, model, tmp_path, rec, 51, retry=Retry(attempts=1))
+    with pub:
+        before = held_bytes(pub)
+        jobs: list = []
+        submit = pub._pool.submit
+
+        def recorded(*args, **kwargs):
+            jobs.append(submit(*args, **kwargs))
+            return jobs[-1]
+
+        real_add = pack_mod.Packer.add
+        added: list[int] = []
+
+        def add(self, frame):
+            real_add(self, frame)
+            added.append(len(jobs))
+            if added.count(1) == 1:  # the first object just went: wait for its refusal
+                assert _wait(lambda: jobs[0].done() and jobs[0].exception() is not None)
+
+        rec.refuse = True
+        with pytest.MonkeyPatch.context() as mp, pytest.raises(errors.ServerUnavailable):
+            mp.setattr(pub._pool, "submit", recorded)
+            mp.setattr(pack_mod.Packer, "add", add)
+            pub.publish(dirs[2])
+        # Streamed, then no second upload: the encode stopped before its 18th frame (w0's, w1's and w2's are kept).
+        assert len(jobs) == 1 and 1 in added and len(added) < 18
+        assert pub.api.head(model).number == 2
+        assert before is not None and held_bytes(pub) == before
+        assert before["model.safetensors"] == tree_bytes(dirs[1])["model.safetensors"]
+        rec.refuse = False
+        r = pub.publish(dirs[2])
+        assert (r.version, r.kind) == (3, "delta")
+    follow(server.url, model, sds[2], name="stream-fail-check")
+
+
+def test_a_streamed_delta_on_a_base_that_went_wrong_costs_a_keyframe_not_a_wrong_delta(
+    server, model, tmp_path, caplog
+) -> None:
+    """The held base's bytes are checked by the encode: a streamed delta on a base that no longer holds its
+    version (its objects already uploaded) is packed again as a keyframe, which the subscriber gets exact; the
+    next publish is a delta again."""
+    import logging
+
+    rec = Uploads()
+    pub, sds, dirs = _streaming_publisher(server, model, tmp_path, rec, 52)
+    with pub:
+        held = pub._base.held()
+        assert held is not None
+        weights = next(f for f in held.checkpoint.files if f.layout.path == "model.safetensors")
+        weights.data[-1] ^= 0x40  # the base's last byte (a tensor's) no longer the version's
+        start = len(rec.seen)
+        with caplog.at_level(logging.WARNING, logger="weightsync.client"):
+            r = pub.publish(dirs[2])
+        assert (r.version, r.parent, r.kind) == (3, 2, "keyframe")
+        # The delta's objects went up as it encoded, before its base was found wrong; none of them is counted.
+        put = [path.rsplit("/", 1)[1] for method, path in rec.seen[start:] if method == "PUT"]
+        mine = set(Manifest.decode(pub.api.get_manifest(model, 3)).objects()) | {r.manifest}
+        assert [d for d in put if d not in mine]
+        assert r.objects_uploaded == sum(1 for d in put if d in mine) <= r.objects_total
+        assert any("does not match v2" in rec_.getMessage() for rec_ in caplog.records)
+        follow(server.url, model, sds[2], name="stream-wrong-base-check")
+        assert pub.publish(dirs[3]).kind == "delta"
+    follow(server.url, model, sds[3], name="stream-wrong-base-check-2")
+
+
+def test_deltas_of_several_objects_small_enough_for_one_request_keep_going_in_one_request(
+    server, model, tmp_path
+) -> None:
+    """With objects smaller than the one-request size, a delta of several objects still goes in one request
+    (publishVersion), and so does the next: streaming is for deltas too large for one."""
+    rec = Uploads()
+    sds = [wide(61)]
+    for i in range(2):
+        sds.append(stepped(sds[-1], 400 + i))
+    dirs = [write_version(tmp_path / f"v{i}", sd) for i, sd in enumerate(sds)]
+    with Publisher(server.url, model, transport=rec, chunk_bytes=64 << 10, object_bytes=256 << 10) as pub:
+        pub.publish(dirs[0])
+        pub.api.update_model(model, max_chain_ratio=100.0)
+        for d in dirs[1:]:
+            start = len(rec.seen)
+            r = pub.publish(d)
+            assert r.kind == "delta" and r.objects_total - 1 >= 2 and not pub._stream_deltas
+            assert rec.seen[start:] == [("POST", f"/v1/models/{model}/versions")]
+    follow(server.url, model, sds[2], name="one-request-check")

@@ -1,5 +1,6 @@
-"""A keyframe packed as it encodes: frames handed on in order while the rest encode (`Encoder.encode`'s
-`on_frame`), objects made as soon as their last frame is in (`pack.Packer`), the same objects as `pack`."""
+"""A version packed as it encodes: frames handed on in order while the rest encode (`Encoder.encode`'s
+`on_frame`; a delta's frame once it is final), objects made as soon as their last frame is in (`pack.Packer`),
+the same objects as `pack`."""
 
 from __future__ import annotations
 
@@ -111,15 +112,79 @@ def test_the_publishers_helping_pool_hands_frames_on_in_order() -> None:
     ]
 
 
-def test_frames_are_handed_on_only_for_a_format_2_keyframe() -> None:
+def test_frames_are_handed_on_only_in_format_2() -> None:
     base, new = _checkpoint(1), _checkpoint(2)
-    with pytest.raises(ValueError, match="keyframe"):
-        Encoder(format_version=2).encode(new, base, on_frame=lambda fr: None)
-    with pytest.raises(ValueError, match="keyframe"):
+    with pytest.raises(ValueError, match="format 2"):
         Encoder(format_version=1).encode(new, on_frame=lambda fr: None)
-    got = []
-    Encoder(format_version=2, chunk_bytes=1024).encode(new, base, keyframe=True, on_frame=got.append)
-    assert got
+    with pytest.raises(ValueError, match="format 2"):
+        Encoder(format_version=1).encode(new, base, on_frame=lambda fr: None)
+    for keyframe in (True, False):
+        got: list[EncodedFrame] = []
+        encoded = Encoder(format_version=2, chunk_bytes=1024).encode(new, base, keyframe=keyframe, on_frame=got.append)
+        assert got and [fr.data for fr in got] == [fr.data for fr in encoded.frames]
+
+
+def _step(seed: int, changes: list[list[int]], small: int = 3, elements: int = 3000) -> tuple[Checkpoint, Checkpoint]:
+    """A base and a next version: large bf16 tensors (each cut into frames of its own at chunk_bytes=1024) where
+    tensor i changes the elements `changes[i]`, and `small` tensors below a frame that all change."""
+    rng = np.random.default_rng(seed)
+    base, new = {}, {}
+    for i, where in enumerate(changes):
+        b = rng.integers(0, 256, 2 * elements, dtype=np.uint8)
+        n = b.copy()
+        for e in where:
+            n[2 * (e % elements)] ^= 0x5A
+        base[f"big{i}"], new[f"big{i}"] = ("BF16", (elements,), b), ("BF16", (elements,), n)
+    for i in range(small):
+        b = rng.integers(0, 256, 200, dtype=np.uint8)
+        base[f"small{i}"], new[f"small{i}"] = ("BF16", (100,), b), ("BF16", (100,), b ^ np.uint8(1))
+    return (
+        Checkpoint.from_bytes({"m.safetensors": safetensors_file(base)}),
+        Checkpoint.from_bytes({"m.safetensors": safetensors_file(new)}),
+    )
+
+
+@given(
+    changes=st.lists(st.lists(st.integers(0, 2999), max_size=4), min_size=1, max_size=6),
+    small=st.integers(0, 3),
+    threads=st.sampled_from([1, 2, 4]),
+    seed=st.integers(0, 2**16),
+)
+@settings(max_examples=60, deadline=None)
+def test_a_delta_s_frames_are_handed_on_in_order_and_are_its_frames(changes, small, threads, seed) -> None:
+    """Whichever chunks of which tensors change (a tensor with none has all its frames dropped), the frames handed
+    on are the delta's frames, in order, and the encode is the one made without handing on."""
+    base, new = _step(seed, changes, small)
+    seen: list[EncodedFrame] = []
+    plain = Encoder(threads=threads, chunk_bytes=1024).encode(new, base)
+    handed = Encoder(threads=threads, chunk_bytes=1024).encode(new, base, on_frame=seen.append)
+    assert [fr.data for fr in seen] == [fr.data for fr in handed.frames] == [fr.data for fr in plain.frames]
+    assert handed.manifest.encode() == plain.manifest.encode()
+    assert plain.manifest.kind == "delta"
+
+
+def test_a_delta_frame_is_handed_on_once_its_tensor_is_known_to_change_not_after_the_encode(monkeypatch) -> None:
+    """On one thread the frames are made in order. A frame of a tensor whose first chunk changed is handed on as
+    soon as it is made; the unchanged frames of a tensor wait only for its first change (then go at once), and a
+    tensor with no change at all hands on nothing."""
+    from weightsync.codec import encode_jobs
+
+    made: list[int] = []
+    real = encode_jobs.encode_delta_pieces
+
+    def counted(*args, **kwargs):
+        made.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(encode_jobs, "encode_delta_pieces", counted)
+    # big0 changes in its first chunk, big1 in none, big2 only in its last (each is 6 frames of ~1 KB).
+    base, new = _step(5, [[0], [], [2999]], small=0)
+    seen: list[int] = []
+    encoded = Encoder(threads=1, chunk_bytes=1024).encode(new, base, on_frame=lambda fr: seen.append(len(made)))
+    per = len(made) // 3
+    assert len(encoded.frames) == 2 * per and per >= 4
+    # big0's frames each as made; big2's all at once, when its last (changed) frame is made.
+    assert seen == list(range(1, per + 1)) + [3 * per] * per
 
 
 def test_a_hand_on_that_raises_fails_the_encode_and_nothing_follows_it() -> None:
@@ -152,7 +217,10 @@ def test_results_made_in_any_order_on_any_threads_are_handed_on_in_order_once_on
         finally:
             inside.release()
 
+    dropped = {k for k in range(count) if random.Random(seed + k).random() < 0.3}  # given as None: not handed on
     in_order = InOrder(count, hand_on)
     with ThreadPoolExecutor(4) as pool:
-        list(pool.map(lambda k: in_order.done(k, EncodedFrame(b"", False, "U8", k, ())), order))
-    assert got == list(range(count))
+        list(
+            pool.map(lambda k: in_order.done(k, None if k in dropped else EncodedFrame(b"", False, "U8", k, ())), order)
+        )
+    assert got == [k for k in range(count) if k not in dropped]

@@ -128,6 +128,7 @@ class Publisher:
             transport=transport,
         )
         self._lock = threading.Lock()
+        self._stream_deltas = False  # the last delta spanned several objects (set after each delta publish)
         self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="weightsync-upload")
         try:
             self._base = BaseKeeper(
@@ -302,6 +303,7 @@ class Publisher:
                         prepare=lambda held: pack_for(held, held.state.number, keep=self._inline_last),
                         part=self.part,
                         inline=inline if self.part is None and self.inline_bytes else None,
+                        stream=self._stream_deltas,
                     )
                     break
                 except errors.ParentPending:  # the previous step's parts are still pending: its commit is near
@@ -366,6 +368,13 @@ class Publisher:
                 )
                 self._base.forget()
             timings["cache_s"] = time.perf_counter() - t
+            if done.manifest.kind == "delta":
+                # A delta of several objects, too large for one request: the next one likely is too, so it
+                # begins first and each object uploads as soon as it is packed, while the rest encodes
+                # (upload.begin's `stream`). Any other delta keeps encoding first: one request (publishVersion),
+                # or a begin that checks its objects; streaming it would only add round trips.
+                data = sum(len(b) for b in done.objects.values())
+                self._stream_deltas = len(done.objects) > 1 and (self.part is not None or data > self.inline_bytes)
             return PublishResult(
                 model=self.model,
                 version=done.number,

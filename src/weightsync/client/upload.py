@@ -69,9 +69,11 @@ def pack_version(
 ) -> Packed:
     """Encode `checkpoint` in manifest format `version` (a delta on `base`, a keyframe without one), pack it.
 
-    ``on_object``: a format 2 keyframe hands each data object to it as soon as the object is packed,
-    while later frames still encode (``Encoder.encode``'s `on_frame` into a ``pack.Packer``), so it
-    can be uploaded meanwhile; other encodes hand on nothing (the caller uploads ``Packed.objects``).
+    ``on_object``: a format 2 encode (keyframe or delta) hands each data object but the last to it as
+    soon as the object is packed, while later frames still encode (``Encoder.encode``'s `on_frame` into
+    a ``pack.Packer``), so it can be uploaded meanwhile; a format 1 encode hands on nothing (the caller
+    uploads ``Packed.objects``). A delta whose base turns out not to be the version it claims is
+    packed again as a keyframe, whole: what was handed on is then not among ``Packed.objects``.
 
     A base whose bytes are not the version it claims (the encoder hashed them), or that is
     stored in another format (a chain never mixes formats), is forgotten through
@@ -90,12 +92,13 @@ def pack_version(
     manifest: Manifest | None = None
     objects: list[PackedObject] = []
     try:
-        if on_object is not None and base is None and version == MANIFEST_V2:
+        of = base.checkpoint if base else None
+        if on_object is not None and version == MANIFEST_V2:
             packer = Packer(target_bytes=object_bytes, on_object=on_object)
-            encoded = encoder.encode(checkpoint, None, on_frame=packer.add)
+            encoded = encoder.encode(checkpoint, of, keep_base=keep, on_frame=packer.add)
             manifest, objects = packer.finish(encoded)
         else:
-            encoded = encoder.encode(checkpoint, base.checkpoint if base else None, keep_base=keep)
+            encoded = encoder.encode(checkpoint, of, keep_base=keep)
         if base is not None:
             try:  # the encoder hashed the base bytes: they must be the version we think we hold
                 check_bases(encoded.manifest, base.state.tree(Path(".")))
@@ -103,6 +106,7 @@ def pack_version(
                 log.warning("publisher base does not match v%s (%s): publishing a keyframe", base.state.number, exc)
                 forget_base()
                 encoded = encoder.encode(checkpoint, None, keyframe=True)
+                manifest = None  # packed whole below: the objects handed on were the delta's
         if manifest is None:
             manifest, objects = pack(encoded, target_bytes=object_bytes)
         manifest.model, manifest.parent, manifest.step = model, parent, step
@@ -129,12 +133,15 @@ def begin(
     prepare: Callable[[Base], Packed],
     part: tuple[int, int] | None = None,
     inline: Callable[[Base, Packed], Committed | PublishBegin | None] | None = None,
+    stream: bool = False,
 ) -> tuple[Base | None, PublishBegin | Committed, Packed | None]:
     """Begin a publish: on the base held when it is still the head, else on the head.
 
     Returns the base to diff against (None: a keyframe), the server's answer, and the version
     already packed when there was a base: `prepare` encodes against the base held *before*
     beginning, so the begin also checks its objects (begin and checkObjects in one round trip).
+    With `stream` (a delta expected to span several objects), the begin on the base held comes
+    first and nothing is packed: `commit` then encodes it, uploading each object as it is packed.
     With `inline` (:func:`publish_inline`), a version packed on the held base is first offered
     whole in one request: the answer is then the version Committed already, or the publish the
     server began for another kind (None: too large, or a server without publishVersion).
@@ -143,6 +150,14 @@ def begin(
     """
     on_head: dict[str, Any] = dict(keyframe=keyframe, step=step, metadata=metadata, catch_up=catch_up, part=part)
     base = None if keyframe else keeper.held()
+    if base is not None and stream:
+        try:
+            begun = api.begin_publish(
+                model, parent=base.state.number, step=step, metadata=metadata, keyframe=False, part=part
+            )
+            return base, begun, None
+        except errors.StaleParent:
+            return _on_head(api, keeper, model, **on_head)
     if base is not None:
         packed = prepare(base)
         try:  # begin answers the parent's manifest: `commit` checks the base against it
@@ -229,12 +244,12 @@ def commit(
 
     `packed` (from `begin`) is used when it is what the server asked for (kind and parent),
     with the objects check that came with the begin; otherwise `pack_for(base or None,
-    parent)` encodes anew and the objects are checked now; a keyframe encoded here has its data
-    objects checked and uploaded as they are packed, while the rest encodes (``_encode_uploading``).
-    `before_upload` is called with the version's manifest once the version is encoded, before the
-    uploads (or, for such a keyframe, while they go on): the publisher starts keeping the next base
-    then. Raises what the API raises (RemovesContent: the version drops files or
-    tensors of its parent, without `allow_removals`); the caller aborts the pending publish.
+    parent)` encodes anew here, each data object checked and uploaded as soon as it is packed,
+    while the rest encodes (``_encode_uploading``). `before_upload` is called with the version's
+    manifest once the version is encoded, before the uploads (or, for a version encoded here,
+    while they go on): the publisher starts keeping the next base then. Raises what the API raises
+    (RemovesContent: the version drops files or tensors of its parent, without `allow_removals`); the
+    caller aborts the pending publish.
     """
     use = base if begun.kind == "delta" and base is not None else None
     if use is not None and begun.parent_manifest not in (None, use.state.manifest):
@@ -253,18 +268,16 @@ def commit(
     uploaded: set[str] = set()  # of those, the ones the store lacked
     waited = 0.0  # seconds spent on them after the encode
     if packed is None or not fits:
-        if use is None:
-            # A keyframe: each data object is checked and uploaded as soon as it is packed, while the
-            # frames after it encode (the encode and the upload overlap); the uploads that outlast the
-            # encode count in upload_s.
-            t = time.perf_counter()
-            packed, streamed, uploaded = _encode_uploading(
-                api, pool, model, begun.publish_id, meter, use, begun.parent, pack_for, before_upload
-            )
-            waited = time.perf_counter() - t - timings.get("encode_s", 0.0)
-            before_upload = None
-        else:
-            packed = pack_for(use, begun.parent)
+        # Encoded after the begin (a keyframe, or a delta begun before its encode: `begin`'s `stream`): each
+        # data object is checked and uploaded as soon as it is packed, while the frames after it encode (the
+        # encode and the upload overlap); the uploads that outlast the encode count in upload_s.
+        t = time.perf_counter()
+        packed, streamed, uploaded = _encode_uploading(
+            api, pool, model, begun.publish_id, meter, use, begun.parent, pack_for, before_upload
+        )
+        waited = time.perf_counter() - t - timings.get("encode_s", 0.0)
+        before_upload = None
+        uploaded &= packed.objects.keys()  # not a delta's objects streamed before its base was found wrong
 
     t = time.perf_counter()
     if checked is None:

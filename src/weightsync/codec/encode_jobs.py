@@ -164,7 +164,7 @@ class Job:
         on_frame: Callable[[EncodedFrame], None] | None = None,
     ) -> None:
         self.on_frame = on_frame
-        """Called with each frame, in order, as soon as it and those before it are made (V2Job, a keyframe)."""
+        """Called with each frame, in order, as soon as it and those before it are made and it is final (V2Job)."""
         self.level = level
         self.chunk_bytes = chunk_bytes
         self.per_file = per_file
@@ -218,6 +218,14 @@ class Job:
         equal = np.concatenate(list(pool.map(compare, _split(len(spans), 2))))
         return [item for item, eq in zip(inside, equal.tolist(), strict=True) if eq], left
 
+    def _own_segment(self, plan: Plan) -> tuple[int, int] | None:
+        """The segment of a delta frame of a segment cut into frames of its own (FORMAT §5.3: such frames are
+        dropped together when none holds a change), else None."""
+        p = plan.pieces[0]
+        if plan.delta and self.entries[p.file][p.seg].segment.length >= self.chunk_bytes:
+            return p.file, p.seg
+        return None
+
     def frame(self, plan: Plan, data: bytes) -> EncodedFrame:
         """The encoded frame of `plan`."""
         return EncodedFrame(data, plan.delta, plan.dtype.name, plan.raw_len, tuple(plan.pieces))
@@ -229,20 +237,21 @@ class Job:
 
 class InOrder:
     """Hands `count` results, made on any threads in any order, to `hand_on` in their order, each as soon as it
-    and every one before it are in. One thread at a time hands on (the one whose result completed a run;
-    results that come meanwhile are handed on by it), so `hand_on` is never called twice at once.
-    A `hand_on` that raises stops the handing on (the encode it belongs to fails)."""
+    and every one before it are in. A result given as None is in but not handed on (a dropped frame). One
+    thread at a time hands on (the one whose result completed a run; results that come meanwhile are
+    handed on by it), so `hand_on` is never called twice at once. A `hand_on` that raises stops the
+    handing on (the encode it belongs to fails)."""
 
     def __init__(self, count: int, hand_on: Callable[[EncodedFrame], None]) -> None:
-        self._ready: dict[int, EncodedFrame] = {}
+        self._ready: dict[int, EncodedFrame | None] = {}
         self._next = 0
         self._count = count
         self._handing = False
         self._hand_on = hand_on
         self._lock = threading.Lock()
 
-    def done(self, k: int, result: EncodedFrame) -> None:
-        """Result `k` is made; hand on what is in order, unless another thread is handing on."""
+    def done(self, k: int, result: EncodedFrame | None) -> None:
+        """Result `k` is made (None: dropped); hand on what is in order, unless another thread is handing on."""
         with self._lock:
             self._ready[k] = result
             if self._handing:
@@ -259,7 +268,8 @@ class InOrder:
                         self._handing = False
                         return
                 for item in run:
-                    self._hand_on(item)
+                    if item is not None:
+                        self._hand_on(item)
         except BaseException:
             with self._lock:
                 self._ready.clear()
@@ -340,6 +350,44 @@ class V1Job(Job):
         return [fr for fr, _ in results], out
 
 
+class _Kept:
+    """Which delta frames are final as they are made, for :class:`InOrder`: a segment cut into frames of its own is
+    kept whole when any of its frames holds a change and dropped whole when none does (FORMAT §5.3), so a frame
+    of one that holds no change waits until a sibling shows a change (kept) or all are made (dropped). Any
+    other frame is final when made. `done` gives `in_order` each frame once it is decided (None: dropped)."""
+
+    def __init__(self, segment_of: list[tuple[int, int] | None], in_order: InOrder) -> None:
+        self._segment_of = segment_of  # per frame: its segment when it is one cut into frames of its own
+        self._left: dict[tuple[int, int], int] = {}  # frames of that segment not made yet
+        for key in segment_of:
+            if key is not None:
+                self._left[key] = self._left.get(key, 0) + 1
+        self._changed: set[tuple[int, int]] = set()
+        self._waiting: dict[tuple[int, int], list[tuple[int, EncodedFrame]]] = {}
+        self._in_order = in_order
+        self._lock = threading.Lock()
+
+    def done(self, k: int, frame: EncodedFrame, unchanged: bool) -> None:
+        key = self._segment_of[k]
+        if key is None:
+            self._in_order.done(k, frame)
+            return
+        decided: list[tuple[int, EncodedFrame | None]] = []
+        with self._lock:
+            self._left[key] -= 1
+            if key in self._changed:
+                decided.append((k, frame))
+            elif not unchanged:
+                self._changed.add(key)
+                decided.extend([*self._waiting.pop(key, []), (k, frame)])
+            elif self._left[key] == 0:  # the last of a segment that holds no change: none is kept
+                decided.extend((j, None) for j, _ in [*self._waiting.pop(key, []), (k, frame)])
+            else:
+                self._waiting.setdefault(key, []).append((k, frame))
+        for j, fr in sorted(decided, key=lambda x: x[0]):
+            self._in_order.done(j, fr)
+
+
 class V2Job(Job):
     """Version 2 (FORMAT §5.3): segments equal to their base get no frame; the others' checksums are
     added from their pieces' checksums, each summed by the frame coder at the piece's position."""
@@ -402,25 +450,23 @@ class V2Job(Job):
             blob = encode_key(data, plan.dtype, level=level, version=VERSION_2)
             return self.frame(plan, blob), sums, False
 
+        # A segment in frames of its own whose frames hold no change equals its base: no frame (FORMAT §5.3).
+        own = [self._own_segment(plan) for plan in plans]
         if self.on_frame is None:
             results = list(pool.map(run, plans))
         else:
-            if any(plan.delta for plan in plans):  # a delta frame may yet be dropped (below): not final when made
-                raise ValueError("frames are handed on as they are made only in a keyframe encode")
-            in_order = InOrder(len(plans), self.on_frame)
+            kept = _Kept(own, InOrder(len(plans), self.on_frame))
 
             def run_handing_on(k: int) -> tuple[EncodedFrame, PieceSums, bool]:
                 got = run(plans[k])
-                in_order.done(k, got[0])
+                kept.done(k, got[0], got[2])
                 return got
 
             results = list(pool.map(run_handing_on, range(len(plans))))
-        # A segment in frames of its own whose frames hold no change equals its base: no frame (FORMAT §5.3).
         unchanged: dict[tuple[int, int], bool] = {}
-        for plan, (_, _, none) in zip(plans, results, strict=True):
-            p = plan.pieces[0]
-            if plan.delta and self.entries[p.file][p.seg].segment.length >= self.chunk_bytes:
-                unchanged[p.file, p.seg] = unchanged.get((p.file, p.seg), True) and none
+        for key, (_, _, none) in zip(own, results, strict=True):
+            if key is not None:
+                unchanged[key] = unchanged.get(key, True) and none
         same_large = {key for key, none in unchanged.items() if none}
         new_sums: dict[tuple[int, int], TensorSum] = {}
         base_sums: dict[tuple[int, int], TensorSum] = {}

@@ -146,11 +146,13 @@ class Encoder:
         only). A publisher keeps its next base so, with no second pass and no copy. Elsewhere
         the base is left alone (``kept`` False). After an exception the base may hold either.
 
-        ``on_frame``: called with each frame as soon as it and every frame before it are made, in
-        their order, from the encode's threads (never twice at once): the frames of ``Encoded.frames``,
-        so a caller can pack and upload them while the rest encode (``pack.Packer``). Only for a
-        keyframe in format 2 (a delta's frames of a segment that did not change are dropped once all
-        are made): ValueError otherwise, before any work. An exception it raises fails the encode.
+        ``on_frame``: called with each frame as soon as it and every frame before it are made and it
+        is final, in their order, from the encode's threads (never twice at once): the frames of
+        ``Encoded.frames``, so a caller can pack and upload them while the rest encode
+        (``pack.Packer``). A delta frame of a tensor cut into frames of its own is final once one of
+        that tensor's frames holds a change (the tensor's frames are dropped together when none
+        does, FORMAT §5.3). Only in format 2: ValueError otherwise, before any work. An exception
+        it raises fails the encode.
         """
         if keyframe:
             base = None
@@ -159,8 +161,8 @@ class Encoder:
                 f"the base version's manifest has {base_kind} digests, this encoder writes {self.digest_kind}: "
                 "a chain never mixes formats, publish a keyframe"
             )
-        if on_frame is not None and (self.format_version != VERSION_2 or base is not None):
-            raise ValueError("on_frame: frames are handed on as they are made only in a format 2 keyframe encode")
+        if on_frame is not None and self.format_version != VERSION_2:
+            raise ValueError("on_frame: frames are handed on as they are made only in a format 2 encode")
         base_files = self._match_files(new, base)
         entries = self._entries(new, base_files, base_digests or {})
         new_arrays = [f.data for f in new.files]
