@@ -6,7 +6,9 @@ CUDA, foreach on the CPU) on random tokens (the CPU computes the forward in fp32
 embeddings, tensor names as Hugging Face's Llama checkpoints (``model.layers.0.self_attn.q_proj.weight``
 ...). Version 0 is the state after one step: Adam's first step moves nearly every weight by lr, so
 the versions that follow are steady-state steps, where only weights with |w| below ~256·lr change
-in bf16.
+in bf16: 0.5-0.7 % of the elements at lr 1e-6 (run Y), 2.1-2.9 % at 5e-6 (a 100 MB model's steps
+2-4 on the CPU), about the density of issue 11's 5.63 GB case (Adam's first step at 1e-6: 2.75 %);
+``lr`` picks it. The fraction falls a little from step to step as Adam's second moments grow.
 
 :func:`ensure_versions` caches the exported versions under ``<cache>/llama-h…-l…-v…-<device>/v0000
 ...`` keyed by the shape, the recipe and the device kind (CPU and CUDA kernels give different bytes).
@@ -176,20 +178,31 @@ def _changed(base: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> flo
     return diff / sum(v.numel() for v in new.values())
 
 
+DEFAULT_LR = 1e-6
+
+
 def ensure_versions(
-    shape: LlamaShape, versions: int, cache: Path, *, device: str, log: Callable[[str], None] = print
+    shape: LlamaShape,
+    versions: int,
+    cache: Path,
+    *,
+    device: str,
+    lr: float = DEFAULT_LR,
+    log: Callable[[str], None] = print,
 ) -> tuple[list[Path], dict]:
-    """Version directories v0000 .. v{versions-1} (each ``model.safetensors``) and their meta, generated if missing."""
+    """Version directories v0000 .. v{versions-1} (each ``model.safetensors``) and their meta, generated if missing
+    (AdamW at `lr`: a cache of its own per lr)."""
     from safetensors.torch import save_file
 
     key = {
         "generator": GENERATOR_VERSION,
         "shape": asdict(shape),
-        "lr": 1e-6,
+        "lr": lr,
         "seed": 0,
         "device": device.split(":")[0],
     }
-    root = cache / f"llama-h{shape.hidden}-l{shape.layers}-v{shape.vocab}-{key['device']}"
+    at = "" if lr == DEFAULT_LR else f"-lr{lr:g}"
+    root = cache / f"llama-h{shape.hidden}-l{shape.layers}-v{shape.vocab}-{key['device']}{at}"
     dirs = [root / f"v{i:04d}" for i in range(versions)]
     try:
         meta = json.loads((root / "meta.json").read_text())
@@ -201,10 +214,13 @@ def ensure_versions(
             return dirs, meta
     except (OSError, ValueError, KeyError):
         pass
-    log(f"generating a {shape.params * 2 / 1e6:.0f} MB Llama-style model ({shape}), {versions} versions on {device}")
+    log(
+        f"generating a {shape.params * 2 / 1e6:.0f} MB Llama-style model ({shape}), {versions} versions on {device}"
+        f" at lr {lr:g}"
+    )
     shutil.rmtree(root, ignore_errors=True)
     t0, prev, fractions = time.perf_counter(), None, []
-    for i, weights in enumerate(trajectory(shape, versions - 1, device=device)):
+    for i, weights in enumerate(trajectory(shape, versions - 1, device=device, lr=lr)):
         dirs[i].mkdir(parents=True)
         save_file(weights, str(dirs[i] / "model.safetensors"), metadata={"format": "pt"})
         if prev is not None:

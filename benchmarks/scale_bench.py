@@ -68,15 +68,23 @@ def corpus_source(case: str, versions: int) -> tuple[list[Path], dict]:
     return dirs, {"case": case, "changed_fraction": [r["changed_fraction"] for r in records[1:versions]]}
 
 
-def generated_source(nbytes: int, versions: int, device: str, cache: Path) -> tuple[list[Path], dict]:
-    """A Llama-style model of about `nbytes`, trained on `device` (benchmarks/_llama.py), cached."""
+def generated_source(
+    nbytes: int, versions: int, device: str, cache: Path, lr: float | None = None
+) -> tuple[list[Path], dict]:
+    """A Llama-style model of about `nbytes`, trained on `device` at `lr` (benchmarks/_llama.py), cached."""
     from dataclasses import asdict
 
-    from benchmarks._llama import LlamaShape, ensure_versions
+    from benchmarks._llama import DEFAULT_LR, LlamaShape, ensure_versions
 
     shape = LlamaShape.for_bytes(nbytes)
-    dirs, meta = ensure_versions(shape, versions, cache, device=device)
-    return dirs, {"model_bytes_asked": nbytes, "llama": asdict(shape), "changed_fraction": meta["changed_fraction"]}
+    lr = DEFAULT_LR if lr is None else lr
+    dirs, meta = ensure_versions(shape, versions, cache, device=device, lr=lr)
+    return dirs, {
+        "model_bytes_asked": nbytes,
+        "llama": asdict(shape),
+        "lr": lr,
+        "changed_fraction": meta["changed_fraction"],
+    }
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -445,7 +453,7 @@ def code_version() -> str:
 
 def describe(r: dict[str, Any]) -> str:
     """One line naming the model, the device, the machine and the run."""
-    what = r["case"] if "case" in r else f"generated Llama-style {r['llama']}"
+    what = r["case"] if "case" in r else f"generated Llama-style {r['llama']}, AdamW lr {r.get('lr', 1e-6):g}"
     density = statistics.median(r["changed_fraction"]) if r["changed_fraction"] else float("nan")
     return (
         f"Model: {what}; {r['model_bytes'] / 1e6:.1f} MB in {r['tensors']} tensors; {100 * density:.2f} % of"
@@ -461,6 +469,12 @@ def main(argv: list[str] | None = None) -> int:
     model = ap.add_mutually_exclusive_group()
     model.add_argument("--case", help="a corpus case (benchmarks/corpus.py), e.g. bf16-lr1e-6, moe-bf16-x4")
     model.add_argument("--model-bytes", type=parse_bytes, help="generate a Llama-style model of this size (200M, 2G)")
+    ap.add_argument(
+        "--lr",
+        type=float,
+        help="AdamW's lr for a generated model (default 1e-6: 0.5-0.7 %% of elements change a step; 5e-6: "
+        "2.1-2.9 %%, about issue 11's 2.75 %%); a corpus case has its own",
+    )
     ap.add_argument("--versions", type=int, default=3, help="timed versions (one more is the warm-up)")
     ap.add_argument("--device", default="auto", help="where the live tensors are: auto (cuda if any), cpu, cuda")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="XOR + zstd-1 threads (all cores)")
@@ -479,6 +493,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.versions < 3:
         ap.error("--versions must be at least 3 (medians)")
+    if args.lr is not None and not args.model_bytes:
+        ap.error("--lr is for a generated model (--model-bytes): a corpus case has its own")
+    if args.lr is not None and not (math.isfinite(args.lr) and args.lr > 0):
+        ap.error(f"--lr must be a number above 0, not {args.lr}")
     sys.path.insert(0, str(ROOT))
     import torch
 
@@ -491,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     count = args.versions + 2  # v0 seeds, v1 warms up
     if args.model_bytes:
-        dirs, info = generated_source(args.model_bytes, count, device, args.cache)
+        dirs, info = generated_source(args.model_bytes, count, device, args.cache, args.lr)
         name = f"llama-{human_size(args.model_bytes)}"
     else:
         name = args.case or "bf16-lr1e-6"

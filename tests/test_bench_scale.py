@@ -72,6 +72,36 @@ def test_bench_scale_refuses_a_server_of_no_workers(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--case", "bf16-lr1e-6", "--lr", "3e-6"], "--lr is for a generated model"),
+        (["--model-bytes", "3M", "--lr", "0"], "--lr must be a number above 0"),
+        (["--model-bytes", "3M", "--lr", "nan"], "--lr must be a number above 0"),
+    ],
+)
+def test_bench_scale_refuses_an_lr_it_cannot_use(args: list[str], message: str) -> None:
+    result = CliRunner().invoke(app, ["bench", "scale", *args])
+    assert result.exit_code != 0 and message in result.output
+
+
+def test_a_larger_lr_changes_more_of_the_generated_model_and_is_cached_apart(tmp_path: Path) -> None:
+    """The generated model's steps at 3x the lr change several times the elements (issue 11's 2.75 % case against
+    run Y's 0.5-0.7 %), in a cache of their own: the default lr's versions stay as they were."""
+    from benchmarks.scale_bench import generated_source
+
+    base, info = generated_source(parse_bytes("3M"), 4, "cpu", tmp_path)
+    before = [(d / "model.safetensors").read_bytes() for d in base]
+    more, more_info = generated_source(parse_bytes("3M"), 4, "cpu", tmp_path, 3e-6)
+    assert {d.parent for d in more}.isdisjoint({d.parent for d in base})
+    assert info["lr"] == 1e-6 and more_info["lr"] == 3e-6
+    steady, steeper = info["changed_fraction"][1:], more_info["changed_fraction"][1:]
+    assert min(steeper) > 2 * max(steady) > 0
+    assert [(d / "model.safetensors").read_bytes() for d in base] == before
+    again, _ = generated_source(parse_bytes("3M"), 4, "cpu", tmp_path)  # from the cache, unchanged
+    assert again == base and [(d / "model.safetensors").read_bytes() for d in again] == before
+
+
+@pytest.mark.parametrize(
     ("text", "value"), [("436M", 436_000_000), ("2G", 2_000_000_000), ("1.5GiB", 3 << 29), ("4000", 4000)]
 )
 def test_model_sizes_parse_in_decimal_and_binary_units(text: str, value: int) -> None:
