@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from _serve import free_ports
+from _serve import free_ports, own_group
 
 __all__ = ["SeaweedServer", "find_weed", "seaweed_server"]
 
@@ -212,6 +212,7 @@ def seaweed_server(*, startup_timeout_s: float = 60.0, weed: str | None = None) 
             cwd=root,  # the filer's default leveldb directory is relative
             start_new_session=True,  # its own process group, killed as a whole
         )
+    own_group(proc.pid)
     try:
         server = SeaweedServer(
             endpoint_url=f"http://127.0.0.1:{s3}",

@@ -87,6 +87,15 @@ def stop_process(proc: subprocess.Popen[bytes], timeout: float = 20.0) -> int:
     return proc.returncode
 
 
+def own_group(pgid: int) -> None:
+    """A process group the suite started (its leader in a session of its own) dies with the test runner even when
+    the runner is killed outright: registered with the runner's watchdog (tests/_reaper.py), where there is one
+    (not in a benchmark, which loads this file without pytest's conftest)."""
+    reaper = sys.modules.get("_reaper")
+    if reaper is not None:
+        reaper.register(pgid)
+
+
 def _kill_group(pgid: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):  # the group is already gone
         os.killpg(pgid, signal.SIGKILL)
@@ -125,6 +134,7 @@ class ServeProcess:
                 cwd=cwd,
                 start_new_session=True,
             )  # its own process group: stop() can end workers too
+        own_group(self.proc.pid)
 
     def log(self) -> str:
         """Return what the server has written so far (stdout and stderr)."""

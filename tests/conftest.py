@@ -9,12 +9,14 @@ import signal
 from collections.abc import Iterator
 
 import pytest
+from _reaper import start as start_reaper
 from _seaweed import SeaweedServer, find_weed, seaweed_server
 from _signals import stop_on_sigterm
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Ctrl-C reaches the processes the suite starts, whoever started the suite; SIGTERM stops it as Ctrl-C does.
+    """Ctrl-C reaches the processes the suite starts, whoever started the suite; SIGTERM stops it as Ctrl-C does;
+    the servers it starts die with it even when it is killed outright (tests/_reaper.py).
 
     A runner that starts it in the background of a non-interactive shell (`… &`) leaves SIGINT
     ignored, and an ignored signal stays ignored across exec: the CLI processes that the Ctrl-C
@@ -24,6 +26,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     stop_on_sigterm()
+    start_reaper()
 
 
 #: Existing tests that ``make test-fast`` (``pytest -m "not slow"``) skips, marked here in one place

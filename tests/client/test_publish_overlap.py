@@ -220,6 +220,34 @@ def _wait(cond, timeout: float = 20.0) -> bool:
     return False
 
 
+def publish_refused(pub: Publisher, rec: Uploads, source) -> tuple[list, list[int]]:
+    """Publish `source` with every object upload refused, each frame after the first streamed object held back
+    until that upload's refusal is in (so the encode cannot finish first); ServerUnavailable is expected. Returns
+    the upload jobs submitted and, per frame packed, how many jobs had been submitted by then."""
+    jobs: list = []
+    submit = pub._pool.submit
+
+    def recorded(*args, **kwargs):
+        jobs.append(submit(*args, **kwargs))
+        return jobs[-1]
+
+    real_add = pack_mod.Packer.add
+    added: list[int] = []
+
+    def add(self, frame):
+        real_add(self, frame)
+        added.append(len(jobs))
+        if added.count(1) == 1:  # the first object just went: wait for its refusal
+            assert _wait(lambda: jobs[0].done() and jobs[0].exception() is not None)
+
+    rec.refuse = True
+    with pytest.MonkeyPatch.context() as mp, pytest.raises(errors.ServerUnavailable):
+        mp.setattr(pub._pool, "submit", recorded)
+        mp.setattr(pack_mod.Packer, "add", add)
+        pub.publish(source)
+    return jobs, added
+
+
 def test_a_keyframe_whose_upload_fails_while_it_encodes_commits_nothing(server, model, tmp_path) -> None:
     """An object upload refused while the keyframe encodes fails the publish and stops the encode at its next
     object (the frames are held back until the refusal is in, so the encode cannot finish first): nothing
@@ -231,27 +259,7 @@ def test_a_keyframe_whose_upload_fails_while_it_encodes_commits_nothing(server, 
     frames = (v0 / "model.safetensors").stat().st_size // (64 << 10)  # at least: frames of 64 KiB at most
     options = dict(transport=rec, inline_bytes=0, chunk_bytes=64 << 10, object_bytes=256 << 10)
     with Publisher(server.url, model, retry=Retry(attempts=1), **options) as pub:
-        jobs: list = []
-        submit = pub._pool.submit
-
-        def recorded(*args, **kwargs):
-            jobs.append(submit(*args, **kwargs))
-            return jobs[-1]
-
-        real_add = pack_mod.Packer.add
-        added: list[int] = []
-
-        def add(self, frame):
-            real_add(self, frame)
-            added.append(len(jobs))
-            if added.count(1) == 1:  # the first object just went: wait for its refusal
-                assert _wait(lambda: jobs[0].done() and jobs[0].exception() is not None)
-
-        rec.refuse = True
-        with pytest.MonkeyPatch.context() as mp, pytest.raises(errors.ServerUnavailable):
-            mp.setattr(pub._pool, "submit", recorded)
-            mp.setattr(pack_mod.Packer, "add", add)
-            pub.publish(v0)
+        jobs, added = publish_refused(pub, rec, v0)
         assert len(jobs) == 1 and len(added) < frames  # no second upload: the encode stopped
         assert pub._base.held() is None and pub._base._early is None
         assert pub.api.head(model) is None
@@ -368,27 +376,7 @@ def test_a_streamed_delta_whose_upload_fails_commits_nothing_and_keeps_the_base(
     pub, sds, dirs = _streaming_publisher(server, model, tmp_path, rec, 51, retry=Retry(attempts=1))
     with pub:
         before = held_bytes(pub)
-        jobs: list = []
-        submit = pub._pool.submit
-
-        def recorded(*args, **kwargs):
-            jobs.append(submit(*args, **kwargs))
-            return jobs[-1]
-
-        real_add = pack_mod.Packer.add
-        added: list[int] = []
-
-        def add(self, frame):
-            real_add(self, frame)
-            added.append(len(jobs))
-            if added.count(1) == 1:  # the first object just went: wait for its refusal
-                assert _wait(lambda: jobs[0].done() and jobs[0].exception() is not None)
-
-        rec.refuse = True
-        with pytest.MonkeyPatch.context() as mp, pytest.raises(errors.ServerUnavailable):
-            mp.setattr(pub._pool, "submit", recorded)
-            mp.setattr(pack_mod.Packer, "add", add)
-            pub.publish(dirs[2])
+        jobs, added = publish_refused(pub, rec, dirs[2])
         # Streamed, then no second upload: the encode stopped before its 18th frame (w0's, w1's and w2's are kept).
         assert len(jobs) == 1 and 1 in added and len(added) < 18
         assert pub.api.head(model).number == 2

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from _serve import clean_env, free_port, stop_process
+from _serve import clean_env, free_port, own_group, stop_process
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_VENV = Path(os.environ.get("WEIGHTSYNC_VLLM_VENV", ROOT / ".venv-vllm"))
@@ -110,6 +110,7 @@ class VllmServer:
             self.proc = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
             )
+        own_group(self.proc.pid)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

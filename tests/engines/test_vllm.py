@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from _serve import clean_env, serving, stop_process
+from _serve import clean_env, own_group, serving, stop_process
 from _vllm import (
     PROMPT,
     SERVED,
@@ -345,6 +345,7 @@ def test_the_follow_command_keeps_the_engine_on_the_head_until_ctrl_c(stack: Sta
         proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=clean_env(), start_new_session=True
         )
+        own_group(proc.pid)
     lines: list[dict[str, object]] = []
     reader = threading.Thread(target=lambda: lines.extend(json.loads(line) for line in proc.stdout), daemon=True)  # type: ignore[union-attr]
     reader.start()

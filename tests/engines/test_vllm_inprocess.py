@@ -39,7 +39,7 @@ import httpx
 import numpy as np
 import pytest
 from _inprocess import InProcessServer, changed_elements, tensors
-from _serve import clean_env, serving, stop_process
+from _serve import clean_env, own_group, serving, stop_process
 from _vllm import checkpoint_digests, engine_digests, generate, is_paused, make_versions, require_vllm
 
 from weightsync import Publisher, Subscriber, errors
@@ -331,6 +331,7 @@ def test_the_follow_command_runs_the_in_process_mode(stack: Stack) -> None:
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(), start_new_session=True
     )
+    own_group(proc.pid)
     lines: list[dict[str, object]] = []
     reader = threading.Thread(target=lambda: lines.extend(json.loads(line) for line in proc.stdout), daemon=True)  # type: ignore[union-attr]
     reader.start()

@@ -34,7 +34,7 @@ from pathlib import Path
 import httpx
 import pytest
 from _counting_proxy import CountingProxy
-from _serve import free_port, serving, stop_process
+from _serve import free_port, own_group, serving, stop_process
 from _tp_util import flip_one_of_rank
 from _vllm import make_versions, require_vllm
 
@@ -248,6 +248,7 @@ def tp_engine(stack: Stack) -> Iterator[TpEngine]:
         env=stack.env,
         start_new_session=True,
     )
+    own_group(proc.pid)
     proxy = CountingProxy(stack.url)
     try:
         url = f"http://127.0.0.1:{port}"
