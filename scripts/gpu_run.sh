@@ -6,7 +6,9 @@
 # CHUNKS=yes, encode and prepare at 4 and 16 MiB frames on all cores (benchmarks/chunk_probe.py).
 # Writes what it measured under $OUT (or ./gpu-out) as it goes. Usage: scripts/gpu_run.sh [MODEL_BYTES] [PROBE] [CHUNKS]
 # LR (default 5e-6): AdamW's lr of the scale run's model, 5e-6 for issue 11's density (~2-3 % of the elements a
-# step, as its 2.75 % case), 1e-6 for run Y's steady steps (0.5-0.7 %).
+# step, as its 2.75 % case), 1e-6 for run Y's steady steps (0.5-0.7 %). WORKERS (default 1, as run Y): the
+# embedded server's worker processes in the scale run (one takes ~0.4 GB/s of uploads: a keyframe's upload
+# bound; WORKERS=4 or 8 shows the keyframe publish with that bound lifted).
 #
 # The whole script keeps within BUDGET seconds (default 570: under the device's 600 s a call, so a session's
 # one call brings everything back): each step's timeout is its own or what is left after the steps
@@ -19,6 +21,7 @@ SIZE=${1:-5.63G}
 PROBE=${2:-yes}
 CHUNKS=${3:-no}
 LR=${LR:-5e-6}
+WORKERS=${WORKERS:-1}
 BUDGET=${BUDGET:-570}
 START=$SECONDS
 exec 3>&1  # the steps' own lines, past the pipes that cut their output short
@@ -53,7 +56,7 @@ later=$after_probe
 step smoke 150 $((240 + later)) 30 python3 -m benchmarks.scale_bench --model-bytes 300M --versions 3 --out "$OUT" \
     --label smoke_cuda --cache /tmp/ws-cache 2>&1 | tail -4 || exit 1
 step scale 360 "$later" 120 python3 -m benchmarks.scale_bench --model-bytes "$SIZE" --lr "$LR" --versions 3 \
-    --out "$OUT" --cache /tmp/ws-cache 2>&1 | tee "$OUT/scale.log"
+    --server-workers "$WORKERS" --out "$OUT" --cache /tmp/ws-cache 2>&1 | tee "$OUT/scale.log"
 rm -rf /tmp/ws-cache  # the versions: disk for the probe
 if [ "$PROBE" = yes ]; then
     step probe 240 "$after_probe" 60 python3 benchmarks/device_probe.py --hidden 3072 --layers 26 \
