@@ -274,6 +274,25 @@ async def test_commit_records_are_known_by_their_versions_not_by_catalog_rows(op
     assert {p: a.tobytes() for p, a in got.files.items()} == files_of(versions[1])
 
 
+async def test_gc_forgets_the_row_an_older_server_wrote_for_a_deleted_version_s_commit_record(ops, clock, versions):
+    """Servers before session 38 gave each commit record an objects row. GC's retention deletes a version's record
+    with the version; the row goes with it (the sweep, which starts from the store's listing, would never see it
+    again), and what the live version's record and row are is left alone."""
+    await ops.create_model("m", keep_last=1, keyframe_interval=1)  # every version a keyframe: v1 can go
+    await publish_all(ops, versions[:2])
+    await ops.drain()
+    v1, v2 = await ops.list_versions("m", limit=None)
+    r1, r2 = record_of(v1).digest, record_of(v2).digest
+    for v, digest in ((v1, r1), (v2, r2)):  # as servers before session 38 recorded them
+        await ops.record_object(digest, len(record_of(v).encode()))
+    clock.advance(hours=2)
+    report = await gc(ops, grace=timedelta(0))
+    assert report.versions_deleted == {"m": [1]}
+    assert r1 not in await stored(ops) and r2 in await stored(ops)
+    assert set(await ops.object_records([r1, r2])) == {r2}
+    assert (await fsck(ops)).problems == []
+
+
 async def test_fsck_repairs_a_missing_commit_record_without_a_catalog_row(ops, versions):
     """A commit record lost (a crash between the commit and the record's write) is rewritten by fsck --repair,
     into the store only; the next fsck finds nothing."""

@@ -95,6 +95,21 @@ async def _delete_tombstoned(ops: Ops, digests: list[str], stamp: datetime) -> N
     await ops.finish_object_deletion(digests, stamp=stamp)
 
 
+async def _forget_record_rows(ops: Ops, digests: list[str]) -> None:
+    """Forget the objects rows of commit records whose bytes were just deleted. Records written before they went to
+    the store only (07fb924) have one each, which nothing else removes: GC's sweep starts from the store's listing,
+    where those bytes no longer are. GC's phases 1 and 3 (phase 2, the bytes, is done); a row left by a crash in
+    between is left as before."""
+    rows = await ops.object_records(digests)
+    if not rows:
+        return
+    now = ops.clock()
+    turned = await ops.begin_object_deletion(
+        [(d, row.size, row.first_seen) for d, row in rows.items()], unreferenced_before=now, now=now
+    )
+    await ops.finish_object_deletion(turned, stamp=now)
+
+
 async def sweep(ops: Ops, *, grace: timedelta, dry_run: bool) -> Sweep:
     """Delete objects no non-deleted version references, unreferenced for longer than `grace` (invariants 5, 7).
 
@@ -290,8 +305,10 @@ async def gc(ops: Ops, *, grace: timedelta | None = None, dry_run: bool = False)
         deleted = await ops.delete_versions(m.name, candidates)
         if deleted:
             report.versions_deleted[m.name] = deleted
-        for n in deleted:  # a rebuilt catalog must not resurrect them
-            await ops.delete_object(record_of(before[n]).digest)
+        records = [record_of(before[n]).digest for n in deleted]
+        for digest in records:  # a rebuilt catalog must not resurrect them
+            await ops.delete_object(digest)
+        await _forget_record_rows(ops, records)
     found = await sweep(ops, grace=grace, dry_run=dry_run)
     report.objects_deleted = len(found.deleted)
     report.bytes_deleted = sum(o.size for o in found.deleted)
