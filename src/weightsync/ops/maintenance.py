@@ -100,6 +100,8 @@ async def _forget_record_rows(ops: Ops, digests: list[str]) -> None:
     the store only (07fb924) have one each, which nothing else removes: GC's sweep starts from the store's listing,
     where those bytes no longer are. GC's phases 1 and 3 (phase 2, the bytes, is done); a row left by a crash in
     between is left as before."""
+    if not digests:  # retention kept every candidate (leases, chains): no catalog read for nothing
+        return
     rows = await ops.object_records(digests)
     if not rows:
         return
