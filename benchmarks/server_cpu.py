@@ -25,7 +25,12 @@ process's CPU time (``/proc/<pid>/stat``, user + system, all its threads) around
   as it sends a larger one (begin, uploads, commit; the table says which), the
   versions of the corpus case alternating, with 50 ms idle after each so the commit record written
   off the answer is counted too (18 deltas a model after an uncounted keyframe: the default keyframe
-  policy makes the 20th version of a chain a keyframe).
+  policy makes the 20th version of a chain a keyframe). Each publish's model file is its corpus
+  version's with one element more changed, another each time (:func:`contents`), so its objects are
+  new to the store, as a trainer's are: alternating the two versions alone makes every delta from
+  the third on one whose data object the store holds already, which the server commits another way
+  (it asks the store about every object: ``Ops._publish_held``), and that is what this measured
+  before session 40.
 
 Rounds repeat the three so that machine noise hits them alike; the figures are medians over rounds
 of the mean per request. Linux only (``/proc``). Writes ``server_cpu.json`` and ``.md`` under ``--out``.
@@ -36,12 +41,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -56,11 +62,16 @@ def process_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def per_request(pid: int, n: int, call: Any, idle_s: float = 0.0) -> tuple[float, float]:
-    """(server CPU seconds per call, median wall seconds of a call) over `n` calls of `call`."""
+def per_request(
+    pid: int, n: int, call: Any, idle_s: float = 0.0, before: Callable[[], None] | None = None
+) -> tuple[float, float]:
+    """(server CPU seconds per call, median wall seconds of a call) over `n` calls of `call`; `before` runs
+    ahead of each call, outside its wall time (work of this process only: the server's CPU counts it)."""
     walls = []
     cpu0 = process_cpu(pid)
     for _ in range(n):
+        if before is not None:
+            before()
         t = time.perf_counter()
         call()
         walls.append(time.perf_counter() - t)
@@ -177,8 +188,9 @@ def _measure(
         plan = {"have": seeded[1], "want": seeded[2], "holder": "follower", "inline": 1 << 26}
         http.get("/v1/models/cpu-plan/plan", params=plan).raise_for_status()  # takes the lease
         http_other.get("/v1/models/cpu-plan/plan", params=plan).raise_for_status()  # its first: not counted
-        chains = 0
+        chains = made = 0
         ways: dict[str, bool] = {}
+        content = contents(versions)
 
         def one_plan() -> None:
             http.get("/v1/models/cpu-plan/plan", params=plan).raise_for_status()
@@ -188,13 +200,14 @@ def _measure(
 
         def deltas(n: int) -> tuple[float, float]:
             """Server CPU per delta publish and the median wall, over `n` on fresh models (CHAIN a model)."""
-            nonlocal chains
+            nonlocal chains, made
             cpu, walls = 0.0, []
             for first in range(0, n, CHAIN):
                 chains += 1
                 k = min(CHAIN, n - first)
                 with Publisher(server.url, f"cpu-publish-{chains}") as publisher:
-                    c, w = _delta_chain(pid, publisher, versions, k, ways)
+                    c, w = _delta_chain(pid, publisher, content, made, k, ways)
+                made += k + 1  # no content twice in a run: each publish's objects new to the store
                 cpu += c * k
                 walls.append(w)
             return cpu / n, statistics.median(walls)
@@ -216,21 +229,54 @@ def _measure(
     return figures
 
 
-def _delta_chain(pid: int, publisher: Any, versions: list[Path], n: int, ways: dict[str, bool]) -> tuple[float, float]:
-    """`per_request` over `n` delta publishes of alternating versions after an uncounted keyframe; whether they
-    went in one request each is set in `ways` ("one_request"), and must be the same for all."""
-    publisher.publish(versions[0])
-    turn = iter(range(1, n + 1))
+def contents(versions: list[Path]) -> Callable[[int], bytes]:
+    """Publish k's content: the model file of ``versions[k % 2]`` (a directory holding one safetensors file)
+    with the lowest bit of one byte of its tensors' data flipped, a byte k picks (another for each k below
+    the data's length), so that no two publishes are alike (ValueError for a version of other files)."""
+    files = []
+    for v in versions[:2]:
+        found = sorted(v.glob("*.safetensors"))
+        if len(found) != 1:
+            raise ValueError(f"{v}: the publishes need a version of one safetensors file, found {len(found)}")
+        files.append(found[0].read_bytes())
+    start = 8 + int.from_bytes(files[0][:8], "little")  # the data after the header (safetensors' layout)
+    if len(files) != 2 or min(len(f) for f in files) <= start or len(files[0]) != len(files[1]):
+        raise ValueError("the publishes need two versions of the same tensors")
+    size = len(files[0]) - start
+    step = 1_000_003  # spreads the bytes over the tensors; prime to `size`, so k below `size` picks its own
+    while math.gcd(step, size) != 1:
+        step += 2
+
+    def content(k: int) -> bytes:
+        data = bytearray(files[k % 2])
+        data[start + (k * step) % size] ^= 1
+        return bytes(data)
+
+    return content
+
+
+def _delta_chain(
+    pid: int, publisher: Any, content: Callable[[int], bytes], first: int, n: int, ways: dict[str, bool]
+) -> tuple[float, float]:
+    """`per_request` over `n` delta publishes of `content` (:func:`contents`) ``first + 1`` on, after an
+    uncounted keyframe of ``content(first)``; whether they went in one request each is set in `ways`
+    ("one_request"), and must be the same for all."""
+    publisher.publish(content(first))
+    turn = iter(range(first + 1, first + n + 1))
+    ready: list[bytes] = []
+
+    def make() -> None:
+        ready[:] = [content(next(turn))]
 
     def one_publish() -> None:
-        result = publisher.publish(versions[next(turn) % 2])
+        result = publisher.publish(ready.pop())
         if result.kind != "delta":
             raise AssertionError(f"wanted a delta, got a {result.kind}")
         one_request = "upload_s" in result.timings and "commit_s" not in result.timings
         if ways.setdefault("one_request", one_request) != one_request:
             raise AssertionError("the delta publishes went both in one request and in several")
 
-    return per_request(pid, n, one_publish, idle_s=0.05)
+    return per_request(pid, n, one_publish, idle_s=0.05, before=make)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -274,9 +320,9 @@ def main(argv: list[str] | None = None) -> int:
         "healthz": "`GET /healthz`",
         "plan": "a follower's plan + objects (holder, `inline`)",
         "plan_other": "the same at a second process on the same catalog and store (not the upload's)",
-        "publish": "a delta publish in one request (publishVersion), commit record included"
+        "publish": "a delta publish in one request (publishVersion), its objects new, commit record included"
         if result["figures"]["publish"]["one_request"]
-        else "a delta publish (begin, uploads, commit), commit record included",
+        else "a delta publish (begin, uploads, commit), its objects new, commit record included",
     }
     for kind in labels:
         f = figures[kind]

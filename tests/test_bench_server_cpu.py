@@ -41,6 +41,26 @@ def test_process_cpu_counts_the_cpu_a_process_burns() -> None:
         server_cpu.process_cpu(2**22 + 1)  # above the kernel's pid_max default: no such process
 
 
+def test_each_publish_content_is_its_version_with_one_byte_of_tensor_data_changed(tmp_path: Path) -> None:
+    versions = _versions(tmp_path)
+    files = [(v / "model.safetensors").read_bytes() for v in versions]
+    start = 8 + int.from_bytes(files[0][:8], "little")
+    content = server_cpu.contents(versions)
+    made = [content(k) for k in range(40)]
+    assert len(set(made)) == len(made)  # no two publishes alike: their objects are new to the store
+    for k, data in enumerate(made):
+        base = files[k % 2]
+        assert len(data) == len(base) and data[:start] == base[:start]  # the header (and so the tensors) kept
+        changed = [i for i in range(start, len(base)) if data[i] != base[i]]
+        assert len(changed) == 1 and data[changed[0]] ^ base[changed[0]] == 1
+    two = tmp_path / "two"
+    two.mkdir()
+    for name in ("a.safetensors", "b.safetensors"):
+        (two / name).write_bytes(files[0])
+    with pytest.raises(ValueError, match="one safetensors file"):
+        server_cpu.contents([two, versions[1]])
+
+
 def test_every_request_kind_is_measured_on_a_real_server(tmp_path: Path) -> None:
     got = server_cpu.run(_versions(tmp_path), requests=4, publishes=3, rounds=2, watchers=3)
     assert list(got) == ["healthz", "plan", "plan_other", "publish", "watch"]
