@@ -239,10 +239,15 @@ def contents(versions: list[Path]) -> Callable[[int], bytes]:
         if len(found) != 1:
             raise ValueError(f"{v}: the publishes need a version of one safetensors file, found {len(found)}")
         files.append(found[0].read_bytes())
-    start = 8 + int.from_bytes(files[0][:8], "little")  # the data after the header (safetensors' layout)
-    if len(files) != 2 or min(len(f) for f in files) <= start or len(files[0]) != len(files[1]):
+    from weightsync.codec.safetensors import parse_file
+
+    layouts = [parse_file(f) for f in files]  # checked; where each file's data starts
+    if len(files) != 2 or layouts[0] != layouts[1] or len(files[0]) != len(files[1]):
         raise ValueError("the publishes need two versions of the same tensors")
+    start = layouts[0].header_len
     size = len(files[0]) - start
+    if size == 0:
+        raise ValueError("the publishes need a version whose tensors hold data")
     step = 1_000_003  # spreads the bytes over the tensors; prime to `size`, so k below `size` picks its own
     while math.gcd(step, size) != 1:
         step += 2

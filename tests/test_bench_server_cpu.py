@@ -12,6 +12,8 @@ from _ckpt import safetensors_file
 from _pg import fresh_database
 from _versions import model_files, next_step
 
+from weightsync.codec.safetensors import parse_file
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the benchmarks package lives at the repo root
 
 from benchmarks import server_cpu  # noqa: E402
@@ -44,7 +46,7 @@ def test_process_cpu_counts_the_cpu_a_process_burns() -> None:
 def test_each_publish_content_is_its_version_with_one_byte_of_tensor_data_changed(tmp_path: Path) -> None:
     versions = _versions(tmp_path)
     files = [(v / "model.safetensors").read_bytes() for v in versions]
-    start = 8 + int.from_bytes(files[0][:8], "little")
+    start = parse_file(files[0]).header_len
     content = server_cpu.contents(versions)
     made = [content(k) for k in range(40)]
     assert len(set(made)) == len(made)  # no two publishes alike: their objects are new to the store
