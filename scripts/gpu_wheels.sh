@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 # Missing from the GPU image's package list (/work/.library/device/KINDS.md), or there at an older
 # version than these need (typing-extensions).
-NAMES="zstandard fastapi starlette uvicorn pydantic pydantic-core pydantic-settings sqlalchemy greenlet alembic mako
+NAMES="zstandard cffi pycparser fastapi starlette uvicorn pydantic pydantic-core pydantic-settings sqlalchemy greenlet alembic mako
 opentelemetry-api python-dotenv annotated-types typing-inspection typing-extensions"
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo /.whl/ >> .git/info/exclude
 rm -rf .whl && mkdir -p .whl

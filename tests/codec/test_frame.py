@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import zstandard
 from _ckpt import ALL_DTYPES, mutate
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -282,3 +283,72 @@ def test_default_level_planes_skip_short_matches_and_code_smaller(monkeypatch):
     assert len(plain[0]) - len(tuned[0]) > 0.05 * (len(plain[0]) - low_plane)  # the high plane: > 5 % smaller
     assert fr.decode_frame(tuned[0]).tobytes() == fr.decode_frame(plain[0]).tobytes() == new.tobytes()
     assert fr.decode_frame(tuned[1], base).tobytes() == fr.decode_frame(plain[1], base).tobytes() == new.tobytes()
+
+
+def _step_like(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """A bf16 tensor and an optimizer step of it: 2 % of the elements moved, by one ulp for ~80 % of them and by
+    2 to 8 ulps (ever rarer) for the rest, up or down (the corpus's steps: 81 % of the changes are one ulp)."""
+    base = _weights_like(rng, n)
+    new = base.view(np.uint16).copy()
+    at = rng.choice(n, n // 50, replace=False)
+    size = np.minimum(rng.geometric(0.8, len(at)), 8).astype(np.uint16)
+    new[at] += np.where(rng.random(len(at)) < 0.5, size, (0x10000 - size.astype(np.uint32)).astype(np.uint16))
+    return base, new.view(np.uint8)
+
+
+def _in_a_thread_without_literals(monkeypatch: pytest.MonkeyPatch, call):
+    """`call()` on a fresh thread (its own zstd contexts) where the zstd build offers no literals-only coding."""
+    import threading
+
+    monkeypatch.setattr(fr, "_new_literals_context", lambda: None)
+    got: list = []
+    worker = threading.Thread(target=lambda: got.append(call()))
+    worker.start()
+    worker.join()
+    return got[0]
+
+
+def test_the_literals_coder_is_available():
+    """cffi is a dependency: without it delta planes silently fall back to the match coding (larger, slower)."""
+    assert fr._literals_context() is not None
+
+
+def test_a_delta_codes_its_low_value_plane_as_literals_smaller(monkeypatch):
+    """The value plane below the top byte goes as Huffman-coded literals (FORMAT §4.4): on a step-like delta the
+    frame comes out smaller than with the match coding alone, and both decode to the same bytes."""
+    rng = np.random.default_rng(11)
+    dt = by_name("BF16")
+    base, new = _step_like(rng, 1 << 18)
+    frame = fr.encode_delta(base, new, dt, version=fr.VERSION_2)
+    matched = _in_a_thread_without_literals(monkeypatch, lambda: fr.encode_delta(base, new, dt, version=fr.VERSION_2))
+    assert fr.parse_header(frame).method == fr.parse_header(matched).method == fr.METHOD_SPARSE
+    assert len(frame) < len(matched)
+    assert fr.decode_frame(frame, base).tobytes() == fr.decode_frame(matched, base).tobytes() == new.tobytes()
+
+
+def test_the_value_plane_as_literals_is_the_smaller_coding_or_the_match_coding():
+    """A plane that literals code near Huffman's floor of one bit a byte (mostly one value, as a step's top value
+    plane) is coded with the match finder too and the smaller kept; a step's low value plane keeps its literals."""
+    rng = np.random.default_rng(5)
+    skewed = (rng.random(1 << 18) < 0.002).astype(np.uint8)  # 0.2 % ones: runs of zeros
+    literal, matched = fr._section(skewed, fr.DEFAULT_LEVEL, literals=True), fr._section(skewed, fr.DEFAULT_LEVEL)
+    assert literal == matched
+    assert len(fr._literals(skewed.data.cast("B"))) > 4 * len(matched[1])  # literals alone: far larger here
+    size = np.minimum(rng.geometric(0.8, 1 << 18), 8)  # a step's changes in ulps, zigzag-coded: 2s - (s < 0)
+    low = (2 * size - (rng.random(len(size)) < 0.5)).astype(np.uint8)
+    literal, matched = fr._section(low, fr.DEFAULT_LEVEL, literals=True), fr._section(low, fr.DEFAULT_LEVEL)
+    for coded in (literal, matched):
+        coding, stored = fr._SECTION.unpack(coded[0])
+        assert coding == fr.CODING_ZSTD and stored == len(coded[1])
+        assert zstandard.ZstdDecompressor().decompress(coded[1]) == low.tobytes()
+    assert len(literal[1]) <= len(matched[1])
+    assert fr._section(low, 3, literals=True) == fr._section(low, 3)  # other levels: as asked
+
+
+def test_without_the_literals_coder_value_planes_take_the_match_coding(monkeypatch):
+    rng = np.random.default_rng(9)
+    _, new = _step_like(rng, 1 << 16)
+    plane = np.ascontiguousarray(new[::2])
+    assert _in_a_thread_without_literals(
+        monkeypatch, lambda: fr._section(plane, fr.DEFAULT_LEVEL, literals=True)
+    ) == fr._section(plane, fr.DEFAULT_LEVEL)

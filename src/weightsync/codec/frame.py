@@ -19,7 +19,7 @@ import struct
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import xxhash
@@ -176,12 +176,86 @@ def _decompressor() -> zstandard.ZstdDecompressor:
 # --- sections --------------------------------------------------------------------------
 
 
-def _section(data: np.ndarray, level: int) -> list[bytes]:
-    """Encode one byte plane: zstd when that is smaller, else stored (FORMAT §4.3)."""
+LITERALS_MIN_BITS = 1.6
+"""A value plane coded as literals alone (:func:`_literals`) at fewer bits per byte than this is coded with the
+match finder too, and the smaller kept: so skewed a plane (most bytes one value) is where runs and matches beat
+Huffman's floor of one bit per byte (a bf16 step's high byte plane: 0.03 bits per byte with matches, 0.9 without)."""
+
+
+def _literals_context() -> tuple[Any, Any, Any] | None:
+    """This thread's zstd context coding literals only, or None where the zstd build offers none.
+
+    A low value plane of a delta (the low byte of a bf16 step's differences: ±1 ulp for 81 % of
+    its changes) is near-random bytes of a few bits each. Even the narrow match finder of
+    PLANE_MATCH finds short matches in it, which cost more to decode than the literals they
+    replace: on the 436 MB MoE step this plane took 12 ms of the apply's 25 ms of zstd on one core.
+    zstd's fast strategy with a large target length finds almost none; with literal compression
+    forced on (zstd leaves it off for such settings by default) the plane is Huffman-coded literals:
+    6 % smaller, decoded ~1.7x and coded ~2.5x faster (docs/SCALE-RUNS.md run AR). python-zstandard
+    exposes that parameter only through its cffi binding of the same bundled zstd (``zstandard._cffi``,
+    present where ``cffi`` is installed); without it planes keep PLANE_MATCH's coding. Either way the
+    section is an ordinary zstd frame: any reader decodes it (FORMAT §4.3)."""
+    state = getattr(_local, "literals", None)
+    if state is None:
+        state = _local.literals = (_new_literals_context(),)
+    return state[0]
+
+
+def _new_literals_context() -> tuple[Any, Any, Any] | None:
+    """(the binding's lib, its ffi, a context set up as :func:`_literals_context` says), or None."""
+    try:
+        from zstandard import _cffi  # type: ignore[attr-defined]  # the cffi backend's binding (needs cffi)
+    except ImportError:
+        return None
+    lib, ffi = _cffi.lib, _cffi.ffi
+    settings = (
+        ("ZSTD_c_compressionLevel", DEFAULT_LEVEL),
+        ("ZSTD_c_strategy", 1),  # ZSTD_fast
+        ("ZSTD_c_hashLog", 6),
+        ("ZSTD_c_searchLog", 1),
+        ("ZSTD_c_minMatch", 7),
+        ("ZSTD_c_targetLength", 4096),  # the fast strategy's stride: it skips ahead, finding almost no match
+        ("ZSTD_c_literalCompressionMode", 1),  # ZSTD_ps_enable: Huffman-coded literals all the same
+        ("ZSTD_c_contentSizeFlag", 1),  # decoders check the size before allocating (FORMAT §4.3)
+    )
+    cctx = ffi.gc(lib.ZSTD_createCCtx(), lib.ZSTD_freeCCtx)
+    for name, value in settings:
+        param = getattr(lib, name, None)
+        if param is None or lib.ZSTD_isError(lib.ZSTD_CCtx_setParameter(cctx, param, value)):
+            return None
+    return (lib, ffi, cctx)
+
+
+def _literals(raw: memoryview | bytes) -> bytes | None:
+    """`raw` as one zstd frame of Huffman-coded literals (:func:`_literals_context`); None where unavailable."""
+    context = _literals_context()
+    if context is None:
+        return None
+    lib, ffi, cctx = context
+    bound = lib.ZSTD_compressBound(len(raw))
+    out = getattr(_local, "literals_out", None)
+    if out is None or len(out) < bound:  # this thread's output room, reused plane after plane
+        out = _local.literals_out = bytearray(bound)
+    n = lib.ZSTD_compress2(cctx, ffi.from_buffer(out), bound, ffi.from_buffer(raw), len(raw))
+    if lib.ZSTD_isError(n):
+        return None
+    return bytes(memoryview(out)[:n])
+
+
+def _section(data: np.ndarray, level: int, literals: bool = False) -> list[bytes]:
+    """Encode one byte plane: zstd when that is smaller, else stored (FORMAT §4.3).
+
+    `literals` (a delta's value plane below its top byte, at the default level): Huffman-coded
+    literals without matches where the zstd build allows (:func:`_literals_context`), unless that
+    comes out below LITERALS_MIN_BITS per byte and the match finder's coding is smaller."""
     raw = data.tobytes() if not data.flags.c_contiguous else data.data.cast("B")
     if len(raw) == 0:
         return [_SECTION.pack(CODING_STORED, 0)]
-    packed = _compressor(level).compress(raw)
+    packed = _literals(raw) if literals and level == DEFAULT_LEVEL else None
+    if packed is None or len(packed) * 8 < LITERALS_MIN_BITS * len(raw):
+        matched = _compressor(level).compress(raw)
+        if packed is None or len(matched) < len(packed):
+            packed = matched
     if len(packed) < len(raw):
         return [_SECTION.pack(CODING_ZSTD, len(packed)), packed]
     return [_SECTION.pack(CODING_STORED, len(raw)), bytes(raw)]
@@ -410,8 +484,10 @@ def encode_delta_pieces(
     if sparse is not None:
         gaps, values = sparse
         parts.append(_COUNT.pack(len(gaps[0])))
-        for plane in (*gaps, *values):
+        for plane in gaps:
             parts.extend(_section(plane, level))
+        for j, plane in enumerate(values):  # the value planes below the top byte as literals (_section)
+            parts.extend(_section(plane, level, literals=j < width - 1))
         method = METHOD_SPARSE
         bh = base_hash if base_hash is not None else hashes.frame_base()
         rh = result_hash if result_hash is not None else hashes.frame_new()
@@ -419,8 +495,8 @@ def encode_delta_pieces(
             piece_hashes.extend(hashes.of_pieces())
     else:
         base, new = _concat(bases), _concat(news)
-        for plane in k.encode_dense(base, new, width, add):
-            parts.extend(_section(plane, level))
+        for j, plane in enumerate(k.encode_dense(base, new, width, add)):
+            parts.extend(_section(plane, level, literals=j < width - 1))
         method = METHOD_PLANES
         bh = base_hash if base_hash is not None else _xxh3_128_pieces(bases)
         rh = result_hash if result_hash is not None else _xxh3_128_pieces(news)
@@ -470,8 +546,10 @@ def _encode_pieces_v2(
         gaps, values, found = sparse
         count = gaps.shape[1]
         parts.append(_COUNT.pack(count))
-        for plane in (*gaps, *values):
+        for plane in gaps:
             parts.extend(_section(plane, level))
+        for j, plane in enumerate(values):  # the value planes below the top byte as literals (_section)
+            parts.extend(_section(plane, level, literals=j < width - 1))
         method = METHOD_SPARSE
 
         def dense() -> np.ndarray:  # the dense values: zero but where an element changed (XOR onto zeros)
@@ -480,8 +558,8 @@ def _encode_pieces_v2(
             return out
     else:
         planes, found = k.encode_dense_sums(bases, news, starts, width, add, before=before, after=after, keep=keep)
-        for plane in planes:
-            parts.extend(_section(plane, level))
+        for j, plane in enumerate(planes):
+            parts.extend(_section(plane, level, literals=j < width - 1))
         method = METHOD_PLANES
 
         def dense() -> np.ndarray:
