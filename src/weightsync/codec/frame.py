@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import struct
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -262,6 +262,14 @@ def _section(data: np.ndarray, level: int, literals: bool = False) -> list[bytes
     return [_SECTION.pack(CODING_STORED, len(raw)), bytes(raw)]
 
 
+def _value_sections(planes: Iterable[np.ndarray] | np.ndarray, width: int, level: int) -> list[bytes]:
+    """A delta's value planes (`width` of them, low byte first) as sections: those below the top byte as literals."""
+    parts: list[bytes] = []
+    for j, plane in enumerate(planes):
+        parts.extend(_section(plane, level, literals=j < width - 1))
+    return parts
+
+
 class _Reader:
     """Bounds-checked cursor over a frame payload."""
 
@@ -487,8 +495,7 @@ def encode_delta_pieces(
         parts.append(_COUNT.pack(len(gaps[0])))
         for plane in gaps:
             parts.extend(_section(plane, level))
-        for j, plane in enumerate(values):  # the value planes below the top byte as literals (_section)
-            parts.extend(_section(plane, level, literals=j < width - 1))
+        parts.extend(_value_sections(values, width, level))
         method = METHOD_SPARSE
         bh = base_hash if base_hash is not None else hashes.frame_base()
         rh = result_hash if result_hash is not None else hashes.frame_new()
@@ -496,8 +503,7 @@ def encode_delta_pieces(
             piece_hashes.extend(hashes.of_pieces())
     else:
         base, new = _concat(bases), _concat(news)
-        for j, plane in enumerate(k.encode_dense(base, new, width, add)):
-            parts.extend(_section(plane, level, literals=j < width - 1))
+        parts.extend(_value_sections(k.encode_dense(base, new, width, add), width, level))
         method = METHOD_PLANES
         bh = base_hash if base_hash is not None else _xxh3_128_pieces(bases)
         rh = result_hash if result_hash is not None else _xxh3_128_pieces(news)
@@ -549,8 +555,7 @@ def _encode_pieces_v2(
         parts.append(_COUNT.pack(count))
         for plane in gaps:
             parts.extend(_section(plane, level))
-        for j, plane in enumerate(values):  # the value planes below the top byte as literals (_section)
-            parts.extend(_section(plane, level, literals=j < width - 1))
+        parts.extend(_value_sections(values, width, level))
         method = METHOD_SPARSE
 
         def dense() -> np.ndarray:  # the dense values: zero but where an element changed (XOR onto zeros)
@@ -559,8 +564,7 @@ def _encode_pieces_v2(
             return out
     else:
         planes, found = k.encode_dense_sums(bases, news, starts, width, add, before=before, after=after, keep=keep)
-        for j, plane in enumerate(planes):
-            parts.extend(_section(plane, level, literals=j < width - 1))
+        parts.extend(_value_sections(planes, width, level))
         method = METHOD_PLANES
 
         def dense() -> np.ndarray:
