@@ -1,9 +1,9 @@
-"""frames_apply.fetch: the frames of a one-step update that change touched tensors, read and checked; small
-updates by the calling thread, large ones on the pool, with the same result."""
+"""frames_apply.fetch: the frames of a one-step update that change touched tensors, read and checked by the
+calling thread, in the manifest's order."""
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+import threading
 
 import numpy as np
 import pytest
@@ -13,11 +13,6 @@ from weightsync.client import frames_apply
 from weightsync.client.inplace import _touched
 from weightsync.codec import Checkpoint, Encoder
 from weightsync.errors import CorruptData
-
-
-class NoPool(ThreadPoolExecutor):
-    def submit(self, *args, **kwargs):  # noqa: ANN002, ANN003 - the test fails if a job reaches the pool
-        raise AssertionError("a small update's frames went to the pool")
 
 
 def _update(rng: np.random.Generator):
@@ -35,33 +30,28 @@ def _update(rng: np.random.Generator):
     return encoded.manifest, blobs
 
 
-def test_a_small_update_is_fetched_by_the_calling_thread_and_a_large_one_on_the_pool(monkeypatch) -> None:
+def test_the_frames_that_change_touched_tensors_are_read_in_order_by_the_calling_thread() -> None:
     manifest, blobs = _update(np.random.default_rng(3))
-    names, touched = _touched(manifest, {}, None)
-    reads: list[int] = []
+    names, touched = _touched(manifest, {}, lambda name: name != "b")  # a caller holding all but "b"
+    reads: list[tuple[int, threading.Thread]] = []
 
     def read_frame(ref):
         i = manifest.frames.index(ref)
-        reads.append(i)
+        reads.append((i, threading.current_thread()))
         return blobs[i]
 
-    with NoPool(1) as no_pool:
-        inline = frames_apply.fetch(manifest, names, touched, read_frame, no_pool)
-    inline_reads = sorted(reads)
-    assert inline and [f.ref for f in inline] == [r for r in manifest.frames if manifest.frames.index(r) in reads]
-    assert all(any(n is not None for n in f.names) for f in inline)  # only frames that change a touched tensor
-    reads.clear()
-    monkeypatch.setattr(frames_apply, "INLINE_FETCH_BYTES", 0)
-    with ThreadPoolExecutor(2) as pool:
-        pooled = frames_apply.fetch(manifest, names, touched, read_frame, pool)
-    assert sorted(reads) == inline_reads
-    assert [(f.ref, bytes(f.blob), f.names, f.changes) for f in pooled] == [
-        (f.ref, bytes(f.blob), f.names, f.changes) for f in inline
-    ]
+    fetched = frames_apply.fetch(manifest, names, touched, read_frame)
+    wanted = [i for i, r in enumerate(manifest.frames) if any(names.get((p.file, p.seg)) in touched for p in r.pieces)]
+    assert wanted and len(wanted) < len(manifest.frames)  # the frames of "b" alone are not read
+    assert [i for i, _ in reads] == wanted
+    assert {t for _, t in reads} == {threading.current_thread()}
+    assert [f.ref for f in fetched] == [manifest.frames[i] for i in wanted]
+    assert [bytes(f.blob) for f in fetched] == [bytes(blobs[i]) for i in wanted]
+    assert all(any(n is not None for n in f.names) for f in fetched)  # only frames that change a touched tensor
+    assert all(f.changes > 0 for f in fetched)
 
 
-@pytest.mark.parametrize("inline_bytes", [frames_apply.INLINE_FETCH_BYTES, 0])
-def test_a_frame_whose_header_disagrees_with_the_manifest_is_corrupt_either_way(monkeypatch, inline_bytes) -> None:
+def test_a_frame_whose_header_disagrees_with_the_manifest_is_corrupt() -> None:
     manifest, blobs = _update(np.random.default_rng(4))
     names, touched = _touched(manifest, {}, None)
     first = next(
@@ -70,6 +60,5 @@ def test_a_frame_whose_header_disagrees_with_the_manifest_is_corrupt_either_way(
     bad = bytearray(blobs[first])
     bad[4] ^= 0xFF  # a byte of its header: the frame no longer checks
     blobs[first] = bytes(bad)
-    monkeypatch.setattr(frames_apply, "INLINE_FETCH_BYTES", inline_bytes)
-    with ThreadPoolExecutor(2) as pool, pytest.raises(CorruptData):
-        frames_apply.fetch(manifest, names, touched, lambda ref: blobs[manifest.frames.index(ref)], pool)
+    with pytest.raises(CorruptData):
+        frames_apply.fetch(manifest, names, touched, lambda ref: blobs[manifest.frames.index(ref)])

@@ -181,14 +181,14 @@ def decode_updates(
     and every tensor of the final version (dtype, shape, digest). Frames decode on `pool`.
 
     With `frames` (one step, :func:`frames_apply.eligible`), the step's frames are fetched
-    into it instead of decoded: the updates then carry digests and no changes. With `select`,
+    into it (by the calling thread) instead of decoded: the updates then carry digests and no changes. With `select`,
     only the selected tensors: frames that change none of them are never read.
     """
     updates: dict[str, TensorUpdate] = {}
     for manifest in manifests:
         names, touched = _touched(manifest, updates, select)
         if frames is not None:
-            frames.extend(frames_apply.fetch(manifest, names, touched, read_frame, pool))
+            frames.extend(frames_apply.fetch(manifest, names, touched, read_frame))
             continue
         pieces: dict[str, list[Change]] = {}
         lock = threading.Lock()
