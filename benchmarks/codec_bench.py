@@ -378,15 +378,64 @@ def run_case(name: str, steps: int, pairs: int, repeats: int, cache: Path | None
 
 
 def machine() -> str:
+    """The CPU (its name, x86 family and model: VMs name only the vendor), cores, L3, the guest scheduler's vCPU
+    packing where its kernel has one, Python and numpy: what the figures of a run depend on."""
     cpu = platform.processor() or platform.machine()
+    info: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+            key, sep, value = line.partition(":")
+            if not sep:
+                if info:
+                    break  # the first processor's block is enough
+                continue
+            info.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, numpy {np.__version__}"
+    cpu = info.get("model name", cpu)
+    if "cpu family" in info and "model" in info:
+        cpu += f" (family {info['cpu family']} model {info['model']})"
+    parts = [cpu, f"{os.cpu_count()} cores"]
+    l3 = _l3_bytes()
+    if l3:
+        parts.append(f"L3 {l3 >> 20} MiB")
+    pack = vcpu_pack()
+    if pack is not None:
+        parts.append(f"vCPU packing {pack}")
+    return ", ".join(parts) + f", Python {platform.python_version()}, numpy {np.__version__}"
+
+
+def _l3_bytes() -> int | None:
+    """The first CPU's level-3 cache size in bytes (None: not told, as on some VMs)."""
+    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            if (index / "level").read_text().strip() != "3":
+                continue
+            size = (index / "size").read_text().strip()  # e.g. "16384K"
+        except OSError:
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        try:
+            return int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
+        except (ValueError, IndexError):
+            return None
+    return None
+
+
+VCPU_PACK = Path("/proc/sys/kernel/sched_vcpu_pack")
+"""A guest kernel knob of some VMs, not in mainline Linux (session 42's 2-core box: 15). There, after an idle spell
+of tens of ms, two threads woken together were seen on one vCPU, and a two-thread apply took as long as one
+thread (docs/SCALE-RUNS.md, run AS)."""
+
+
+def vcpu_pack() -> str | None:
+    """The guest's vCPU packing setting (None: this kernel has none; "set" when it exists but cannot be read)."""
+    try:
+        return VCPU_PACK.read_text().strip() or None
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return "set"
 
 
 def table(results: list[dict]) -> str:
