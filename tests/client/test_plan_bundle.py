@@ -321,3 +321,20 @@ def test_a_transfer_digest_that_does_not_match_has_its_part_fetched_again(server
         fetched = [p for _, p, _ in seen if p.startswith("/v1/objects/")]
         assert fetched == ([f"/v1/objects/{name}"] if how == "another digest" else []), seen
     assert ("came with the plan with other bytes" in caplog.text) is (how == "another digest")
+
+
+@pytest.mark.parametrize("size", [bundle.HASH_AHEAD - 1, bundle.HASH_AHEAD, 3 * bundle.HASH_AHEAD + 5])
+def test_a_part_checked_by_its_transfer_digest_is_kept_only_when_it_matches(size: int) -> None:
+    """A part the answer names an xxh3-128 for: checked at once when small, as a Future on the hashing thread when
+    large (it runs while the manifests decode); either way `checked` keeps it only if its bytes match."""
+    from concurrent.futures import Future
+
+    from weightsync.client import _http
+
+    data = memoryview(bytes(range(256)) * (size // 256) + bytes(size % 256))
+    name = "a" * 64  # a part's name as the bundle gives it (its SHA-256 hex, not checked here)
+    good = _http._checked_across(name, data, bundle.transfer_digest(data))
+    bad = _http._checked_across(name, data, "0" * 32)
+    assert isinstance(good, Future) is isinstance(bad, Future) is (size >= bundle.HASH_AHEAD)
+    assert _http.checked({name: (data, good)}, [name]) == {name: data}
+    assert _http.checked({name: (data, bad)}, [name]) == {}

@@ -416,7 +416,7 @@ class Api:
         for name, want_xxh3 in across.items():
             if name in received:
                 data, _ = received[name]
-                received[name] = (data, name if bundle.transfer_digest(data) == want_xxh3 else "")
+                received[name] = (data, _checked_across(name, data, want_xxh3))
         try:
             plan = models.Plan.from_json(json.loads(bytes(plan_json)))
         except ValueError:
@@ -810,6 +810,19 @@ class Api:
         if grace_s is not None:
             body["grace_s"] = grace_s
         return models.GcReport.from_json(self._json("POST", "/v1/admin/gc", json=body))
+
+
+def _checked_across(name: str, data: memoryview, want_xxh3: str) -> str | Future[str]:
+    """`name` if `data` has the xxh3-128 `want_xxh3` (its transfer digest), else "": a large part's check as a
+    Future on the hashing thread (xxhash lets go of the GIL), so it runs while the caller decodes the
+    manifests that came before it (:func:`checked` waits for it); a small one's at once."""
+
+    def check() -> str:
+        return name if bundle.transfer_digest(data) == want_xxh3 else ""
+
+    if len(data) < bundle.HASH_AHEAD:
+        return check()
+    return hash_pool().submit(check)
 
 
 def checked(
