@@ -19,6 +19,7 @@ from weightsync.client._pool import (
     hash_pool,
     pause,
     pool_of,
+    release_later,
     run_all,
 )
 from weightsync.client.wire import TokenBucket
@@ -329,3 +330,42 @@ def test_a_stopped_batch_cancels_what_has_not_started_and_waits_for_what_has() -
         assert started.wait(LONG_S)
         batch.stop()
         assert ran == [0, -1]  # the one in flight stopped and finished; the others never ran
+
+
+class _Held:
+    """An object whose end (its last reference dropped) records the thread it ended on."""
+
+    def __init__(self, ended: dict[str, str], name: str) -> None:
+        self.name = name
+        self._ended = ended
+
+    def __del__(self) -> None:
+        self._ended[self.name] = threading.current_thread().name
+
+
+def test_release_later_drops_the_objects_on_the_release_thread_and_leaves_those_held_elsewhere() -> None:
+    ended: dict[str, str] = {}
+    kept = _Held(ended, "kept")
+    held: list[Any] = [_Held(ended, "given"), kept]
+    release_later(held)
+    pool_of(1)  # a batch on another pool meanwhile is not held up by the release
+    deadline = threading.Event()
+    for _ in range(200):
+        if "given" in ended:
+            break
+        deadline.wait(0.01)
+    assert ended == {"given": ended["given"]}  # `kept` lives on: the test still holds it
+    assert ended["given"].startswith("weightsync-release")
+    assert held == []  # emptied: the caller's list no longer holds them
+    del kept
+    assert ended["kept"] == threading.current_thread().name  # its last holder dropped it, here
+
+
+def test_release_later_of_nothing_starts_no_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    from weightsync.client import _pool
+
+    monkeypatch.setattr(_pool, "_releaser", None)  # as in a process that has released nothing yet
+    release_later([])
+    assert _pool._releaser is None
+    release_later([object()])
+    assert _pool._releaser is not None

@@ -437,3 +437,42 @@ def test_deltas_of_several_objects_small_enough_for_one_request_keep_going_in_on
             assert r.kind == "delta" and r.objects_total - 1 >= 2 and not pub._stream_deltas
             assert rec.seen[start:] == [("POST", f"/v1/models/{model}/versions")]
     follow(server.url, model, sds[2], name="one-request-check")
+
+
+def test_a_mapped_source_is_unmapped_on_the_release_thread_a_caller_s_checkpoint_left_alone(
+    server, model, tmp_path, monkeypatch
+) -> None:
+    """A path's files, mapped by the publish, are dropped after it on the release thread (their unmapping is not in
+    the caller's time); a Checkpoint the caller passed stays the caller's, usable after the publish. Both versions
+    arrive bit-identical."""
+    import weakref
+
+    from weightsync.client import publisher as publisher_mod
+    from weightsync.codec.checkpoint import Checkpoint
+
+    ended: dict[int, str] = {}
+    opened: list[int] = []
+    real_snapshot = publisher_mod.snapshot
+
+    def snapshot(source, **kwargs):
+        checkpoint, owned = real_snapshot(source, **kwargs)
+        key = len(opened)
+        opened.append(key)
+        weakref.finalize(checkpoint, lambda: ended.__setitem__(key, threading.current_thread().name))
+        return checkpoint, owned
+
+    monkeypatch.setattr(publisher_mod, "snapshot", snapshot)
+    trainer = TinyTrainer(seed=7)
+    first = write_version(tmp_path / "v1", trainer.export())
+    trainer.step()
+    sd2 = trainer.export()
+    second = write_version(tmp_path / "v2", sd2)
+    with Publisher(server.url, model) as pub:
+        assert pub.publish(first).kind == "keyframe"
+        assert _wait(lambda: 0 in ended)
+        assert ended[0].startswith("weightsync-release")
+        mine = Checkpoint.open(second)
+        assert pub.publish(mine).kind == "delta"
+        assert 1 not in ended  # the caller's: not released by the publish
+        assert bytes(mine.files[0].data[:8]) == (second / mine.files[0].layout.path).read_bytes()[:8]
+    follow(server.url, model, sd2)
