@@ -666,3 +666,35 @@ def test_parts_are_joined_without_a_copy_only_when_they_lie_one_after_another(si
     assert bytes(got) == b"".join(bytes(c) for c in chunks)
     shares = isinstance(got, memoryview) and np.shares_memory(np.frombuffer(got, dtype=np.uint8), buf)
     assert shares is adjacent
+
+
+def early(status: int, code: str) -> Answer:
+    """A problem answer sent as soon as the request's head is in, its body left unread; then the connection closes
+    (as a server does that refuses a body over its cap: the unread bytes make the close a reset)."""
+    body = f'{{"type": "https://weightsync.dev/problems/{code}", "title": "{code}", "status": {status}}}'.encode()
+
+    def answer(conn: socket.socket) -> bool:
+        head = f"HTTP/1.1 {status} X\r\nContent-Type: application/problem+json\r\nConnection: close\r\n"
+        conn.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        return False
+
+    return answer
+
+
+def test_an_answer_sent_before_the_body_was_read_is_read_all_the_same(scripted) -> None:
+    """A body far larger than the sockets' buffers, refused by the server as soon as it saw the head: the client
+    cannot send the rest, and reads the server's answer (413) instead of failing the request."""
+    srv = scripted([early(413, "too-large")])
+    piece = bytes(1 << 20)
+    with Api(srv.url, retry=ONE) as api:
+        assert api._direct is not None
+        resp = api.request(
+            "POST",
+            "/v1/models/m/versions",
+            headers={"Content-Length": str(128 * len(piece))},
+            content=lambda: (piece for _ in range(128)),
+            ok=(201, 413),
+            direct_body=True,
+        )
+    assert resp.status_code == 413 and resp.json()["status"] == 413
+    assert srv.requests[0].startswith("POST /v1/models/m/versions ")

@@ -328,3 +328,63 @@ def test_a_body_over_the_server_s_cap_goes_in_three_requests_and_is_not_tried_ag
         follow(srv.url, "capped", trainer.export(), name="inline-check")
     finally:
         stop_server(srv)
+
+
+class DirectSends:
+    """Records what goes through the direct path (client/_direct.py): (method, path, whether a body went)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from weightsync.client import _direct
+
+        self.seen: list[tuple[str, str, bool]] = []
+        real = _direct.Direct.send
+
+        def send(direct, request, *, timeout=None, body=None):
+            self.seen.append((request.method, request.url.path, body is not None))
+            return real(direct, request, timeout=timeout, body=body)
+
+        monkeypatch.setattr(_direct.Direct, "send", send)
+
+    def publishes(self) -> int:
+        return sum(1 for m, p, body in self.seen if m == "POST" and p.endswith(PUBLISH_VERSION) and body)
+
+
+def test_a_version_in_one_request_goes_through_the_direct_path_and_arrives_bit_identical(
+    server, model, monkeypatch
+) -> None:
+    """With no transport injected, publishVersion's body is sent by the standard library (httpx's own work per
+    request is gone), and the versions it commits are the ones httpx's path commits: bit for bit."""
+    sent = DirectSends(monkeypatch)
+    trainer = TinyTrainer(seed=23)
+    with Publisher(server.url, model) as pub:
+        assert pub.api._direct is not None
+        assert pub.publish(trainer.export()).kind == "keyframe"
+        for _ in range(2):
+            trainer.step()
+            before = sent.publishes()
+            r = pub.publish(trainer.export())
+            assert r.kind == "delta" and sent.publishes() == before + 1
+    follow(server.url, model, trainer.export(), name="direct-check")
+
+
+def test_a_body_over_the_cap_sent_directly_is_refused_with_the_cap_and_goes_in_three_requests(
+    tmp_path, monkeypatch
+) -> None:
+    """The server's 413 to a publishVersion sent through the direct path is read (its cap learned), the version goes
+    the usual way, and the next one of that size is not offered in one request again."""
+    sent = DirectSends(monkeypatch)
+    srv = start_server(tmp_path / "srv", env={"WEIGHTSYNC_MAX_JSON_BODY": str(4 << 10)})
+    try:
+        trainer = TinyTrainer(seed=24)
+        with Publisher(srv.url, "capped", inline_bytes=64 << 20) as pub:
+            assert pub.api._direct is not None
+            pub.publish(trainer.export())
+            for expect_try in (True, False):
+                before = sent.publishes()
+                trainer.step()
+                assert pub.publish(trainer.export()).kind == "delta"
+                assert sent.publishes() == before + (1 if expect_try else 0)
+                assert pub.api.publish_version_cap is not None and pub.api.publish_version_cap < 4 << 10
+        follow(srv.url, "capped", trainer.export(), name="inline-check")
+    finally:
+        stop_server(srv)

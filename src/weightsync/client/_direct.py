@@ -5,13 +5,16 @@ httpx hands every byte of an answer's body through four user-space copies before
 bundle's Receiver then copied it once more. On the 2-core box a 13.8 MB plan bundle cost the client
 8.3 ms of CPU that way against 2.8 ms read by the standard library's ``http.client`` with ``readinto``
 into the one buffer the bytes stay in (run AK's probe, docs/SCALE-RUNS.md). So the GETs whose answers
-are large go through here; every other request, and every answer that is an error, stays with httpx.
+are large go through here, and so does a version's one request (publishVersion), whose body the caller
+gives as a factory of its pieces: httpx's own work cost ~0.4-0.6 ms a request (run AT). Every other
+request, and every answer that is an error, is httpx's (an error answer read here comes back as one).
 
 :class:`Direct` speaks HTTP/1.1 to the one server of an :class:`~weightsync.client._http.Api`, with the
 request httpx built (its URL, query and headers: User-Agent, Authorization) and the Api's TLS context
 and timeouts: the connect timeout for connecting, the read timeout for every receive. It keeps idle
 connections for reuse (one whose server closed it is dropped before use, and a request the server
-closed a reused connection under is sent once more on a new one: a GET is safe to repeat). It asks
+closed a reused connection under is sent once more on a new one: a GET is safe to repeat, and a body
+is made afresh from its factory; publishVersion carries an idempotency key). It asks
 for ``Accept-Encoding: identity``: the bodies are compressed objects already. Failures are raised as
 httpx's own exceptions (ConnectError, ConnectTimeout, ReadTimeout, ReadError, RemoteProtocolError),
 so the Api's one retry loop treats both paths alike; an answer that ends before its Content-Length
@@ -28,7 +31,7 @@ import select
 import ssl
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -95,10 +98,25 @@ class Direct:
         for conn, _ in idle:
             conn.close()
 
-    def send(self, request: httpx.Request, *, timeout: float | None = None) -> DirectResponse:
-        """Send `request` (a GET or HEAD without a body) and return its answer with the body still to read."""
+    def send(
+        self,
+        request: httpx.Request,
+        *,
+        timeout: float | None = None,
+        body: Callable[[], Iterable[bytes]] | None = None,
+    ) -> DirectResponse:
+        """Send `request` and return its answer with the body still to read.
+
+        A GET or HEAD has no body. With `body` (a factory of the request body's pieces, whose length the
+        request's Content-Length states) any method: its pieces are sent after the headers, made afresh
+        where a reused connection turns out closed and the request goes once more on a new one. An
+        answer the server sends before it has read the whole body (a 413 for a body over its cap) is
+        still read when the rest of the body cannot be sent, as httpx does.
+        """
         if self._closed:
             raise RuntimeError("the client has been closed")
+        if body is not None and "content-length" not in request.headers:
+            raise ValueError("a body sent directly needs its Content-Length")
         target = request.url.raw_path.decode("ascii")
         headers = [(k, "identity" if k.lower() == "accept-encoding" else v) for k, v in request.headers.multi_items()]
         if not any(k.lower() == "accept-encoding" for k, _ in headers):
@@ -114,6 +132,8 @@ class Direct:
                 for k, v in headers:
                     conn.putheader(k, v)
                 conn.endheaders()
+                if body is not None:
+                    _send_body(conn, body())
                 answer = conn.getresponse()
             except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) as exc:
                 conn.close()
@@ -221,6 +241,29 @@ class DirectResponse:
         self._pool._release(self._conn, self._ended)
 
 
+def _send_body(conn: http.client.HTTPConnection, pieces: Iterable[bytes]) -> None:
+    """Send the request body's pieces. Where the server stops taking them (it answered early and closed), the
+    rest is dropped and its answer read all the same; where it has sent no answer, the send's error stands."""
+    try:
+        for piece in pieces:
+            conn.send(piece)
+    except (BrokenPipeError, ConnectionResetError):
+        sock = conn.sock
+        if sock is None or not _readable(sock):
+            raise
+    except TimeoutError as exc:
+        raise httpx.WriteTimeout(_describe(exc)) from exc
+
+
+def _readable(sock: Any) -> bool:
+    """Whether `sock` has bytes (or its end) to read now."""
+    if hasattr(select, "poll"):
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        return bool(poller.poll(0))
+    return bool(select.select([sock], [], [], 0)[0])
+
+
 def _connect(conn: http.client.HTTPConnection) -> None:
     try:
         conn.connect()
@@ -234,13 +277,7 @@ def _idle_ok(conn: http.client.HTTPConnection) -> bool:
     """An idle connection is fit to reuse unless its socket is readable: the server closed it (or sent bytes
     nobody asked for)."""
     sock = conn.sock
-    if sock is None:
-        return False
-    if hasattr(select, "poll"):
-        poller = select.poll()
-        poller.register(sock, select.POLLIN)
-        return not poller.poll(0)
-    return not select.select([sock], [], [], 0)[0]  # Windows: no poll (and no limit on descriptor numbers)
+    return sock is not None and not _readable(sock)
 
 
 def _transport_error(exc: OSError | http.client.HTTPException) -> httpx.TransportError:

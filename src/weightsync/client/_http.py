@@ -224,6 +224,7 @@ class Api:
         bare: bool = False,
         timeout: float | None = None,
         large: bool = False,
+        direct_body: bool = False,
     ) -> Any:
         """Send with retries; return the response (or `stream_to(response)`'s result for streamed bodies).
 
@@ -232,10 +233,14 @@ class Api:
         Other errors raise their named exception at once. A `large` streamed answer to our server
         comes through :mod:`~weightsync.client._direct` where it is usable: `stream_to` then gets a
         :class:`~weightsync.client._direct.DirectResponse` (``headers``, ``iter_bytes``, ``readinto``),
-        and an error answer takes httpx's path as an httpx Response.
+        and an error answer takes httpx's path as an httpx Response. With `direct_body` (a `content` whose
+        Content-Length `headers` give) the request goes that way too, its body sent by the standard library,
+        and its answer comes back read, as an httpx Response: httpx's own work cost ~0.4-0.6 ms a request
+        on the 2-core box (docs/SCALE-RUNS.md, run AT).
         """
         client = self._bare if bare else self._http
-        direct = self._direct if large and stream_to is not None and not bare else None
+        body = content if direct_body and content is not None and not bare else None
+        direct = self._direct if not bare and ((large and stream_to is not None) or body is not None) else None
         last: str = ""
         retry_after: str | None = None
         for attempt in range(self.retry.attempts):
@@ -251,13 +256,14 @@ class Api:
                     json=json,
                     params=params,
                     headers=headers,
-                    content=content() if content is not None else None,
+                    content=content() if content is not None and direct is None else None,
                     timeout=httpx.USE_CLIENT_DEFAULT if timeout is None else timeout,
                 )
                 resp: Any
                 if direct is not None:
-                    answer = direct.send(req, timeout=timeout)
-                    resp = answer if answer.status_code in ok else answer.buffered(req)
+                    answer = direct.send(req, timeout=timeout, body=body)
+                    streamed = stream_to is not None and answer.status_code in ok
+                    resp = answer if streamed else answer.buffered(req)
                 else:
                     resp = client.send(req, stream=stream_to is not None)
                 try:
@@ -587,6 +593,7 @@ class Api:
             headers={"Content-Type": bundle.PUBLISH_MEDIA_TYPE, "Content-Length": str(size)},
             content=content,
             ok=(201, 202, 405, 413),
+            direct_body=True,
         )
         if resp.status_code == 413:  # over the server's body cap: versions this large go in three requests
             limit = _problem_member(resp, "limit")
