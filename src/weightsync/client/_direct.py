@@ -261,7 +261,7 @@ def _readable(sock: Any) -> bool:
         poller = select.poll()
         poller.register(sock, select.POLLIN)
         return bool(poller.poll(0))
-    return bool(select.select([sock], [], [], 0)[0])
+    return bool(select.select([sock], [], [], 0)[0])  # Windows: no poll (and no limit on descriptor numbers)
 
 
 def _connect(conn: http.client.HTTPConnection) -> None:
